@@ -1,0 +1,35 @@
+# Two set-up commands (see README): `make demo` and `make test`.
+# Each creates .venv on first use. CPU machines pin torch to the local CPU
+# build through constraints/cpu.txt; on a GPU machine install a CUDA build of
+# torch into .venv first and run with `CONSTRAINTS=` (empty) to keep it.
+PYTHON ?= python3
+VENV ?= .venv
+CONSTRAINTS ?= constraints/cpu.txt
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PIP_CONSTRAINT_FLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
+
+.PHONY: install demo test test-slow test-gpu bench clean
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(PIP_CONSTRAINT_FLAG) -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/vlm-catalog demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu
+
+clean:
+	rm -rf $(VENV) scratch .pytest_cache

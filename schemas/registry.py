@@ -1,0 +1,103 @@
+"""Look up an output schema by name, pydantic model or raw JSON schema.
+
+Every consumer (constrained decoding, the service, the evaluation) calls
+`resolve_schema` and gets one `OutputSchema`: a name, the JSON schema that
+drives the grammar, and a validator for finished answers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+from pydantic import BaseModel, ValidationError
+
+from schemas.product_metadata import ProductDetails, ProductMetadata
+
+
+class SchemaError(ValueError):
+    """An output schema that cannot be used: unknown name or invalid JSON schema."""
+
+
+class AnswerValidationError(ValueError):
+    """A model answer that does not validate against its schema."""
+
+
+@dataclass(frozen=True)
+class OutputSchema:
+    """A resolved output schema. `model` is set when it came from pydantic."""
+
+    name: str
+    json_schema: dict[str, Any] = field(hash=False)
+    model: type[BaseModel] | None = None
+
+    @property
+    def schema_text(self) -> str:
+        """Canonical text of the schema; equal schemas give equal text (cache key)."""
+        return json.dumps(self.json_schema, sort_keys=True, separators=(",", ":"))
+
+    def validate(self, text: str) -> Any:
+        """Parse and validate an answer; raise `AnswerValidationError` naming the problem."""
+        if self.model is not None:
+            try:
+                return self.model.model_validate_json(text)
+            except ValidationError as exc:
+                raise AnswerValidationError(str(exc)) from exc
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise AnswerValidationError(f"not JSON: {exc}") from exc
+        try:
+            jsonschema.validate(value, self.json_schema)
+        except jsonschema.ValidationError as exc:
+            raise AnswerValidationError(exc.message) from exc
+        return value
+
+
+_REGISTRY: dict[str, type[BaseModel]] = {
+    "product_metadata": ProductMetadata,
+    "product_details": ProductDetails,
+}
+
+
+def register_schema(name: str, model: type[BaseModel]) -> None:
+    """Make `model` available by `name` (e.g. in REST requests)."""
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise SchemaError(f"schema {name!r} must be a pydantic model class, got {model!r}")
+    _REGISTRY[name] = model
+
+
+def schema_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def resolve_schema(schema: str | type[BaseModel] | dict[str, Any] | OutputSchema) -> OutputSchema:
+    """Turn a registered name, a pydantic model class or a JSON-schema dict into an OutputSchema."""
+    if isinstance(schema, OutputSchema):
+        return schema
+    if isinstance(schema, str):
+        try:
+            model = _REGISTRY[schema]
+        except KeyError:
+            raise SchemaError(
+                f"unknown schema name {schema!r}; registered: {', '.join(schema_names())}"
+            ) from None
+        return OutputSchema(name=schema, json_schema=model.model_json_schema(), model=model)
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        return OutputSchema(name=schema.__name__, json_schema=schema.model_json_schema(), model=schema)
+    if isinstance(schema, dict):
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as exc:
+            raise SchemaError(f"invalid JSON schema: {exc.message}") from exc
+        try:
+            json.dumps(schema)
+        except (TypeError, ValueError) as exc:
+            raise SchemaError(f"JSON schema is not JSON-serialisable: {exc}") from exc
+        return OutputSchema(name=str(schema.get("title", "json_schema")), json_schema=schema)
+    raise SchemaError(
+        "schema must be a registered name, a pydantic model class or a JSON-schema dict, "
+        f"got {type(schema).__name__}"
+    )

@@ -1,0 +1,88 @@
+"""Shared fixtures: small labelled catalogues built in the test itself (no hub access)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+from PIL import Image
+
+CATALOGUE_FEATURES = datasets.Features(
+    {
+        "product_title": datasets.Value("string"),
+        "product_description": datasets.Value("string"),
+        "product_image": datasets.Image(),
+        "potential_product_categories": [datasets.Value("string")],
+        "ground_truth_category": datasets.Value("string"),
+        "ground_truth_brand": datasets.Value("string"),
+        "ground_truth_is_secondhand": datasets.Value("bool"),
+    }
+)
+
+
+def jpeg_bytes(colour: tuple[int, int, int], size: tuple[int, int] = (48, 40)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def handmade_rows() -> list[dict]:
+    """Three products with known labels, enough to check loaders and scoring by hand."""
+    return [
+        {
+            "product_title": "Acme Bird Bath",
+            "product_description": "<div>A bath for birds by <b>Acme</b></div>",
+            "product_image": {"bytes": jpeg_bytes((200, 30, 30)), "path": None},
+            "potential_product_categories": [
+                "Animals & Pet Supplies > Pet Supplies > Bird Supplies > Bird Toys",
+                "Animals & Pet Supplies > Pet Supplies > Bird Supplies > Bird Cage Accessories",
+            ],
+            "ground_truth_category": "Animals & Pet Supplies > Pet Supplies > Bird Supplies > Bird Cage Accessories",
+            "ground_truth_brand": "Acme",
+            "ground_truth_is_secondhand": False,
+        },
+        {
+            "product_title": "Pre-owned Zed Polo",
+            "product_description": "Gently used polo shirt.",
+            "product_image": {"bytes": jpeg_bytes((20, 20, 200)), "path": None},
+            "potential_product_categories": [
+                "Apparel & Accessories > Clothing > Shirts & Tops",
+                "Apparel & Accessories > Clothing > Pants",
+            ],
+            "ground_truth_category": "Apparel & Accessories > Clothing > Shirts & Tops",
+            "ground_truth_brand": "Zed Clothing",
+            "ground_truth_is_secondhand": True,
+        },
+        {
+            "product_title": "Lamp",
+            "product_description": "A desk lamp.",
+            "product_image": {"bytes": jpeg_bytes((240, 240, 40), (32, 64)), "path": None},
+            "potential_product_categories": ["Home & Garden > Lighting > Lamps", "Home & Garden > Decor"],
+            "ground_truth_category": "Home & Garden > Lighting > Lamps",
+            "ground_truth_brand": "Lumo",
+            "ground_truth_is_secondhand": False,
+        },
+    ]
+
+
+def write_catalogue(directory: Path, rows: list[dict], split: str = "test") -> Path:
+    columns = {name: [row[name] for row in rows] for name in CATALOGUE_FEATURES}
+    dataset = datasets.Dataset.from_dict(columns, features=CATALOGUE_FEATURES)
+    (directory / "data").mkdir(parents=True, exist_ok=True)
+    dataset.to_parquet(str(directory / "data" / f"{split}-00000-of-00001.parquet"))
+    return directory
+
+
+@pytest.fixture
+def handmade_catalogue(tmp_path: Path) -> Path:
+    directory = write_catalogue(tmp_path / "catalogue", handmade_rows())
+    attributes = [
+        {"colour": "red", "material": "ceramic", "target_gender": "unisex", "age_group": "all ages", "condition": "new"},
+        {"colour": "blue", "material": "cotton", "target_gender": "male", "age_group": "adult", "condition": "used"},
+        {"colour": "yellow", "material": "metal", "target_gender": "unisex", "age_group": "adult", "condition": "new"},
+    ]
+    (directory / "attributes.jsonl").write_text("".join(json.dumps(a) + "\n" for a in attributes))
+    return directory

@@ -1,0 +1,112 @@
+"""The catalogue loader: our layout, real-dataset layouts, `save_to_disk`, and errors."""
+
+import datasets
+import pytest
+
+from tests.conftest import CATALOGUE_FEATURES, handmade_rows, write_catalogue
+from vlm_catalog.data.loader import CatalogueError, load_catalogue
+
+
+def test_loads_records_with_labels_and_attributes(handmade_catalogue):
+    catalogue = load_catalogue(handmade_catalogue)
+    assert len(catalogue) == 3
+    record = catalogue[1]
+    assert record.id == "1"
+    assert record.title == "Pre-owned Zed Polo"
+    assert record.image[:2] == b"\xff\xd8"  # still the original JPEG bytes
+    assert record.ground_truth.brand == "Zed Clothing"
+    assert record.ground_truth.is_secondhand is True
+    assert record.attributes.condition.value == "used"
+    assert [r.id for r in catalogue] == ["0", "1", "2"]
+    assert catalogue[-1].title == "Lamp"
+
+
+def test_labels_match_records(handmade_catalogue):
+    catalogue = load_catalogue(handmade_catalogue)
+    labels = catalogue.labels()
+    for record, label in zip(catalogue, labels):
+        assert label.category == record.ground_truth.category
+        assert label.candidates == record.candidate_categories
+        assert label.attributes["colour"] == record.attributes.colour.value
+
+
+def test_real_dataset_layout_concatenates_train_then_test(tmp_path):
+    rows = handmade_rows()
+    write_catalogue(tmp_path, rows[2:], split="test")
+    write_catalogue(tmp_path, rows[:2], split="train")
+    catalogue = load_catalogue(tmp_path)
+    assert [r.title for r in catalogue] == [row["product_title"] for row in rows]
+    assert [r.title for r in load_catalogue(tmp_path, split="test")] == ["Lamp"]
+    assert len(load_catalogue(tmp_path, split="test+train")) == 3
+    with pytest.raises(CatalogueError, match="no split validation; available: test, train"):
+        load_catalogue(tmp_path, split="validation")
+
+
+def test_save_to_disk_and_single_parquet(tmp_path):
+    rows = handmade_rows()
+    columns = {name: [row[name] for row in rows] for name in CATALOGUE_FEATURES}
+    dataset = datasets.Dataset.from_dict(columns, features=CATALOGUE_FEATURES)
+    dataset.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"test": dataset}).save_to_disk(str(tmp_path / "saved_dict"))
+    dataset.to_parquet(str(tmp_path / "one.parquet"))
+    for source in ("saved", "saved_dict", "one.parquet"):
+        catalogue = load_catalogue(tmp_path / source)
+        assert [r.ground_truth.brand for r in catalogue] == ["Acme", "Zed Clothing", "Lumo"]
+
+
+def test_unlabelled_catalogue_loads_without_ground_truth(tmp_path):
+    rows = [{k: v for k, v in row.items() if not k.startswith("ground_truth")} for row in handmade_rows()]
+    features = datasets.Features({k: v for k, v in CATALOGUE_FEATURES.items() if not k.startswith("ground_truth")})
+    dataset = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in features}, features=features)
+    dataset.to_parquet(str(tmp_path / "unlabelled.parquet"))
+    catalogue = load_catalogue(tmp_path / "unlabelled.parquet")
+    assert catalogue[0].ground_truth is None
+    with pytest.raises(CatalogueError, match="no ground truth"):
+        catalogue.labels()
+
+
+def test_missing_columns_are_named(tmp_path):
+    dataset = datasets.Dataset.from_dict({"product_title": ["x"], "product_description": ["y"]})
+    dataset.to_parquet(str(tmp_path / "bad.parquet"))
+    with pytest.raises(CatalogueError, match="missing column.*product_image.*potential_product_categories"):
+        load_catalogue(tmp_path / "bad.parquet")
+
+
+def test_empty_candidate_list_is_named(tmp_path):
+    rows = handmade_rows()
+    rows[2]["potential_product_categories"] = []
+    write_catalogue(tmp_path, rows)
+    with pytest.raises(CatalogueError, match=r"empty candidate category list in record\(s\) 2"):
+        load_catalogue(tmp_path)
+
+
+def test_unreadable_image_is_named_on_access(tmp_path):
+    rows = handmade_rows()
+    rows[1]["product_image"] = {"bytes": b"not an image at all", "path": None}
+    write_catalogue(tmp_path, rows)
+    catalogue = load_catalogue(tmp_path)
+    assert catalogue[0].title == "Acme Bird Bath"
+    with pytest.raises(CatalogueError, match="record 1: unreadable image"):
+        catalogue[1]
+    with pytest.raises(CatalogueError, match="record 1"):
+        catalogue.check_images()
+
+
+def test_missing_path_and_attribute_mismatch(tmp_path, handmade_catalogue):
+    with pytest.raises(CatalogueError, match="not found"):
+        load_catalogue(tmp_path / "nowhere")
+    (handmade_catalogue / "attributes.jsonl").write_text('{"colour": "red"}\n')
+    with pytest.raises(CatalogueError, match="1 lines for 3 records"):
+        load_catalogue(handmade_catalogue)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CatalogueError, match="no parquet files"):
+        load_catalogue(empty)
+
+
+def test_index_of_rejects_unknown_ids(handmade_catalogue):
+    catalogue = load_catalogue(handmade_catalogue)
+    assert catalogue.index_of("2") == 2 and catalogue.index_of(0) == 0
+    for bad in ("3", -1, "x", "01"):
+        with pytest.raises(KeyError):
+            catalogue.index_of(bad)

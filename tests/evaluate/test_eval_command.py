@@ -1,0 +1,43 @@
+"""`vlm-catalog eval` end to end on a handmade catalogue."""
+
+import json
+
+from vlm_catalog.cli import main
+
+
+def test_eval_jsonl_writes_the_benchmark_keys(handmade_catalogue, tmp_path, capsys):
+    predictions = tmp_path / "p.jsonl"
+    lines = [
+        {"id": "0", "response": json.dumps({"category": "Animals & Pet Supplies > Pet Supplies > Bird Supplies > Bird Cage Accessories", "brand": "acme", "is_secondhand": False})},
+        {"id": 1, "response": "I think it is a shirt"},
+        {"id": "2", "response": json.dumps({"category": "Home & Garden > Decor", "brand": "Lumo", "is_secondhand": False})},
+    ]
+    predictions.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "report.json"
+    assert main(["eval", "--predictions", str(predictions), "--dataset", str(handmade_catalogue), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["num_unparsable"] == 1
+    # common 4 + 0 + 1 = 5 over predicted 4 + 3 (padded to the truth's depth) + 2 and true 4 + 3 + 3
+    precision, recall = 5 / 9, 5 / 10
+    assert abs(report["category_hf1"] - 2 * precision * recall / (precision + recall)) < 1e-12
+    assert abs(report["brand_accuracy"] - 2 / 3) < 1e-12
+    for key in ("category_hf1", "brand_accuracy", "is_secondhand_f1", "num_unparsable"):
+        assert key in report
+    assert "category hF1" in capsys.readouterr().out
+
+
+def test_eval_mlperf_log(handmade_catalogue, tmp_path):
+    log = tmp_path / "mlperf_log_accuracy.json"
+    answer = json.dumps({"category": "Home & Garden > Lighting > Lamps", "brand": "Lumo", "is_secondhand": False})
+    log.write_text(json.dumps([{"seq_id": 0, "qsl_idx": 2, "data": answer.encode().hex()}]))
+    out = tmp_path / "r.json"
+    assert main(["eval", "--predictions", str(log), "--dataset", str(handmade_catalogue), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["category_hf1"] == 1.0
+
+
+def test_eval_unknown_ids_fail_clearly(handmade_catalogue, tmp_path, capsys):
+    predictions = tmp_path / "p.jsonl"
+    predictions.write_text('{"id": "7", "response": "{}"}\n{"id": "abc", "response": "{}"}\n')
+    assert main(["eval", "--predictions", str(predictions), "--dataset", str(handmade_catalogue)]) == 2
+    err = capsys.readouterr().err
+    assert "2 prediction id(s) match no record" in err and "'7'" in err and "'abc'" in err

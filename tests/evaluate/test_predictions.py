@@ -1,0 +1,54 @@
+"""Reading JSONL predictions and MLPerf accuracy logs, and their errors."""
+
+import json
+
+import pytest
+
+from vlm_catalog.evaluate.predictions import (
+    Prediction,
+    PredictionsError,
+    read_predictions,
+    write_predictions_jsonl,
+)
+
+
+def test_jsonl_round_trip(tmp_path):
+    path = tmp_path / "p.jsonl"
+    predictions = [Prediction("0", '{"a": 1}'), Prediction(2, "not json ü")]
+    write_predictions_jsonl(path, predictions)
+    assert read_predictions(path) == predictions
+
+
+def test_mlperf_accuracy_log_is_hex_decoded(tmp_path):
+    path = tmp_path / "mlperf_log_accuracy.json"
+    entries = [
+        {"seq_id": 0, "qsl_idx": 2, "data": "héllo".encode().hex(), "token_count": 3},
+        {"seq_id": 1, "qsl_idx": 0, "data": "", "token_count": 0},
+    ]
+    path.write_text(json.dumps(entries))
+    assert read_predictions(path) == [Prediction(2, "héllo"), Prediction(0, "")]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"id": 1}\n', 'needs|expected an object with "id" and "response"'),
+        ('{"id": 1, "response": "a"}\n{"id": "1", "response": "b"}\n', "duplicate id"),
+        ("{not json\n", "not valid JSON"),
+        ('{"id": 1.5, "response": "a"}\n', '"id" must be'),
+        ('[{"qsl_idx": 0, "data": "zz"}]', "not hex"),
+        ('[{"qsl_idx": -1, "data": ""}]', "qsl_idx"),
+        ('[{"data": ""}]', "qsl_idx"),
+        ("\n\n", "no predictions"),
+    ],
+)
+def test_bad_files_name_the_problem(tmp_path, content, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    with pytest.raises(PredictionsError, match=message):
+        read_predictions(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(PredictionsError, match="not found"):
+        read_predictions(tmp_path / "nope.jsonl")

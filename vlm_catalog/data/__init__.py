@@ -1,0 +1,1 @@
+"""Product catalogues: the synthetic generator and the loader for real and synthetic data."""

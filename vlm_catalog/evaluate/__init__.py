@@ -1,0 +1,1 @@
+"""Accuracy evaluation with the MLPerf benchmark metric."""

@@ -1,0 +1,78 @@
+"""`vlm-catalog eval`: score a predictions file against a labelled catalogue."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from schemas import SchemaError, resolve_schema
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "eval",
+        help="score predictions with the benchmark's accuracy metric",
+        description=(
+            "Score model answers with the MLPerf VLM metric: category hierarchical F1, "
+            "brand accuracy, is_secondhand F1, unparsable count and random baselines."
+        ),
+    )
+    parser.add_argument(
+        "--predictions", required=True, type=Path,
+        help='JSONL of {"id": ..., "response": ...} or an MLPerf mlperf_log_accuracy.json',
+    )
+    parser.add_argument("--dataset", required=True, type=Path, help="labelled catalogue")
+    parser.add_argument("--split", default=None, help='splits to use, e.g. "test" or "train+test"')
+    parser.add_argument("--json", dest="json_out", type=Path, help="also write the numbers as JSON")
+    parser.add_argument("--seed", type=int, default=12345, help="seed of the random draws")
+    parser.add_argument(
+        "--schema", default="product_metadata",
+        help="answer schema to parse responses with (product_metadata is the benchmark's)",
+    )
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vlm_catalog.data.loader import CatalogueError, load_catalogue
+    from vlm_catalog.evaluate.predictions import PredictionsError, read_predictions
+    from vlm_catalog.evaluate.scoring import score
+
+    try:
+        answer_schema = resolve_schema(args.schema).model
+        if answer_schema is None or not {"category", "brand", "is_secondhand"} <= set(
+            answer_schema.model_fields
+        ):
+            raise SchemaError(f"schema {args.schema!r} lacks category/brand/is_secondhand")
+        predictions = read_predictions(args.predictions)
+        catalogue = load_catalogue(args.dataset, split=args.split)
+        responses = resolve_indices(predictions, catalogue)
+        report = score(responses, catalogue.labels(), seed=args.seed, answer_schema=answer_schema)
+    except (PredictionsError, CatalogueError, SchemaError, KeyError, ValueError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) else str(exc)
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    print(report.format_table())
+    if args.json_out:
+        args.json_out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        print(f"wrote {args.json_out}")
+    return 0
+
+
+def resolve_indices(predictions, catalogue) -> list[tuple[int, str]]:
+    """Map each prediction's id to a catalogue row; fail listing the ids that match none."""
+    resolved: list[tuple[int, str]] = []
+    unknown: list[str] = []
+    for prediction in predictions:
+        try:
+            resolved.append((catalogue.index_of(prediction.key), prediction.response))
+        except KeyError:
+            unknown.append(repr(prediction.key))
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise KeyError(
+            f"{len(unknown)} prediction id(s) match no record of the catalogue "
+            f"({len(catalogue)} records, ids 0..{len(catalogue) - 1}): {shown}"
+        )
+    return resolved

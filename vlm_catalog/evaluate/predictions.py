@@ -1,0 +1,96 @@
+"""Read model predictions for scoring.
+
+Two formats:
+- JSONL, one `{"id": ..., "response": "<raw model text>"}` per line, where `id` is
+  the record id the catalogue loader assigned (the row index, as a string or int).
+- MLPerf LoadGen's `mlperf_log_accuracy.json`: a JSON list of
+  `{"seq_id": ..., "qsl_idx": <row index>, "data": "<hex of the UTF-8 response>", ...}`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class PredictionsError(ValueError):
+    """A predictions file that cannot be read; the message names the file and the entry."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One model answer. `key` is a record id (JSONL) or a row index (MLPerf log)."""
+
+    key: str | int
+    response: str
+
+
+def read_predictions(path: str | Path) -> list[Prediction]:
+    """Read a JSONL predictions file or an MLPerf accuracy log (detected from the content)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PredictionsError(f"predictions file not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        predictions = _parse_mlperf_log(text, path)
+    else:
+        predictions = _parse_jsonl(text, path)
+    if not predictions:
+        raise PredictionsError(f"{path}: holds no predictions")
+    return predictions
+
+
+def _parse_jsonl(text: str, path: Path) -> list[Prediction]:
+    predictions: list[Prediction] = []
+    seen: set[str] = set()
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PredictionsError(f"{path}:{line_number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(entry, dict) or "id" not in entry or "response" not in entry:
+            raise PredictionsError(
+                f'{path}:{line_number}: expected an object with "id" and "response"'
+            )
+        key, response = entry["id"], entry["response"]
+        if not isinstance(key, (str, int)) or isinstance(key, bool):
+            raise PredictionsError(f'{path}:{line_number}: "id" must be a string or an integer')
+        if not isinstance(response, str):
+            raise PredictionsError(f'{path}:{line_number}: "response" must be a string')
+        if str(key) in seen:
+            raise PredictionsError(f"{path}:{line_number}: duplicate id {key!r}")
+        seen.add(str(key))
+        predictions.append(Prediction(key=key, response=response))
+    return predictions
+
+
+def _parse_mlperf_log(text: str, path: Path) -> list[Prediction]:
+    try:
+        entries = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PredictionsError(f"{path}: not a valid MLPerf accuracy log ({exc.msg})") from None
+    predictions: list[Prediction] = []
+    for position, entry in enumerate(entries):
+        if not isinstance(entry, dict) or "qsl_idx" not in entry or "data" not in entry:
+            raise PredictionsError(
+                f'{path}: entry {position} needs "qsl_idx" and "data" (MLPerf accuracy log format)'
+            )
+        index = entry["qsl_idx"]
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise PredictionsError(f'{path}: entry {position}: "qsl_idx" must be an index >= 0')
+        try:
+            response = bytes.fromhex(entry["data"]).decode("utf-8")
+        except (ValueError, TypeError) as exc:
+            raise PredictionsError(f'{path}: entry {position}: "data" is not hex UTF-8 ({exc})') from None
+        predictions.append(Prediction(key=index, response=response))
+    return predictions
+
+
+def write_predictions_jsonl(path: str | Path, predictions: list[Prediction]) -> None:
+    """Write predictions in the JSONL format `read_predictions` reads."""
+    with Path(path).open("w", encoding="utf-8") as handle:
+        for prediction in predictions:
+            handle.write(json.dumps({"id": prediction.key, "response": prediction.response}) + "\n")
