@@ -1,0 +1,1 @@
+"""Image and text preprocessing: Qwen-VL smart resize, patches, chat prompt, MRoPE positions."""
