@@ -1,0 +1,192 @@
+"""Model configuration: the fields our Qwen3-VL-MoE code reads, parsed from `config.json`.
+
+Parsing goes through transformers' `Qwen3VLMoeConfig`, which fills defaults and
+maps the legacy `rope_scaling` + `rope_theta` keys of the published checkpoints
+onto `rope_parameters`. What the model needs is then copied into frozen
+dataclasses, so nothing downstream depends on transformers' config objects.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3_vl_moe",)
+
+
+class ModelConfigError(ValueError):
+    """A checkpoint configuration we cannot serve; the message says which field."""
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    deepstack_visual_indexes: tuple[int, ...]
+    hidden_act: str
+    rope_theta: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Length of one flattened pixel row: channels x temporal x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, int, int]
+    attention_bias: bool
+    hidden_act: str
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Same rule as transformers' decoder layer: sparse unless listed as MLP-only."""
+        return (
+            layer_index not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_index + 1) % self.decoder_sparse_step == 0
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    text: TextConfig
+    vision: VisionConfig
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_pretrained(cls, checkpoint_dir: str | Path) -> ModelConfig:
+        path = Path(checkpoint_dir) / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"{path} not found: a checkpoint directory needs config.json")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelConfigError(f"{path}: not valid JSON ({exc.msg})") from None
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelConfigError(
+                f"unsupported model_type {model_type!r}; this engine serves "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
+            )
+        from transformers import Qwen3VLMoeConfig
+
+        hf = Qwen3VLMoeConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+        return cls.from_hf(hf)
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> ModelConfig:
+        """Build from a transformers `Qwen3VLMoeConfig` (already parsed)."""
+        text, vision = hf.text_config, hf.vision_config
+        rope = dict(text.rope_parameters or {})
+        if rope.get("rope_type", "default") != "default":
+            raise ModelConfigError(
+                f"text rope_type {rope.get('rope_type')!r} is not supported (only 'default' MRoPE)"
+            )
+        head_dim = text.head_dim or text.hidden_size // text.num_attention_heads
+        mrope_section = tuple(rope.get("mrope_section", (24, 20, 20)))
+        if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
+            raise ModelConfigError(
+                f"mrope_section {list(mrope_section)} must have 3 entries summing to "
+                f"head_dim / 2 = {head_dim // 2}"
+            )
+        if rope.get("mrope_interleaved") is False:
+            raise ModelConfigError("non-interleaved MRoPE (Qwen2-VL style) is not supported")
+        if text.num_attention_heads % text.num_key_value_heads:
+            raise ModelConfigError(
+                f"num_attention_heads {text.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {text.num_key_value_heads}"
+            )
+        vision_heads = vision.num_heads
+        if vision.hidden_size % vision_heads:
+            raise ModelConfigError(
+                f"vision hidden_size {vision.hidden_size} is not divisible by num_heads {vision_heads}"
+            )
+        side = int(round(vision.num_position_embeddings**0.5))
+        if side * side != vision.num_position_embeddings:
+            raise ModelConfigError(
+                f"vision num_position_embeddings {vision.num_position_embeddings} is not a square"
+            )
+        return cls(
+            model_type=hf.model_type,
+            text=TextConfig(
+                vocab_size=text.vocab_size,
+                hidden_size=text.hidden_size,
+                num_layers=text.num_hidden_layers,
+                num_heads=text.num_attention_heads,
+                num_kv_heads=text.num_key_value_heads,
+                head_dim=head_dim,
+                intermediate_size=text.intermediate_size,
+                moe_intermediate_size=text.moe_intermediate_size,
+                num_experts=text.num_experts,
+                num_experts_per_tok=text.num_experts_per_tok,
+                # transformers' Qwen3-VL-MoE router always renormalises; checkpoints say
+                # norm_topk_prob: true. We honour the flag when a config sets it.
+                norm_topk_prob=bool(getattr(text, "norm_topk_prob", True)),
+                decoder_sparse_step=text.decoder_sparse_step,
+                mlp_only_layers=tuple(text.mlp_only_layers or ()),
+                rms_norm_eps=text.rms_norm_eps,
+                rope_theta=float(rope.get("rope_theta", 5_000_000.0)),
+                mrope_section=mrope_section,  # type: ignore[arg-type]
+                attention_bias=bool(text.attention_bias),
+                hidden_act=text.hidden_act,
+            ),
+            vision=VisionConfig(
+                depth=vision.depth,
+                hidden_size=vision.hidden_size,
+                intermediate_size=vision.intermediate_size,
+                num_heads=vision_heads,
+                in_channels=vision.in_channels,
+                patch_size=vision.patch_size,
+                temporal_patch_size=vision.temporal_patch_size,
+                spatial_merge_size=vision.spatial_merge_size,
+                out_hidden_size=vision.out_hidden_size,
+                num_position_embeddings=vision.num_position_embeddings,
+                deepstack_visual_indexes=tuple(vision.deepstack_visual_indexes),
+                hidden_act=vision.hidden_act,
+                rope_theta=float((vision.rope_parameters or {}).get("rope_theta", 10_000.0)),
+            ),
+            image_token_id=hf.image_token_id,
+            video_token_id=hf.video_token_id,
+            vision_start_token_id=hf.vision_start_token_id,
+            vision_end_token_id=hf.vision_end_token_id,
+            # transformers ties lm_head to the embeddings by the top-level flag only
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        )

@@ -1,0 +1,300 @@
+"""Load a Hugging Face Qwen3-VL-MoE checkpoint directory into `Qwen3VLMoeModel`.
+
+A checkpoint directory holds `config.json` and `model.safetensors` or several
+shards listed in `model.safetensors.index.json` (plus tokenizer, preprocessor
+and chat-template files, read elsewhere).
+
+Tensor names: `model.visual.*` -> `visual.*`, `model.language_model.*` ->
+`language_model.*`, `lm_head.weight` as is. Our layout fuses q/k/v into
+`qkv_proj` and a dense MLP's gate/up into `gate_up_proj`; the loader copies each
+source tensor into its slice of the fused parameter. MoE experts come in three
+layouts, all mapped onto ours (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`):
+- transformers >= 5 `save_pretrained`: fused, exactly our layout;
+- the published Qwen checkpoints (written by transformers 4.57): fused but
+  transposed, `gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]`;
+- per-expert tensors `mlp.experts.<e>.{gate,up,down}_proj.weight` (e.g. FP8 exports).
+When a fused tensor's shape cannot tell the two fused layouts apart (H == 2I or
+H == I), the `transformers_version` in config.json decides.
+
+Memory: the model is built on the meta device and allocated once in the target
+dtype and device; tensors are then streamed from memory-mapped safetensors in
+row chunks, reopening the file every `group_bytes` so mapped pages are released.
+Peak host memory is the weights plus about one group (see tests/model/test_loader.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from vlm_catalog.model.config import ModelConfig, TextConfig
+from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_GROUP_BYTES = 256 * 2**20
+COPY_CHUNK_BYTES = 32 * 2**20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file or tensor."""
+
+
+def load_model(
+    checkpoint_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    group_bytes: int = DEFAULT_GROUP_BYTES,
+) -> Qwen3VLMoeModel:
+    """Build the model for `checkpoint_dir` and stream its weights in."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {checkpoint_dir}")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise CheckpointError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError("device cuda was requested but no CUDA GPU is available")
+    config = ModelConfig.from_pretrained(checkpoint_dir)
+    shards = checkpoint_shards(checkpoint_dir)
+
+    with torch.device("meta"):
+        model = Qwen3VLMoeModel(config)
+    model = model.to(dtype).to_empty(device=device)
+    model.visual.reset_rotary_buffers()
+    model.language_model.reset_rotary_buffers()
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.language_model.embed_tokens.weight
+
+    plan = WeightPlan(model, config, _legacy_expert_layout(checkpoint_dir))
+    for shard, names in shards.items():
+        for group in _groups_by_size(shard, names, group_bytes):
+            with safe_open(str(shard), framework="pt", device="cpu") as handle:
+                for name in group:
+                    plan.copy(name, handle, shard)
+    plan.check_complete()
+    return model.eval()
+
+
+def checkpoint_shards(checkpoint_dir: Path) -> dict[Path, list[str]]:
+    """Shard file -> tensor names, from the index or the single file; checks files exist."""
+    index_path = checkpoint_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index_path}: not a safetensors index ({exc})") from None
+        shards: dict[Path, list[str]] = {}
+        for name, filename in weight_map.items():
+            shards.setdefault(checkpoint_dir / filename, []).append(name)
+        for shard in shards:
+            if not shard.is_file():
+                raise CheckpointError(f"{shard.name} is listed in {INDEX_FILE} but missing")
+        return shards
+    single = checkpoint_dir / SINGLE_FILE
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as handle:
+            return {single: list(handle.keys())}
+    raise CheckpointError(f"{checkpoint_dir}: no {SINGLE_FILE} and no {INDEX_FILE}")
+
+
+@dataclass
+class _Target:
+    """Where one source tensor goes: `parameter[rows]` (a slice of dim 0, or expert e's slice)."""
+
+    parameter: torch.Tensor
+    name: str
+    view: Callable[[torch.Tensor], torch.Tensor]
+    expected_shape: tuple[int, ...]
+    transposed_experts: bool = False
+
+
+_PER_EXPERT = re.compile(r"^(language_model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_ATTENTION_PART = re.compile(r"^(language_model\.layers\.\d+\.self_attn)\.(q|k|v)_proj\.(weight|bias)$")
+_DENSE_MLP_PART = re.compile(r"^(language_model\.layers\.\d+\.mlp)\.(gate|up)_proj\.weight$")
+_FUSED_EXPERTS = re.compile(r"^language_model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+class WeightPlan:
+    """Maps checkpoint tensor names onto (slices of) model parameters and copies them."""
+
+    def __init__(self, model: nn.Module, config: ModelConfig, legacy_expert_layout: bool) -> None:
+        self.parameters = dict(model.named_parameters(remove_duplicate=False))
+        self.text: TextConfig = config.text
+        self.tied = config.tie_word_embeddings
+        self.legacy_expert_layout = legacy_expert_layout
+        self.filled = {name: 0 for name in model.state_dict() if name in self.parameters}
+        if self.tied:
+            self.filled.pop("lm_head.weight", None)
+        self.skipped: list[str] = []
+
+    def copy(self, source_name: str, handle, shard: Path) -> None:
+        target = self.target(source_name, tuple(handle.get_slice(source_name).get_shape()))
+        if target is None:
+            self.skipped.append(source_name)
+            return
+        source = handle.get_slice(source_name)
+        destination = target.view(target.parameter)
+        with torch.no_grad():
+            if target.transposed_experts:
+                for expert in range(destination.shape[0]):
+                    destination[expert].copy_(source[expert].transpose(0, 1))
+            else:
+                for start, end in _row_chunks(destination):
+                    destination[start:end].copy_(source[start:end])
+        self.filled[target.name] += destination.numel()
+
+    def target(self, source_name: str, shape: tuple[int, ...]) -> _Target | None:
+        name = source_name.removeprefix("model.")
+        if name == "lm_head.weight" and self.tied:
+            return None  # tied to the embeddings; transformers omits or duplicates it
+        if not name.startswith(("visual.", "language_model.", "lm_head.")):
+            return None
+        text = self.text
+        q_size, kv_size = text.num_heads * text.head_dim, text.num_kv_heads * text.head_dim
+        if match := _ATTENTION_PART.match(name):
+            prefix, part, kind = match.groups()
+            start = {"q": 0, "k": q_size, "v": q_size + kv_size}[part]
+            length = q_size if part == "q" else kv_size
+            return self._slice(source_name, f"{prefix}.qkv_proj.{kind}", shape, start, length)
+        if (match := _DENSE_MLP_PART.match(name)) and f"{match.group(1)}.gate_up_proj.weight" in self.parameters:
+            prefix, part = match.groups()
+            size = text.intermediate_size
+            return self._slice(source_name, f"{prefix}.gate_up_proj.weight", shape, 0 if part == "gate" else size, size)
+        if match := _PER_EXPERT.match(name):
+            prefix, expert, part = match.groups()
+            expert = int(expert)
+            size = text.moe_intermediate_size
+            if part == "down":
+                return self._expert_slice(source_name, f"{prefix}.down_proj", shape, expert, 0, None)
+            return self._expert_slice(
+                source_name, f"{prefix}.gate_up_proj", shape, expert, 0 if part == "gate" else size, size
+            )
+        if _FUSED_EXPERTS.match(name):
+            return self._fused_experts(source_name, name, shape)
+        if name not in self.parameters:
+            return None
+        return self._whole(source_name, name, shape)
+
+    def check_complete(self) -> None:
+        missing = [
+            name for name, count in self.filled.items() if count != self.parameters[name].numel()
+        ]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise CheckpointError(f"checkpoint lacks tensors for: {shown}")
+        if self.skipped:
+            logger.info("ignored %d checkpoint tensors the model does not use", len(self.skipped))
+
+    def _whole(self, source_name: str, name: str, shape: tuple[int, ...]) -> _Target:
+        parameter = self.parameters[name]
+        self._check_shape(source_name, shape, tuple(parameter.shape))
+        self._check_not_filled(source_name, name)
+        return _Target(parameter, name, lambda p: p, tuple(parameter.shape))
+
+    def _slice(self, source_name: str, name: str, shape: tuple[int, ...], start: int, length: int) -> _Target:
+        parameter = self._parameter(source_name, name)
+        expected = (length, *parameter.shape[1:])
+        self._check_shape(source_name, shape, expected)
+        return _Target(parameter, name, lambda p: p[start : start + length], expected)
+
+    def _expert_slice(
+        self, source_name: str, name: str, shape: tuple[int, ...], expert: int, start: int, length: int | None
+    ) -> _Target:
+        parameter = self._parameter(source_name, name)
+        if not 0 <= expert < parameter.shape[0]:
+            raise CheckpointError(f"{source_name}: expert {expert} is out of range ({parameter.shape[0]} experts)")
+        length = parameter.shape[1] if length is None else length
+        expected = (length, parameter.shape[2])
+        self._check_shape(source_name, shape, expected)
+        return _Target(parameter, name, lambda p: p[expert, start : start + length], expected)
+
+    def _fused_experts(self, source_name: str, name: str, shape: tuple[int, ...]) -> _Target:
+        parameter = self._parameter(source_name, name)
+        ours = tuple(parameter.shape)  # [E, 2I, H] or [E, H, I]
+        transposed = (ours[0], ours[2], ours[1])
+        if shape == ours and shape == transposed:
+            is_transposed = self.legacy_expert_layout  # square: the layout comes from the version
+        elif shape in (ours, transposed):
+            is_transposed = shape == transposed
+        else:
+            raise CheckpointError(
+                f"{source_name}: shape {list(shape)} fits neither {list(ours)} nor the "
+                f"transposed layout {list(transposed)}"
+            )
+        self._check_not_filled(source_name, name)
+        return _Target(parameter, name, lambda p: p, ours, transposed_experts=is_transposed)
+
+    def _parameter(self, source_name: str, name: str) -> torch.Tensor:
+        if name not in self.parameters:
+            raise CheckpointError(f"{source_name}: the model has no parameter {name} for it")
+        return self.parameters[name]
+
+    def _check_not_filled(self, source_name: str, name: str) -> None:
+        if self.filled.get(name):
+            raise CheckpointError(f"{source_name}: {name} is given twice in the checkpoint")
+
+    @staticmethod
+    def _check_shape(source_name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+        if tuple(shape) != tuple(expected):
+            raise CheckpointError(
+                f"tensor {source_name} has shape {list(shape)}, expected {list(expected)}"
+            )
+
+
+def _row_chunks(tensor: torch.Tensor) -> Iterator[tuple[int, int]]:
+    """Dim-0 ranges of about COPY_CHUNK_BYTES, so no full-size temporary is made."""
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if tensor.dim() == 0:
+        yield 0, 1
+        return
+    row_bytes = max(1, tensor[0].numel() * tensor.element_size())
+    step = max(1, COPY_CHUNK_BYTES // row_bytes)
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
+def _groups_by_size(shard: Path, names: list[str], group_bytes: int) -> Iterator[list[str]]:
+    """Split a shard's tensors into groups of about `group_bytes`, in file order."""
+    with safe_open(str(shard), framework="pt") as handle:
+        present = set(handle.keys())
+        missing = [name for name in names if name not in present]
+        if missing:
+            raise CheckpointError(f"{shard.name} lacks tensors its index lists: {', '.join(missing[:5])}")
+        sizes = {}
+        for name in names:
+            piece = handle.get_slice(name)
+            numel = 1
+            for dim in piece.get_shape():
+                numel *= dim
+            sizes[name] = numel * _DTYPE_BYTES.get(piece.get_dtype(), 4)
+    group: list[str] = []
+    total = 0
+    for name in names:
+        if group and total + sizes[name] > group_bytes:
+            yield group
+            group, total = [], 0
+        group.append(name)
+        total += sizes[name]
+    if group:
+        yield group
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _legacy_expert_layout(checkpoint_dir: Path) -> bool:
+    """True when config.json says transformers < 5 wrote the checkpoint (transposed experts)."""
+    version = json.loads((checkpoint_dir / "config.json").read_text()).get("transformers_version", "")
+    major = version.split(".")[0]
+    return major.isdigit() and int(major) < 5

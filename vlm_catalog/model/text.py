@@ -1,0 +1,193 @@
+"""Qwen3-VL-MoE text decoder over a flat token batch.
+
+`TextDecoder.forward(input_ids [T], positions [3, T], attention, multimodal)`
+runs all layers for the T tokens of many sequences at once; `attention` (an
+`AttentionBackend`) owns the KV cache and the per-step layout. Each op calls
+one function of the `kernels` package, which picks the Triton kernel on CUDA
+and the plain-torch reference elsewhere.
+
+Arithmetic follows transformers' `Qwen3VLMoeTextModel` step for step (RMSNorm
+in float32 cast back before the weight, residual adds in the model dtype,
+router softmax in float32, deepstack features added after the first layers),
+so float32 logits match it to ~1e-5. Two differences in layout, not in maths:
+q/k/v projections are fused into one `qkv_proj` matmul and dense MLPs' gate/up
+into one `gate_up_proj` (the checkpoint loader concatenates them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+import kernels
+from vlm_catalog.model.attention import AttentionBackend
+from vlm_catalog.model.config import TextConfig
+
+
+@dataclass
+class MultimodalEmbeddings:
+    """Image features for the image-placeholder tokens of a flat batch.
+
+    `mask [T]` marks placeholder positions; `embeddings [M, H]` replace their
+    token embeddings in order (M = mask.sum()); `deepstack[j] [M, H]` is added
+    to those positions after decoder layer j.
+    """
+
+    mask: torch.Tensor
+    embeddings: torch.Tensor
+    deepstack: list[torch.Tensor] = field(default_factory=list)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one pass."""
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class TextAttention(nn.Module):
+    def __init__(self, config: TextConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.eps = config.rms_norm_eps
+        self.mrope_section = config.mrope_section
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = kernels.qk_norm_mrope(
+            q, k, self.q_norm.weight, self.k_norm.weight, positions, inv_freq, self.mrope_section, self.eps
+        )
+        out = attention.attend(self.layer_index, q, k, v, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, H]
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class MoEExperts(nn.Module):
+    """Expert weights in the fused 3-D layout: gate+up `[E, 2I, H]`, down `[E, H, I]`."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SparseMoE(nn.Module):
+    """Softmax router, top-k experts (renormalised when configured), weighted sum of experts."""
+
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = MoEExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        router_logits = self.gate(hidden)  # [T, E]
+        weights, expert_ids = kernels.route_topk(router_logits, self.top_k, self.renormalize)
+        return kernels.fused_moe(
+            hidden,
+            self.experts.gate_up_proj,
+            self.experts.down_proj,
+            weights.to(router_logits.dtype),
+            expert_ids,
+        )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig, layer_index: int) -> None:
+        super().__init__()
+        self.self_attn = TextAttention(config, layer_index)
+        self.mlp: nn.Module = (
+            SparseMoE(config)
+            if config.is_moe_layer(layer_index)
+            else DenseMLP(config.hidden_size, config.intermediate_size)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class TextDecoder(nn.Module):
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"text hidden_act {config.hidden_act!r} is not supported")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.register_buffer("inv_freq", torch.empty(config.head_dim // 2), persistent=False)
+        self.reset_rotary_buffers()
+
+    def reset_rotary_buffers(self) -> None:
+        """(Re)compute the float32 rotary frequencies, e.g. after allocating on a device."""
+        head_dim = self.config.head_dim
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=self.inv_freq.device)
+        self.inv_freq = 1.0 / (self.config.rope_theta ** (exponents / head_dim))  # [D / 2]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionBackend,
+        multimodal: MultimodalEmbeddings | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [T, H] for input_ids [T] at positions [3, T]."""
+        residual = self.embed_tokens(input_ids)  # [T, H]
+        if multimodal is not None and multimodal.embeddings.shape[0]:
+            residual = residual.clone()
+            residual[multimodal.mask] = multimodal.embeddings.to(residual.dtype)
+        deepstack = multimodal.deepstack if multimodal is not None else []
+
+        normed = self.layers[0].input_layernorm(residual)
+        for index, layer in enumerate(self.layers):
+            attention_out = layer.self_attn(normed, positions, self.inv_freq, attention)
+            normed, residual = layer.post_attention_layernorm.add_and_norm(attention_out, residual)
+            mlp_out = layer.mlp(normed)
+            next_norm = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
+            if index < len(deepstack) and deepstack[index].shape[0]:
+                residual = residual + mlp_out
+                residual[multimodal.mask] += deepstack[index].to(residual.dtype)
+                normed = next_norm(residual)
+            else:
+                normed, residual = next_norm.add_and_norm(mlp_out, residual)
+        return normed

@@ -1,0 +1,161 @@
+"""Turn OpenAI-style chat messages with images into model inputs.
+
+`PromptProcessor.process(messages)` renders the chat template, tokenises the
+text, preprocesses the images, expands each image's single `<|image_pad|>`
+placeholder into as many tokens as the image has merged patches, and computes
+the MRoPE positions. The result, `ProcessedPrompt`, is what the engine queues.
+
+Image parts may be `{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}`
+(OpenAI form; a bare string URL is accepted too) or `{"type": "image", "image": <bytes |
+PIL.Image | data URI>}`. Remote URLs are refused: the server never fetches.
+
+Text that contains the tokenizer's special-token strings (e.g. "<|im_end|>" in a
+scraped description) would otherwise be read as control tokens; such strings
+in message text are broken with a zero-width space before rendering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlm_catalog.preprocess.chat_template import load_chat_template, render_chat
+from vlm_catalog.preprocess.image import ImageProcessor, ProcessedImage
+from vlm_catalog.preprocess.mrope import mrope_positions
+
+ZERO_WIDTH_SPACE = "\u200b"
+
+
+class PromptError(ValueError):
+    """Messages that cannot be turned into a prompt; the message says why."""
+
+
+@dataclass
+class ProcessedPrompt:
+    token_ids: list[int]
+    images: list[ProcessedImage]
+    image_spans: list[tuple[int, int]]  # (first token index, token count) per image, in order
+    positions: torch.Tensor  # [3, len(token_ids)] int64
+    mrope_delta: int  # generated token at sequence index n sits at position n + mrope_delta
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class PromptProcessor:
+    def __init__(
+        self,
+        tokenizer: Any,
+        image_processor: ImageProcessor,
+        chat_template: str,
+        image_token_id: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.chat_template = chat_template
+        self.image_token_id = image_token_id
+        self.image_token = tokenizer.convert_ids_to_tokens(image_token_id)
+        self._special_strings = sorted(
+            {token for token in tokenizer.all_special_tokens} | set(getattr(tokenizer, "added_tokens_encoder", {})),
+            key=len,
+            reverse=True,
+        )
+
+    @classmethod
+    def from_pretrained(cls, checkpoint_dir: str | Path, image_token_id: int, **image_overrides: Any) -> PromptProcessor:
+        from transformers import AutoTokenizer
+
+        checkpoint_dir = Path(checkpoint_dir)
+        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint_dir))
+        image_processor = (
+            ImageProcessor.from_pretrained(checkpoint_dir, **image_overrides)
+            if (checkpoint_dir / "preprocessor_config.json").is_file()
+            else ImageProcessor(**image_overrides)
+        )
+        return cls(tokenizer, image_processor, load_chat_template(checkpoint_dir), image_token_id)
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> tuple[str, list[Any]]:
+        """The prompt text (one placeholder per image) and the image inputs in order."""
+        if not isinstance(messages, list) or not messages:
+            raise PromptError("messages must be a non-empty list of {role, content} objects")
+        images: list[Any] = []
+        cleaned = [self._clean_message(message, position, images) for position, message in enumerate(messages)]
+        try:
+            text = render_chat(self.tokenizer, self.chat_template, cleaned, add_generation_prompt)
+        except Exception as exc:  # the template's own raise_exception and Jinja errors
+            raise PromptError(f"the chat template rejected the messages: {exc}") from None
+        return text, images
+
+    def process(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> ProcessedPrompt:
+        text, image_inputs = self.render(messages, add_generation_prompt)
+        token_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        placeholder_indices = [i for i, token in enumerate(token_ids) if token == self.image_token_id]
+        if len(placeholder_indices) != len(image_inputs):
+            raise PromptError(
+                f"the rendered prompt has {len(placeholder_indices)} image placeholders for "
+                f"{len(image_inputs)} images (does the chat template emit {self.image_token!r} per image?)"
+            )
+        images = self.image_processor.process_many(image_inputs) if image_inputs else []
+        return self.expand(token_ids, images)
+
+    def expand(self, token_ids: list[int], images: list[ProcessedImage]) -> ProcessedPrompt:
+        """Replace the i-th image placeholder token by images[i].num_tokens copies; add positions."""
+        expanded: list[int] = []
+        spans: list[tuple[int, int]] = []
+        image_iter = iter(images)
+        for token in token_ids:
+            if token != self.image_token_id:
+                expanded.append(token)
+                continue
+            image = next(image_iter)
+            spans.append((len(expanded), image.num_tokens))
+            expanded.extend([self.image_token_id] * image.num_tokens)
+        positions, delta = mrope_positions(
+            len(expanded), spans, [image.grid_thw for image in images], self.image_processor.merge_size
+        )
+        return ProcessedPrompt(expanded, images, spans, positions, delta)
+
+    def _clean_message(self, message: Any, position: int, images: list[Any]) -> dict[str, Any]:
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise PromptError(f"message {position} must be an object with 'role' and 'content'")
+        content = message["content"]
+        if isinstance(content, str):
+            return {"role": message["role"], "content": self._neutralise(content)}
+        if not isinstance(content, list):
+            raise PromptError(f"message {position}: content must be a string or a list of parts")
+        parts = []
+        for index, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": self._neutralise(str(part.get("text", "")))})
+            elif kind in ("image_url", "image"):
+                images.append(self._image_input(part, kind, position, index))
+                parts.append({"type": "image"})
+            else:
+                raise PromptError(f"message {position}, part {index}: unsupported content part type {kind!r}")
+        return {"role": message["role"], "content": parts}
+
+    @staticmethod
+    def _image_input(part: dict[str, Any], kind: str, position: int, index: int) -> Any:
+        where = f"message {position}, part {index}"
+        if kind == "image":
+            if part.get("image") is None:
+                raise PromptError(f"{where}: image part has no 'image'")
+            return part["image"]
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url:
+            raise PromptError(f"{where}: image_url needs a 'url'")
+        if url.startswith(("http://", "https://")):
+            raise PromptError(f"{where}: remote image URLs are not fetched; send a data:image/...;base64 URI")
+        return url
+
+    def _neutralise(self, text: str) -> str:
+        for token in self._special_strings:
+            if token in text:
+                text = text.replace(token, token[:2] + ZERO_WIDTH_SPACE + token[2:])
+        return text
