@@ -10,17 +10,9 @@ import datasets
 import pytest
 from PIL import Image
 
-CATALOGUE_FEATURES = datasets.Features(
-    {
-        "product_title": datasets.Value("string"),
-        "product_description": datasets.Value("string"),
-        "product_image": datasets.Image(),
-        "potential_product_categories": [datasets.Value("string")],
-        "ground_truth_category": datasets.Value("string"),
-        "ground_truth_brand": datasets.Value("string"),
-        "ground_truth_is_secondhand": datasets.Value("bool"),
-    }
-)
+from vlm_catalog.data.format import catalogue_features
+
+CATALOGUE_FEATURES = catalogue_features()
 
 
 def jpeg_bytes(colour: tuple[int, int, int], size: tuple[int, int] = (48, 40)) -> bytes:

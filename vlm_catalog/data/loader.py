@@ -28,26 +28,22 @@ from PIL import Image, UnidentifiedImageError
 from pydantic import ValidationError
 
 from schemas import ProductAttributes, ProductMetadata, ProductRecord
-
-TITLE = "product_title"
-DESCRIPTION = "product_description"
-IMAGE = "product_image"
-CANDIDATES = "potential_product_categories"
-TRUE_CATEGORY = "ground_truth_category"
-TRUE_BRAND = "ground_truth_brand"
-TRUE_SECONDHAND = "ground_truth_is_secondhand"
-
-INPUT_COLUMNS = (TITLE, DESCRIPTION, IMAGE, CANDIDATES)
-LABEL_COLUMNS = (TRUE_CATEGORY, TRUE_BRAND, TRUE_SECONDHAND)
-BENCHMARK_COLUMNS = INPUT_COLUMNS + LABEL_COLUMNS
-ATTRIBUTES_FILE = "attributes.jsonl"
+from vlm_catalog.data.format import (
+    ATTRIBUTES_FILE,
+    CANDIDATES,
+    DESCRIPTION,
+    IMAGE,
+    INPUT_COLUMNS,
+    LABEL_COLUMNS,
+    TITLE,
+    TRUE_BRAND,
+    TRUE_CATEGORY,
+    TRUE_SECONDHAND,
+    CatalogueError,
+)
 
 SPLIT_ORDER = ("train", "validation", "test")
 _SPLIT_FROM_FILENAME = re.compile(r"^(?P<split>[A-Za-z0-9_]+?)-\d+-of-\d+\.parquet$")
-
-
-class CatalogueError(ValueError):
-    """A catalogue that cannot be read; the message names the source and the problem."""
 
 
 @dataclass(frozen=True)

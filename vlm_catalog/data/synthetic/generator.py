@@ -1,0 +1,135 @@
+"""Write a synthetic catalogue in the layout of `Shopify/product-catalogue`.
+
+    out_dir/
+      data/<split>-00000-of-00001.parquet   the seven dataset columns
+      attributes.jsonl                      line i: richer ground truth of row i
+      catalogue.json                        how it was made
+
+`datasets.load_dataset("parquet", data_dir=out_dir)` and
+`datasets.load_dataset(str(out_dir))` both read it. All rows are built in
+memory before the parquet file is written (a few kB per small image, some
+tens of kB per realistic one).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from vlm_catalog.data.format import (
+    ATTRIBUTES_FILE,
+    BENCHMARK_COLUMNS,
+    DATA_DIR,
+    MANIFEST_FILE,
+    CatalogueError,
+    catalogue_features,
+)
+from vlm_catalog.data.synthetic.images import IMAGE_SIZES
+from vlm_catalog.data.synthetic.records import RecordFactory, default_factory
+
+GENERATOR_NAME = "vlm-catalog synthetic"
+FORMAT_VERSION = 1
+COLUMNS = BENCHMARK_COLUMNS
+_SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")
+
+
+def parquet_path(out_dir: str | Path, split: str = "test") -> Path:
+    return Path(out_dir) / DATA_DIR / f"{split}-00000-of-00001.parquet"
+
+
+def _existing_catalogue_files(out_dir: Path) -> list[Path]:
+    found = [out_dir / name for name in (MANIFEST_FILE, ATTRIBUTES_FILE)]
+    found = [path for path in found if path.exists()]
+    data_dir = out_dir / DATA_DIR
+    if data_dir.is_dir():
+        found += sorted(data_dir.glob("*.parquet"))
+    return found
+
+
+def _check_arguments(out_dir: Path, n: object, seed: object, image_size: str, split: str) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise CatalogueError(f"n must be a positive integer (the number of records), got {n!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise CatalogueError(f"seed must be an integer, got {seed!r}")
+    if image_size not in IMAGE_SIZES:
+        raise CatalogueError(
+            f"unknown image_size {image_size!r}; choose one of: {', '.join(IMAGE_SIZES)}"
+        )
+    if not isinstance(split, str) or not _SPLIT_NAME.match(split):
+        raise CatalogueError(f"split must be a name like 'test' or 'train', got {split!r}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CatalogueError(f"output path {out_dir} exists and is not a directory")
+
+
+def _prepare_output(out_dir: Path, overwrite: bool) -> None:
+    existing = _existing_catalogue_files(out_dir) if out_dir.is_dir() else []
+    if existing and not overwrite:
+        raise CatalogueError(
+            f"{out_dir} already holds a catalogue ({existing[0].name}); pass overwrite=True "
+            "(--overwrite) to replace it"
+        )
+    for path in existing:  # only the catalogue's own files; anything else stays
+        path.unlink()
+    (out_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
+
+
+def _write_parquet(columns: dict[str, list], path: Path) -> None:
+    import datasets
+
+    bars_were_enabled = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        table = datasets.Dataset.from_dict(columns, features=catalogue_features())
+        table.to_parquet(str(path))
+    finally:
+        if bars_were_enabled:
+            datasets.enable_progress_bars()
+
+
+def make_catalog(
+    out_dir: str | Path,
+    n: int,
+    seed: int,
+    image_size: str = "small",
+    split: str = "test",
+    *,
+    overwrite: bool = False,
+    factory: RecordFactory | None = None,
+) -> Path:
+    """Generate `n` records from `seed` and write them under `out_dir`; return `out_dir`.
+
+    Record i depends only on (seed, i): a larger `n` appends records. An
+    `out_dir` that already holds a catalogue is refused unless `overwrite`,
+    which deletes that catalogue's files (and nothing else) first. `factory`
+    picks another taxonomy; by default the shipped subset is used.
+    """
+    out_dir = Path(out_dir)
+    _check_arguments(out_dir, n, seed, image_size, split)
+    factory = factory or default_factory()
+    records = [factory.make(seed, index, image_size) for index in range(n)]
+    _prepare_output(out_dir, overwrite)
+
+    columns: dict[str, list] = {
+        "product_title": [r.title for r in records],
+        "product_description": [r.description for r in records],
+        "product_image": [{"bytes": r.image_jpeg, "path": None} for r in records],
+        "potential_product_categories": [list(r.candidates) for r in records],
+        "ground_truth_category": [r.category for r in records],
+        "ground_truth_brand": [r.brand for r in records],
+        "ground_truth_is_secondhand": [r.is_secondhand for r in records],
+    }
+    _write_parquet(columns, parquet_path(out_dir, split))
+    with (out_dir / ATTRIBUTES_FILE).open("w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record.attributes.model_dump(mode="json")) + "\n")
+    manifest = {
+        "generator": GENERATOR_NAME,
+        "format_version": FORMAT_VERSION,
+        "n": n,
+        "seed": seed,
+        "image_size": image_size,
+        "split": split,
+    }
+    (out_dir / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return out_dir
