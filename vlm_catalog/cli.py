@@ -16,6 +16,7 @@ import sys
 COMMAND_MODULES: dict[str, str] = {
     "make-catalog": "vlm_catalog.data.synthetic.command",
     "eval": "vlm_catalog.evaluate.command",
+    "check-parity": "vlm_catalog.model.command",
     "demo": "vlm_catalog.demo",
 }
 

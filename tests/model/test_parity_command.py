@@ -1,0 +1,30 @@
+"""`vlm-catalog check-parity`: passes on a good checkpoint, exits 1 on a mismatch."""
+
+import json
+
+import kernels
+from tests.model.helpers import build_checkpoint, noise_image
+from vlm_catalog.cli import main
+
+
+def test_check_parity_command(tmp_path, tiny_tokenizer, capsys, monkeypatch):
+    checkpoint = build_checkpoint(tmp_path / "ckpt", tiny_tokenizer, seed=21, text_layers=1)
+    image = tmp_path / "product.png"
+    image.write_bytes(noise_image(70, 110, seed=3))
+    report_path = tmp_path / "report.json"
+    args = ["check-parity", str(checkpoint), "--image", str(image), "--tokens", "6", "--json", str(report_path)]
+    assert main(args) == 0
+    report = json.loads(report_path.read_text())
+    assert report["passed"] and report["tokens_match"] and report["max_abs_logit_diff"] <= 1e-4
+    assert "PASS" in capsys.readouterr().out
+
+    # a 1% error in our RMSNorm weights must be caught
+    real_rms_norm = kernels.rms_norm
+    monkeypatch.setattr(kernels, "rms_norm", lambda x, weight, eps: real_rms_norm(x, weight * 1.01, eps))
+    assert main(args) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_check_parity_errors(tmp_path, capsys):
+    assert main(["check-parity", str(tmp_path / "missing")]) == 2
+    assert "error:" in capsys.readouterr().err

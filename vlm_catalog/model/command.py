@@ -1,0 +1,82 @@
+"""`vlm-catalog check-parity`: compare our model with transformers on a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "check-parity",
+        help="compare our model's logits and greedy tokens with transformers on a checkpoint",
+        description=(
+            "Run transformers' Qwen3VLMoeForConditionalGeneration and our model on the same "
+            "prompt and images; print the max abs logit difference (prompt positions and every "
+            "decode step) and whether greedy generation matches. Exit 1 on a mismatch."
+        ),
+    )
+    parser.add_argument("model_dir", type=Path, help="checkpoint directory")
+    parser.add_argument("--image", action="append", type=Path, default=[], help="image file (repeatable)")
+    parser.add_argument("--prompt", default="Describe the product in one sentence.", help="user text")
+    parser.add_argument("--tokens", type=int, default=32, help="greedy tokens to compare")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--atol", type=float, default=1e-4, help="logit tolerance (default 1e-4)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", dest="json_out", type=Path, help="write the report as JSON")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from vlm_catalog.model.config import ModelConfigError
+    from vlm_catalog.model.loader import CheckpointError
+    from vlm_catalog.model.parity import check_parity
+    from vlm_catalog.preprocess.image_decode import ImageDecodeError
+    from vlm_catalog.preprocess.processor import PromptError
+
+    dtype = getattr(torch, args.dtype)
+    atol = args.atol
+    if args.tokens < 1:
+        print("error: --tokens must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        images = [path.read_bytes() for path in args.image]
+        report = check_parity(args.model_dir, args.prompt, images, args.tokens, dtype, args.device)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (CheckpointError, ModelConfigError, PromptError, ImageDecodeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    verdict = "PASS" if report.passed(atol) else "FAIL"
+    print(f"checkpoint:            {args.model_dir}")
+    print(f"prompt tokens:         {report.prompt_tokens} ({report.num_images} image(s))")
+    print(f"max abs logit diff:    {report.max_abs_logit_diff:.3e} ({args.dtype}, ours vs transformers)")
+    if report.our_error_vs_float32 is None:
+        print(f"tolerance:             {atol:.0e}")
+    else:
+        print(
+            f"vs float32 reference:  ours {report.our_error_vs_float32:.3e}, transformers "
+            f"{report.reference_error_vs_float32:.3e} (ours may be up to 1.5x + {atol:.0e})"
+        )
+    print(f"greedy {args.tokens} tokens match: {report.tokens_match}")
+    if not report.tokens_match:
+        first = next(i for i, (a, b) in enumerate(zip(report.ours, report.reference)) if a != b)
+        print(f"  first difference at step {first}: ours {report.ours[first]}, transformers {report.reference[first]}")
+    print(verdict)
+    if args.json_out:
+        args.json_out.write_text(json.dumps({
+            "passed": report.passed(atol), "atol": atol, "dtype": args.dtype,
+            "prompt_tokens": report.prompt_tokens, "num_images": report.num_images,
+            "max_abs_logit_diff": report.max_abs_logit_diff, "tokens_match": report.tokens_match,
+            "our_error_vs_float32": report.our_error_vs_float32,
+            "reference_error_vs_float32": report.reference_error_vs_float32,
+            "ours": report.ours, "reference": report.reference,
+        }, indent=2) + "\n")
+    return 0 if report.passed(atol) else 1
