@@ -1,0 +1,40 @@
+"""Fused ops for the Qwen3-VL-MoE serving stack.
+
+Each op here dispatches per call (see `kernels.dispatch`): its Triton kernel when
+the tensors are on CUDA and triton imports, its plain-torch reference otherwise
+(the CPU serving path). Every op module also exposes `<op>_reference` and
+`<op>_triton`. Importing this package does not import triton.
+
+The package attributes named after an op are the dispatching functions, which
+shadow the same-named submodules: import the variants with
+``from kernels.rms_norm import rms_norm_reference`` (works), not
+``import kernels.rms_norm as module`` (gives the function).
+"""
+
+from kernels.activation import silu_and_mul
+from kernels.kv_cache import reshape_and_cache
+from kernels.moe import fused_moe, moe_align_block_size, route_topk
+from kernels.paged_decode_attention import (
+    paged_decode_attention,
+    paged_decode_attention_with_kv_write,
+)
+from kernels.paged_prefill_attention import paged_prefill_attention
+from kernels.rms_norm import fused_add_rms_norm, rms_norm
+from kernels.rotary import mrope_cos_sin, qk_norm_mrope
+from kernels.varlen_attention import varlen_attention
+
+__all__ = [
+    "fused_add_rms_norm",
+    "fused_moe",
+    "moe_align_block_size",
+    "mrope_cos_sin",
+    "paged_decode_attention",
+    "paged_decode_attention_with_kv_write",
+    "paged_prefill_attention",
+    "qk_norm_mrope",
+    "reshape_and_cache",
+    "rms_norm",
+    "route_topk",
+    "silu_and_mul",
+    "varlen_attention",
+]

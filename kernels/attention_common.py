@@ -1,0 +1,29 @@
+"""Small helpers shared by the attention wrappers."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+LOG2_E = math.log2(math.e)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot` input precision: exact float32 products for float32 inputs (tf32 would cost
+    ~1e-3 relative error); 16-bit inputs ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.cache
+def _cuda_multiprocessor_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """SMs on a CUDA device; a small stand-in for CPU tensors (Triton interpreter)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_multiprocessor_count(index)
+    return 4

@@ -1,0 +1,63 @@
+"""Argument checks shared by the Triton wrappers.
+
+Each helper raises a `ValueError` whose message names the argument and what is
+wrong with it, so a caller sees "k_cache: expected 4 dimensions, got 3" rather
+than an out-of-bounds read inside a kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int | None]) -> None:
+    """`tensor` has len(expected) dims; each int entry must match (None = any size)."""
+    if tensor.dim() != len(expected):
+        raise ValueError(
+            f"{name}: expected {len(expected)} dimensions, got {tensor.dim()} "
+            f"(shape {tuple(tensor.shape)})"
+        )
+    for axis, (actual, wanted) in enumerate(zip(tensor.shape, expected)):
+        if wanted is not None and actual != wanted:
+            shown = tuple("*" if w is None else w for w in expected)
+            raise ValueError(
+                f"{name}: expected shape {shown}, got {tuple(tensor.shape)} "
+                f"(mismatch at dim {axis})"
+            )
+
+
+def check_dtype(name: str, tensor: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
+    if tensor.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise ValueError(f"{name}: dtype {tensor.dtype} is not supported (expected one of {names})")
+
+
+def check_same_dtype(**tensors: torch.Tensor) -> None:
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    if len(set(dtypes.values())) > 1:
+        raise ValueError(f"dtype mismatch: {dtypes}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors are on different devices: {devices}")
+
+
+def check_unit_stride_last_dim(name: str, tensor: torch.Tensor) -> None:
+    """Kernels load rows as contiguous vectors; other strides are free."""
+    if tensor.dim() > 0 and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        raise ValueError(
+            f"{name}: the last dimension must be contiguous (stride 1), "
+            f"got strides {tensor.stride()}"
+        )
+
+
+def check_contiguous(name: str, tensor: torch.Tensor) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous, got strides {tensor.stride()}")

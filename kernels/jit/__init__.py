@@ -1,0 +1,14 @@
+"""Triton `@triton.jit` kernels, one module per op.
+
+Only the Triton wrappers (`kernels.<op>.<op>_triton`) import these modules, and
+they do it inside the wrapper, so importing `kernels` never imports triton.
+
+Importing this package under the Triton interpreter (``TRITON_INTERPRET=1``)
+also applies `interpreter_compat.patch_interpreter_bfloat16`, which makes the
+interpreter's bfloat16 `tl.dot` and float32 -> bfloat16 rounding match a GPU.
+"""
+
+from kernels.jit.interpreter_compat import interpreter_enabled, patch_interpreter_bfloat16
+
+if interpreter_enabled():
+    patch_interpreter_bfloat16()

@@ -1,0 +1,163 @@
+"""The two grouped GEMMs of the fused MoE.
+
+Both kernels share the layout produced by `moe_align_block_size`: M block m
+holds BLOCK_M entries of ``sorted_token_ids`` (flat pair indices t * K + k, or
+T*K for padding), all routed to expert ``expert_ids[m]``. Programs are ordered
+in groups of GROUP_M M blocks (the Triton matmul tutorial's L2 swizzle) and
+return at once past ``num_tokens_post_padded``.
+
+Rounding points follow the torch reference: each GEMM result is rounded to the
+activation dtype, silu's result too, then the products.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _grouped_tile(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
+    """Program id -> (M block, N block), GROUP_M M blocks at a time."""
+    programs_per_group = GROUP_M * num_n_blocks
+    group = pid // programs_per_group
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    m_block = first_m + (pid % programs_per_group) % group_size
+    n_block = (pid % programs_per_group) // group_size
+    return m_block, n_block
+
+
+@triton.jit
+def moe_gate_up_silu_kernel(
+    # pointers
+    hidden_ptr,  # [T, H]
+    w13_ptr,  # [E, 2I, H]: rows 0..I-1 gate, I..2I-1 up
+    activated_ptr,  # [T*K, I] out: silu(gate) * up per pair
+    sorted_token_ids_ptr,  # [num_m_blocks * BLOCK_M] int32
+    expert_ids_ptr,  # [num_m_blocks] int32
+    num_tokens_post_padded_ptr,  # [1] int32
+    # sizes
+    num_pairs,  # T*K
+    top_k,
+    hidden_size,  # H: the reduction
+    intermediate,  # I: the output width
+    num_m_blocks,
+    # strides
+    stride_hidden_token,
+    stride_w13_expert,
+    stride_w13_row,
+    stride_activated_pair,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    m_block, n_block = _grouped_tile(
+        tl.program_id(0), num_m_blocks, tl.cdiv(intermediate, BLOCK_N), GROUP_M
+    )
+    if m_block * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + m_block).to(tl.int64)
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_token_ids_ptr + rows)  # [BLOCK_M]
+    pair_mask = pairs < num_pairs
+    tokens = (pairs // top_k).to(tl.int64)
+    cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)  # gate/up row within the expert
+    col_mask = cols < intermediate
+    ks = tl.arange(0, BLOCK_K)
+
+    a_ptrs = hidden_ptr + tokens[:, None] * stride_hidden_token + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    gate_ptrs = (
+        w13_ptr + expert * stride_w13_expert + cols[None, :] * stride_w13_row + ks[:, None]
+    )  # [BLOCK_K, BLOCK_N]
+    up_ptrs = gate_ptrs + intermediate * stride_w13_row
+    gate_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, hidden_size, BLOCK_K):
+        k_mask = ks < hidden_size - k_start
+        a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        gate_w = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+        up_w = tl.load(up_ptrs, mask=w_mask, other=0.0)
+        gate_acc = tl.dot(a, gate_w, gate_acc, input_precision=DOT_PRECISION)
+        up_acc = tl.dot(a, up_w, up_acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+
+    dtype = activated_ptr.dtype.element_ty
+    gate = gate_acc.to(dtype).to(tl.float32)
+    up = up_acc.to(dtype).to(tl.float32)
+    silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    activated = (silu * up).to(dtype)
+    out_ptrs = activated_ptr + pairs[:, None].to(tl.int64) * stride_activated_pair + cols[None, :]
+    tl.store(out_ptrs, activated, mask=pair_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def moe_down_kernel(
+    # pointers
+    activated_ptr,  # [T*K, I]
+    w2_ptr,  # [E, H, I]
+    topk_weights_ptr,  # [T*K], any float dtype
+    pair_out_ptr,  # [T*K, H] out: weighted expert output per pair
+    sorted_token_ids_ptr,  # [num_m_blocks * BLOCK_M] int32
+    expert_ids_ptr,  # [num_m_blocks] int32
+    num_tokens_post_padded_ptr,  # [1] int32
+    # sizes
+    num_pairs,  # T*K
+    intermediate,  # I: the reduction
+    hidden_size,  # H: the output width
+    num_m_blocks,
+    # strides
+    stride_activated_pair,
+    stride_w2_expert,
+    stride_w2_row,
+    stride_topk_weights,
+    stride_pair_out_pair,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    m_block, n_block = _grouped_tile(
+        tl.program_id(0), num_m_blocks, tl.cdiv(hidden_size, BLOCK_N), GROUP_M
+    )
+    if m_block * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + m_block).to(tl.int64)
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_token_ids_ptr + rows).to(tl.int64)  # [BLOCK_M]
+    pair_mask = pairs < num_pairs
+    cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)  # output hidden column
+    col_mask = cols < hidden_size
+    ks = tl.arange(0, BLOCK_K)
+
+    a_ptrs = (
+        activated_ptr + pairs[:, None] * stride_activated_pair + ks[None, :]
+    )  # [BLOCK_M, BLOCK_K]
+    w_ptrs = (
+        w2_ptr + expert * stride_w2_expert + cols[None, :] * stride_w2_row + ks[:, None]
+    )  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, intermediate, BLOCK_K):
+        k_mask = ks < intermediate - k_start
+        a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    dtype = pair_out_ptr.dtype.element_ty
+    routing_weight = tl.load(
+        topk_weights_ptr + pairs * stride_topk_weights, mask=pair_mask, other=0.0
+    )
+    routing_weight = routing_weight.to(dtype).to(tl.float32)  # multiplied in the hidden dtype
+    weighted = acc.to(dtype).to(tl.float32) * routing_weight[:, None]
+    out_ptrs = pair_out_ptr + pairs[:, None] * stride_pair_out_pair + cols[None, :]
+    tl.store(out_ptrs, weighted.to(dtype), mask=pair_mask[:, None] & col_mask[None, :])

@@ -1,0 +1,87 @@
+"""Work-arounds for two bfloat16 gaps of the Triton interpreter.
+
+The interpreter (``TRITON_INTERPRET=1``) runs kernels with numpy, which has no
+bfloat16: it stores bfloat16 values as their uint16 bit patterns. Two places
+then differ from a GPU:
+
+1. `tl.dot` calls `np.matmul` on the raw bit patterns, so a bfloat16 dot returns
+   garbage (values around 1e10; triton-lang/triton#11584, where the maintainers
+   answered that the interpreter does not support bfloat16 yet). We convert
+   bfloat16 operands to float32 first, which is what a tensor core computes:
+   bfloat16 products are exact in float32 and accumulate in float32.
+2. float32 -> bfloat16 casts (`.to(tl.bfloat16)`, stores into bfloat16 memory)
+   truncate the mantissa, while the GPU rounds to nearest even. The error is
+   biased toward zero and compounds over a kernel's rounding points (several
+   per fused MoE row), so we round to nearest even, as `cvt.rn.bf16.f32` does.
+
+Our kernels do all other arithmetic in float32 (bfloat16 values are upcast right
+after the load), so these two are enough to make the interpreter a faithful
+stand-in. Applied only under the interpreter, once; `kernels.jit` applies them
+on import.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+_PATCHED_ATTRIBUTE = "_vlm_catalog_bfloat16_patches"
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def patch_interpreter_bfloat16() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder_class = getattr(interpreter, "InterpreterBuilder", None)
+    needed = ("create_dot", "create_fp_trunc")
+    layout_known = (
+        builder_class is not None
+        and all(hasattr(builder_class, name) for name in needed)
+        and hasattr(interpreter, "_convert_float")
+        and hasattr(interpreter, "TensorHandle")
+    )
+    if not layout_known:
+        warnings.warn(
+            "kernels: this triton's interpreter has an unexpected layout; bfloat16 results "
+            "under TRITON_INTERPRET may be wrong (see kernels/jit/interpreter_compat.py)",
+            stacklevel=2,
+        )
+        return
+    if getattr(builder_class, _PATCHED_ATTRIBUTE, False):
+        return
+    original_create_dot = builder_class.create_dot
+    original_create_fp_trunc = builder_class.create_fp_trunc
+
+    def to_float32_handle(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None)
+        return interpreter.TensorHandle(data.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original_create_dot(
+            self,
+            to_float32_handle(a),
+            to_float32_handle(b),
+            d,
+            input_precision,
+            max_num_imprecise_acc,
+        )
+
+    def create_fp_trunc(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return original_create_fp_trunc(self, src, dst_type)
+        bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round half to even
+        is_nan = np.isnan(src.data)
+        rounded = np.where(is_nan, (bits >> 16) | 0x40, rounded)  # keep NaNs quiet NaNs
+        return interpreter.TensorHandle(rounded.astype(np.uint16), tl.bfloat16)
+
+    builder_class.create_dot = create_dot
+    builder_class.create_fp_trunc = create_fp_trunc
+    setattr(builder_class, _PATCHED_ATTRIBUTE, True)

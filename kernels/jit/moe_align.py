@@ -1,0 +1,76 @@
+"""moe_align_block_size in two launches, one program per expert each.
+
+Every program scans all T*K expert ids (L2-resident: 8 * T int32), which keeps
+the result deterministic (pairs stay in order within an expert, like a stable
+sort) without atomics."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def moe_count_kernel(
+    # pointers
+    topk_ids_ptr,  # [T*K]
+    counts_ptr,  # [E] int32
+    # sizes
+    num_pairs,
+    # meta-parameters
+    BLOCK: tl.constexpr,
+):
+    expert = tl.program_id(0)
+    hits = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        pairs = start + tl.arange(0, BLOCK)
+        ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        hits += (ids == expert).to(tl.int32)
+    tl.store(counts_ptr + expert, tl.sum(hits, axis=0))
+
+
+@triton.jit
+def moe_scatter_kernel(
+    # pointers
+    topk_ids_ptr,  # [T*K]
+    counts_ptr,  # [E] int32
+    sorted_token_ids_ptr,  # [max_padded] int32, pre-filled with T*K
+    expert_ids_ptr,  # [max_padded // block_size_m] int32, pre-filled with -1
+    num_tokens_post_padded_ptr,  # [1] int32
+    # sizes
+    num_pairs,
+    num_experts,
+    block_size_m,
+    # meta-parameters
+    BLOCK: tl.constexpr,
+    BLOCK_EXPERTS: tl.constexpr,  # next power of two >= num_experts
+):
+    expert = tl.program_id(0)
+
+    # this expert's padded segment, from an exclusive prefix sum over all experts
+    experts = tl.arange(0, BLOCK_EXPERTS)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    padded_counts = tl.cdiv(counts, block_size_m) * block_size_m
+    padded_starts = tl.cumsum(padded_counts, axis=0) - padded_counts
+    is_mine = experts == expert
+    segment_start = tl.sum(tl.where(is_mine, padded_starts, 0), axis=0)
+    segment_blocks = tl.sum(tl.where(is_mine, padded_counts, 0), axis=0) // block_size_m
+    if expert == 0:
+        tl.store(num_tokens_post_padded_ptr, tl.sum(padded_counts, axis=0))
+
+    first_block = segment_start // block_size_m
+    for start in range(0, segment_blocks, BLOCK):
+        blocks = start + tl.arange(0, BLOCK)
+        tl.store(
+            expert_ids_ptr + first_block + blocks,
+            tl.full([BLOCK], 0, tl.int32) + expert,
+            mask=blocks < segment_blocks,
+        )
+
+    # pairs of this expert, in order: destination = segment start + rank among them
+    rank_base = tl.full([], 0, dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        pairs = start + tl.arange(0, BLOCK)
+        ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        hit = (ids == expert).to(tl.int32)
+        ranks = rank_base + tl.cumsum(hit, axis=0) - hit  # exclusive prefix count
+        tl.store(sorted_token_ids_ptr + segment_start + ranks, pairs, mask=hit > 0)
+        rank_base += tl.sum(hit, axis=0)

@@ -1,0 +1,245 @@
+"""Paged decode attention: one query token per sequence, split-KV ("flash decoding").
+
+Phase 1, `paged_decode_split_kernel`, grid (B, Hkv, num_splits): each program owns
+one sequence, one KV head with all of its query heads (GQA: the K/V tiles are
+read once for the whole group, and the group forms the M dimension of `tl.dot`),
+and one contiguous range of `tokens_per_split` cache positions. It runs an online
+softmax over that range and writes the unnormalised partial output plus its
+running max and sum (base-2 exponent domain).
+
+Phase 2, `paged_decode_reduce_kernel`, grid (B, Hq): merges the splits of one
+(sequence, query head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+Splits that start at or past the sequence's length are never written and never
+read; a sequence of length 0 (padding) gets a zero output.
+
+Fused cache write (FUSE_CACHE_WRITE): the current token's K/V arrive as inputs.
+The program whose range holds position `context_len - 1` uses them in place of
+the cache row (so it never depends on its own store) and writes them to the
+token's slot after its loop. This is race-free because that slot is read by no
+other program: other splits cover other positions, and other sequences never
+map the last, partially filled block of this one (no prefix sharing of a block
+that is still being written).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_decode_split_kernel(
+    # pointers
+    q_ptr,  # [B, Hq, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    block_tables_ptr,  # [B, max_blocks] int32
+    context_lens_ptr,  # [B] int32, includes the current token
+    partial_out_ptr,  # [B, Hq, num_splits, D] float32, unnormalised
+    partial_max_ptr,  # [B, Hq, num_splits] float32, running max (log2 domain)
+    partial_sum_ptr,  # [B, Hq, num_splits] float32, running sum of 2^(s - max)
+    new_k_ptr,  # [B, Hkv, D], read only when FUSE_CACHE_WRITE
+    new_v_ptr,  # [B, Hkv, D], read only when FUSE_CACHE_WRITE
+    slot_mapping_ptr,  # [B], read only when FUSE_CACHE_WRITE
+    # sizes
+    scale_log2,  # softmax scale * log2(e)
+    block_size,
+    tokens_per_split,  # a multiple of BLOCK_N
+    queries_per_kv,  # Hq // Hkv
+    # strides
+    stride_q_seq,
+    stride_q_head,
+    stride_k_cache_block,
+    stride_k_cache_offset,
+    stride_k_cache_head,
+    stride_v_cache_block,
+    stride_v_cache_offset,
+    stride_v_cache_head,
+    stride_block_tables_seq,
+    stride_partial_out_seq,
+    stride_partial_out_head,
+    stride_partial_out_split,
+    stride_partial_stat_seq,
+    stride_partial_stat_head,
+    stride_new_k_seq,
+    stride_new_k_head,
+    stride_new_v_seq,
+    stride_new_v_head,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
+    BLOCK_G: tl.constexpr,  # >= queries_per_kv, >= 16 for tl.dot
+    BLOCK_N: tl.constexpr,  # cache positions per tile
+    FUSE_CACHE_WRITE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, "tf32" otherwise (ignored for 16-bit)
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    context_len = tl.load(context_lens_ptr + seq)
+    split_start = split * tokens_per_split
+    split_end = tl.minimum(split_start + tokens_per_split, context_len)
+    if split_start >= split_end:
+        return
+
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    group = tl.arange(0, BLOCK_G)
+    group_mask = group < queries_per_kv
+    q_heads = kv_head * queries_per_kv + group  # [BLOCK_G]
+    q_ptrs = q_ptr + seq * stride_q_seq + q_heads[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(
+        q_ptrs, mask=group_mask[:, None] & dim_mask[None, :], other=0.0
+    )  # [BLOCK_G, BLOCK_D]
+
+    if FUSE_CACHE_WRITE:
+        new_k = tl.load(
+            new_k_ptr + seq * stride_new_k_seq + kv_head * stride_new_k_head + dims,
+            mask=dim_mask,
+            other=0.0,
+        ).to(k_cache_ptr.dtype.element_ty)
+        new_v = tl.load(
+            new_v_ptr + seq * stride_new_v_seq + kv_head * stride_new_v_head + dims,
+            mask=dim_mask,
+            other=0.0,
+        ).to(v_cache_ptr.dtype.element_ty)
+
+    running_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    block_table = block_tables_ptr + seq * stride_block_tables_seq
+    for tile_start in range(split_start, split_end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        position_mask = positions < split_end
+        blocks = tl.load(block_table + positions // block_size, mask=position_mask, other=0).to(
+            tl.int64
+        )
+        offsets = positions % block_size
+        kv_mask = position_mask[:, None] & dim_mask[None, :]  # [BLOCK_N, BLOCK_D]
+
+        k_ptrs = (
+            k_cache_ptr
+            + blocks[:, None] * stride_k_cache_block
+            + offsets[:, None] * stride_k_cache_offset
+            + kv_head * stride_k_cache_head
+            + dims[None, :]
+        )
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if FUSE_CACHE_WRITE:
+            is_current = (positions == context_len - 1)[:, None]
+            k = tl.where(is_current, new_k[None, :], k)
+        scores = (
+            tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        )  # [BLOCK_G, BLOCK_N]
+        scores = tl.where(position_mask[None, :], scores, float("-inf"))
+
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        rescale = tl.exp2(running_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+        running_max = new_max
+
+        v_ptrs = (
+            v_cache_ptr
+            + blocks[:, None] * stride_v_cache_block
+            + offsets[:, None] * stride_v_cache_offset
+            + kv_head * stride_v_cache_head
+            + dims[None, :]
+        )
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if FUSE_CACHE_WRITE:
+            v = tl.where(is_current, new_v[None, :], v)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+
+    out_ptrs = (
+        partial_out_ptr
+        + seq * stride_partial_out_seq
+        + q_heads[:, None] * stride_partial_out_head
+        + split * stride_partial_out_split
+        + dims[None, :]
+    )
+    tl.store(out_ptrs, acc, mask=group_mask[:, None] & dim_mask[None, :])
+    stat_offsets = seq * stride_partial_stat_seq + q_heads * stride_partial_stat_head + split
+    tl.store(partial_max_ptr + stat_offsets, running_max, mask=group_mask)
+    tl.store(partial_sum_ptr + stat_offsets, running_sum, mask=group_mask)
+
+    if FUSE_CACHE_WRITE:
+        # only the split holding position context_len - 1 writes the current token
+        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+        if (split_end == context_len) & (slot >= 0):
+            block = slot // block_size
+            offset = slot % block_size
+            tl.store(
+                k_cache_ptr
+                + block * stride_k_cache_block
+                + offset * stride_k_cache_offset
+                + kv_head * stride_k_cache_head
+                + dims,
+                new_k,
+                mask=dim_mask,
+            )
+            tl.store(
+                v_cache_ptr
+                + block * stride_v_cache_block
+                + offset * stride_v_cache_offset
+                + kv_head * stride_v_cache_head
+                + dims,
+                new_v,
+                mask=dim_mask,
+            )
+
+
+@triton.jit
+def paged_decode_reduce_kernel(
+    # pointers
+    partial_out_ptr,  # [B, Hq, num_splits, D] float32
+    partial_max_ptr,  # [B, Hq, num_splits] float32
+    partial_sum_ptr,  # [B, Hq, num_splits] float32
+    context_lens_ptr,  # [B] int32
+    out_ptr,  # [B, Hq, D]
+    # sizes
+    tokens_per_split,
+    # strides
+    stride_partial_out_seq,
+    stride_partial_out_head,
+    stride_partial_out_split,
+    stride_partial_stat_seq,
+    stride_partial_stat_head,
+    stride_out_seq,
+    stride_out_head,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,  # next power of two >= num_splits
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    splits_used = tl.cdiv(context_len, tokens_per_split)
+
+    splits = tl.arange(0, BLOCK_SPLITS)
+    split_mask = splits < splits_used
+    stat_offsets = seq * stride_partial_stat_seq + head * stride_partial_stat_head + splits
+    split_max = tl.load(partial_max_ptr + stat_offsets, mask=split_mask, other=float("-inf"))
+    split_sum = tl.load(partial_sum_ptr + stat_offsets, mask=split_mask, other=0.0)
+    global_max = tl.max(split_max, axis=0)
+    global_max = tl.where(global_max == float("-inf"), 0.0, global_max)  # no split: length 0
+    weights = tl.exp2(split_max - global_max)  # [BLOCK_SPLITS], 0 for unused splits
+    denominator = tl.sum(weights * split_sum, axis=0)
+
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    partial_ptrs = (
+        partial_out_ptr
+        + seq * stride_partial_out_seq
+        + head * stride_partial_out_head
+        + splits[:, None] * stride_partial_out_split
+        + dims[None, :]
+    )
+    partial = tl.load(partial_ptrs, mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    numerator = tl.sum(weights[:, None] * partial, axis=0)  # [BLOCK_D]
+    out = numerator / tl.where(denominator > 0.0, denominator, 1.0)
+    tl.store(
+        out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_mask,
+    )

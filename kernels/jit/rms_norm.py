@@ -1,0 +1,45 @@
+"""RMSNorm kernel (optionally fused with the residual add); one program per row."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_norm_kernel(
+    # pointers
+    x_ptr,  # [T, H]
+    residual_ptr,  # [T, H], read only when ADD_RESIDUAL
+    weight_ptr,  # [H]
+    out_ptr,  # [T, H]
+    new_residual_ptr,  # [T, H], written only when ADD_RESIDUAL
+    # sizes
+    hidden_size,
+    eps,
+    # strides
+    stride_x_row,
+    stride_residual_row,
+    stride_out_row,
+    stride_new_residual_row,
+    # meta-parameters
+    BLOCK_SIZE: tl.constexpr,  # next power of two >= hidden_size
+    ADD_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < hidden_size
+
+    x = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if ADD_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual_row + cols, mask=mask, other=0.0)
+        # the new residual is rounded to the input dtype, as torch's `x + residual` is
+        x = (x + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(new_residual_ptr + row * stride_new_residual_row + cols, x, mask=mask)
+        x = x.to(tl.float32)
+
+    variance = tl.sum(x * x, axis=0) / hidden_size
+    normed = (x * tl.math.rsqrt(variance + eps)).to(
+        x_ptr.dtype.element_ty
+    )  # cast before the weight
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = weight * normed.to(tl.float32)
+    tl.store(out_ptr + row * stride_out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,140 @@
+"""Paged KV cache: writing new tokens into it, and helpers to read it back.
+
+Layout (fixed): per layer, ``k_cache`` and ``v_cache`` of shape
+``[num_blocks, block_size, Hkv, D]``. Token slot ``slot = block_id * block_size +
+offset``; sequence b's i-th token lives in block ``block_tables[b, i // block_size]``
+at offset ``i % block_size``. A negative slot marks a padding token (skipped).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_dtype,
+    check_same_device,
+    check_shape,
+    check_unit_stride_last_dim,
+)
+from kernels.dispatch import use_triton
+
+
+def check_paged_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validates a layer's cache pair; returns (num_blocks, block_size, Hkv, D)."""
+    check_shape("k_cache", k_cache, (None, None, None, None))
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    check_dtype("k_cache", k_cache, FLOAT_DTYPES)
+    check_dtype("v_cache", v_cache, (k_cache.dtype,))
+    check_unit_stride_last_dim("k_cache", k_cache)
+    check_unit_stride_last_dim("v_cache", v_cache)
+    check_same_device(k_cache=k_cache, v_cache=v_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def gather_sequence_kv(
+    cache: torch.Tensor, block_table_row: torch.Tensor, length: int
+) -> torch.Tensor:
+    """The first `length` tokens of one sequence: cache [N, bs, Hkv, D] -> [length, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    blocks = block_table_row[:num_blocks].long()
+    return cache[blocks].flatten(0, 1)[:length]  # [num_blocks * bs, Hkv, D] -> [length, Hkv, D]
+
+
+# --------------------------------------------------------------------------- reference
+def reshape_and_cache_reference(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes k/v [T, Hkv, D] into the caches at `slot_mapping` [T] (negative = skip)."""
+    block_size = k_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+
+
+# --------------------------------------------------------------------------- triton
+def check_reshape_and_cache_args(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    _, _, num_kv_heads, head_dim = check_paged_kv_cache(k_cache, v_cache)
+    check_shape("k", k, (None, num_kv_heads, head_dim))
+    check_shape("v", v, tuple(k.shape))
+    check_shape("slot_mapping", slot_mapping, (k.shape[0],))
+    check_dtype("k", k, FLOAT_DTYPES)
+    check_dtype("v", v, FLOAT_DTYPES)
+    check_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
+    check_unit_stride_last_dim("k", k)
+    check_unit_stride_last_dim("v", v)
+    check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+
+
+def reshape_and_cache_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    import triton
+
+    from kernels.jit.kv_cache import reshape_and_cache_kernel
+
+    check_reshape_and_cache_args(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    reshape_and_cache_kernel[(num_tokens,)](
+        # pointers
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        # sizes
+        num_kv_heads,
+        k_cache.shape[1],
+        # strides
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        # meta-parameters
+        HEAD_DIM=head_dim,
+        BLOCK_HEADS=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )
+
+
+# --------------------------------------------------------------------------- dispatch
+def reshape_and_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """In place: token t of k/v [T, Hkv, D] goes to slot `slot_mapping[t]` (skipped when < 0)."""
+    if use_triton(k, v, k_cache, v_cache, slot_mapping):
+        reshape_and_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        reshape_and_cache_reference(k, v, k_cache, v_cache, slot_mapping)

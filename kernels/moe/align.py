@@ -1,0 +1,123 @@
+"""Group the (token, k) pairs of a routing decision by expert, in blocks.
+
+The grouped GEMMs of `fused_moe` process BLOCK_SIZE_M rows of one expert per
+program, so each expert's pairs are laid out contiguously and padded up to a
+multiple of `block_size`:
+
+* ``sorted_token_ids`` [max_padded] int32: flat pair indices ``t * K + k``,
+  expert by expert (ascending), in pair order within an expert; padding entries
+  hold ``T * K`` (one past the last pair), which the GEMMs mask out. Its length
+  ``max_padded`` is a bound known without looking at the ids:
+  ``T*K + min(E, T*K) * (block_size - 1)``, rounded up to a multiple of block_size.
+* ``expert_ids`` [max_padded // block_size] int32: the expert of each block;
+  -1 for blocks past the used ones.
+* ``num_tokens_post_padded`` [1] int32: how many entries of sorted_token_ids are
+  used (a device tensor, so the GEMM launch needs no host sync).
+
+Expert ids must lie in [0, num_experts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.checks import INDEX_DTYPES, check_dtype
+from kernels.dispatch import use_triton
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_size: int) -> int:
+    """Upper bound of the padded length: each expert that is hit adds < block_size padding."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_size - 1)
+    return -(-bound // block_size) * block_size
+
+
+def moe_align_block_size_reference(
+    topk_ids: torch.Tensor, num_experts: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    device = topk_ids.device
+    flat_ids = topk_ids.reshape(-1).long()  # [T*K]
+    num_pairs = flat_ids.numel()
+    max_padded = max_padded_pairs(num_pairs, num_experts, block_size)
+
+    counts = torch.bincount(flat_ids, minlength=num_experts)  # [E]
+    padded_counts = (counts + block_size - 1) // block_size * block_size  # [E]
+    padded_starts = torch.cumsum(padded_counts, 0) - padded_counts  # [E]
+    count_starts = torch.cumsum(counts, 0) - counts  # [E]
+
+    order = torch.argsort(flat_ids, stable=True)  # pair indices, expert by expert
+    sorted_experts = flat_ids[order]
+    rank_in_expert = torch.arange(num_pairs, device=device) - count_starts[sorted_experts]
+    destination = padded_starts[sorted_experts] + rank_in_expert
+
+    sorted_token_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
+    sorted_token_ids[destination] = order.to(torch.int32)
+    expert_ids = torch.full((max_padded // block_size,), -1, dtype=torch.int32, device=device)
+    blocks_per_expert = padded_counts // block_size  # [E]
+    used_blocks = torch.repeat_interleave(
+        torch.arange(num_experts, device=device), blocks_per_expert
+    )
+    expert_ids[: used_blocks.numel()] = used_blocks.to(torch.int32)
+    num_tokens_post_padded = padded_counts.sum().reshape(1).to(torch.int32)
+    return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
+def moe_align_block_size_triton(
+    topk_ids: torch.Tensor, num_experts: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two launches: count the pairs of each expert, then each expert's program
+    derives its offset from the counts and scatters its pairs in order."""
+    import triton
+
+    from kernels.jit.moe_align import moe_count_kernel, moe_scatter_kernel
+
+    check_dtype("topk_ids", topk_ids, INDEX_DTYPES)
+    if block_size < 1 or num_experts < 1:
+        raise ValueError(f"block_size ({block_size}) and num_experts ({num_experts}) must be >= 1")
+    device = topk_ids.device
+    flat_ids = topk_ids.reshape(-1)  # [T*K]
+    num_pairs = flat_ids.numel()
+    max_padded = max_padded_pairs(num_pairs, num_experts, block_size)
+    sorted_token_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
+    expert_ids = torch.full((max_padded // block_size,), -1, dtype=torch.int32, device=device)
+    num_tokens_post_padded = torch.zeros((1,), dtype=torch.int32, device=device)
+    counts = torch.empty((num_experts,), dtype=torch.int32, device=device)
+    if num_pairs == 0:
+        return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+    scan_block = min(triton.next_power_of_2(num_pairs), 1024)
+    moe_count_kernel[(num_experts,)](
+        # pointers
+        flat_ids,
+        counts,
+        # sizes
+        num_pairs,
+        # meta-parameters
+        BLOCK=scan_block,
+        num_warps=4,
+    )
+    moe_scatter_kernel[(num_experts,)](
+        # pointers
+        flat_ids,
+        counts,
+        sorted_token_ids,
+        expert_ids,
+        num_tokens_post_padded,
+        # sizes
+        num_pairs,
+        num_experts,
+        block_size,
+        # meta-parameters
+        BLOCK=scan_block,
+        BLOCK_EXPERTS=triton.next_power_of_2(num_experts),
+        num_warps=4,
+    )
+    return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, K] -> (sorted_token_ids, expert_ids, num_tokens_post_padded)."""
+    if use_triton(topk_ids):
+        return moe_align_block_size_triton(topk_ids, num_experts, block_size)
+    return moe_align_block_size_reference(topk_ids, num_experts, block_size)

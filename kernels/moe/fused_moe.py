@@ -1,0 +1,218 @@
+"""Fused MoE expert computation: two grouped GEMMs over expert-sorted rows.
+
+    for every routed pair (t, k), e = topk_ids[t, k]:
+        gate, up = linear(hidden[t], w13[e]).chunk(2)      # w13 [E, 2I, H]
+        h = silu(gate) * up                                 # [I]
+        out[t] += linear(h, w2[e]) * topk_weights[t, k]     # w2 [E, H, I]
+
+Triton path: `moe_align_block_size` groups the pairs by expert in blocks of
+BLOCK_SIZE_M; GEMM 1 computes gate and up for a block of pairs with SiLU-and-mul
+in its epilogue ([T*K, I] intermediate); GEMM 2 computes down with the routing
+weight applied ([T*K, H]); a sum over k gives [T, H].
+
+The reference is transformers' `Qwen3VLMoeTextExperts.forward` loop over the
+experts hit, accumulating with `index_add_` in the hidden dtype; routing weights
+are multiplied in the hidden dtype (transformers casts them to the router
+logits' dtype first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention_common import dot_precision
+from kernels.checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_dtype,
+    check_same_device,
+    check_shape,
+    check_unit_stride_last_dim,
+)
+from kernels.dispatch import use_triton
+from kernels.moe.configs import MoeKernelConfig, as_moe_config, get_moe_config
+
+MAX_TOKENS_PER_CHUNK = 16384  # bounds the [T*K, I] and [T*K, H] intermediates
+
+
+# --------------------------------------------------------------------------- reference
+def fused_moe_reference(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: MoeKernelConfig | Mapping[str, int] | None = None,
+) -> torch.Tensor:
+    """hidden [T, H] -> [T, H]; `config` is ignored (kept for a uniform signature)."""
+    del config
+    out = torch.zeros_like(hidden)
+    weights = topk_weights.to(hidden.dtype)
+    num_tokens = hidden.shape[0]
+    # pairs numbered k * T + t, so that within an expert they come in transformers'
+    # `torch.where(expert_mask[e])` order: by k, then by token
+    ids_by_slot = topk_ids.t().reshape(-1).long()  # [K*T]
+    order = torch.argsort(ids_by_slot, stable=True)  # grouped by expert, ascending
+    experts, counts = torch.unique_consecutive(ids_by_slot[order], return_counts=True)
+    for expert, pairs in zip(experts.tolist(), torch.split(order, counts.tolist())):
+        tokens, slots = pairs % num_tokens, pairs // num_tokens
+        gate, up = F.linear(hidden[tokens], w13[expert]).chunk(2, dim=-1)  # [n, I] each
+        activated = F.silu(gate) * up  # [n, I]
+        expert_out = F.linear(activated, w2[expert]) * weights[tokens, slots, None]  # [n, H]
+        out.index_add_(0, tokens, expert_out.to(out.dtype))
+    return out
+
+
+# --------------------------------------------------------------------------- triton
+def _check_fused_moe_args(hidden, w13, w2, topk_weights, topk_ids) -> None:
+    check_shape("hidden", hidden, (None, None))
+    num_tokens, hidden_size = hidden.shape
+    check_shape("w13", w13, (None, None, hidden_size))
+    num_experts, two_intermediate, _ = w13.shape
+    if two_intermediate % 2:
+        raise ValueError(
+            f"w13: dim 1 must be 2 * intermediate (gate rows then up rows), got {two_intermediate}"
+        )
+    check_shape("w2", w2, (num_experts, hidden_size, two_intermediate // 2))
+    check_shape("topk_weights", topk_weights, (num_tokens, None))
+    check_shape("topk_ids", topk_ids, tuple(topk_weights.shape))
+    check_dtype("hidden", hidden, FLOAT_DTYPES)
+    check_dtype("w13", w13, (hidden.dtype,))
+    check_dtype("w2", w2, (hidden.dtype,))
+    check_dtype("topk_weights", topk_weights, FLOAT_DTYPES)
+    check_dtype("topk_ids", topk_ids, INDEX_DTYPES)
+    for name, tensor in (("hidden", hidden), ("w13", w13), ("w2", w2)):
+        check_unit_stride_last_dim(name, tensor)
+    check_same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+
+
+def fused_moe_triton(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: MoeKernelConfig | Mapping[str, int] | None = None,
+) -> torch.Tensor:
+    _check_fused_moe_args(hidden, w13, w2, topk_weights, topk_ids)
+    out = torch.empty_like(hidden)
+    num_tokens = hidden.shape[0]
+    for start in range(0, num_tokens, MAX_TOKENS_PER_CHUNK):
+        end = min(start + MAX_TOKENS_PER_CHUNK, num_tokens)
+        _fused_moe_chunk(
+            hidden[start:end],
+            w13,
+            w2,
+            topk_weights[start:end],
+            topk_ids[start:end],
+            config,
+            out[start:end],
+        )
+    return out
+
+
+def _fused_moe_chunk(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: MoeKernelConfig | Mapping[str, int] | None,
+    out: torch.Tensor,
+) -> None:
+    import triton
+
+    from kernels.jit.fused_moe import moe_down_kernel, moe_gate_up_silu_kernel
+    from kernels.moe.align import moe_align_block_size_triton
+
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_intermediate, _ = w13.shape
+    intermediate = two_intermediate // 2
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if config is None:
+        config = get_moe_config(
+            num_tokens, num_experts, hidden_size, intermediate, hidden.dtype, top_k
+        )
+    config = as_moe_config(config)
+
+    sorted_token_ids, expert_ids, num_tokens_post_padded = moe_align_block_size_triton(
+        topk_ids, num_experts, config.block_size_m
+    )
+    num_m_blocks = expert_ids.shape[0]
+    weights = topk_weights.reshape(-1)  # [T*K], flat pair index t * K + k
+    activated = torch.empty((num_pairs, intermediate), dtype=hidden.dtype, device=hidden.device)
+    pair_out = torch.empty((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    meta = dict(
+        BLOCK_M=config.block_size_m,
+        BLOCK_N=config.block_size_n,
+        BLOCK_K=config.block_size_k,
+        GROUP_M=config.group_size_m,
+        DOT_PRECISION=dot_precision(hidden.dtype),
+        **config.launch_options(),
+    )
+
+    moe_gate_up_silu_kernel[(num_m_blocks * triton.cdiv(intermediate, config.block_size_n),)](
+        # pointers
+        hidden,
+        w13,
+        activated,
+        sorted_token_ids,
+        expert_ids,
+        num_tokens_post_padded,
+        # sizes
+        num_pairs,
+        top_k,
+        hidden_size,
+        intermediate,
+        num_m_blocks,
+        # strides
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        activated.stride(0),
+        **meta,
+    )
+    moe_down_kernel[(num_m_blocks * triton.cdiv(hidden_size, config.block_size_n),)](
+        # pointers
+        activated,
+        w2,
+        weights,
+        pair_out,
+        sorted_token_ids,
+        expert_ids,
+        num_tokens_post_padded,
+        # sizes
+        num_pairs,
+        intermediate,
+        hidden_size,
+        num_m_blocks,
+        # strides
+        activated.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        weights.stride(0),
+        pair_out.stride(0),
+        **meta,
+    )
+    torch.sum(pair_out.view(num_tokens, top_k, hidden_size), dim=1, out=out)  # [T, K, H] -> [T, H]
+
+
+# --------------------------------------------------------------------------- dispatch
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: MoeKernelConfig | Mapping[str, int] | None = None,
+) -> torch.Tensor:
+    """hidden [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I],
+    topk_weights / topk_ids [T, K] -> [T, H]. `config`: GEMM block sizes
+    (default: `kernels.moe.configs.get_moe_config`)."""
+    if use_triton(hidden, w13, w2, topk_weights, topk_ids):
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, config)
+    return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids, config)

@@ -1,0 +1,186 @@
+"""Varlen chunked prefill / extend attention over the paged KV cache.
+
+Sequence b has ``q_len = cu_seqlens_q[b+1] - cu_seqlens_q[b]`` new query tokens,
+already written into the cache, and ``context_lens[b]`` cached tokens in total
+(prefix + this chunk). Query j of sequence b sits at absolute position
+``context_lens[b] - q_len + j`` and attends causally to cached positions <= its own.
+
+No fused cache-write variant here, on purpose: a prefill program reads cache
+blocks that *other* programs of the same launch would be writing (every query
+tile of a sequence reads the whole chunk before the diagonal), and Triton has no
+grid-wide barrier, so fusing the write would be a race. Write with
+`reshape_and_cache` first (one cheap launch), then call this. Decode is different
+(see `paged_decode_attention_with_kv_write`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention_common import LOG2_E, dot_precision
+from kernels.checks import (
+    INDEX_DTYPES,
+    check_dtype,
+    check_same_device,
+    check_shape,
+    check_unit_stride_last_dim,
+)
+from kernels.dispatch import use_triton
+from kernels.kv_cache import check_paged_kv_cache, gather_sequence_kv
+
+
+# --------------------------------------------------------------------------- reference
+def paged_prefill_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, Hq, D] -> [T, Hq, D]; per sequence, SDPA (float32 softmax) with a
+    bottom-right-aligned causal mask over the gathered cache."""
+    out = torch.zeros_like(q)
+    starts = cu_seqlens_q.tolist()
+    for seq, context_len in enumerate(context_lens.tolist()):
+        begin, end = starts[seq], starts[seq + 1]
+        query_len = end - begin
+        if query_len == 0:
+            continue
+        keys = gather_sequence_kv(k_cache, block_tables[seq], context_len)  # [L, Hkv, D]
+        values = gather_sequence_kv(v_cache, block_tables[seq], context_len)  # [L, Hkv, D]
+        query_positions = torch.arange(context_len - query_len, context_len, device=q.device)
+        visible = (
+            torch.arange(context_len, device=q.device)[None, :] <= query_positions[:, None]
+        )  # [q_len, L]
+        context = F.scaled_dot_product_attention(
+            q[begin:end].transpose(0, 1).unsqueeze(0),  # [1, Hq, q_len, D]
+            keys.transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
+            values.transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
+            attn_mask=visible,
+            scale=scale,
+            enable_gqa=True,
+        )  # [1, Hq, q_len, D]
+        out[begin:end] = context[0].transpose(0, 1)  # [q_len, Hq, D]
+    return out
+
+
+# --------------------------------------------------------------------------- triton
+def paged_prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """`max_query_len`: optional host-side max of the per-sequence query lengths
+    (otherwise computed here, which costs a device sync)."""
+    import triton
+
+    from kernels.jit.paged_prefill_attention import paged_prefill_attention_kernel
+
+    _, block_size, num_kv_heads, head_dim = check_paged_kv_cache(k_cache, v_cache)
+    check_shape("q", q, (None, None, head_dim))
+    num_tokens, num_q_heads, _ = q.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q: {num_q_heads} query heads is not a multiple of the cache's {num_kv_heads} KV heads"
+        )
+    check_shape("context_lens", context_lens, (None,))
+    batch = context_lens.shape[0]
+    check_shape("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
+    check_shape("block_tables", block_tables, (batch, None))
+    check_dtype("q", q, (k_cache.dtype,))
+    for name, tensor in (
+        ("block_tables", block_tables),
+        ("cu_seqlens_q", cu_seqlens_q),
+        ("context_lens", context_lens),
+    ):
+        check_dtype(name, tensor, INDEX_DTYPES)
+    check_unit_stride_last_dim("q", q)
+    check_unit_stride_last_dim("block_tables", block_tables)
+    check_same_device(
+        q=q,
+        k_cache=k_cache,
+        block_tables=block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        context_lens=context_lens,
+    )
+
+    out = torch.empty_like(q)
+    if num_tokens == 0 or batch == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    block_m = 64 if max_query_len > 32 else 16
+    grid = (triton.cdiv(max_query_len, block_m), batch, num_q_heads)
+    paged_prefill_attention_kernel[grid](
+        # pointers
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        out,
+        # sizes
+        scale * LOG2_E,
+        block_size,
+        num_q_heads // num_kv_heads,
+        # strides
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        # meta-parameters
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=64 if head_dim <= 128 else 32,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- dispatch
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """q [T, Hq, D] (sequences packed by cu_seqlens_q [B+1]) -> [T, Hq, D]."""
+    if use_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
+        return paged_prefill_attention_triton(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            cu_seqlens_q,
+            context_lens,
+            scale,
+            max_query_len=max_query_len,
+        )
+    return paged_prefill_attention_reference(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
+    )

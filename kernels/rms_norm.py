@@ -1,0 +1,130 @@
+"""RMSNorm, alone and fused with the residual add.
+
+Arithmetic order follows transformers' `Qwen3VLMoeTextRMSNorm` exactly::
+
+    h = x.float()
+    h = h * rsqrt(mean(h ** 2) + eps)
+    out = weight * h.to(x.dtype)        # cast back BEFORE the weight multiply
+
+so the output dtype is `torch.promote_types(weight.dtype, x.dtype)`, as in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_same_device,
+    check_shape,
+    check_unit_stride_last_dim,
+)
+from kernels.dispatch import use_triton
+
+
+# --------------------------------------------------------------------------- reference
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H], weight [H] -> [..., H]."""
+    hidden = x.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(x.dtype)
+
+
+def fused_add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual); the sum is kept in x.dtype."""
+    new_residual = (x + residual).to(x.dtype)
+    return rms_norm_reference(new_residual, weight, eps), new_residual
+
+
+# --------------------------------------------------------------------------- triton
+def _check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() < 1:
+        raise ValueError("x: expected at least 1 dimension [..., H]")
+    check_shape("weight", weight, (x.shape[-1],))
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_dtype("weight", weight, FLOAT_DTYPES)
+    check_same_device(x=x, weight=weight)
+    check_unit_stride_last_dim("weight", weight)
+
+
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    import triton
+
+    from kernels.jit.rms_norm import rms_norm_kernel
+
+    hidden_size = x.shape[-1]
+    rows = x.reshape(-1, hidden_size)  # [T, H]
+    check_unit_stride_last_dim("x", rows)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if residual is not None:
+        residual_rows = residual.reshape(-1, hidden_size)  # [T, H]
+        check_unit_stride_last_dim("residual", residual_rows)
+        new_residual = torch.empty_like(rows)
+    else:  # the kernel never touches these when ADD_RESIDUAL is False
+        residual_rows = new_residual = rows
+    if rows.shape[0] > 0:
+        block_size = triton.next_power_of_2(hidden_size)
+        rms_norm_kernel[(rows.shape[0],)](
+            # pointers
+            rows,
+            residual_rows,
+            weight,
+            out,
+            new_residual,
+            # sizes
+            hidden_size,
+            eps,
+            # strides
+            rows.stride(0),
+            residual_rows.stride(0),
+            out.stride(0),
+            new_residual.stride(0),
+            # meta-parameters
+            BLOCK_SIZE=block_size,
+            ADD_RESIDUAL=residual is not None,
+            num_warps=min(max(block_size // 256, 1), 16),
+        )
+    out = out.view(x.shape)  # [..., H]
+    if residual is None:
+        return out, None
+    return out, new_residual.view(x.shape)  # [..., H]
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check_rms_norm_args(x, weight)
+    out, _ = _launch(x, None, weight, eps)
+    return out
+
+
+def fused_add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_rms_norm_args(x, weight)
+    check_shape("residual", residual, tuple(x.shape))
+    check_dtype("residual", residual, FLOAT_DTYPES)
+    check_same_device(x=x, residual=residual)
+    out, new_residual = _launch(x, residual, weight, eps)
+    assert new_residual is not None
+    return out, new_residual
+
+
+# --------------------------------------------------------------------------- dispatch
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] (any leading dims), weight [H] -> [T, H]."""
+    if use_triton(x, weight):
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [T, H], residual [T, H]) -> (normed [T, H], new_residual = x + residual [T, H])."""
+    if use_triton(x, residual, weight):
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
+    return fused_add_rms_norm_reference(x, residual, weight, eps)

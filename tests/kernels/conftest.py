@@ -1,0 +1,80 @@
+"""Fixtures for the kernel tests.
+
+Triton under the interpreter: without a CUDA device, `TRITON_INTERPRET=1` is set
+here, at collection time, before anything imports triton's jit'd kernels (they
+decide interpreter vs compiler when they are defined, i.e. when `kernels.jit.*`
+is first imported, which only the Triton wrappers do). With a CUDA device the
+same tests run the compiled kernels on the GPU instead. The variable only
+matters to code that runs Triton kernels, so leaving it set for the session does
+not change any other test module.
+
+`VLM_CATALOG_KERNELS=triton` is set per test, through `monkeypatch`, only by the
+`triton_device` fixture, so it never leaks out of a Triton test.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and "kernels.jit" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@pytest.fixture(autouse=True)
+def _seed_per_test(request):
+    """Fresh, reproducible random inputs: each test gets its own seed from its id."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def triton_device(monkeypatch) -> torch.device:
+    """The device for Triton tests (CPU under the interpreter, else CUDA), with
+    VLM_CATALOG_KERNELS=triton for the duration of the test."""
+    pytest.importorskip("triton")
+    if _interpreting():
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1) or a CUDA device")
+    monkeypatch.setenv("VLM_CATALOG_KERNELS", "triton")
+    return device
+
+
+@pytest.fixture
+def cuda_device(monkeypatch) -> torch.device:
+    """For @pytest.mark.gpu tests: a real CUDA device with compiled kernels."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if _interpreting():
+        pytest.skip("TRITON_INTERPRET is set: GPU tests need compiled kernels")
+    monkeypatch.setenv("VLM_CATALOG_KERNELS", "auto")
+    return torch.device("cuda")
+
+
+@pytest.fixture
+def poison_allocations(monkeypatch):
+    """Every `torch.empty` / `torch.empty_like` during the test comes back filled with
+    NaN (floating) or a large negative number (integer), so an output element a
+    kernel forgets to write shows up instead of passing by luck."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_floating_point():
+            tensor.fill_(float("nan"))
+        elif tensor.dtype in (torch.int8, torch.int16, torch.int32, torch.int64):
+            tensor.fill_(-(2**30) if tensor.dtype in (torch.int32, torch.int64) else -100)
+        return tensor
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))

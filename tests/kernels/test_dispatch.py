@@ -1,0 +1,87 @@
+"""Backend selection and the CPU-only import guarantee."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels import dispatch
+from kernels.rms_norm import rms_norm_reference
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_import_kernels_does_not_import_triton():
+    code = (
+        "import sys, kernels, torch\n"
+        "x = torch.randn(2, 8)\n"
+        "kernels.rms_norm(x, torch.ones(8), 1e-6)\n"
+        "assert 'triton' not in sys.modules, 'triton was imported'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        check=False,
+        text=True,
+        env={"PATH": "", "VLM_CATALOG_KERNELS": "auto"},
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_auto_on_cpu_tensors_uses_the_reference(monkeypatch):
+    monkeypatch.delenv(dispatch.BACKEND_ENV_VAR, raising=False)
+    assert dispatch.kernel_backend() == "auto"
+    assert not dispatch.use_triton(torch.randn(2))
+
+
+def test_reference_backend_is_forced(monkeypatch):
+    monkeypatch.setenv(dispatch.BACKEND_ENV_VAR, "reference")
+    assert not dispatch.use_triton(torch.randn(2))
+
+
+def test_triton_backend_is_forced(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv(dispatch.BACKEND_ENV_VAR, "triton")
+    assert dispatch.use_triton(torch.randn(2))
+
+
+def test_unknown_backend_is_an_error(monkeypatch):
+    monkeypatch.setenv(dispatch.BACKEND_ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match="VLM_CATALOG_KERNELS"):
+        dispatch.use_triton(torch.randn(2))
+
+
+def test_forced_triton_without_triton_is_an_error(monkeypatch):
+    monkeypatch.setenv(dispatch.BACKEND_ENV_VAR, "triton")
+    monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+    with pytest.raises(RuntimeError, match="triton"):
+        dispatch.use_triton(torch.randn(2))
+
+
+def test_ops_route_through_the_dispatcher(monkeypatch):
+    """With the backend forced to triton, the public op calls its Triton wrapper."""
+    import kernels.rms_norm
+
+    module = sys.modules["kernels.rms_norm"]
+    calls = []
+    monkeypatch.setattr(module, "rms_norm_triton", lambda *args: calls.append(args) or "triton")
+    monkeypatch.setenv(dispatch.BACKEND_ENV_VAR, "triton")
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    assert kernels.rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6) == "triton"
+    monkeypatch.setenv(dispatch.BACKEND_ENV_VAR, "reference")
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(
+        kernels.rms_norm(x, torch.ones(4), 1e-6), rms_norm_reference(x, torch.ones(4), 1e-6)
+    )
+    assert len(calls) == 1
+
+
+def test_public_api():
+    for name in kernels.__all__:
+        assert callable(getattr(kernels, name)), name

@@ -1,0 +1,184 @@
+"""paged_decode_attention (+ the fused cache-write variant): reference vs float64 dense
+attention on the K/V the cache was built from; Triton vs reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels.paged_decode_attention import (
+    paged_decode_attention_reference,
+    paged_decode_attention_triton,
+    paged_decode_attention_with_kv_write_reference,
+    paged_decode_attention_with_kv_write_triton,
+)
+from tests.kernels.helpers import TOLERANCE, assert_close
+from tests.kernels.paged import build_paged_kv, dense_attention_float64
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_reference_against_float64_dense(num_q_heads, num_kv_heads):
+    # tolerance: 1e-5 relative (float32 scores and softmax)
+    head_dim, scale = 16, 16**-0.5
+    paged = build_paged_kv(
+        [1, 9, 23, 0], 4, num_kv_heads, head_dim, torch.float32, torch.device("cpu")
+    )
+    q = torch.randn(4, num_q_heads, head_dim)
+    out = paged_decode_attention_reference(
+        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, scale
+    )
+    for seq, length in enumerate(paged.context_lens.tolist()):
+        if length == 0:
+            assert torch.equal(out[seq], torch.zeros_like(out[seq])), (
+                "padding sequence must give zeros"
+            )
+            continue
+        expected = dense_attention_float64(
+            q[seq : seq + 1], paged.dense_k[seq], paged.dense_v[seq], scale
+        )
+        assert_close(out[seq : seq + 1], expected, rel=1e-5, what=f"sequence {seq}")
+
+
+def test_cpu_dispatch_uses_reference():
+    paged = build_paged_kv([5, 3], 2, 2, 8, torch.float32, torch.device("cpu"))
+    q = torch.randn(2, 4, 8)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, 0.3)
+    torch.testing.assert_close(
+        kernels.paged_decode_attention(*args),
+        paged_decode_attention_reference(*args),
+        rtol=0,
+        atol=0,
+    )
+
+
+CASES = [
+    # (context lengths, block size, Hq, Hkv, head_dim, num_splits)
+    ([1, 17, 40, 0], 4, 4, 4, 32, None),  # GQA ratio 1, a padding sequence
+    ([33, 5, 64], 16, 8, 2, 32, 1),  # GQA ratio 4, one split
+    ([130, 7], 4, 8, 2, 32, 3),  # contexts spanning several splits and many blocks
+    ([21], 1, 8, 2, 16, 2),  # block size 1
+    ([50, 3], 5, 6, 3, 24, None),  # odd block size and head dim, GQA ratio 2
+    ([70], 16, 32, 4, 128, 2),  # model head dim and GQA ratio 8
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "context_lens,block_size,num_q_heads,num_kv_heads,head_dim,num_splits", CASES
+)
+def test_triton_paged_decode(
+    triton_device,
+    poison_allocations,
+    dtype,
+    context_lens,
+    block_size,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    num_splits,
+):
+    # tolerance: TOLERANCE[dtype] (float32 1e-4, 16-bit 1e-2), max-norm relative
+    paged = build_paged_kv(context_lens, block_size, num_kv_heads, head_dim, dtype, triton_device)
+    q = torch.randn(len(context_lens), num_q_heads, head_dim).to(dtype).to(triton_device)
+    scale = head_dim**-0.5
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, scale)
+    out = paged_decode_attention_triton(*args, num_splits=num_splits)
+    assert_close(out, paged_decode_attention_reference(*args), rel=TOLERANCE[dtype])
+
+
+def test_triton_split_heuristic_with_context_hint(triton_device):
+    """Default split choice (no override), with and without the host-side max length."""
+    paged = build_paged_kv([300, 20], 8, 2, 16, torch.float32, triton_device)
+    q = torch.randn(2, 4, 16, device=triton_device)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, 0.25)
+    expected = paged_decode_attention_reference(*args)
+    assert_close(kernels.paged_decode_attention(*args), expected, rel=1e-4)
+    assert_close(kernels.paged_decode_attention(*args, max_context_len=300), expected, rel=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_fused_cache_write(triton_device, poison_allocations, dtype, num_splits):
+    """The fused variant writes the current token's K/V (skipping padding) and attends to it."""
+    # tolerance: TOLERANCE[dtype] for the output; the cache write is exact
+    block_size, num_q_heads, num_kv_heads, head_dim = 4, 8, 2, 32
+    context_lens = [9, 0, 30, 1]
+    paged = build_paged_kv(context_lens, block_size, num_kv_heads, head_dim, dtype, triton_device)
+    slots = []
+    for seq, length in enumerate(context_lens):
+        if length == 0:
+            slots.append(-1)
+            continue
+        last = length - 1
+        slots.append(
+            int(paged.block_tables[seq, last // block_size]) * block_size + last % block_size
+        )
+    slot_mapping = torch.tensor(slots, device=triton_device)
+    batch = len(context_lens)
+    q = torch.randn(batch, num_q_heads, head_dim).to(dtype).to(triton_device)
+    k = torch.randn(batch, num_kv_heads, head_dim).to(dtype).to(triton_device)
+    v = torch.randn(batch, num_kv_heads, head_dim).to(dtype).to(triton_device)
+    k_cache, v_cache = paged.k_cache.clone(), paged.v_cache.clone()
+    expected_k_cache, expected_v_cache = paged.k_cache.clone(), paged.v_cache.clone()
+
+    out = paged_decode_attention_with_kv_write_triton(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        paged.block_tables,
+        paged.context_lens,
+        0.2,
+        num_splits=num_splits,
+    )
+    expected = paged_decode_attention_with_kv_write_reference(
+        q,
+        k,
+        v,
+        expected_k_cache,
+        expected_v_cache,
+        slot_mapping,
+        paged.block_tables,
+        paged.context_lens,
+        0.2,
+    )
+    torch.testing.assert_close(k_cache, expected_k_cache, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, expected_v_cache, rtol=0, atol=0, equal_nan=True)
+    assert_close(out, expected, rel=TOLERANCE[dtype])
+
+
+def test_triton_rejects_bad_arguments(triton_device):
+    paged = build_paged_kv([5, 3], 4, 2, 16, torch.float32, triton_device)
+    q = torch.randn(2, 4, 16, device=triton_device)
+    base = {
+        "k_cache": paged.k_cache,
+        "v_cache": paged.v_cache,
+        "block_tables": paged.block_tables,
+        "context_lens": paged.context_lens,
+        "scale": 0.3,
+    }
+    with pytest.raises(ValueError, match="query heads"):
+        paged_decode_attention_triton(torch.randn(2, 3, 16, device=triton_device), **base)
+    with pytest.raises(ValueError, match="q"):
+        paged_decode_attention_triton(q.to(torch.bfloat16), **base)
+    with pytest.raises(ValueError, match="context_lens"):
+        paged_decode_attention_triton(q, **{**base, "context_lens": paged.context_lens[:1]})
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_decode_attention_triton(q, **{**base, "block_tables": paged.block_tables.float()})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context_len", [600, 27000])
+def test_gpu_paged_decode_model_shapes(cuda_device, context_len):
+    # tolerance: 1e-2 (bfloat16); Hq 32, Hkv 4, D 128, block size 16
+    batch = 8
+    lengths = [context_len - 37 * i for i in range(batch)]
+    paged = build_paged_kv(lengths, 16, 4, 128, torch.bfloat16, cuda_device)
+    q = torch.randn(batch, 32, 128, device=cuda_device, dtype=torch.bfloat16)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, 128**-0.5)
+    assert_close(
+        kernels.paged_decode_attention(*args), paged_decode_attention_reference(*args), rel=1e-2
+    )

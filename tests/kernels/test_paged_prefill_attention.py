@@ -1,0 +1,177 @@
+"""paged_prefill_attention: reference vs float64 dense causal attention with a cached
+prefix; consistency with decode; Triton vs reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels.paged_decode_attention import paged_decode_attention_reference
+from kernels.paged_prefill_attention import (
+    paged_prefill_attention_reference,
+    paged_prefill_attention_triton,
+)
+from tests.kernels.helpers import TOLERANCE, assert_close
+from tests.kernels.paged import build_paged_kv, dense_attention_float64
+
+
+def packed_queries(query_lens: list[int], num_q_heads: int, head_dim: int, dtype, device):
+    cu_seqlens = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu_seqlens[-1]), num_q_heads, head_dim).to(dtype).to(device)
+    return q, cu_seqlens.to(device)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2)])
+def test_reference_against_float64_dense_causal(num_q_heads, num_kv_heads):
+    # tolerance: 1e-5 relative (float32)
+    head_dim, scale = 16, 0.3
+    query_lens, context_lens = (
+        [5, 3, 0, 1],
+        [5, 20, 7, 12],
+    )  # fresh prompt, chunk after a prefix, none, decode-like
+    paged = build_paged_kv(
+        context_lens, 4, num_kv_heads, head_dim, torch.float32, torch.device("cpu")
+    )
+    q, cu_seqlens = packed_queries(query_lens, num_q_heads, head_dim, torch.float32, "cpu")
+    out = paged_prefill_attention_reference(
+        q, paged.k_cache, paged.v_cache, paged.block_tables, cu_seqlens, paged.context_lens, scale
+    )
+    for seq, (query_len, context_len) in enumerate(zip(query_lens, context_lens)):
+        if query_len == 0:
+            continue
+        begin = int(cu_seqlens[seq])
+        positions = torch.arange(context_len - query_len, context_len)
+        expected = dense_attention_float64(
+            q[begin : begin + query_len],
+            paged.dense_k[seq],
+            paged.dense_v[seq],
+            scale,
+            query_positions=positions,
+        )
+        assert_close(out[begin : begin + query_len], expected, rel=1e-5, what=f"sequence {seq}")
+
+
+def test_single_query_prefill_equals_decode():
+    paged = build_paged_kv([9, 17], 4, 2, 16, torch.float32, torch.device("cpu"))
+    q = torch.randn(2, 8, 16)
+    cu_seqlens = torch.tensor([0, 1, 2], dtype=torch.int32)
+    prefill = paged_prefill_attention_reference(
+        q, paged.k_cache, paged.v_cache, paged.block_tables, cu_seqlens, paged.context_lens, 0.25
+    )
+    decode = paged_decode_attention_reference(
+        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, 0.25
+    )
+    assert_close(prefill, decode, rel=1e-6)
+
+
+CASES = [
+    # (query lengths, context lengths, block size, Hq, Hkv, head_dim)
+    (
+        [5, 3, 0, 1],
+        [5, 20, 7, 33],
+        4,
+        4,
+        4,
+        32,
+    ),  # GQA 1: fresh, chunk after prefix, no queries, decode-like
+    ([70, 2], [90, 2], 16, 8, 2, 32),  # GQA 4: query tiles of 64 and a long prefix
+    ([6, 11], [6, 30], 1, 8, 2, 16),  # block size 1
+    ([9], [25], 5, 6, 3, 24),  # odd block size / head dim
+    ([4], [19], 16, 32, 4, 128),  # model head dim, GQA 8
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "query_lens,context_lens,block_size,num_q_heads,num_kv_heads,head_dim", CASES
+)
+def test_triton_paged_prefill(
+    triton_device,
+    poison_allocations,
+    dtype,
+    query_lens,
+    context_lens,
+    block_size,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+):
+    # tolerance: TOLERANCE[dtype] (float32 1e-4, 16-bit 1e-2), max-norm relative
+    paged = build_paged_kv(context_lens, block_size, num_kv_heads, head_dim, dtype, triton_device)
+    q, cu_seqlens = packed_queries(query_lens, num_q_heads, head_dim, dtype, triton_device)
+    args = (
+        q,
+        paged.k_cache,
+        paged.v_cache,
+        paged.block_tables,
+        cu_seqlens,
+        paged.context_lens,
+        head_dim**-0.5,
+    )
+    out = kernels.paged_prefill_attention(*args)
+    assert_close(out, paged_prefill_attention_reference(*args), rel=TOLERANCE[dtype])
+
+
+def test_triton_with_max_query_len_hint(triton_device):
+    paged = build_paged_kv([12, 8], 4, 2, 16, torch.float32, triton_device)
+    q, cu_seqlens = packed_queries([12, 3], 4, 16, torch.float32, triton_device)
+    args = (
+        q,
+        paged.k_cache,
+        paged.v_cache,
+        paged.block_tables,
+        cu_seqlens,
+        paged.context_lens,
+        0.25,
+    )
+    assert_close(
+        paged_prefill_attention_triton(*args, max_query_len=12),
+        paged_prefill_attention_reference(*args),
+        rel=1e-4,
+    )
+
+
+def test_triton_rejects_bad_arguments(triton_device):
+    paged = build_paged_kv([5, 3], 4, 2, 16, torch.float32, triton_device)
+    q, cu_seqlens = packed_queries([5, 3], 4, 16, torch.float32, triton_device)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        paged_prefill_attention_triton(
+            q,
+            paged.k_cache,
+            paged.v_cache,
+            paged.block_tables,
+            cu_seqlens[:2],
+            paged.context_lens,
+            0.3,
+        )
+    with pytest.raises(ValueError, match="query heads"):
+        paged_prefill_attention_triton(
+            q[:, :3],
+            paged.k_cache,
+            paged.v_cache,
+            paged.block_tables,
+            cu_seqlens,
+            paged.context_lens,
+            0.3,
+        )
+
+
+@pytest.mark.gpu
+def test_gpu_paged_prefill_model_shapes(cuda_device):
+    # tolerance: 1e-2 (bfloat16); a 2k-token chunk after a 6k prefix plus two fresh prompts
+    query_lens, context_lens = [2048, 700, 1], [8192, 700, 3000]
+    paged = build_paged_kv(context_lens, 16, 4, 128, torch.bfloat16, cuda_device)
+    q, cu_seqlens = packed_queries(query_lens, 32, 128, torch.bfloat16, cuda_device)
+    args = (
+        q,
+        paged.k_cache,
+        paged.v_cache,
+        paged.block_tables,
+        cu_seqlens,
+        paged.context_lens,
+        128**-0.5,
+    )
+    assert_close(
+        kernels.paged_prefill_attention(*args), paged_prefill_attention_reference(*args), rel=1e-2
+    )

@@ -1,0 +1,135 @@
+"""rms_norm / fused_add_rms_norm: reference vs transformers and float64, Triton vs reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels.rms_norm import (
+    fused_add_rms_norm_reference,
+    fused_add_rms_norm_triton,
+    rms_norm_reference,
+    rms_norm_triton,
+)
+from tests.kernels.helpers import TOLERANCE, assert_close
+
+EPS = 1e-6
+
+
+def float64_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x64 = x.double()
+    return weight.double() * x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + eps)
+
+
+def test_reference_matches_transformers_bitwise():
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextRMSNorm
+
+    for dtype in (torch.float32, torch.bfloat16):
+        norm = Qwen3VLMoeTextRMSNorm(48, eps=EPS).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(48))
+        x = torch.randn(9, 48, dtype=dtype) * 3
+        with torch.no_grad():
+            expected = norm(x)
+        torch.testing.assert_close(
+            rms_norm_reference(x, norm.weight.detach(), EPS), expected, rtol=0, atol=0
+        )
+
+
+def test_reference_against_float64():
+    # tolerance: float32 1e-6 relative (a handful of float32 roundings)
+    x, weight = torch.randn(7, 40) * 5, torch.randn(40)
+    assert_close(rms_norm_reference(x, weight, EPS), float64_rms_norm(x, weight, EPS), rel=1e-6)
+
+
+def test_fused_add_reference_is_add_then_norm():
+    x, residual, weight = (
+        torch.randn(4, 16, dtype=torch.bfloat16),
+        torch.randn(4, 16, dtype=torch.bfloat16),
+        torch.randn(16, dtype=torch.bfloat16),
+    )
+    normed, new_residual = fused_add_rms_norm_reference(x, residual, weight, EPS)
+    assert new_residual.dtype == torch.bfloat16
+    torch.testing.assert_close(new_residual, x + residual, rtol=0, atol=0)
+    torch.testing.assert_close(
+        normed, rms_norm_reference(x + residual, weight, EPS), rtol=0, atol=0
+    )
+
+
+def test_cpu_dispatch_uses_reference():
+    x, weight = torch.randn(3, 8), torch.randn(8)
+    torch.testing.assert_close(
+        kernels.rms_norm(x, weight, EPS), rms_norm_reference(x, weight, EPS), rtol=0, atol=0
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 8), (7, 40), (3, 2048)])
+def test_triton_rms_norm(triton_device, poison_allocations, dtype, num_tokens, hidden):
+    # tolerance: TOLERANCE[dtype] (float32 1e-4, 16-bit 1e-2), max-norm relative
+    x = (torch.randn(num_tokens, hidden) * 4).to(dtype).to(triton_device)
+    weight = torch.randn(hidden).to(dtype).to(triton_device)
+    out = kernels.rms_norm(x, weight, EPS)  # dispatches to Triton (VLM_CATALOG_KERNELS=triton)
+    assert out.dtype == dtype
+    assert_close(out, rms_norm_reference(x, weight, EPS), rel=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 8), (5, 72)])
+def test_triton_fused_add_rms_norm(triton_device, poison_allocations, dtype, num_tokens, hidden):
+    # tolerance: TOLERANCE[dtype] for the norm; the new residual is one rounding of x + residual
+    x = torch.randn(num_tokens, hidden).to(dtype).to(triton_device)
+    residual = torch.randn(num_tokens, hidden).to(dtype).to(triton_device)
+    weight = torch.randn(hidden).to(dtype).to(triton_device)
+    normed, new_residual = fused_add_rms_norm_triton(x, residual, weight, EPS)
+    expected_normed, expected_residual = fused_add_rms_norm_reference(x, residual, weight, EPS)
+    assert_close(new_residual, expected_residual, rel=TOLERANCE[dtype], what="new_residual")
+    assert_close(normed, expected_normed, rel=TOLERANCE[dtype], what="normed")
+
+
+def test_triton_mixed_dtypes_follow_torch_promotion(triton_device):
+    # bf16 activations with a float32 weight give float32, as torch's `weight * h.to(x.dtype)`
+    x = torch.randn(3, 24, dtype=torch.bfloat16, device=triton_device)
+    weight = torch.randn(24, device=triton_device)
+    out = rms_norm_triton(x, weight, EPS)
+    assert out.dtype == torch.float32
+    assert_close(out, rms_norm_reference(x, weight, EPS), rel=1e-4)
+
+
+def test_triton_non_contiguous_rows(triton_device):
+    x = torch.randn(6, 64, device=triton_device)[::2, :40]  # row stride 128, last dim contiguous
+    weight = torch.randn(40, device=triton_device)
+    assert_close(rms_norm_triton(x, weight, EPS), rms_norm_reference(x, weight, EPS), rel=1e-4)
+
+
+def test_triton_wrapper_rejects_bad_arguments(triton_device):
+    x = torch.randn(4, 16, device=triton_device)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_triton(x, torch.randn(15, device=triton_device), EPS)
+    with pytest.raises(ValueError, match="dtype"):
+        rms_norm_triton(x.to(torch.int32), torch.randn(16, device=triton_device), EPS)
+    with pytest.raises(ValueError, match="contiguous"):
+        rms_norm_triton(
+            torch.randn(16, 4, device=triton_device).t(), torch.randn(16, device=triton_device), EPS
+        )
+    with pytest.raises(ValueError, match="residual"):
+        fused_add_rms_norm_triton(
+            x, torch.randn(4, 8, device=triton_device), torch.randn(16, device=triton_device), EPS
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_rms_norm_model_shapes(cuda_device, dtype):
+    # tolerance: TOLERANCE[dtype]
+    x = torch.randn(4096, 2048, device=cuda_device).to(dtype)
+    residual = torch.randn_like(x)
+    weight = torch.randn(2048, device=cuda_device).to(dtype)
+    assert_close(
+        kernels.rms_norm(x, weight, EPS), rms_norm_reference(x, weight, EPS), rel=TOLERANCE[dtype]
+    )
+    normed, new_residual = kernels.fused_add_rms_norm(x, residual, weight, EPS)
+    expected_normed, expected_residual = fused_add_rms_norm_reference(x, residual, weight, EPS)
+    assert_close(normed, expected_normed, rel=TOLERANCE[dtype])
+    assert_close(new_residual, expected_residual, rel=TOLERANCE[dtype])

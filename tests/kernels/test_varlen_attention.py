@@ -1,0 +1,101 @@
+"""varlen_attention: reference vs float64 per-segment attention, Triton vs reference,
+and the CUDA backend choice."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import kernels
+from kernels.varlen_attention import (
+    SDPA_MAX_SEGMENTS,
+    VARLEN_BACKEND_ENV_VAR,
+    varlen_attention_reference,
+    varlen_attention_triton,
+    varlen_backend,
+)
+from tests.kernels.helpers import TOLERANCE, assert_close
+from tests.kernels.paged import dense_attention_float64
+
+
+def packed(segment_lens: list[int], num_heads: int, head_dim: int, dtype, device):
+    cu_seqlens = torch.tensor([0] + segment_lens).cumsum(0).to(torch.int32).to(device)
+    total = int(cu_seqlens[-1])
+    q, k, v = (torch.randn(total, num_heads, head_dim).to(dtype).to(device) for _ in range(3))
+    return q, k, v, cu_seqlens
+
+
+def test_reference_against_float64_per_segment():
+    # tolerance: 1e-5 relative (float32); segments never see each other
+    q, k, v, cu_seqlens = packed([4, 1, 9], 3, 16, torch.float32, "cpu")
+    out = varlen_attention_reference(q, k, v, cu_seqlens, 0.25)
+    bounds = cu_seqlens.tolist()
+    for begin, end in itertools.pairwise(bounds):
+        expected = dense_attention_float64(q[begin:end], k[begin:end], v[begin:end], 0.25)
+        assert_close(out[begin:end], expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "segment_lens,num_heads,head_dim",
+    [
+        ([5], 2, 16),
+        ([3, 0, 70, 1], 2, 72),  # vision head dim 72, an empty segment, a 2-tile segment
+        ([17, 40], 4, 32),
+    ],
+)
+def test_triton_varlen_attention(
+    triton_device, poison_allocations, dtype, segment_lens, num_heads, head_dim
+):
+    # tolerance: TOLERANCE[dtype] (float32 1e-4, 16-bit 1e-2), max-norm relative
+    q, k, v, cu_seqlens = packed(segment_lens, num_heads, head_dim, dtype, triton_device)
+    out = kernels.varlen_attention(q, k, v, cu_seqlens, head_dim**-0.5)
+    assert_close(
+        out, varlen_attention_reference(q, k, v, cu_seqlens, head_dim**-0.5), rel=TOLERANCE[dtype]
+    )
+
+
+def test_triton_strided_views_of_a_fused_qkv(triton_device):
+    num_tokens, num_heads, head_dim = 12, 2, 16
+    qkv = torch.randn(num_tokens, 3, num_heads, head_dim, device=triton_device)
+    q, k, v = qkv.unbind(1)  # strided [N, H, D] views, as the vision tower produces them
+    cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32, device=triton_device)
+    assert_close(
+        varlen_attention_triton(q, k, v, cu_seqlens, 0.3, max_seqlen=7),
+        varlen_attention_reference(q, k, v, cu_seqlens, 0.3),
+        rel=1e-4,
+    )
+
+
+def test_backend_choice(monkeypatch):
+    monkeypatch.delenv(VARLEN_BACKEND_ENV_VAR, raising=False)
+    assert varlen_backend(1) == "sdpa"
+    assert varlen_backend(SDPA_MAX_SEGMENTS + 1) == "triton"
+    monkeypatch.setenv(VARLEN_BACKEND_ENV_VAR, "triton")
+    assert varlen_backend(1) == "triton"
+    monkeypatch.setenv(VARLEN_BACKEND_ENV_VAR, "flash")
+    with pytest.raises(ValueError, match="flash"):
+        varlen_backend(1)
+
+
+def test_triton_rejects_bad_arguments(triton_device):
+    q, k, v, cu_seqlens = packed([3, 4], 2, 16, torch.float32, triton_device)
+    with pytest.raises(ValueError, match="k"):
+        varlen_attention_triton(q, k[:5], v, cu_seqlens, 0.3)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        varlen_attention_triton(q, k, v, cu_seqlens.float(), 0.3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "sdpa"])
+def test_gpu_varlen_attention_vision_shapes(cuda_device, monkeypatch, backend):
+    # tolerance: 1e-2 (bfloat16); vision tower: 16 heads of 72, images of 1k-16k patches
+    monkeypatch.setenv(VARLEN_BACKEND_ENV_VAR, backend)
+    q, k, v, cu_seqlens = packed([1024, 4096, 15625], 16, 72, torch.bfloat16, cuda_device)
+    assert_close(
+        kernels.varlen_attention(q, k, v, cu_seqlens, 72**-0.5),
+        varlen_attention_reference(q, k, v, cu_seqlens, 72**-0.5),
+        rel=1e-2,
+    )
