@@ -1,0 +1,88 @@
+"""Token bitmasks: one int32 word per 32 vocabulary ids, bit set = token allowed.
+
+The engine allocates one `[max_batch, ceil(vocab/32)]` bitmask on the CPU, each
+grammar request fills its row (`GrammarState.fill_bitmask`), and `apply_bitmask`
+sets the disallowed logits of those rows to -inf in one batched call, on the
+logits' device (xgrammar's CPU kernel or, on CUDA, its Triton kernel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import xgrammar as xgr
+
+BITS_PER_WORD = 32
+
+
+def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
+    """An int32 CPU tensor `[batch_size, ceil(vocab_size / 32)]`, every token allowed."""
+    if batch_size < 1 or vocab_size < 1:
+        raise ValueError(
+            f"bitmask needs batch_size >= 1 and vocab_size >= 1, got {batch_size} and {vocab_size}"
+        )
+    return xgr.allocate_token_bitmask(batch_size, vocab_size)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """Set `logits[r, t] = -inf` for every token `t` not allowed by `bitmask[r]`, for `r` in `rows`.
+
+    In place. `logits` is `[B, V]` (any float dtype, CPU or CUDA); `bitmask` must
+    cover all `V` columns, so vocabulary padding can only be allowed if a row says
+    so (grammar rows never do). Rows not listed (requests without a grammar) are
+    left untouched. The bitmask is copied to the logits' device if needed.
+    """
+    rows = [int(r) for r in rows]
+    if not rows:
+        return
+    if logits.dim() != 2 or bitmask.dim() != 2:
+        raise ValueError(
+            "expected logits [B, V] and bitmask [B, W], "
+            f"got {tuple(logits.shape)} and {tuple(bitmask.shape)}"
+        )
+    if bitmask.dtype != torch.int32:
+        raise ValueError(f"bitmask must be int32, got {bitmask.dtype}")
+    vocab_size = logits.shape[1]
+    if bitmask.shape[1] * BITS_PER_WORD < vocab_size:
+        raise ValueError(
+            f"bitmask covers {bitmask.shape[1] * BITS_PER_WORD} tokens but logits have {vocab_size}"
+        )
+    if len(set(rows)) != len(rows):
+        raise ValueError(f"rows must be unique, got {rows}")
+    batch_limit = min(logits.shape[0], bitmask.shape[0])
+    bad_rows = [r for r in rows if not 0 <= r < batch_limit]
+    if bad_rows:
+        raise ValueError(f"rows {bad_rows} are outside the batch of {batch_limit}")
+    if bitmask.device != logits.device:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
+
+
+def allow_only_token(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Make `bitmask[row]` allow exactly one token."""
+    word, bit = divmod(token_id, BITS_PER_WORD)
+    bitmask[row].zero_()
+    bitmask[row, word] = _word_with_bit(bit)
+
+
+def row_token_ids(bitmask_row: torch.Tensor, limit: int) -> list[int]:
+    """The token ids below `limit` whose bit is set in one bitmask row."""
+    shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32)
+    bits = (bitmask_row.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # [W, 32]
+    return [t for t in bits.flatten().nonzero().flatten().tolist() if t < limit]
+
+
+def row_allows_only(bitmask_row: torch.Tensor, token_ids: Iterable[int]) -> bool:
+    """True if no token outside `token_ids` is allowed by the row."""
+    remaining = bitmask_row.clone()
+    for token_id in token_ids:
+        word, bit = divmod(token_id, BITS_PER_WORD)
+        remaining[word] &= ~_word_with_bit(bit)
+    return not bool(remaining.any())
+
+
+def _word_with_bit(bit: int) -> int:
+    """The int32 value with only `bit` set (bit 31 is the sign bit)."""
+    value = 1 << bit
+    return value - (1 << BITS_PER_WORD) if bit == BITS_PER_WORD - 1 else value

@@ -1,0 +1,201 @@
+"""`GrammarCompilerService`: compiles grammars in a thread pool, off the step loop.
+
+The engine submits a request's `GrammarSpec` when the request arrives and
+schedules the request once the future is done, so no decode step ever waits on
+a compilation. Compiled grammars are kept in an LRU cache keyed by the spec
+(bounded by entry count); an entry holds the *future*, so concurrent submits of
+the same spec share one compilation. Failed compilations are not cached: the
+future raises `GrammarError` with xgrammar's message, and the service goes on
+serving other specs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import xgrammar as xgr
+
+from vlm_catalog.structured.errors import GrammarError
+from vlm_catalog.structured.spec import GrammarSpec
+from vlm_catalog.structured.vocabulary import GrammarVocabulary
+
+# Compact JSON: the answers are short, and every whitespace token is a wasted step.
+JSON_SEPARATORS = (",", ":")
+
+# xgrammar prefixes its C++ errors with "[12:34:56] /project/cpp/file.cc:83: ".
+_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A compiled grammar plus the vocabulary every `GrammarState` built from it needs."""
+
+    spec: GrammarSpec
+    grammar: xgr.CompiledGrammar
+    vocabulary: GrammarVocabulary
+    compile_seconds: float
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.grammar.memory_size_bytes)
+
+
+@dataclass(frozen=True)
+class CompilerStats:
+    """A snapshot of the service's counters."""
+
+    hits: int  # submits answered from the cache (including in-flight compilations)
+    misses: int  # submits that started a compilation
+    compilations: int  # compilations that succeeded
+    failures: int  # compilations that raised GrammarError
+    evictions: int  # entries dropped to keep the cache within cache_size
+    cached: int  # entries in the cache now
+    compile_seconds: float  # total time spent compiling (successes and failures)
+
+
+class GrammarCompilerService:
+    """Compile `GrammarSpec`s for one tokenizer in background threads; LRU-cache the results.
+
+    `vocab_size` is the model's logits width (padding included), `stop_token_ids`
+    the tokens that end an answer (`<|im_end|>`, `<|endoftext|>`).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        max_workers: int = 1,
+        cache_size: int = 256,
+    ) -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        self.vocabulary = GrammarVocabulary(tokenizer, vocab_size, stop_token_ids)
+        # xgrammar's own cache is unbounded by default; ours is the only one.
+        self._compiler = xgr.GrammarCompiler(
+            self.vocabulary.info, max_threads=max_workers, cache_enabled=False
+        )
+        self._executor = ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="grammar-compile"
+        )
+        self._cache_size = cache_size
+        self._cache: OrderedDict[GrammarSpec, Future[CompiledGrammar]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._hits = self._misses = self._compilations = self._failures = self._evictions = 0
+        self._compile_seconds = 0.0
+
+    def submit(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
+        """A future of the compiled grammar; it raises `GrammarError` if compilation fails."""
+        if not isinstance(spec, GrammarSpec):
+            raise TypeError(f"submit() takes a GrammarSpec, got {type(spec).__name__}")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the grammar compiler service is closed")
+            future = self._cache.get(spec)
+            if future is not None:
+                self._cache.move_to_end(spec)
+                self._hits += 1
+                return future
+            self._misses += 1
+            future = self._executor.submit(self._compile, spec)
+            self._cache[spec] = future
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+                self._evictions += 1
+        future.add_done_callback(partial(self._forget_if_failed, spec))
+        return future
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Blocking convenience: `submit(spec).result()`."""
+        return self.submit(spec).result()
+
+    def stats(self) -> CompilerStats:
+        with self._lock:
+            return CompilerStats(
+                hits=self._hits,
+                misses=self._misses,
+                compilations=self._compilations,
+                failures=self._failures,
+                evictions=self._evictions,
+                cached=len(self._cache),
+                compile_seconds=self._compile_seconds,
+            )
+
+    def close(self) -> None:
+        """Stop the workers; queued compilations are cancelled, running ones finish."""
+        with self._lock:
+            self._closed = True
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> GrammarCompilerService:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- worker side ----------------------------------------------------------------------
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        start = time.perf_counter()
+        try:
+            grammar = self._compile_with_xgrammar(spec)
+        except Exception as exc:  # anything xgrammar raises is this request's problem
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                self._failures += 1
+                self._compile_seconds += elapsed
+            message = f"cannot compile {spec.describe()}: {_xgrammar_message(exc)}"
+            raise GrammarError(message) from exc
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            self._compilations += 1
+            self._compile_seconds += elapsed
+        return CompiledGrammar(
+            spec=spec, grammar=grammar, vocabulary=self.vocabulary, compile_seconds=elapsed
+        )
+
+    def _compile_with_xgrammar(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        if spec.json_schema is not None:
+            return self._compiler.compile_json_schema(
+                spec.json_schema, any_whitespace=False, separators=JSON_SEPARATORS
+            )
+        if spec.regex is not None:
+            return self._compiler.compile_regex(spec.regex)
+        return self._compiler.compile_grammar(choice_ebnf(spec.choice or ()))
+
+    def _forget_if_failed(self, spec: GrammarSpec, future: Future[CompiledGrammar]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            return
+        with self._lock:
+            if self._cache.get(spec) is future:
+                del self._cache[spec]
+
+
+def choice_ebnf(choices: Sequence[str]) -> str:
+    """An EBNF grammar matching exactly one of `choices`.
+
+    xgrammar's EBNF string literals take JSON-style escapes; `ensure_ascii=False`
+    keeps non-ASCII characters literal (JSON's surrogate-pair escapes for
+    characters beyond the BMP are not understood by the EBNF parser).
+    """
+    if not choices:
+        raise GrammarError("choice is empty: give at least one string")
+    alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+    return f"root ::= {alternatives}"
+
+
+def _xgrammar_message(exc: Exception) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return _XGRAMMAR_LOG_PREFIX.sub("", text)

@@ -1,0 +1,96 @@
+"""The tokenizer as constrained decoding sees it: xgrammar's token table, the
+model's (padded) vocabulary size, the stop tokens and a canonical encoder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+import xgrammar as xgr
+
+from vlm_catalog.structured.errors import GrammarError
+
+ENCODE_CACHE_SIZE = 4096
+
+
+class GrammarVocabulary:
+    """Shared, read-only token information for every grammar of one model.
+
+    `vocab_size` is the model's logits width, which may exceed `len(tokenizer)`
+    (Qwen pads 151,665 tokens to 151,936). No grammar ever allows a padding id or
+    a special token other than the stop tokens: xgrammar's `from_huggingface`
+    would read `<|image_pad|>` or `<|im_start|>` as their literal text, valid
+    inside any JSON string, so their entries are blanked (xgrammar's mark for
+    "not text") before the token table is built.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        tokenizer_size = len(tokenizer)
+        if vocab_size < tokenizer_size:
+            raise GrammarError(
+                f"vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer_size} tokens"
+            )
+        stops = tuple(dict.fromkeys(int(t) for t in stop_token_ids))
+        if not stops:
+            raise GrammarError("give at least one stop token id (e.g. <|im_end|>)")
+        out_of_range = [t for t in stops if not 0 <= t < tokenizer_size]
+        if out_of_range:
+            raise GrammarError(f"stop token ids {out_of_range} are not in the tokenizer")
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.tokenizer_size = tokenizer_size
+        self.stop_token_ids = stops
+        banned = _special_token_ids(tokenizer) - set(stops)
+        self.info = _token_table(tokenizer, vocab_size, stops, banned)
+        # Ids no grammar allows: special tokens other than the stops, and vocabulary padding.
+        self.never_allowed = frozenset(banned | set(range(tokenizer_size, vocab_size)))
+        self._encode_cached = lru_cache(maxsize=ENCODE_CACHE_SIZE)(self._encode)
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        """The canonical tokenisation of `text`, no special tokens added (memoised)."""
+        return self._encode_cached(text)
+
+    def _encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def is_matchable(self, token_id: int) -> bool:
+        """False for ids no grammar can allow (checked first: xgrammar would log a warning)."""
+        return 0 <= token_id < self.vocab_size and token_id not in self.never_allowed
+
+    def describe_token(self, token_id: int) -> str:
+        """`17 ('"category')`-style text for error messages."""
+        if 0 <= token_id < self.tokenizer_size:
+            kind = ", a special token" if token_id in self.never_allowed else ""
+            return f"{token_id} ({self.tokenizer.decode([token_id])!r}{kind})"
+        if self.tokenizer_size <= token_id < self.vocab_size:
+            return f"{token_id} (vocabulary padding past the tokenizer's {self.tokenizer_size})"
+        return f"{token_id} (outside the vocabulary of {self.vocab_size})"
+
+
+def _token_table(
+    tokenizer: Any, vocab_size: int, stops: tuple[int, ...], banned: set[int]
+) -> xgr.TokenizerInfo:
+    """xgrammar's token table, with the `banned` ids made unmatchable."""
+    detected = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=list(stops)
+    )
+    encoded_vocab = [""] * vocab_size
+    for token, token_id in tokenizer.get_vocab().items():
+        if token_id < vocab_size and token_id not in banned:
+            encoded_vocab[token_id] = token
+    return xgr.TokenizerInfo(
+        encoded_vocab,
+        detected.vocab_type,
+        vocab_size=vocab_size,
+        stop_token_ids=list(stops),
+        add_prefix_space=detected.add_prefix_space,
+    )
+
+
+def _special_token_ids(tokenizer: Any) -> set[int]:
+    special = set(tokenizer.all_special_ids)
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special.update(token_id for token_id, token in added.items() if token.special)
+    return special
