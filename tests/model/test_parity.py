@@ -46,8 +46,9 @@ def test_matches_transformers(case, tmp_path, tiny_tokenizer):
     if not changes.get("norm_topk_prob", True):
         reference_without_renormalisation(reference)
 
-    our_tokens, our_logits = our_greedy(ours, prompt, STEPS)
-    reference_tokens, reference_logits = reference_greedy(reference, prompt, STEPS)
+    pixels = processor.load_pixels(prompt.images) if images else None
+    our_tokens, our_logits = our_greedy(ours, prompt, pixels, STEPS)
+    reference_tokens, reference_logits = reference_greedy(reference, prompt, pixels, STEPS)
     assert len(our_logits) == len(reference_logits) == prompt.num_tokens + STEPS - 1
     worst = max(float((a - b).abs().max()) for a, b in zip(our_logits, reference_logits))
     assert worst <= ATOL, f"max abs logit difference {worst:.2e}"

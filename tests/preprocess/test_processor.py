@@ -68,7 +68,8 @@ def test_same_tokens_pixels_grids_and_positions_as_transformers(processor, check
 
     assert prompt.token_ids == expected["input_ids"][0].tolist()
     assert [list(image.grid_thw) for image in prompt.images] == expected["image_grid_thw"].tolist()
-    pixels = torch.cat([image.pixel_values for image in prompt.images])
+    pixels, grids = processor.load_pixels(prompt.images)
+    assert grids.tolist() == expected["image_grid_thw"].tolist()
     assert (pixels - expected["pixel_values"]).abs().max() <= 1e-5
 
     hf_model = Qwen3VLMoeModel(Qwen3VLMoeConfig.from_pretrained(checkpoint))
@@ -123,5 +124,20 @@ def test_bad_messages_are_named(processor, messages, message):
 def test_undecodable_image_fails_with_the_decoder_error(processor):
     from vlm_catalog.preprocess.image_decode import ImageDecodeError
 
-    with pytest.raises(ImageDecodeError):
+    with pytest.raises(ImageDecodeError):  # refused from the header, before any pixel work
         processor.process([{"role": "user", "content": [{"type": "image", "image": b"not an image"}]}])
+    whole = noise_image(64, 64, seed=5, fmt="JPEG")
+    truncated = whole[: len(whole) * 2 // 3]
+    prompt = processor.process([{"role": "user", "content": [{"type": "image", "image": truncated}]}])
+    with pytest.raises(ImageDecodeError):  # corrupt pixel data shows only when decoding
+        processor.load_pixels(prompt.images)
+
+
+def test_prompt_holds_no_pixels_and_computes_positions_lazily(processor):
+    prompt = processor.process(messages_with_images([noise_image(150, 70, seed=1), noise_image(90, 260, seed=2, fmt="JPEG")]))
+    assert all(isinstance(image.source, bytes) for image in prompt.images)
+    assert "positions" not in prompt.__dict__
+    full, delta = mrope_positions(prompt.num_tokens, prompt.image_spans, [i.grid_thw for i in prompt.images], 2)
+    assert torch.equal(prompt.positions, full) and prompt.mrope_delta == delta
+    prompt.release_positions()
+    assert "positions" not in prompt.__dict__

@@ -127,3 +127,17 @@ def test_constructor_checks(tokenizer, stop_token_ids):
         GrammarCompilerService(tokenizer, 1024, [1010])
     with pytest.raises(ValueError, match="cache_size"):
         GrammarCompilerService(tokenizer, 1024, stop_token_ids, cache_size=0)
+
+
+def test_bounded_json_strings_refuse_control_characters(service):
+    """xgrammar 0.2.x lets raw U+0000-U+001F into minLength/maxLength strings; our grammar must not."""
+    import xgrammar as xgr
+
+    from vlm_catalog.structured import GrammarSpec
+
+    schema = {"type": "object", "properties": {"b": {"type": "string", "maxLength": 8}}, "required": ["b"]}
+    compiled = service.compile(GrammarSpec.from_request(json_schema=schema))
+    matcher = xgr.GrammarMatcher(compiled.grammar)
+    assert matcher.accept_string('{"b":"ab')
+    assert not matcher.accept_string("\t") and not matcher.accept_string("\x01")
+    assert matcher.accept_string('c"}')

@@ -28,6 +28,8 @@ from vlm_catalog.model.loader import load_model
 from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel, multimodal_inputs
 from vlm_catalog.preprocess.processor import ProcessedPrompt, PromptProcessor
 
+Pixels = tuple[torch.Tensor, torch.Tensor] | None  # (pixel rows [N, D], grids [n, 3]) or no images
+
 
 LOW_PRECISION_SLACK = 1.5
 
@@ -72,14 +74,16 @@ def build_messages(prompt: str, images: list[bytes]) -> list[dict[str, Any]]:
 
 
 @torch.inference_mode()
-def reference_greedy(reference: Any, prompt: ProcessedPrompt, num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+def reference_greedy(
+    reference: Any, prompt: ProcessedPrompt, pixels: Pixels, num_tokens: int
+) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and per-step logits [V] (prompt positions first) from transformers, with its KV cache."""
     device = next(reference.parameters()).device
     input_ids = torch.tensor([prompt.token_ids], device=device)
     kwargs: dict[str, Any] = {}
-    if prompt.images:
-        kwargs["pixel_values"] = torch.cat([image.pixel_values for image in prompt.images]).to(device)
-        kwargs["image_grid_thw"] = torch.tensor([image.grid_thw for image in prompt.images], device=device)
+    if pixels is not None:
+        kwargs["pixel_values"] = pixels[0].to(device)
+        kwargs["image_grid_thw"] = pixels[1].to(device)
         kwargs["mm_token_type_ids"] = (input_ids == reference.config.image_token_id).int()
     reference.model.rope_deltas = None
     out = reference(input_ids=input_ids, use_cache=True, **kwargs)
@@ -100,16 +104,16 @@ def reference_greedy(reference: Any, prompt: ProcessedPrompt, num_tokens: int) -
 
 
 @torch.inference_mode()
-def our_greedy(model: Qwen3VLMoeModel, prompt: ProcessedPrompt, num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+def our_greedy(
+    model: Qwen3VLMoeModel, prompt: ProcessedPrompt, pixels: Pixels, num_tokens: int
+) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and per-step logits from our model, with the unpaged KV cache."""
     device = model.device
     cache = ContiguousKVCache(model.config.text.num_layers)
     input_ids = torch.tensor(prompt.token_ids, device=device)
     images = []
-    if prompt.images:
-        pixel_values = torch.cat([image.pixel_values for image in prompt.images]).to(device)
-        grid_thw = torch.tensor([image.grid_thw for image in prompt.images], device=device)
-        images = model.encode_images(pixel_values, grid_thw)
+    if pixels is not None:
+        images = model.encode_images(pixels[0].to(device), pixels[1].to(device))
     cache.plan(["prompt"], [len(prompt.token_ids)])
     hidden = model(input_ids, prompt.positions.to(device), cache, multimodal_inputs(input_ids, model.config.image_token_id, images))
     logits = [row for row in model.compute_logits(hidden).float()]
@@ -138,10 +142,11 @@ def check_parity(
     config = ModelConfig.from_pretrained(checkpoint_dir)
     processor = PromptProcessor.from_pretrained(checkpoint_dir, image_token_id=config.image_token_id)
     prompt = processor.process(build_messages(prompt_text, images or []))
+    pixels = processor.load_pixels(prompt.images) if prompt.images else None
     ours = load_model(checkpoint_dir, dtype=dtype, device=device)
     reference = load_reference(checkpoint_dir, dtype=dtype, device=device)
-    our_tokens, our_logits = our_greedy(ours, prompt, num_tokens)
-    reference_tokens, reference_logits = reference_greedy(reference, prompt, num_tokens)
+    our_tokens, our_logits = our_greedy(ours, prompt, pixels, num_tokens)
+    reference_tokens, reference_logits = reference_greedy(reference, prompt, pixels, num_tokens)
     step_diffs = _step_diffs(our_logits, reference_logits)
     report = ParityReport(
         prompt_tokens=prompt.num_tokens,
@@ -154,7 +159,7 @@ def check_parity(
     if dtype != torch.float32:
         del reference
         float32_reference = load_reference(checkpoint_dir, torch.float32, device=device)
-        float32_tokens, float32_logits = reference_greedy(float32_reference, prompt, num_tokens)
+        float32_tokens, float32_logits = reference_greedy(float32_reference, prompt, pixels, num_tokens)
         # compare only while all three runs fed the same tokens back in
         agreeing = _common_prefix(our_tokens, reference_tokens, float32_tokens)
         rows = prompt.num_tokens + max(agreeing - 1, 0)

@@ -49,11 +49,13 @@ from vlm_catalog.preprocess.image_decode import (
     check_pixel_limit,
     decode_image_bytes,
     image_bytes_from_input,
+    probe_image_bytes,
     to_rgb,
 )
 
 __all__ = [
     "ImageInput",
+    "ImageProbe",
     "ImageProcessor",
     "ProcessedImage",
     "normalised_patches",
@@ -136,6 +138,16 @@ class ProcessedImage:
     # "person" tags). Key for the encoder cache and the prefix cache; it depends on
     # the image only, so a cache shared by differently configured processors must
     # add the processor's settings to the key.
+    content_hash: str
+
+
+@dataclass(frozen=True)
+class ImageProbe:
+    """What is known of an image before its pixels are decoded (see `ImageProcessor.probe`)."""
+
+    source: bytes | Image.Image  # what `ImageProcessor.process` takes
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
     content_hash: str
 
 
@@ -361,6 +373,24 @@ class ImageProcessor:
         """Language-model tokens of an image of this size, without touching pixels."""
         _, grid_h, grid_w = self.grid_thw_for_size(height, width)
         return grid_h * grid_w // self.merge_size**2
+
+    def probe(self, image: ImageInput) -> ImageProbe:
+        """Grid, token count and content hash of an image, from its header only.
+
+        Bytes and data URIs are checked like a decode (format, pixel limit) but
+        not decoded; the returned `source` (the file bytes, or the PIL image) is
+        what `process` takes later. The hash equals `process(...).content_hash`.
+        """
+        if isinstance(image, Image.Image):
+            check_pixel_limit(image.width, image.height, self.max_decode_pixels)
+            rgb = to_rgb(image)
+            width, height, source, content_hash = rgb.width, rgb.height, rgb, _pixel_hash(rgb)
+        else:
+            source = image_bytes_from_input(image)
+            width, height = probe_image_bytes(source, max_pixels=self.max_decode_pixels)
+            content_hash = _file_hash(source)
+        grid = self.grid_thw_for_size(height, width)
+        return ImageProbe(source, grid, grid[1] * grid[2] // self.merge_size**2, content_hash)
 
     # ----------------------------------------------------------------- stages
     def load(self, image: ImageInput) -> tuple[Image.Image, str]:

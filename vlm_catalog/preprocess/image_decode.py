@@ -52,6 +52,7 @@ __all__ = [
     "decode_image",
     "decode_image_bytes",
     "image_bytes_from_input",
+    "probe_image_bytes",
     "to_rgb",
 ]
 
@@ -280,6 +281,25 @@ def to_rgb(image: Image.Image) -> Image.Image:
         raise ImageDecodeError(
             DecodeFailure.UNSUPPORTED_MODE, f"cannot convert PIL mode {image.mode!r} to RGB: {exc}"
         ) from None
+
+
+def probe_image_bytes(raw: bytes, *, max_pixels: int) -> tuple[int, int]:
+    """(width, height) after EXIF orientation, read from the header alone.
+
+    Applies the same format and size checks as :func:`decode_image_bytes`
+    without decoding pixels, so a request's token count can be known (and a bad
+    image refused) long before its pixels are needed. Corrupt pixel data is only
+    found by the full decode.
+    """
+    if not raw:
+        raise ImageDecodeError(DecodeFailure.EMPTY, "image data is empty (0 bytes)")
+    fmt = _sniff_format(raw)
+    with _open_header(raw, fmt) as image:
+        check_pixel_limit(image.width, image.height, max_pixels)
+        orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
+        if orientation in (5, 6, 7, 8):  # the transposing orientations swap the axes
+            return image.height, image.width
+        return image.width, image.height
 
 
 def decode_image_bytes(raw: bytes, *, max_pixels: int) -> Image.Image:

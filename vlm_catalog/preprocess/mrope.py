@@ -52,6 +52,26 @@ def mrope_positions(
     return positions, delta
 
 
+def mrope_delta(
+    num_tokens: int,
+    image_spans: Sequence[tuple[int, int]],
+    image_grids: Sequence[tuple[int, int, int]],
+    merge_size: int,
+) -> int:
+    """The decode delta of `mrope_positions` without building the positions."""
+    if num_tokens == 0:
+        return 0
+    cursor = position = 0
+    for (start, length), (t, h, w) in sorted(zip(image_spans, image_grids)):
+        position += start - cursor
+        last_image_position = position + max(t, h // merge_size, w // merge_size) - 1
+        position += max(h // merge_size, w // merge_size)
+        cursor = start + length
+    end_position = position + (num_tokens - cursor) - 1 if num_tokens > cursor else position - 1
+    highest = max(end_position, last_image_position) if image_spans else num_tokens - 1
+    return highest + 1 - num_tokens
+
+
 def decode_positions(sequence_indices: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
     """Positions [3, n] of generated tokens at `sequence_indices` [n] with per-token `deltas` [n]."""
     return (sequence_indices + deltas).unsqueeze(0).expand(3, -1)

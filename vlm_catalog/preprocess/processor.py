@@ -16,15 +16,16 @@ in message text are broken with a zero-width space before rendering.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from vlm_catalog.preprocess.chat_template import load_chat_template, render_chat
-from vlm_catalog.preprocess.image import ImageProcessor, ProcessedImage
-from vlm_catalog.preprocess.mrope import mrope_positions
+from vlm_catalog.preprocess.image import ImageProbe, ImageProcessor
+from vlm_catalog.preprocess.mrope import mrope_delta, mrope_positions
 
 ZERO_WIDTH_SPACE = "\u200b"
 
@@ -35,15 +36,39 @@ class PromptError(ValueError):
 
 @dataclass
 class ProcessedPrompt:
+    """A tokenised prompt whose images are known by their headers, not yet by their pixels.
+
+    Holding no pixels and no positions until they are needed keeps a queued
+    request small (the offline benchmark queues 48k of them): pixels are made
+    by `PromptProcessor.load_pixels` when the vision encoder runs, positions on
+    first use and dropped with `release_positions`.
+    """
+
     token_ids: list[int]
-    images: list[ProcessedImage]
+    images: list[ImageProbe]
     image_spans: list[tuple[int, int]]  # (first token index, token count) per image, in order
-    positions: torch.Tensor  # [3, len(token_ids)] int64
-    mrope_delta: int  # generated token at sequence index n sits at position n + mrope_delta
+    merge_size: int = 2
+    mrope_delta: int = field(init=False)  # generated token at index n sits at position n + mrope_delta
+
+    def __post_init__(self) -> None:
+        self.mrope_delta = mrope_delta(len(self.token_ids), self.image_spans, self._grids, self.merge_size)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def _grids(self) -> list[tuple[int, int, int]]:
+        return [image.grid_thw for image in self.images]
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """MRoPE positions [3, num_tokens] (int64)."""
+        positions, _ = mrope_positions(len(self.token_ids), self.image_spans, self._grids, self.merge_size)
+        return positions
+
+    def release_positions(self) -> None:
+        self.__dict__.pop("positions", None)
 
 
 class PromptProcessor:
@@ -99,11 +124,20 @@ class PromptProcessor:
                 f"the rendered prompt has {len(placeholder_indices)} image placeholders for "
                 f"{len(image_inputs)} images (does the chat template emit {self.image_token!r} per image?)"
             )
-        images = self.image_processor.process_many(image_inputs) if image_inputs else []
+        images = [self.image_processor.probe(image) for image in image_inputs]
         return self.expand(token_ids, images)
 
-    def expand(self, token_ids: list[int], images: list[ProcessedImage]) -> ProcessedPrompt:
-        """Replace the i-th image placeholder token by images[i].num_tokens copies; add positions."""
+    def load_pixels(self, images: list[ImageProbe]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode and patchify images (in a thread pool): pixel rows [N, D] and grids [n, 3]."""
+        processed = self.image_processor.process_many([image.source for image in images])
+        for probe, image in zip(images, processed):
+            if tuple(image.grid_thw) != tuple(probe.grid_thw):
+                raise PromptError(f"image decoded to grid {image.grid_thw}, its header said {probe.grid_thw}")
+        pixel_values = torch.cat([image.pixel_values for image in processed])
+        return pixel_values, torch.tensor([image.grid_thw for image in processed])
+
+    def expand(self, token_ids: list[int], images: list[ImageProbe]) -> ProcessedPrompt:
+        """Replace the i-th image placeholder token by images[i].num_tokens copies."""
         expanded: list[int] = []
         spans: list[tuple[int, int]] = []
         image_iter = iter(images)
@@ -114,10 +148,7 @@ class PromptProcessor:
             image = next(image_iter)
             spans.append((len(expanded), image.num_tokens))
             expanded.extend([self.image_token_id] * image.num_tokens)
-        positions, delta = mrope_positions(
-            len(expanded), spans, [image.grid_thw for image in images], self.image_processor.merge_size
-        )
-        return ProcessedPrompt(expanded, images, spans, positions, delta)
+        return ProcessedPrompt(expanded, images, spans, self.image_processor.merge_size)
 
     def _clean_message(self, message: Any, position: int, images: list[Any]) -> dict[str, Any]:
         if not isinstance(message, dict) or "role" not in message or "content" not in message:

@@ -168,9 +168,7 @@ class GrammarCompilerService:
 
     def _compile_with_xgrammar(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         if spec.json_schema is not None:
-            return self._compiler.compile_json_schema(
-                spec.json_schema, any_whitespace=False, separators=JSON_SEPARATORS
-            )
+            return self._compiler.compile_grammar(json_schema_grammar(spec.json_schema))
         if spec.regex is not None:
             return self._compiler.compile_regex(spec.regex)
         return self._compiler.compile_grammar(choice_ebnf(spec.choice or ()))
@@ -181,6 +179,23 @@ class GrammarCompilerService:
         with self._lock:
             if self._cache.get(spec) is future:
                 del self._cache[spec]
+
+
+# xgrammar 0.2.x writes length-bounded JSON strings (minLength/maxLength) with the
+# character class below, which lets raw control characters U+0000-U+001F into a
+# string; JSON forbids them, so pydantic rejects such answers. Its unbounded
+# string rule already excludes them; we give bounded strings the same class.
+_LOOSE_STRING_CHARACTER = r'[^\"\\\r\n]'
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\\r\n]'
+
+
+def json_schema_grammar(schema_text: str) -> xgr.Grammar:
+    """Compact-JSON grammar for a schema, with control characters kept out of every string."""
+    grammar = xgr.Grammar.from_json_schema(schema_text, any_whitespace=False, separators=JSON_SEPARATORS)
+    ebnf = str(grammar)
+    if _LOOSE_STRING_CHARACTER not in ebnf:
+        return grammar
+    return xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_STRING_CHARACTER, _JSON_STRING_CHARACTER))
 
 
 def choice_ebnf(choices: Sequence[str]) -> str:

@@ -1,0 +1,72 @@
+"""AsyncLLM: streaming, concurrency, aborts and per-request errors."""
+
+import asyncio
+
+import pytest
+
+from tests.engine.conftest import conversation
+from vlm_catalog import AsyncLLM, SamplingParams
+from vlm_catalog.engine.llm_engine import EngineRequestError
+
+
+@pytest.fixture(scope="module")
+def engine(engine_checkpoint):
+    engine = AsyncLLM(model=engine_checkpoint)
+    yield engine
+    engine.shutdown()
+
+
+def test_streams_deltas_that_add_up(engine):
+    async def run():
+        deltas, last = [], None
+        async for output in engine.generate(conversation(1, words=4), SamplingParams(max_tokens=10, ignore_eos=True)):
+            deltas.append(output.delta_text)
+            last = output
+        return deltas, last
+
+    deltas, last = asyncio.run(run())
+    assert last.finished and last.finish_reason == "length" and len(last.token_ids) == 10
+    assert "".join(deltas) == last.text and len(deltas) >= 2
+
+
+def test_concurrent_requests_and_an_error_in_between(engine):
+    async def one(index):
+        final = None
+        async for output in engine.generate(conversation(index, images=index % 2, words=3), SamplingParams(max_tokens=6, ignore_eos=True)):
+            final = output
+        return final
+
+    async def bad():
+        async for _ in engine.generate([{"role": "user", "content": [{"type": "image", "image": b"junk"}]}]):
+            pass
+
+    async def run():
+        results = await asyncio.gather(*(one(i) for i in range(8)), bad(), return_exceptions=True)
+        return results
+
+    results = asyncio.run(run())
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 6 for r in results[:8])
+    assert isinstance(results[8], EngineRequestError)
+
+
+def test_abort_and_disconnect_free_the_request(engine):
+    async def run():
+        stream = engine.generate(conversation(2, words=3), SamplingParams(max_tokens=500, ignore_eos=True), request_id="long")
+        first = await stream.__anext__()
+        await engine.abort("long")
+        outputs = [first] + [output async for output in stream]
+        # a caller that stops listening aborts its request too
+        other = engine.generate(conversation(3, words=3), SamplingParams(max_tokens=500, ignore_eos=True), request_id="dropped")
+        await other.__anext__()
+        await other.aclose()
+        for _ in range(100):
+            if not engine.engine.requests:
+                break
+            await asyncio.sleep(0.05)
+        return outputs
+
+    outputs = asyncio.run(run())
+    assert outputs[-1].finished and outputs[-1].finish_reason == "abort"
+    assert len(outputs[-1].token_ids) < 500
+    assert engine.engine.requests == {}
+    assert engine.engine.block_manager.num_free_blocks == engine.engine.num_blocks

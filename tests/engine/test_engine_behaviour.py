@@ -1,0 +1,154 @@
+"""Engine behaviour: batch invariance, constrained decoding, jump-forward, errors, stops, leaks."""
+
+import random
+
+import pytest
+
+from schemas import ProductMetadata
+from tests.engine.conftest import conversation, mixed_conversations
+from tests.model.helpers import noise_image
+from vlm_catalog import LLM, SamplingParams
+from vlm_catalog.structured import catalogue_schema
+
+
+@pytest.fixture(scope="module")
+def llm(engine_checkpoint):
+    return LLM(engine_checkpoint, max_num_batched_tokens=512)
+
+
+def test_batch_invariance_greedy_and_seeded(llm):
+    target = conversation(3, images=1, words=6)
+    others = [conversation(10 + i, images=i % 2, words=3 + i % 5) for i in range(31)]
+    for params in (SamplingParams(max_tokens=16, ignore_eos=True),
+                   SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.9, top_p=0.95, seed=1234)):
+        alone = llm.chat([target], params)[0].token_ids
+        batch = llm.chat(others[:17] + [target] + others[17:], params)
+        assert batch[17].token_ids == alone
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(llm):
+    messages = [conversation(1, words=4)]
+    runs = [llm.chat(messages, SamplingParams(max_tokens=20, temperature=1.0, seed=s, ignore_eos=True))[0].token_ids
+            for s in (7, 7, 8)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def product_prompt(index: int, rng: random.Random) -> tuple[list[dict], list[str]]:
+    roots = ["Home & Garden > Kitchen", "Apparel > Shoes", "Toys > Puzzles"]
+    candidates = [f"{rng.choice(roots)} > Leaf {rng.randrange(20)}" for _ in range(rng.choice([8, 9]))]
+    candidates = list(dict.fromkeys(candidates))
+    text = f"Product {index}. Candidates: {candidates}. Answer in JSON."
+    return [{"role": "user", "content": text}], candidates
+
+
+def test_every_constrained_answer_parses_over_hundreds_of_generations(llm):
+    rng = random.Random(0)
+    prompts, params, candidate_lists = [], [], []
+    for index in range(200):
+        messages, candidates = product_prompt(index, rng)
+        schema = catalogue_schema(candidates)
+        # a random model rarely closes a free-text string; bounding the brand lets answers finish
+        schema["properties"]["brand"]["maxLength"] = 8
+        prompts.append(messages)
+        candidate_lists.append(candidates)
+        params.append(SamplingParams(max_tokens=120, temperature=1.0 if index % 2 else 0.0, seed=index, json_schema=schema))
+    outputs = llm.chat(prompts, params)
+    finished = [o for o in outputs if o.finish_reason != "length"]
+    assert len(finished) >= 190
+    for output, candidates in zip(outputs, candidate_lists):
+        if output.finish_reason == "length":
+            continue
+        assert output.finish_reason == "stop", output.error
+        answer = ProductMetadata.model_validate_json(output.text)
+        assert answer.category in candidates
+
+
+def test_jump_forward_on_and_off_give_the_same_text_with_fewer_steps(engine_checkpoint):
+    rng = random.Random(1)
+    prompts, params = [], []
+    for index in range(24):
+        messages, candidates = product_prompt(index, rng)
+        schema = catalogue_schema(candidates)
+        schema["properties"]["brand"]["maxLength"] = 12  # brand-sized answers, as real products have
+        prompts.append(messages)
+        params.append(SamplingParams(max_tokens=120, temperature=0.8 if index % 3 == 0 else 0.0, seed=index,
+                                     json_schema=schema))
+    on, off = LLM(engine_checkpoint), LLM(engine_checkpoint, enable_jump_forward=False)
+    outputs_on, outputs_off = on.chat(prompts, params), off.chat(prompts, params)
+    assert [o.text for o in outputs_on] == [o.text for o in outputs_off]
+    assert [o.token_ids for o in outputs_on] == [o.token_ids for o in outputs_off]
+    steps_on = sum(o.metrics["num_model_steps"] for o in outputs_on)
+    steps_off = sum(o.metrics["num_model_steps"] for o in outputs_off)
+    assert steps_on <= 0.7 * steps_off
+    assert on.engine.stats.num_jump_forward_tokens == steps_off - steps_on
+
+
+def test_bad_requests_fail_alone(engine_checkpoint):
+    llm = LLM(engine_checkpoint, max_model_len=200, max_images_per_prompt=2)
+    whole = noise_image(64, 64, seed=9, fmt="JPEG")
+    bad = [
+        [{"role": "user", "content": "word " * 300}],  # longer than max_model_len
+        [{"role": "user", "content": [{"type": "image", "image": noise_image(40, 40, seed=i)} for i in range(3)]}],
+        [{"role": "user", "content": [{"type": "image", "image": b"\\x89PNG garbage"}]}],
+        [{"role": "user", "content": [{"type": "image", "image": whole[: len(whole) * 2 // 3]}]}],  # fails at decode
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.jpg"}}]}],
+        [{"role": "user", "content": "fine"}],  # bad schema below
+    ]
+    good = mixed_conversations(3)
+    params = [SamplingParams(max_tokens=4)] * 5 + [SamplingParams(max_tokens=4, json_schema={"type": "nonsense"})]
+    outputs = llm.chat(bad + good, params + [SamplingParams(max_tokens=4, ignore_eos=True)] * 3)
+    errors = [o.error for o in outputs[:6]]
+    assert all(o.finish_reason == "error" for o in outputs[:6]), errors
+    assert "max_model_len is 200" in errors[0]
+    assert "at most 2 are allowed" in errors[1]
+    assert "could not be decoded" in errors[3]
+    assert "remote image URLs" in errors[4]
+    assert "schema" in errors[5].lower()
+    assert [o.finish_reason for o in outputs[6:]] == ["length"] * 3
+    assert all(len(o.token_ids) == 4 for o in outputs[6:])
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_stop_strings_stop_tokens_and_logprobs(llm):
+    messages = [conversation(2, words=5)]
+    free = llm.chat(messages, SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    assert len(free.token_ids) == 24 and free.finish_reason == "length"
+    stop_token = free.token_ids[5]
+    by_token = llm.chat(messages, SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[stop_token]))[0]
+    first = free.token_ids.index(stop_token)
+    assert by_token.token_ids == free.token_ids[: first + 1] and by_token.finish_reason == "stop"
+    stop_text = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
+    if stop_text.strip():
+        by_string = llm.chat(messages, SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop_text]))[0]
+        assert by_string.finish_reason == "stop" and stop_text not in by_string.text
+        assert free.text.startswith(by_string.text)
+    with_logprobs = llm.chat(messages, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3))[0]
+    assert len(with_logprobs.logprobs) == 6
+    for token, entry in zip(with_logprobs.token_ids, with_logprobs.logprobs):
+        assert token in entry and len(entry) >= 3
+        assert entry[token] == max(entry.values())  # greedy picks the most likely token
+
+
+def test_no_leaks_after_thousands_of_requests_with_aborts(engine_checkpoint):
+    llm = LLM(engine_checkpoint, block_size=4, kv_cache_memory_bytes=512 * 2048, max_num_seqs=64)
+    engine = llm.engine
+    rng = random.Random(0)
+    finished = 0
+    next_id = 0
+    for wave in range(25):
+        for _ in range(100):
+            messages = [{"role": "user", "content": f"short {next_id % 17} " * rng.randrange(1, 6)}]
+            engine.add_request(messages, SamplingParams(max_tokens=rng.randrange(1, 6), ignore_eos=True), f"r{next_id}")
+            next_id += 1
+        steps = 0
+        while engine.has_unfinished_requests():
+            live = list(engine.requests)
+            for request_id in rng.sample(live, k=min(len(live), rng.randrange(0, 4))):
+                engine.abort(request_id)
+            finished += sum(o.finished for o in engine.step())
+            steps += 1
+    assert finished == 2500 and next_id == 2500
+    assert engine.requests == {} and engine.detokenizers == {}
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    assert set(engine.block_manager.ref_counts) == {0}
+    assert engine.scheduler.num_unfinished == 0

@@ -1,0 +1,1 @@
+"""Serving engine: paged KV cache, scheduler, model runner, sampler."""

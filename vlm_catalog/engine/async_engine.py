@@ -1,0 +1,163 @@
+"""Asynchronous front of the engine, for servers.
+
+    engine = AsyncLLM(model="path/to/checkpoint")
+    async for output in engine.generate(messages, SamplingParams(...)):
+        ...                      # streamed outputs; the last one has finished=True
+    await engine.abort(request_id)
+
+One background thread owns the `LLMEngine` (it is not thread-safe) and runs
+steps while there is work. Callers talk to it through an inbox; outputs come
+back to each request's asyncio queue on the caller's event loop. Prompt
+preprocessing (template, tokenisation, image headers) runs in a worker thread,
+off both the event loop and the engine thread. A request that fails raises
+`EngineRequestError` in its own `generate` only. A bug inside a step fails the
+requests then in flight, is logged, and the engine goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from vlm_catalog.engine.config import EngineConfig
+from vlm_catalog.engine.llm_engine import EngineRequestError, LLMEngine
+from vlm_catalog.engine.outputs import RequestOutput
+from vlm_catalog.engine.sampling_params import SamplingParams
+from vlm_catalog.preprocess.processor import ProcessedPrompt
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    outputs: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        self.engine = LLMEngine(config, **overrides)
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._ids = itertools.count()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vlm-catalog-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    async def generate(
+        self,
+        prompt: list[dict[str, Any]] | ProcessedPrompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; raises `EngineRequestError` if it is refused."""
+        if self._stopped.is_set():
+            raise EngineRequestError("the engine is shut down")
+        params = params or SamplingParams()
+        request_id = request_id or f"async-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        if not isinstance(prompt, ProcessedPrompt):
+            try:
+                prompt = await loop.run_in_executor(None, self.engine.processor.process, prompt)
+            except ValueError as exc:
+                raise EngineRequestError(str(exc)) from None
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._inbox.put(_Add(request_id, prompt, params, outputs, loop))
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # the caller stopped listening (disconnect, cancel): free the slot
+                self._inbox.put(_Abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopped.set()
+        self._inbox.put(None)
+        self._thread.join(timeout)
+        self.engine.close()
+
+    # ------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            block = not self.engine.has_unfinished_requests()
+            self._drain_inbox(block)
+            if self._stopped.is_set():
+                break
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - a bug must not take the service down
+                logger.exception("engine step failed; failing the requests in flight")
+                self._fail_in_flight(exc)
+                continue
+            for output in outputs:
+                self._deliver(output.request_id, output, last=output.finished)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(block=block, timeout=0.5 if block else None)
+        except queue.Empty:
+            return
+        while item is not None:
+            if isinstance(item, _Add):
+                self._streams[item.request_id] = (item.outputs, item.loop)
+                try:
+                    self.engine.add_request(item.prompt, item.params, request_id=item.request_id)
+                except EngineRequestError as exc:
+                    self._deliver(item.request_id, exc, last=True)
+            elif isinstance(item, _Abort):
+                self.engine.abort(item.request_id)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                item = None
+
+    def _deliver(self, request_id: str, item: RequestOutput | Exception, last: bool) -> None:
+        stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        if stream is None:
+            return
+        outputs, loop = stream
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+    def _fail_in_flight(self, exc: Exception) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+        self.engine.scheduler.drain_finished()
+        self.engine.requests.clear()
+        self.engine.detokenizers.clear()
+        for request_id in list(self._streams):
+            self._deliver(request_id, EngineRequestError(f"internal engine error: {exc}"), last=True)

@@ -1,0 +1,64 @@
+"""Engine settings in one dataclass (checked on construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vlm_catalog.paths import DEFAULT_MODEL_DIR
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineConfigError(ValueError):
+    """An engine setting that cannot work; the message names it."""
+
+
+@dataclass
+class EngineConfig:
+    model: str | Path = DEFAULT_MODEL_DIR
+    device: str = "cpu"
+    dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
+    block_size: int = 16
+    # KV pool size: bytes on CPU; on CUDA, None means `gpu_memory_utilization` of free memory
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 32768
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # or "shortest_prompt_first"
+    enable_jump_forward: bool = True
+    encoder_cache_tokens: int = 32768  # image embeddings kept, in language-model tokens
+    max_images_per_prompt: int = 8
+    grammar_compile_timeout_s: float = 30.0
+    grammar_cache_size: int = 512
+    image_workers: int | None = None  # threads decoding images; None: one per CPU
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.model = Path(self.model)
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise EngineConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype == "auto":
+            self.dtype = "float32" if self.device == "cpu" else "bfloat16"
+        if self.dtype not in DTYPES:
+            raise EngineConfigError(f"dtype must be auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "encoder_cache_tokens", "max_images_per_prompt", "grammar_cache_size"):
+            if int(getattr(self, name)) < 1:
+                raise EngineConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise EngineConfigError("kv_cache_memory_bytes must be positive")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)

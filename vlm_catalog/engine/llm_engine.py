@@ -1,0 +1,387 @@
+"""The serving engine: admission, the step loop, sampling, constrained decoding, outputs.
+
+One `step()`:
+1. attach compiled grammars to waiting requests (compilation runs in a thread
+   pool; a failed or timed-out compilation fails that request only);
+2. the scheduler picks the chunks to run;
+3. the runner encodes the images those chunks need (a picture that fails to
+   decode fails the requests showing it) and runs the model on the rest;
+4. one batched grammar bitmask masks the logits of constrained requests, the
+   sampler picks a token per sampling request;
+5. each request takes its token; with jump-forward on, tokens the grammar
+   forces are appended at once (the next step computes them as one extend);
+6. finished requests release their blocks; outputs are returned.
+
+Bad input (an unreadable image, a prompt longer than `max_model_len`, too many
+images, an invalid schema) fails that request alone with a clear message; the
+engine keeps serving the others. Memory is bounded: a fixed KV pool, an
+encoder cache bounded in tokens, a grammar cache bounded in entries.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vlm_catalog.engine.block_manager import BlockManager
+from vlm_catalog.engine.config import EngineConfig, EngineConfigError
+from vlm_catalog.engine.detokenizer import Detokenizer
+from vlm_catalog.engine.encoder_cache import EncoderCache
+from vlm_catalog.engine.model_runner import ModelRunner
+from vlm_catalog.engine.outputs import RequestOutput
+from vlm_catalog.engine.paged_attention import allocate_kv_caches, kv_bytes_per_block
+from vlm_catalog.engine.request import FinishReason, Request
+from vlm_catalog.engine.sampler import sample
+from vlm_catalog.engine.sampling_params import SamplingParams
+from vlm_catalog.engine.scheduler import Scheduler, SchedulerOutput
+from vlm_catalog.model.config import ModelConfig
+from vlm_catalog.model.loader import load_model
+from vlm_catalog.preprocess.processor import ProcessedPrompt, PromptProcessor
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 256 * 2**20
+CUDA_ACTIVATION_RESERVE_BYTES = 2 * 2**30
+
+
+class EngineRequestError(ValueError):
+    """A request the engine refuses; the message says what is wrong with it."""
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_prompt_tokens_computed: int = 0  # prompt tokens run through the model (not served by the prefix cache)
+    num_output_tokens_computed: int = 0  # generated tokens run through the model
+    num_sampled_tokens: int = 0  # tokens chosen by a model step
+    num_jump_forward_tokens: int = 0  # tokens appended by jump-forward, without a model step
+    num_preemptions: int = 0
+    num_finished: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        config = config or EngineConfig(**overrides)
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.model = load_model(config.model, dtype=config.torch_dtype, device=config.torch_device)
+        self.processor = PromptProcessor.from_pretrained(config.model, image_token_id=self.model_config.image_token_id)
+        self.tokenizer = self.processor.tokenizer
+        self.eos_token_ids = self._eos_token_ids()
+        text = self.model_config.text
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_caches = allocate_kv_caches(
+            text.num_layers, self.num_blocks, config.block_size, text.num_kv_heads, text.head_dim,
+            config.torch_dtype, config.torch_device,
+        )
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
+        )
+        self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
+        self.runner = ModelRunner(
+            self.model, self.processor.image_processor, self.kv_caches, config.block_size,
+            self.encoder_cache, config.image_workers,
+        )
+        self.generator = torch.Generator(device=config.torch_device).manual_seed(config.seed)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, Detokenizer] = {}
+        self.stats = EngineStats()
+        self._grammar_service = None
+        self._ids = itertools.count()
+
+    # ---------------------------------------------------------------- setup
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids = set()
+        generation_config = self.config.model / "generation_config.json"
+        if generation_config.is_file():
+            eos = json.loads(generation_config.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    def _num_kv_blocks(self) -> int:
+        config, text = self.config, self.model_config.text
+        per_block = kv_bytes_per_block(text.num_layers, config.block_size, text.num_kv_heads, text.head_dim, config.torch_dtype)
+        budget = config.kv_cache_memory_bytes
+        if budget is None:
+            if config.torch_device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(config.torch_device)
+                budget = int(free * config.gpu_memory_utilization) - CUDA_ACTIVATION_RESERVE_BYTES
+            else:
+                budget = DEFAULT_CPU_KV_BYTES
+        useful = -(-config.max_num_seqs * config.max_model_len // config.block_size)  # more could never be used
+        num_blocks = min(budget // per_block, useful)
+        if num_blocks < 1:
+            raise EngineConfigError(f"the KV-cache budget ({budget} bytes) is smaller than one block ({per_block} bytes)")
+        return int(num_blocks)
+
+    @property
+    def grammar_service(self):
+        if self._grammar_service is None:
+            from vlm_catalog.structured import GrammarCompilerService
+
+            self._grammar_service = GrammarCompilerService(
+                self.tokenizer,
+                vocab_size=self.model_config.text.vocab_size,
+                stop_token_ids=sorted(self.eos_token_ids),
+                cache_size=self.config.grammar_cache_size,
+            )
+        return self._grammar_service
+
+    # ------------------------------------------------------------ admission
+    def add_request(
+        self,
+        prompt: list[dict[str, Any]] | ProcessedPrompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request (chat messages or an already processed prompt); raise `EngineRequestError` if refused."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"request-{next(self._ids)}"
+        if request_id in self.requests:
+            raise EngineRequestError(f"request id {request_id!r} is already in use")
+        if not isinstance(prompt, ProcessedPrompt):
+            try:
+                prompt = self.processor.process(prompt)
+            except ValueError as exc:  # PromptError, ImageDecodeError, template errors
+                raise EngineRequestError(str(exc)) from None
+        self._check_prompt(prompt, params)
+        request = Request(request_id, prompt, params, self.config.max_model_len, self.eos_token_ids)
+        if params.constrained:
+            request.grammar_future = self._submit_grammar(params)
+        self.requests[request_id] = request
+        self.detokenizers[request_id] = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        self.scheduler.add(request)
+        return request_id
+
+    def _check_prompt(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+        config = self.config
+        if prompt.num_tokens == 0:
+            raise EngineRequestError("the prompt is empty")
+        if len(prompt.images) > config.max_images_per_prompt:
+            raise EngineRequestError(
+                f"the prompt has {len(prompt.images)} images; at most {config.max_images_per_prompt} are allowed"
+            )
+        if prompt.num_tokens >= config.max_model_len:
+            raise EngineRequestError(
+                f"the prompt has {prompt.num_tokens} tokens; max_model_len is {config.max_model_len} "
+                "(prompt and output must fit)"
+            )
+        total = min(prompt.num_tokens + params.max_tokens, config.max_model_len)
+        if self.block_manager.blocks_needed(total) > self.num_blocks:
+            capacity = self.num_blocks * config.block_size
+            raise EngineRequestError(
+                f"prompt and output need up to {total} tokens of KV cache; the pool holds {capacity}"
+            )
+        bad_stop = [t for t in params.stop_token_ids if t >= self.model_config.text.vocab_size]
+        if bad_stop:
+            raise EngineRequestError(f"stop_token_ids {bad_stop} are outside the vocabulary")
+
+    def _submit_grammar(self, params: SamplingParams):
+        from vlm_catalog.structured import GrammarError, GrammarSpec
+
+        try:
+            spec = GrammarSpec.from_request(
+                json_schema=params.json_schema,
+                regex=params.regex,
+                choice=tuple(params.choice) if params.choice is not None else None,
+            )
+        except GrammarError as exc:
+            raise EngineRequestError(str(exc)) from None
+        return self.grammar_service.submit(spec)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now (its blocks are freed); its final output comes with the next `step()`.
+
+        Returns False if the request is unknown or already finished.
+        """
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        self.scheduler.finish(request, FinishReason.ABORT)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request is queued, running, or finished with its output not yet returned."""
+        return self.scheduler.has_unfinished() or bool(self.scheduler.finished)
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; outputs for every request that progressed or finished."""
+        self._attach_grammars()
+        output = self.scheduler.schedule()
+        self.stats.num_preemptions += len(output.preempted)
+        touched: list[Request] = []
+        if not output.is_empty:
+            self.stats.num_steps += 1
+            images, failures = self.runner.encode_images(output.chunks)
+            chunks = self._drop_failed_image_chunks(output, failures)
+            if chunks:
+                logits = self.runner.execute(chunks, images)
+                self._count_computed(chunks)
+                self.scheduler.update_after_step(SchedulerOutput(chunks))
+                touched = self._sample_and_append(chunks, logits)
+        return self._collect_outputs(touched)
+
+    def _attach_grammars(self) -> None:
+        from vlm_catalog.structured import GrammarError, GrammarState
+
+        now = time.perf_counter()
+        for request in list(self.scheduler.waiting):
+            future = request.grammar_future
+            if future is None or request.grammar is not None:
+                continue
+            if future.done():
+                try:
+                    request.grammar = GrammarState(future.result())
+                except GrammarError as exc:
+                    self.scheduler.finish(request, FinishReason.ERROR, f"invalid output constraint: {exc}")
+            elif now - request.metrics.arrival_time > self.config.grammar_compile_timeout_s:
+                self.scheduler.finish(request, FinishReason.ERROR, "compiling the output constraint timed out")
+
+    def _drop_failed_image_chunks(self, output: SchedulerOutput, failures: dict[str, str]):
+        if not failures:
+            return output.chunks
+        kept = []
+        for chunk in output.chunks:
+            failed = [failures[h] for h in chunk.request.image_hashes if h in failures]
+            if failed:
+                self.scheduler.finish(chunk.request, FinishReason.ERROR, failed[0])
+            else:
+                kept.append(chunk)
+        return kept
+
+    def _count_computed(self, chunks) -> None:
+        for chunk in chunks:
+            prompt_end = chunk.request.num_prompt_tokens
+            prompt_part = max(0, min(chunk.end, prompt_end) - chunk.start)
+            self.stats.num_prompt_tokens_computed += prompt_part
+            self.stats.num_output_tokens_computed += chunk.num_tokens - prompt_part
+            if chunk.end >= prompt_end:
+                chunk.request.prompt.release_positions()
+
+    def _sample_and_append(self, chunks, logits: torch.Tensor) -> list[Request]:
+        requests = [chunk.request for chunk in chunks if chunk.samples]
+        if not requests:
+            return []
+        constrained = [row for row, request in enumerate(requests) if request.grammar is not None]
+        if constrained:
+            from vlm_catalog.structured import allocate_bitmask, apply_bitmask
+
+            bitmask = allocate_bitmask(len(requests), logits.shape[-1])
+            for row in constrained:
+                # force_canonical: where the grammar forces a string, only its canonical
+                # tokens are allowed, so jump-forward on and off produce the same tokens
+                requests[row].grammar.fill_bitmask(bitmask, row, force_canonical=True)
+            apply_bitmask(logits, bitmask.to(logits.device), constrained)
+        result = sample(
+            logits,
+            [request.params for request in requests],
+            [request.num_output_tokens for request in requests],
+            self.generator,
+        )
+        now = time.perf_counter()
+        for request, token, logprobs in zip(requests, result.token_ids, result.logprobs):
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.num_model_steps += 1
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs)
+            self.stats.num_sampled_tokens += 1
+            self._take_tokens(request, [token])
+            if not request.is_finished and self.config.enable_jump_forward and request.grammar is not None:
+                forced = request.grammar.forced_tokens()[: request.max_total_tokens - request.num_tokens]
+                if forced:
+                    request.metrics.num_jump_forward_tokens += len(forced)
+                    self.stats.num_jump_forward_tokens += len(forced)
+                    self._take_tokens(request, forced)
+        return requests
+
+    def _take_tokens(self, request: Request, tokens: list[int]) -> None:
+        """Append tokens (sampled or forced) and finish the request if they end it."""
+        request.append_tokens(tokens)
+        if request.grammar is not None:
+            request.grammar.accept(tokens)
+        params = request.params
+        last = tokens[-1]
+        reason = None
+        if request.grammar is not None and request.grammar.is_finished():
+            reason = FinishReason.STOP
+        elif last in self.eos_token_ids and not params.ignore_eos:
+            reason = FinishReason.STOP
+        elif last in params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif params.stop and self.detokenizers[request.request_id].update(request.output_token_ids):
+            reason = FinishReason.STOP
+        elif request.num_tokens >= request.max_total_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+
+    # -------------------------------------------------------------- outputs
+    def _collect_outputs(self, touched: list[Request]) -> list[RequestOutput]:
+        outputs = [self._output(request) for request in touched if not request.is_finished]
+        outputs.extend(self._final_output(request) for request in self.scheduler.drain_finished())
+        return outputs
+
+    def _output(self, request: Request) -> RequestOutput:
+        detokenizer = self.detokenizers[request.request_id]
+        if not request.params.stop:
+            detokenizer.update(request.output_token_ids)
+        return RequestOutput(
+            request_id=request.request_id,
+            text=detokenizer.text,
+            token_ids=request.output_token_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
+            finished=False,
+            delta_text=detokenizer.delta(),
+        )
+
+    def _final_output(self, request: Request) -> RequestOutput:
+        detokenizer = self.detokenizers.pop(request.request_id)
+        self.requests.pop(request.request_id, None)
+        self.stats.num_finished += 1
+        if request.finish_reason is not FinishReason.STOP or not request.params.stop:
+            detokenizer.update(request.output_token_ids)
+        return RequestOutput(
+            request_id=request.request_id,
+            text=detokenizer.text,
+            token_ids=request.output_token_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
+            finished=True,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            error=request.error,
+            delta_text=detokenizer.delta(final=True),
+            logprobs=request.output_logprobs or None,
+            metrics=request.metrics.as_dict(),
+        )
+
+    # ------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        self.runner.close()
+        if self._grammar_service is not None:
+            self._grammar_service.close()
+
+    def cache_stats(self) -> dict[str, Any]:
+        manager = self.block_manager
+        return {
+            "prefix_cache_hit_blocks": manager.stats["hit_blocks"],
+            "prefix_cache_queried_blocks": manager.stats["queried_blocks"],
+            "kv_blocks_total": self.num_blocks,
+            "kv_blocks_free": manager.num_free_blocks,
+            "encoder_cache_hits": self.encoder_cache.hits,
+            "encoder_cache_misses": self.encoder_cache.misses,
+            "images_encoded": self.runner.num_images_encoded,
+        }
+

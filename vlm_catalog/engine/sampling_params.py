@@ -1,0 +1,73 @@
+"""Per-request generation settings, in the shape vLLM users know."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SamplingParamsError(ValueError):
+    """Settings that make no sense; the message names the field."""
+
+
+@dataclass
+class SamplingParams:
+    """How to generate for one request.
+
+    Greedy when `temperature == 0`. Filters apply in the order top-k, top-p,
+    min-p. `seed` makes one request's sampling reproducible whatever it is
+    batched with. Constrained decoding: set at most one of `json_schema` (a
+    registered schema name, a pydantic model class or a JSON-schema dict),
+    `regex` or `choice`; every finished output then parses against it unless
+    `finish_reason == "length"`.
+    """
+
+    max_tokens: int = 150
+    temperature: float = 0.0
+    top_k: int = 0  # 0 or -1: all tokens
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # how many top alternatives to report per generated token
+    json_schema: Any = None
+    regex: str | None = None
+    choice: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise SamplingParamsError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise SamplingParamsError(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingParamsError(f"top_k must be 0 (off), -1 (off) or a positive integer, got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise SamplingParamsError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingParamsError("stop strings must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise SamplingParamsError("stop_token_ids must be non-negative integers")
+        constraints = [c for c in (self.json_schema, self.regex, self.choice) if c is not None]
+        if len(constraints) > 1:
+            raise SamplingParamsError("set at most one of json_schema, regex and choice")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise SamplingParamsError("choice must be a non-empty list of strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def constrained(self) -> bool:
+        return self.json_schema is not None or self.regex is not None or self.choice is not None

@@ -1,0 +1,230 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step the scheduler picks, within `max_num_batched_tokens` and
+`max_num_seqs`, how many uncomputed tokens of which requests to run:
+
+1. Running requests first, in admission order. A decode takes one token; an
+   unfinished prefill takes as much of its remaining prompt as the budget
+   leaves (chunked prefill: long prompts spread over steps while decodes keep
+   running). If the KV pool cannot hold a request's new tokens, the most
+   recently admitted running request is preempted (its blocks freed, its
+   computed tokens forgotten, its generated tokens kept) and goes back to the
+   front of the queue; when rescheduled it recomputes everything it had.
+2. Then waiting requests, in policy order (FCFS, or shortest prompt first),
+   reusing prefix-cache hits, while the budget, the sequence limit and the
+   pool allow. Nothing new is admitted in a step that preempted.
+
+The output is plain data (`SchedulerOutput`); the model runner reads it and
+never touches the allocator.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from vlm_catalog.engine.block_manager import BlockManager
+from vlm_catalog.engine.request import FinishReason, Request, RequestStatus
+
+POLICIES = ("fcfs", "shortest_prompt_first")
+
+
+@dataclass
+class ScheduledChunk:
+    """Compute `num_tokens` tokens of `request`, from token index `start`."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_table: list[int]  # the request's blocks, covering start + num_tokens tokens
+    samples: bool  # the chunk reaches the request's last token: a new token is sampled
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # running requests first
+    preempted: list[str] = field(default_factory=list)  # request ids preempted this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []  # finished since the last `drain_finished`
+
+    # ------------------------------------------------------------- admission
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def drain_finished(self) -> list[Request]:
+        finished, self.finished = self.finished, []
+        return finished
+
+    # ------------------------------------------------------------------ step
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[str] = set()
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_tokens = min(request.num_uncomputed_tokens, budget)
+            if num_tokens <= 0:
+                index += 1
+                continue
+            while not self.block_manager.allocate(request.request_id, request.num_computed_tokens + num_tokens):
+                if len(self.running) == 1:  # alone and still too big: the pool can never hold it
+                    self._fail_too_large(request, request.num_computed_tokens + num_tokens)
+                    break
+                victim = self.running[-1]
+                self._preempt(victim)
+                output.preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                output.chunks.append(self._chunk(request, num_tokens))
+                scheduled.add(request.request_id)
+                budget -= num_tokens
+                index += 1
+                continue
+            break  # the request itself was preempted: it was the last running one
+
+        if not output.preempted:
+            self._admit_waiting(output, budget)
+        return output
+
+    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []
+        for request in self._waiting_in_policy_order():
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                skipped.append(request)
+                continue
+            if request.waiting_for_grammar:
+                skipped.append(request)
+                continue
+            if self.block_manager.blocks_needed(request.num_tokens) > self.block_manager.num_blocks:
+                self._fail_too_large(request, request.num_tokens)
+                continue
+            hits: list[int] = []
+            if request.num_computed_tokens == 0 and self.block_manager.enable_prefix_caching:
+                hits = self._prefix_hits(request)
+            computed = len(hits) * self.block_manager.block_size
+            num_tokens = min(request.num_tokens - computed, budget)
+            if not self.block_manager.allocate(request.request_id, computed + num_tokens, hits):
+                skipped.append(request)
+                budget = 0  # the pool is full: admit nothing else this step (keeps FCFS fair)
+                continue
+            request.num_computed_tokens = computed
+            request.metrics.num_cached_tokens = max(request.metrics.num_cached_tokens, computed)
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = time.perf_counter()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.chunks.append(self._chunk(request, num_tokens))
+            budget -= num_tokens
+        self.waiting = deque(skipped) if self.policy == "fcfs" else deque(sorted(skipped, key=self._policy_key))
+
+    def _waiting_in_policy_order(self) -> Iterable[Request]:
+        if self.policy == "shortest_prompt_first":
+            return sorted(self.waiting, key=self._policy_key)
+        return list(self.waiting)
+
+    @staticmethod
+    def _policy_key(request: Request) -> tuple[int, float]:
+        return (request.num_tokens - request.num_computed_tokens, request.metrics.arrival_time)
+
+    def _prefix_hits(self, request: Request) -> list[int]:
+        block_size = self.block_manager.block_size
+        hashes = request.block_hashes(block_size)
+        # leave at least one token to compute: the last position's logits are needed
+        usable = hashes[: (request.num_tokens - 1) // block_size]
+        hits = self.block_manager.cached_prefix(usable)
+        self.block_manager.record_lookup(len(usable), len(hits))
+        return hits
+
+    def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
+        return ScheduledChunk(
+            request=request,
+            start=request.num_computed_tokens,
+            num_tokens=num_tokens,
+            block_table=list(self.block_manager.block_table(request.request_id)),
+            samples=request.num_computed_tokens + num_tokens == request.num_tokens,
+        )
+
+    def _fail_too_large(self, request: Request, num_tokens: int) -> None:
+        pool = self.block_manager.num_blocks * self.block_manager.block_size
+        self.finish(
+            request,
+            FinishReason.ERROR,
+            f"request needs {num_tokens} tokens of KV cache; the whole pool holds {pool}",
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.metrics.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # --------------------------------------------------------- after a step
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """Account the computed tokens and register newly full blocks in the prefix cache."""
+        block_size = self.block_manager.block_size
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.is_finished or request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens = chunk.end
+            if self.block_manager.enable_prefix_caching:
+                self.block_manager.cache_full_blocks(
+                    request.request_id, request.block_hashes(block_size), request.num_computed_tokens
+                )
+
+    def finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        """Finish a request (stop, length, abort or error) and release its blocks."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request.request_id)
+        request.finish(reason, error)
+        self.finished.append(request)

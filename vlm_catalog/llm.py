@@ -1,0 +1,173 @@
+"""Offline API in the shape vLLM users know.
+
+    from vlm_catalog import LLM, SamplingParams
+    llm = LLM(model="path/to/checkpoint", device="cpu", dtype="float32")
+    outs = llm.chat(list_of_message_lists, SamplingParams(max_tokens=150, json_schema=ProductMetadata))
+    outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[0].metrics
+    llm.extract(records)   # ProductRecord -> ProductMetadata with the mlperf prompt
+
+A request that cannot run (unreadable image, prompt too long, invalid schema)
+comes back as an output with `finish_reason == "error"` and an `error` message;
+the others are unaffected.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from schemas import ProductMetadata, ProductRecord
+from vlm_catalog.engine.config import EngineConfig
+from vlm_catalog.engine.llm_engine import EngineRequestError, LLMEngine
+from vlm_catalog.engine.outputs import RequestOutput
+from vlm_catalog.engine.sampling_params import SamplingParams
+from vlm_catalog.paths import DEFAULT_MODEL_DIR
+from vlm_catalog.preprocess.processor import ProcessedPrompt
+
+Messages = list[dict[str, Any]]
+
+
+@dataclass
+class Extraction:
+    """The result for one product: parsed metadata, or why there is none."""
+
+    record_id: str | None
+    metadata: BaseModel | None
+    text: str
+    finish_reason: str | None
+    error: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.metadata is not None
+
+
+class LLM:
+    def __init__(self, model: str | Path = DEFAULT_MODEL_DIR, device: str = "cpu", dtype: str = "auto", **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, **engine_options))
+        self._request_counter = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for one conversation or a list of them; outputs in input order."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]  # a single conversation
+        return self._run(list(messages), sampling_params, use_tqdm)
+
+    def generate(
+        self,
+        prompts: Sequence[ProcessedPrompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for already processed prompts (see `PromptProcessor`)."""
+        return self._run(list(prompts), sampling_params, use_tqdm)
+
+    def extract(
+        self,
+        records: Iterable[ProductRecord],
+        schema: type[BaseModel] = ProductMetadata,
+        prompt_style: str = "mlperf",
+        sampling_params: SamplingParams | None = None,
+        restrict_categories: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[Extraction]:
+        """Catalogue extraction: one validated `schema` instance per record (or the reason there is none).
+
+        With `restrict_categories`, each record's answer is constrained to a
+        schema whose `category` is an enum of that record's candidates.
+        """
+        from vlm_catalog.preprocess.prompt import PromptError, build_messages
+        from vlm_catalog.structured import catalogue_schema
+
+        records = list(records)
+        base = sampling_params or SamplingParams(max_tokens=150, temperature=0.0)
+        conversations: list[Messages | None] = []
+        params: list[SamplingParams] = []
+        prompt_errors: dict[int, str] = {}
+        for index, record in enumerate(records):
+            try:
+                conversations.append(build_messages(record, style=prompt_style, schema=schema))
+            except PromptError as exc:
+                conversations.append(None)
+                prompt_errors[index] = str(exc)
+            json_schema = catalogue_schema(record.candidate_categories, schema) if restrict_categories else schema
+            params.append(_with_schema(base, json_schema))
+        outputs = self._run(conversations, params, use_tqdm, prompt_errors)
+        return [_extraction(record, output, schema) for record, output in zip(records, outputs)]
+
+    def _run(self, prompts: list, sampling_params, use_tqdm: bool, known_errors: dict[int, str] | None = None) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        engine = self.engine
+        for index, (prompt, param) in enumerate(zip(prompts, params)):
+            request_id = f"llm-{next(self._request_counter)}"
+            order.append(request_id)
+            error = (known_errors or {}).get(index)
+            if error is None:
+                try:
+                    engine.add_request(prompt, param, request_id=request_id)
+                    continue
+                except EngineRequestError as exc:
+                    error = str(exc)
+            results[request_id] = RequestOutput(request_id, "", [], 0, True, "error", error)
+        progress = _progress(len(order) - len(results), use_tqdm)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    results[output.request_id] = output
+                    progress.update(1)
+        progress.close()
+        return [results[request_id] for request_id in order]
+
+
+def _with_schema(params: SamplingParams, json_schema: Any) -> SamplingParams:
+    values = {name: getattr(params, name) for name in params.__dataclass_fields__}
+    values.update(json_schema=json_schema, regex=None, choice=None)
+    return SamplingParams(**values)
+
+
+def _extraction(record: ProductRecord, output: RequestOutput, schema: type[BaseModel]) -> Extraction:
+    metadata, error = None, output.error
+    if output.finish_reason != "error":
+        try:
+            metadata = schema.model_validate_json(output.text)
+        except ValidationError as exc:
+            error = f"answer does not validate ({output.finish_reason}): {exc.errors()[0]['msg']}"
+    return Extraction(record.id, metadata, output.text, output.finish_reason, error, output.metrics)
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoProgress()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req")
