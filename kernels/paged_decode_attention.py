@@ -27,7 +27,6 @@ from kernels.dispatch import use_triton
 from kernels.kv_cache import (
     check_paged_kv_cache,
     check_reshape_and_cache_args,
-    gather_sequence_kv,
     reshape_and_cache_reference,
 )
 
@@ -44,22 +43,37 @@ def paged_decode_attention_reference(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [B, Hq, D] -> [B, Hq, D]; float32 scores/softmax; a loop over sequences."""
-    _, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    """q [B, Hq, D] -> [B, Hq, D]; float32 scores/softmax, all sequences in one batched pass.
+
+    The blocks of every sequence are gathered into one padded [B, S, Hkv, D]
+    tensor (S = the longest context); positions past a sequence's length are
+    masked out of its softmax.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     queries_per_kv = num_q_heads // num_kv_heads
-    out = torch.zeros_like(q)
-    for seq, length in enumerate(context_lens.tolist()):
-        if length == 0:
-            continue
-        keys = gather_sequence_kv(k_cache, block_tables[seq], length)  # [L, Hkv, D]
-        values = gather_sequence_kv(v_cache, block_tables[seq], length)  # [L, Hkv, D]
-        query = q[seq].float().view(num_kv_heads, queries_per_kv, head_dim)  # [Hkv, G, D]
-        scores = query @ keys.float().permute(1, 2, 0)  # [Hkv, G, D] @ [Hkv, D, L] -> [Hkv, G, L]
-        probs = torch.softmax(scores * scale, dim=-1)
-        context = probs @ values.float().transpose(0, 1)  # [Hkv, G, L] @ [Hkv, L, D] -> [Hkv, G, D]
-        out[seq] = context.reshape(num_q_heads, head_dim).to(q.dtype)  # [Hq, D]
-    return out
+    lengths = context_lens.long()
+    max_len = int(lengths.max()) if batch else 0
+    if max_len == 0:
+        return torch.zeros_like(q)
+    tables = block_tables[:, : -(-max_len // block_size)].long()  # [B, nb]
+    valid = torch.arange(max_len, device=q.device)[None, :] < lengths[:, None]  # [B, S]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        gathered = cache[tables].flatten(1, 2)[:, :max_len]  # [B, nb, bs, Hkv, D] -> [B, S, Hkv, D]
+        return gathered.permute(0, 2, 1, 3).float().contiguous()  # [B, Hkv, S, D]
+
+    keys, values = gather(k_cache), gather(v_cache)
+    # slots past a sequence's length hold anything (even NaN): zero them so 0 * garbage stays 0
+    for seq, length in enumerate(lengths.tolist()):
+        if length < max_len:
+            values[seq, :, length:] = 0.0
+    query = q.float().view(batch, num_kv_heads, queries_per_kv, head_dim)  # [B, Hkv, G, D]
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale  # [B, Hkv, G, S]
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # empty sequences: all -inf -> zeros
+    context = torch.matmul(probs, values)  # [B, Hkv, G, S] @ [B, Hkv, S, D] -> [B, Hkv, G, D]
+    return context.reshape(batch, num_q_heads, head_dim).to(q.dtype)  # [B, Hq, D]
 
 
 def paged_decode_attention_with_kv_write_reference(

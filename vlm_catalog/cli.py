@@ -14,10 +14,11 @@ import sys
 
 # subcommand -> module that registers it
 COMMAND_MODULES: dict[str, str] = {
+    "demo": "vlm_catalog.demo",
+    "extract": "vlm_catalog.extract.command",
     "make-catalog": "vlm_catalog.data.synthetic.command",
     "eval": "vlm_catalog.evaluate.command",
     "check-parity": "vlm_catalog.model.command",
-    "demo": "vlm_catalog.demo",
 }
 
 

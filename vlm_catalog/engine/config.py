@@ -36,6 +36,8 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 30.0
     grammar_cache_size: int = 512
     image_workers: int | None = None  # threads decoding images; None: one per CPU
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (they are only used on CUDA)
+    cuda_graph_max_batch: int = 256  # largest decode batch captured (capped at max_num_seqs)
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 class Detokenizer:
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)  # the model may pad its vocabulary past the tokenizer
         self.stop = list(stop)
         self.include_stop = include_stop
         self.text = ""
@@ -22,7 +23,8 @@ class Detokenizer:
 
     def update(self, output_token_ids: Sequence[int]) -> bool:
         """Decode the output so far; True when a stop string appeared (text truncated there)."""
-        text = self.tokenizer.decode(list(output_token_ids), skip_special_tokens=True)
+        ids = [token for token in output_token_ids if token < self.vocab_size]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
         for stop in self.stop:
             at = text.find(stop, max(0, len(self.text) - len(stop)))
             if at != -1:

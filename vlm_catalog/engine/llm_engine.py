@@ -31,9 +31,10 @@ import torch
 
 from vlm_catalog.engine.block_manager import BlockManager
 from vlm_catalog.engine.config import EngineConfig, EngineConfigError
+from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner
 from vlm_catalog.engine.detokenizer import Detokenizer
 from vlm_catalog.engine.encoder_cache import EncoderCache
-from vlm_catalog.engine.model_runner import ModelRunner
+from vlm_catalog.engine.model_runner import ModelRunner, order_chunks
 from vlm_catalog.engine.outputs import RequestOutput
 from vlm_catalog.engine.paged_attention import allocate_kv_caches, kv_bytes_per_block
 from vlm_catalog.engine.request import FinishReason, Request
@@ -42,6 +43,7 @@ from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.engine.scheduler import Scheduler, SchedulerOutput
 from vlm_catalog.model.config import ModelConfig
 from vlm_catalog.model.loader import load_model
+from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel
 from vlm_catalog.preprocess.processor import ProcessedPrompt, PromptProcessor
 
 logger = logging.getLogger(__name__)
@@ -63,17 +65,26 @@ class EngineStats:
     num_jump_forward_tokens: int = 0  # tokens appended by jump-forward, without a model step
     num_preemptions: int = 0
     num_finished: int = 0
+    seconds_in_prefill_steps: float = 0.0  # steps with at least one prefill chunk
+    seconds_in_decode_steps: float = 0.0  # steps where every sequence computed one token
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+    def __init__(self, config: EngineConfig | None = None, model: Qwen3VLMoeModel | None = None, **overrides: Any) -> None:
+        """`model`: an already built model to serve (benchmarks with random weights);
+        otherwise it is loaded from `config.model`, which always provides the
+        config, tokenizer, chat template and preprocessor settings."""
         config = config or EngineConfig(**overrides)
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
-        self.model = load_model(config.model, dtype=config.torch_dtype, device=config.torch_device)
+        if model is None:
+            model = load_model(config.model, dtype=config.torch_dtype, device=config.torch_device)
+        elif model.config != self.model_config:
+            raise EngineConfigError("the model given does not match the config.json of config.model")
+        self.model = model
         self.processor = PromptProcessor.from_pretrained(config.model, image_token_id=self.model_config.image_token_id)
         self.tokenizer = self.processor.tokenizer
         self.eos_token_ids = self._eos_token_ids()
@@ -90,7 +101,7 @@ class LLMEngine:
         self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
         self.runner = ModelRunner(
             self.model, self.processor.image_processor, self.kv_caches, config.block_size,
-            self.encoder_cache, config.image_workers,
+            self.encoder_cache, config.image_workers, self._decode_graphs(),
         )
         self.generator = torch.Generator(device=config.torch_device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
@@ -125,6 +136,21 @@ class LLMEngine:
         if num_blocks < 1:
             raise EngineConfigError(f"the KV-cache budget ({budget} bytes) is smaller than one block ({per_block} bytes)")
         return int(num_blocks)
+
+    def _decode_graphs(self) -> DecodeGraphRunner | None:
+        """Capture decode CUDA graphs (CUDA only, unless enforce_eager)."""
+        config = self.config
+        if config.enforce_eager or config.torch_device.type != "cuda":
+            return None
+        runner = DecodeGraphRunner(
+            self.model,
+            self.kv_caches,
+            max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
+            max_blocks_per_sequence=-(-config.max_model_len // config.block_size),
+            max_context_len=config.max_model_len,
+        )
+        runner.capture()
+        return runner
 
     @property
     def grammar_service(self):
@@ -225,13 +251,19 @@ class LLMEngine:
         touched: list[Request] = []
         if not output.is_empty:
             self.stats.num_steps += 1
+            started = time.perf_counter()
             images, failures = self.runner.encode_images(output.chunks)
-            chunks = self._drop_failed_image_chunks(output, failures)
+            chunks = order_chunks(self._drop_failed_image_chunks(output, failures))
             if chunks:
                 logits = self.runner.execute(chunks, images)
                 self._count_computed(chunks)
                 self.scheduler.update_after_step(SchedulerOutput(chunks))
                 touched = self._sample_and_append(chunks, logits)
+            elapsed = time.perf_counter() - started
+            if all(chunk.num_tokens == 1 for chunk in chunks):
+                self.stats.seconds_in_decode_steps += elapsed
+            else:
+                self.stats.seconds_in_prefill_steps += elapsed
         return self._collect_outputs(touched)
 
     def _attach_grammars(self) -> None:

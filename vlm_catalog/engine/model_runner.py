@@ -16,22 +16,20 @@ allocator.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-
 import torch
 
+from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner
 from vlm_catalog.engine.encoder_cache import EncoderCache
-from vlm_catalog.engine.paged_attention import PagedAttention, PagedAttentionMetadata
+from vlm_catalog.engine.paged_attention import DecodeBatch, PagedAttention, PagedAttentionMetadata, PrefillBatch
 from vlm_catalog.engine.scheduler import ScheduledChunk
 from vlm_catalog.model.qwen3_vl_moe import ImageEmbedding, Qwen3VLMoeModel
 from vlm_catalog.model.text import MultimodalEmbeddings
 from vlm_catalog.preprocess.image import ImageProbe, ImageProcessor
 
 
-@dataclass
-class ImageFailure:
-    content_hash: str
-    error: str
+def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    """Decodes (one-token chunks) first, the rest after; stable otherwise."""
+    return sorted(chunks, key=lambda chunk: chunk.num_tokens != 1)
 
 
 class ModelRunner:
@@ -43,8 +41,10 @@ class ModelRunner:
         block_size: int,
         encoder_cache: EncoderCache,
         image_workers: int | None = None,
+        graph_runner: DecodeGraphRunner | None = None,
     ) -> None:
         self.model = model
+        self.graph_runner = graph_runner
         self.image_processor = image_processor
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -94,6 +94,42 @@ class ModelRunner:
                     self.num_images_encoded += 1
         return found, failures
 
+    def _attention_metadata(
+        self, chunks: list[ScheduledChunk], slots: torch.Tensor, cu_seqlens: list[int], context_lens: list[int]
+    ) -> PagedAttentionMetadata:
+        device = self.device
+        num_decodes = 0
+        while num_decodes < len(chunks) and chunks[num_decodes].num_tokens == 1:
+            num_decodes += 1
+        if any(chunk.num_tokens == 1 for chunk in chunks[num_decodes:]):
+            raise ValueError("decode chunks must come first (see order_chunks)")
+
+        def tables(part: list[ScheduledChunk]) -> torch.Tensor:
+            width = max(len(chunk.block_table) for chunk in part)
+            table = torch.zeros(len(part), width, dtype=torch.int32)
+            for row, chunk in enumerate(part):
+                table[row, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.int32)
+            return table.to(device)
+
+        decode = prefill = None
+        if num_decodes:
+            decode = DecodeBatch(
+                slot_mapping=slots[:num_decodes].to(device),
+                block_tables=tables(chunks[:num_decodes]),
+                context_lens=torch.tensor(context_lens[:num_decodes], dtype=torch.int32, device=device),
+                max_context_len=max(context_lens[:num_decodes]),
+            )
+        if num_decodes < len(chunks):
+            rest = chunks[num_decodes:]
+            prefill = PrefillBatch(
+                slot_mapping=slots[num_decodes:].to(device),
+                block_tables=tables(rest),
+                cu_seqlens_q=torch.tensor([c - num_decodes for c in cu_seqlens[num_decodes:]], dtype=torch.int32, device=device),
+                context_lens=torch.tensor(context_lens[num_decodes:], dtype=torch.int32, device=device),
+                max_query_len=max(chunk.num_tokens for chunk in rest),
+            )
+        return PagedAttentionMetadata(decode, prefill)
+
     def _decode(self, image: ImageProbe) -> torch.Tensor | str:
         try:
             processed = self.image_processor.process(image.source)
@@ -106,7 +142,10 @@ class ModelRunner:
     # -------------------------------------------------------------- text
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], images: dict[str, ImageEmbedding]) -> torch.Tensor:
-        """Run one step; logits [number of sampling chunks, V] in float32, in chunk order."""
+        """Run one step; logits [number of sampling chunks, V] in float32, in chunk order.
+
+        Chunks of one token (decodes) must come first (`order_chunks`).
+        """
         device = self.device
         token_ids, positions, slots, sample_rows = [], [], [], []
         multimodal_rows: list[torch.Tensor] = []
@@ -132,18 +171,7 @@ class ModelRunner:
                 sample_rows.append(offset - 1)
 
         input_ids = torch.cat(token_ids).to(device=device, dtype=torch.int64)
-        max_blocks = max(len(chunk.block_table) for chunk in chunks)
-        block_tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
-        for row, chunk in enumerate(chunks):
-            block_tables[row, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.int32)
-        metadata = PagedAttentionMetadata(
-            slot_mapping=torch.cat(slots).to(device),
-            block_tables=block_tables.to(device),
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            max_query_len=max(chunk.num_tokens for chunk in chunks),
-            max_context_len=max(context_lens),
-        )
+        metadata = self._attention_metadata(chunks, torch.cat(slots), cu_seqlens, context_lens)
         multimodal = None
         if multimodal_parts:
             mask = torch.zeros(offset, dtype=torch.bool)
@@ -156,12 +184,13 @@ class ModelRunner:
                     for j in range(len(multimodal_parts[0].deepstack))
                 ],
             )
-        hidden = self.model(
-            input_ids,
-            torch.cat(positions, dim=1).to(device),
-            PagedAttention(self.kv_caches, metadata),
-            multimodal,
-        )
+        positions = torch.cat(positions, dim=1).to(device)
+        graphs = self.graph_runner
+        if graphs is not None and metadata.prefill is None and multimodal is None and len(chunks) <= graphs.max_batch:
+            decode = metadata.decode
+            hidden = graphs.run(input_ids, positions, decode.slot_mapping, decode.block_tables, decode.context_lens)
+        else:
+            hidden = self.model(input_ids, positions, PagedAttention(self.kv_caches, metadata), multimodal)
         if not sample_rows:
             return hidden.new_zeros((0, self.model.config.text.vocab_size), dtype=torch.float32)
         rows = torch.tensor(sample_rows, device=device)

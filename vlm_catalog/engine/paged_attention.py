@@ -1,12 +1,11 @@
 """The engine's attention backend: attention over the paged KV cache.
 
 Per layer, `k_cache` and `v_cache` are `[num_blocks, block_size, Hkv, D]`.
-A step's layout (`PagedAttentionMetadata`) says where each new token's K/V
-goes (`slot_mapping`) and which blocks each sequence reads (`block_tables`).
-Steps where every sequence computes exactly one token use the decode kernel
-(with the cache write fused in); any other step uses the varlen prefill
-kernel, which also covers decodes mixed into a batch of prefill chunks.
-On CPU both are the torch references from `kernels`.
+A step's flat batch puts its decode sequences (one new token each) first and
+its prefill chunks after; `PagedAttentionMetadata` describes both parts. The
+decode part goes through the decode kernel (with the cache write fused in),
+the prefill part through the varlen prefill kernel. On CPU both kernels are
+the torch references from `kernels`.
 """
 
 from __future__ import annotations
@@ -20,17 +19,34 @@ from vlm_catalog.model.attention import AttentionBackend
 
 
 @dataclass
-class PagedAttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
-    block_tables: torch.Tensor  # [B, max_blocks] int32 (padded with 0)
-    cu_seqlens_q: torch.Tensor  # [B + 1] int32: query token offsets per sequence
-    context_lens: torch.Tensor  # [B] int32: tokens in the cache per sequence after this step
-    max_query_len: int
+class DecodeBatch:
+    """The first `num_tokens` tokens of the step: one per sequence."""
+
+    slot_mapping: torch.Tensor  # [Bd] int64
+    block_tables: torch.Tensor  # [Bd, max_blocks] int32
+    context_lens: torch.Tensor  # [Bd] int32, including the new token
     max_context_len: int
 
     @property
-    def decode_only(self) -> bool:
-        return self.max_query_len == 1
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+@dataclass
+class PrefillBatch:
+    """The remaining tokens: chunks of one or more tokens per sequence."""
+
+    slot_mapping: torch.Tensor  # [Tp] int64
+    block_tables: torch.Tensor  # [Bp, max_blocks] int32
+    cu_seqlens_q: torch.Tensor  # [Bp + 1] int32, offsets within the prefill part
+    context_lens: torch.Tensor  # [Bp] int32, cached tokens after this step
+    max_query_len: int
+
+
+@dataclass
+class PagedAttentionMetadata:
+    decode: DecodeBatch | None
+    prefill: PrefillBatch | None
 
 
 class PagedAttention(AttentionBackend):
@@ -42,16 +58,21 @@ class PagedAttention(AttentionBackend):
         self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer_index]
-        meta = self.metadata
-        if meta.decode_only:
-            return kernels.paged_decode_attention_with_kv_write(
-                q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.context_lens, scale
-            )
-        kernels.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return kernels.paged_prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale,
-            max_query_len=meta.max_query_len,
-        )
+        decode, prefill = self.metadata.decode, self.metadata.prefill
+        outputs = []
+        split = decode.num_tokens if decode is not None else 0
+        if decode is not None:
+            outputs.append(kernels.paged_decode_attention_with_kv_write(
+                q[:split], k[:split], v[:split], k_cache, v_cache, decode.slot_mapping,
+                decode.block_tables, decode.context_lens, scale, max_context_len=decode.max_context_len,
+            ))
+        if prefill is not None:
+            kernels.reshape_and_cache(k[split:], v[split:], k_cache, v_cache, prefill.slot_mapping)
+            outputs.append(kernels.paged_prefill_attention(
+                q[split:], k_cache, v_cache, prefill.block_tables, prefill.cu_seqlens_q,
+                prefill.context_lens, scale, max_query_len=prefill.max_query_len,
+            ))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

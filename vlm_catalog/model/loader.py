@@ -86,7 +86,7 @@ def load_model(
                 for name in group:
                     plan.copy(name, handle, shard)
     plan.check_complete()
-    return model.eval()
+    return model.requires_grad_(False).eval()
 
 
 def checkpoint_shards(checkpoint_dir: Path) -> dict[Path, list[str]]:

@@ -1,0 +1,88 @@
+"""Decode CUDA graphs: padding to a bucket changes nothing (CPU, no capture) and replay equals eager (GPU)."""
+
+import pytest
+import torch
+
+from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner, default_buckets
+from vlm_catalog.engine.paged_attention import (
+    DecodeBatch,
+    PagedAttention,
+    PagedAttentionMetadata,
+    PrefillBatch,
+    allocate_kv_caches,
+)
+from vlm_catalog.model.loader import load_model
+
+BLOCK = 4
+
+
+def prefilled(model, device, num_sequences=5, prompt_len=9):
+    """KV caches holding `num_sequences` prompts, and each sequence's block table."""
+    text = model.config.text
+    caches = allocate_kv_caches(text.num_layers, 64, BLOCK, text.num_kv_heads, text.head_dim, model.dtype, device)
+    tables = [list(range(s * 4, s * 4 + 4)) for s in range(num_sequences)]  # 4 blocks = 16 tokens each
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 200, (num_sequences * prompt_len,), generator=generator).to(device)
+    positions = torch.arange(prompt_len).repeat(num_sequences).unsqueeze(0).expand(3, -1).to(device)
+    slots = torch.cat([torch.tensor([t[i // BLOCK] * BLOCK + i % BLOCK for i in range(prompt_len)]) for t in tables])
+    table_tensor = torch.tensor(tables, dtype=torch.int32, device=device)
+    prefill = PrefillBatch(
+        slot_mapping=slots.to(device), block_tables=table_tensor,
+        cu_seqlens_q=torch.arange(0, (num_sequences + 1) * prompt_len, prompt_len, dtype=torch.int32, device=device),
+        context_lens=torch.full((num_sequences,), prompt_len, dtype=torch.int32, device=device),
+        max_query_len=prompt_len,
+    )
+    model(ids, positions, PagedAttention(caches, PagedAttentionMetadata(decode=None, prefill=prefill)))
+    return caches, table_tensor
+
+
+def decode_inputs(num_sequences, prompt_len, device, tables):
+    ids = torch.arange(11, 11 + num_sequences, device=device)
+    positions = torch.full((3, num_sequences), prompt_len, device=device)
+    slots = torch.tensor([int(tables[s, prompt_len // BLOCK]) * BLOCK + prompt_len % BLOCK for s in range(num_sequences)], device=device)
+    lens = torch.full((num_sequences,), prompt_len + 1, dtype=torch.int32, device=device)
+    return ids, positions, slots, lens
+
+
+def clone(caches):
+    return [(k.clone(), v.clone()) for k, v in caches]
+
+
+def check_graph_runner_equals_eager(checkpoint, device, capture):
+    model = load_model(checkpoint, device=device)
+    caches, tables = prefilled(model, device)
+    ids, positions, slots, lens = decode_inputs(5, 9, device, tables)
+    eager_caches = clone(caches)
+    metadata = PagedAttentionMetadata(decode=DecodeBatch(slots, tables, lens, max_context_len=10), prefill=None)
+    expected = model(ids, positions, PagedAttention(eager_caches, metadata))
+
+    runner = DecodeGraphRunner(model, caches, max_batch=8, max_blocks_per_sequence=16, max_context_len=64,
+                               capture=capture, buckets=[2, 8])
+    runner.capture()
+    before = clone(caches)
+    got = runner.run(ids, positions, slots, tables, lens)  # 5 sequences padded to the bucket of 8
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for (k, v), (k_expected, v_expected), (k_before, _) in zip(caches, eager_caches, before):
+        # same writes (to float rounding: matmuls over 8 rows round differently than over 5)
+        torch.testing.assert_close(k, k_expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, v_expected, rtol=1e-5, atol=1e-5)
+        changed = (k != k_before).flatten(1).any(dim=1).nonzero().flatten().tolist()
+        assert set(changed) <= {int(tables[s, 9 // BLOCK]) for s in range(5)}  # padding rows wrote nothing
+    return runner
+
+
+def test_padding_to_a_bucket_changes_nothing_on_cpu(engine_checkpoint):
+    runner = check_graph_runner_equals_eager(engine_checkpoint, torch.device("cpu"), capture=False)
+    assert runner.graphs == {}  # nothing captured on CPU
+    assert runner.bucket(5) == 8 and runner.bucket(1) == 2
+
+
+def test_default_buckets():
+    assert default_buckets(256)[:6] == [1, 2, 4, 8, 16, 24] and default_buckets(256)[-1] == 256
+    assert default_buckets(20) == [1, 2, 4, 8, 16, 20]
+
+
+@pytest.mark.gpu
+def test_graph_replay_equals_eager_on_gpu(engine_checkpoint):
+    runner = check_graph_runner_equals_eager(engine_checkpoint, torch.device("cuda"), capture=True)
+    assert set(runner.graphs) == {2, 8}

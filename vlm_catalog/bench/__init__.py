@@ -1,0 +1,1 @@
+"""Benchmark support: baselines and measurement helpers shared by scripts/bench_*.py."""

@@ -1,0 +1,85 @@
+"""Baselines the benchmarks compare our engine with."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import torch
+
+
+class TransformersPipeline:
+    """transformers' own path: processor (template, tokenizer, PIL image processor) + generate."""
+
+    def __init__(self, model_dir: Path, model=None) -> None:
+        """`model_dir` gives tokenizer, template and image settings; `model` (optional) is an
+        already built transformers model, else it is loaded from `model_dir`."""
+        from transformers import AutoTokenizer, Qwen3VLMoeForConditionalGeneration
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+        from vlm_catalog.preprocess.chat_template import load_chat_template
+
+        class ImageOnlyProcessor(Qwen3VLProcessor):
+            @classmethod
+            def get_attributes(cls):
+                return ["image_processor", "tokenizer"]
+
+        config = json.loads((model_dir / "preprocessor_config.json").read_text())
+        image_processor = Qwen2VLImageProcessorPil(
+            patch_size=config["patch_size"], merge_size=config["merge_size"],
+            temporal_patch_size=config["temporal_patch_size"], image_mean=config["image_mean"],
+            image_std=config["image_std"], size=config["size"],
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.processor = ImageOnlyProcessor(image_processor=image_processor, tokenizer=self.tokenizer)
+        self.template = load_chat_template(model_dir)
+        if model is None:
+            model = Qwen3VLMoeForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.model = model.eval()
+        self.image_token_id = self.model.config.image_token_id
+
+    def _inputs(self, conversations: list[list[dict]]) -> dict:
+        from PIL import Image
+
+        texts, images = [], []
+        for messages in conversations:
+            template_messages = []
+            for message in messages:
+                content = message["content"]
+                if isinstance(content, list):
+                    parts = []
+                    for part in content:
+                        if part["type"] == "image_url":
+                            images.append(Image.open(io.BytesIO(_data_uri_bytes(part["image_url"]["url"]))))
+                            parts.append({"type": "image"})
+                        else:
+                            parts.append(part)
+                    content = parts
+                template_messages.append({"role": message["role"], "content": content})
+            texts.append(self.tokenizer.apply_chat_template(
+                template_messages, chat_template=self.template, tokenize=False, add_generation_prompt=True
+            ))
+        inputs = self.processor(text=texts, images=images, padding=True, padding_side="left", return_tensors="pt")
+        inputs["mm_token_type_ids"] = (inputs["input_ids"] == self.image_token_id).int()
+        device = next(self.model.parameters()).device
+        dtype = next(self.model.parameters()).dtype
+        return {
+            name: value.to(device=device, dtype=dtype) if name == "pixel_values" else value.to(device)
+            for name, value in inputs.items()
+        }
+
+    @torch.inference_mode()
+    def generate(self, conversations: list[list[dict]], max_new_tokens: int) -> list[list[int]]:
+        inputs = self._inputs(conversations)
+        self.model.model.rope_deltas = None
+        output = self.model.generate(
+            **inputs, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0
+        )
+        return output[:, inputs["input_ids"].shape[1]:].tolist()
+
+
+def _data_uri_bytes(url: str) -> bytes:
+    return base64.b64decode(url.split(",", 1)[1])

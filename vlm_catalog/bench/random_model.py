@@ -1,0 +1,112 @@
+"""Models with random weights at real shapes, built on the device (no checkpoint, no download).
+
+`benchmark_checkpoint_dir` writes what the engine reads besides weights
+(config.json with the given shapes, the default model's tokenizer and chat
+template, Qwen3-VL's preprocessor settings); `random_model` builds our model
+on the device with random weights; `random_transformers_model` does the same
+for transformers' reference implementation.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlm_catalog.model.config import ModelConfig
+from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel
+from vlm_catalog.paths import DEFAULT_MODEL_DIR
+
+# Qwen3-VL-30B-A3B (see ../shared/docs/TASK.md and transformers' Qwen3VLMoeConfig)
+QWEN3_VL_30B_A3B: dict[str, Any] = {
+    "text_config": {
+        "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+        "intermediate_size": 6144, "vocab_size": 151936, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20],
+                            "mrope_interleaved": True},
+    },
+    "vision_config": {
+        "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "patch_size": 16,
+        "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 2048,
+        "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24],
+    },
+    "tie_word_embeddings": False,
+}
+QWEN3_VL_PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255,
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def benchmark_checkpoint_dir(directory: Path, shapes: dict[str, Any], tokenizer_dir: Path = DEFAULT_MODEL_DIR) -> Path:
+    """A weightless checkpoint directory: `shapes`, plus the tokenizer and its special token ids."""
+    from transformers import AutoTokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    special = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+    )}
+    config = {"model_type": "qwen3_vl_moe", "architectures": ["Qwen3VLMoeForConditionalGeneration"], **shapes, **special}
+    config["text_config"] = {**shapes["text_config"], "model_type": "qwen3_vl_moe_text"}
+    config["vision_config"] = {**shapes["vision_config"], "model_type": "qwen3_vl_moe_vision"}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    (directory / "preprocessor_config.json").write_text(json.dumps(QWEN3_VL_PREPROCESSOR, indent=2))
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, directory / name)
+    return directory
+
+
+@torch.no_grad()
+def randomise_(module: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """Normal(0, std) weights, unit norm scales, zero biases, in place on the module's device."""
+    generator = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    for name, parameter in module.named_parameters():
+        if name.endswith("bias"):
+            parameter.zero_()
+        elif "norm" in name or parameter.dim() == 1:
+            parameter.fill_(1.0)
+        else:
+            parameter.normal_(0.0, std, generator=generator)
+
+
+def random_model(checkpoint_dir: Path, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> Qwen3VLMoeModel:
+    """Our model for `checkpoint_dir`'s config, allocated on `device` with random weights."""
+    config = ModelConfig.from_pretrained(checkpoint_dir)
+    with torch.device("meta"):
+        model = Qwen3VLMoeModel(config)
+    model = model.to(dtype).to_empty(device=torch.device(device))
+    model.visual.reset_rotary_buffers()
+    model.language_model.reset_rotary_buffers()
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.language_model.embed_tokens.weight
+    randomise_(model, seed)
+    return model.requires_grad_(False).eval()
+
+
+def random_transformers_model(checkpoint_dir: Path, device: str | torch.device, dtype: torch.dtype, seed: int = 0):
+    """transformers' Qwen3VLMoeForConditionalGeneration (sdpa attention) with random weights on `device`."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    config = Qwen3VLMoeConfig.from_pretrained(str(checkpoint_dir))
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = Qwen3VLMoeForConditionalGeneration(config)
+    model = model.to(dtype).to_empty(device=torch.device(device))
+    for module in model.modules():  # rotary buffers were wiped by to_empty
+        if hasattr(module, "inv_freq") and hasattr(module, "compute_default_rope_parameters"):
+            inv_freq, _ = module.compute_default_rope_parameters(module.config, device=torch.device(device))
+            module.inv_freq = inv_freq.to(device)
+        elif hasattr(module, "inv_freq") and hasattr(module, "compute_axial_rope_parameters"):
+            inv_freq, _ = module.compute_axial_rope_parameters(module.config, device=torch.device(device))
+            module.inv_freq = inv_freq.to(device)
+    randomise_(model, seed)
+    return model.requires_grad_(False).eval()

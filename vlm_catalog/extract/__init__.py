@@ -1,0 +1,1 @@
+"""Catalogue extraction from the command line: records in, predictions (JSONL) out."""
