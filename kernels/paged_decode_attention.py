@@ -45,35 +45,45 @@ def paged_decode_attention_reference(
 ) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D]; float32 scores/softmax, all sequences in one batched pass.
 
-    The blocks of every sequence are gathered into one padded [B, S, Hkv, D]
-    tensor (S = the longest context); positions past a sequence's length are
+    The blocks of every sequence are gathered once into [B, S, Hkv*D] (S = the
+    longest context). Scores and outputs are two batched matmuls against a
+    block-diagonal query ([Hkv*D, Hkv*G], head h's queries in block h), which
+    needs no permuted copy of K or V; positions past a sequence's length are
     masked out of its softmax.
     """
     batch, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    queries_per_kv = num_q_heads // num_kv_heads
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
     lengths = context_lens.long()
     max_len = int(lengths.max()) if batch else 0
     if max_len == 0:
         return torch.zeros_like(q)
-    tables = block_tables[:, : -(-max_len // block_size)].long()  # [B, nb]
-    valid = torch.arange(max_len, device=q.device)[None, :] < lengths[:, None]  # [B, S]
+    num_blocks = -(-max_len // block_size)
+    # unused table entries may hold anything; their positions are masked below
+    blocks = block_tables[:, :num_blocks].reshape(-1).long().clamp(0, k_cache.shape[0] - 1)  # [B * nb]
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
-        gathered = cache[tables].flatten(1, 2)[:, :max_len]  # [B, nb, bs, Hkv, D] -> [B, S, Hkv, D]
-        return gathered.permute(0, 2, 1, 3).float().contiguous()  # [B, Hkv, S, D]
+        rows = cache.reshape(cache.shape[0], -1).index_select(0, blocks)  # [B * nb, bs * Hkv * D]
+        return rows.view(batch, num_blocks * block_size, num_kv_heads * head_dim).float()  # [B, S', Hkv*D]
 
     keys, values = gather(k_cache), gather(v_cache)
     # slots past a sequence's length hold anything (even NaN): zero them so 0 * garbage stays 0
     for seq, length in enumerate(lengths.tolist()):
-        if length < max_len:
-            values[seq, :, length:] = 0.0
-    query = q.float().view(batch, num_kv_heads, queries_per_kv, head_dim)  # [B, Hkv, G, D]
-    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale  # [B, Hkv, G, S]
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # empty sequences: all -inf -> zeros
-    context = torch.matmul(probs, values)  # [B, Hkv, G, S] @ [B, Hkv, S, D] -> [B, Hkv, G, D]
-    return context.reshape(batch, num_q_heads, head_dim).to(q.dtype)  # [B, Hq, D]
+        if length < values.shape[1]:
+            values[seq, length:] = 0.0
+    query = q.float().view(batch, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
+    block_query = query.new_zeros(batch, num_kv_heads, head_dim, num_kv_heads, group)  # [B, Hkv, D, Hkv, G]
+    for head in range(num_kv_heads):
+        block_query[:, head, :, head, :] = query[:, head].transpose(1, 2)  # [B, D, G]
+    scores = torch.bmm(keys, block_query.view(batch, num_kv_heads * head_dim, num_q_heads)) * scale  # [B, S', Hq]
+    valid = torch.arange(keys.shape[1], device=q.device)[None, :] < lengths[:, None]  # [B, S']
+    scores.masked_fill_(~valid[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1).nan_to_num_(0.0)  # over positions; empty sequences -> zeros
+    mixed = torch.bmm(probs.transpose(1, 2), values)  # [B, Hq, S'] @ [B, S', Hkv*D] -> [B, Hq, Hkv*D]
+    mixed = mixed.view(batch, num_kv_heads, group, num_kv_heads, head_dim)  # [B, Hkv, G, Hkv, D]
+    heads = torch.arange(num_kv_heads, device=q.device)
+    context = mixed[:, heads, :, heads, :]  # each query head's own KV head: [Hkv, B, G, D]
+    return context.permute(1, 0, 2, 3).reshape(batch, num_q_heads, head_dim).to(q.dtype)  # [B, Hq, D]
 
 
 def paged_decode_attention_with_kv_write_reference(

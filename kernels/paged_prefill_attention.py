@@ -51,15 +51,18 @@ def paged_prefill_attention_reference(
             continue
         keys = gather_sequence_kv(k_cache, block_tables[seq], context_len)  # [L, Hkv, D]
         values = gather_sequence_kv(v_cache, block_tables[seq], context_len)  # [L, Hkv, D]
-        query_positions = torch.arange(context_len - query_len, context_len, device=q.device)
-        visible = (
-            torch.arange(context_len, device=q.device)[None, :] <= query_positions[:, None]
-        )  # [q_len, L]
+        if query_len == context_len:  # nothing cached before: plain causal attention (faster path)
+            mask, causal = None, True
+        else:
+            query_positions = torch.arange(context_len - query_len, context_len, device=q.device)
+            mask = torch.arange(context_len, device=q.device)[None, :] <= query_positions[:, None]  # [q_len, L]
+            causal = False
         context = F.scaled_dot_product_attention(
             q[begin:end].transpose(0, 1).unsqueeze(0),  # [1, Hq, q_len, D]
             keys.transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
             values.transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
-            attn_mask=visible,
+            attn_mask=mask,
+            is_causal=causal,
             scale=scale,
             enable_gqa=True,
         )  # [1, Hq, q_len, D]

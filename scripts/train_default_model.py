@@ -29,8 +29,8 @@ from schemas import ProductRecord
 from vlm_catalog.data.synthetic.records import default_factory
 from vlm_catalog.model.config import ModelConfig
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
-from vlm_catalog.preprocess.prompt import build_mlperf_messages
 from vlm_catalog.preprocess.processor import PromptProcessor
+from vlm_catalog.preprocess.prompt import build_mlperf_messages
 
 TRAIN_SEED = 2000
 
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start-index", type=int, default=0, help="first product index (to continue on fresh data)")
     args = parser.parse_args(argv)
 
     from transformers import Qwen3VLMoeForConditionalGeneration
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(args.steps):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
-        indices = list(range(step * args.batch_size, (step + 1) * args.batch_size))
+        first = args.start_index + step * args.batch_size
+        indices = list(range(first, first + args.batch_size))
         loss = model(**maker.batch(indices)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

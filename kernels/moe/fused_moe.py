@@ -47,22 +47,36 @@ def fused_moe_reference(
     topk_ids: torch.Tensor,
     config: MoeKernelConfig | Mapping[str, int] | None = None,
 ) -> torch.Tensor:
-    """hidden [T, H] -> [T, H]; `config` is ignored (kept for a uniform signature)."""
+    """hidden [T, H] -> [T, H]; `config` is ignored (kept for a uniform signature).
+
+    Bit-exact with transformers' expert loop, without its `index_add_` (slow on
+    CPU): each expert's tokens are run in transformers' row order (top-k
+    position, then token: matmul rounding can depend on row order), each
+    (token, expert) pair's weighted output goes to its own row of `pair_out`,
+    and each token's rows are added in ascending expert id, the order in which
+    transformers accumulates them.
+    """
     del config
-    out = torch.zeros_like(hidden)
+    num_tokens, top_k = topk_ids.shape
+    ids = topk_ids.long()
     weights = topk_weights.to(hidden.dtype)
-    num_tokens = hidden.shape[0]
-    # pairs numbered k * T + t, so that within an expert they come in transformers'
-    # `torch.where(expert_mask[e])` order: by k, then by token
-    ids_by_slot = topk_ids.t().reshape(-1).long()  # [K*T]
-    order = torch.argsort(ids_by_slot, stable=True)  # grouped by expert, ascending
+    _, rank = ids.sort(dim=1)  # rank[t, j]: the top-k position of token t's j-th smallest expert id
+    ascending = torch.empty_like(rank).scatter_(1, rank, torch.arange(top_k, device=ids.device).expand_as(rank))
+    # pairs numbered k * T + t (k = top-k position), grouped by expert in transformers' order
+    ids_by_slot = ids.t().reshape(-1)  # [K*T]
+    order = torch.argsort(ids_by_slot, stable=True)
     experts, counts = torch.unique_consecutive(ids_by_slot[order], return_counts=True)
+    pair_out = hidden.new_empty((top_k * num_tokens, hidden.shape[1]))  # [K*T, H], row j*T + t
     for expert, pairs in zip(experts.tolist(), torch.split(order, counts.tolist())):
         tokens, slots = pairs % num_tokens, pairs // num_tokens
         gate, up = F.linear(hidden[tokens], w13[expert]).chunk(2, dim=-1)  # [n, I] each
         activated = F.silu(gate) * up  # [n, I]
-        expert_out = F.linear(activated, w2[expert]) * weights[tokens, slots, None]  # [n, H]
-        out.index_add_(0, tokens, expert_out.to(out.dtype))
+        rows = ascending[tokens, slots] * num_tokens + tokens
+        pair_out[rows] = F.linear(activated, w2[expert]) * weights[tokens, slots, None]  # [n, H]
+    per_rank = pair_out.view(top_k, num_tokens, -1)  # [K, T, H], experts in ascending id
+    out = per_rank[0].clone()
+    for j in range(1, top_k):
+        out += per_rank[j]
     return out
 
 

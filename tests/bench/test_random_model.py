@@ -5,7 +5,11 @@ import json
 import pytest
 import torch
 
-from vlm_catalog.bench.random_model import benchmark_checkpoint_dir, random_model, random_transformers_model
+from vlm_catalog.bench.random_model import (
+    benchmark_checkpoint_dir,
+    random_model,
+    random_transformers_model,
+)
 from vlm_catalog.engine.config import EngineConfig, EngineConfigError
 from vlm_catalog.engine.llm_engine import LLMEngine
 from vlm_catalog.engine.sampling_params import SamplingParams
@@ -34,7 +38,7 @@ def test_weightless_checkpoint_random_model_and_engine_injection(tmp_path):
     again = random_model(checkpoint, "cpu", torch.float32, seed=3)
     assert torch.equal(again.lm_head.weight, model.lm_head.weight)  # seeded
 
-    engine = LLMEngine(EngineConfig(model=checkpoint), model=model)
+    engine = LLMEngine(EngineConfig(model=checkpoint), prebuilt_model=model)
     engine.add_request([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=5, ignore_eos=True))
     outputs = []
     while engine.has_unfinished_requests():
@@ -43,7 +47,7 @@ def test_weightless_checkpoint_random_model_and_engine_injection(tmp_path):
     assert final.finished and len(final.token_ids) == 5  # ids past the 4096-entry tokenizer are skipped in text
 
     with pytest.raises(EngineConfigError, match="does not match"):
-        LLMEngine(EngineConfig(model=DEFAULT_MODEL_DIR), model=model)
+        LLMEngine(EngineConfig(model=DEFAULT_MODEL_DIR), prebuilt_model=model)
 
 
 def test_random_transformers_model_runs(tmp_path):

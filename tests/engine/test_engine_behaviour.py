@@ -135,18 +135,16 @@ def test_no_leaks_after_thousands_of_requests_with_aborts(engine_checkpoint):
     rng = random.Random(0)
     finished = 0
     next_id = 0
-    for wave in range(25):
+    for _ in range(25):  # waves of 100 requests
         for _ in range(100):
             messages = [{"role": "user", "content": f"short {next_id % 17} " * rng.randrange(1, 6)}]
             engine.add_request(messages, SamplingParams(max_tokens=rng.randrange(1, 6), ignore_eos=True), f"r{next_id}")
             next_id += 1
-        steps = 0
         while engine.has_unfinished_requests():
             live = list(engine.requests)
             for request_id in rng.sample(live, k=min(len(live), rng.randrange(0, 4))):
                 engine.abort(request_id)
             finished += sum(o.finished for o in engine.step())
-            steps += 1
     assert finished == 2500 and next_id == 2500
     assert engine.requests == {} and engine.detokenizers == {}
     assert engine.block_manager.num_free_blocks == engine.num_blocks

@@ -20,7 +20,7 @@ def answer(category, brand, secondhand, **extra):
 
 
 def test_perfect_answers_score_one():
-    responses = [(i, answer(l.category, l.brand, l.is_secondhand)) for i, l in enumerate(LABELS)]
+    responses = [(i, answer(truth.category, truth.brand, truth.is_secondhand)) for i, truth in enumerate(LABELS)]
     report = score(responses, LABELS)
     assert report.num_unparsable == 0
     assert report.category_hf1 == 1.0

@@ -184,7 +184,7 @@ PEAK_MEMORY_SCRIPT = textwrap.dedent(
 
 
 def test_peak_memory_while_loading_stays_under_1_3x_the_weights(tmp_path):
-    from vlm_catalog.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint, build_tokenizer
+    from vlm_catalog.model.tiny_checkpoint import TinySpec, build_tokenizer, make_tiny_checkpoint
 
     spec = TinySpec(hidden_size=256, moe_intermediate_size=256, num_experts=32, text_layers=4,
                     num_heads=8, num_kv_heads=4, head_dim=32, mrope_section=(8, 4, 4), tokenizer_vocab_size=400)

@@ -17,7 +17,9 @@ class TransformersPipeline:
         """`model_dir` gives tokenizer, template and image settings; `model` (optional) is an
         already built transformers model, else it is loaded from `model_dir`."""
         from transformers import AutoTokenizer, Qwen3VLMoeForConditionalGeneration
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
         from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
         from vlm_catalog.preprocess.chat_template import load_chat_template

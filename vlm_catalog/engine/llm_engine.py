@@ -73,18 +73,20 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, model: Qwen3VLMoeModel | None = None, **overrides: Any) -> None:
-        """`model`: an already built model to serve (benchmarks with random weights);
-        otherwise it is loaded from `config.model`, which always provides the
-        config, tokenizer, chat template and preprocessor settings."""
+    def __init__(
+        self, config: EngineConfig | None = None, prebuilt_model: Qwen3VLMoeModel | None = None, **overrides: Any
+    ) -> None:
+        """`prebuilt_model`: an already built model to serve (benchmarks with random
+        weights); otherwise the weights are loaded from `config.model`, which always
+        provides the config, tokenizer, chat template and preprocessor settings."""
         config = config or EngineConfig(**overrides)
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
-        if model is None:
-            model = load_model(config.model, dtype=config.torch_dtype, device=config.torch_device)
-        elif model.config != self.model_config:
-            raise EngineConfigError("the model given does not match the config.json of config.model")
-        self.model = model
+        if prebuilt_model is None:
+            prebuilt_model = load_model(config.model, dtype=config.torch_dtype, device=config.torch_device)
+        elif prebuilt_model.config != self.model_config:
+            raise EngineConfigError("the prebuilt model does not match the config.json of config.model")
+        self.model = prebuilt_model
         self.processor = PromptProcessor.from_pretrained(config.model, image_token_id=self.model_config.image_token_id)
         self.tokenizer = self.processor.tokenizer
         self.eos_token_ids = self._eos_token_ids()
@@ -364,40 +366,32 @@ class LLMEngine:
     # -------------------------------------------------------------- outputs
     def _collect_outputs(self, touched: list[Request]) -> list[RequestOutput]:
         outputs = [self._output(request) for request in touched if not request.is_finished]
-        outputs.extend(self._final_output(request) for request in self.scheduler.drain_finished())
+        outputs.extend(self._output(request) for request in self.scheduler.drain_finished())
         return outputs
 
     def _output(self, request: Request) -> RequestOutput:
+        """The request's output so far; a finished request's last one (and it is forgotten)."""
+        finished = request.is_finished
         detokenizer = self.detokenizers[request.request_id]
-        if not request.params.stop:
+        if not request.params.stop:  # with stop strings the text is kept current (and cut) as tokens come
             detokenizer.update(request.output_token_ids)
-        return RequestOutput(
+        output = RequestOutput(
             request_id=request.request_id,
             text=detokenizer.text,
             token_ids=request.output_token_ids,
             num_prompt_tokens=request.num_prompt_tokens,
-            finished=False,
-            delta_text=detokenizer.delta(),
+            finished=finished,
+            delta_text=detokenizer.delta(final=finished),
         )
-
-    def _final_output(self, request: Request) -> RequestOutput:
-        detokenizer = self.detokenizers.pop(request.request_id)
-        self.requests.pop(request.request_id, None)
-        self.stats.num_finished += 1
-        if request.finish_reason is not FinishReason.STOP or not request.params.stop:
-            detokenizer.update(request.output_token_ids)
-        return RequestOutput(
-            request_id=request.request_id,
-            text=detokenizer.text,
-            token_ids=request.output_token_ids,
-            num_prompt_tokens=request.num_prompt_tokens,
-            finished=True,
-            finish_reason=request.finish_reason.value if request.finish_reason else None,
-            error=request.error,
-            delta_text=detokenizer.delta(final=True),
-            logprobs=request.output_logprobs or None,
-            metrics=request.metrics.as_dict(),
-        )
+        if finished:
+            del self.detokenizers[request.request_id]
+            self.requests.pop(request.request_id, None)
+            self.stats.num_finished += 1
+            output.finish_reason = request.finish_reason.value if request.finish_reason else None
+            output.error = request.error
+            output.logprobs = request.output_logprobs or None
+            output.metrics = request.metrics.as_dict()
+        return output
 
     # ------------------------------------------------------------ lifecycle
     def close(self) -> None:

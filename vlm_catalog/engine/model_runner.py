@@ -16,11 +16,17 @@ allocator.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner
 from vlm_catalog.engine.encoder_cache import EncoderCache
-from vlm_catalog.engine.paged_attention import DecodeBatch, PagedAttention, PagedAttentionMetadata, PrefillBatch
+from vlm_catalog.engine.paged_attention import (
+    DecodeBatch,
+    PagedAttention,
+    PagedAttentionMetadata,
+    PrefillBatch,
+)
 from vlm_catalog.engine.scheduler import ScheduledChunk
 from vlm_catalog.model.qwen3_vl_moe import ImageEmbedding, Qwen3VLMoeModel
 from vlm_catalog.model.text import MultimodalEmbeddings
