@@ -66,6 +66,9 @@ the answer tokens of synthetic products (generator seed 2000, disjoint from the
 shipped sample), each shown with the benchmark's mlperf prompt and answered
 with compact ProductMetadata JSON. Weights stored in bfloat16.
 
+Accuracy on the shipped sample: see the README committed next to the weights
+(`vlm-catalog demo` measures it).
+
 Shapes: {shapes}
 """
 CORPUS_RECORDS = 3000

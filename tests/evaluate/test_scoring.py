@@ -71,8 +71,10 @@ def test_richer_schema_scores_attributes():
     assert report.num_unparsable == 0
     assert report.attribute_accuracy["colour"] == 0.5
     assert report.attribute_accuracy["material"] == 1.0
-    # the benchmark schema forbids the extra keys: same answers are unparsable there
-    assert score([(0, good)], labels).num_unparsable == 1
+    # the benchmark schema forbids the extra keys: same answers are unparsable there,
+    # and it asks for no attributes, so none are scored
+    benchmark = score([(0, good)], labels)
+    assert benchmark.num_unparsable == 1 and benchmark.attribute_accuracy is None
 
 
 def test_no_predictions_is_an_error():

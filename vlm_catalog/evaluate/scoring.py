@@ -101,7 +101,9 @@ def score(
     secondhand_pairs: list[tuple[bool, bool]] = []
     random_category_pairs: list[tuple[str, str]] = []
     random_secondhand_pairs: list[tuple[bool, bool]] = []
-    attribute_hits: dict[str, list[bool]] = {name: [] for name in ATTRIBUTE_FIELDS}
+    # attributes are scored only when the answer schema asks for them (e.g. ProductDetails)
+    attribute_names = [name for name in ATTRIBUTE_FIELDS if name in answer_schema.model_fields]
+    attribute_hits: dict[str, list[bool]] = {name: [] for name in attribute_names}
     unparsable_examples: list[dict[str, Any]] = []
     num_unparsable = 0
 
@@ -125,9 +127,9 @@ def score(
         secondhand_pairs.append((is_secondhand, truth.is_secondhand))
         random_category_pairs.append((str(rng.choice(truth.candidates)), truth.category))
         random_secondhand_pairs.append((bool(rng.choice([True, False])), truth.is_secondhand))
-        if truth.attributes is not None:
+        if truth.attributes is not None and attribute_names:
             given = _loose_json_object(response)
-            for name in ATTRIBUTE_FIELDS:
+            for name in attribute_names:
                 attribute_hits[name].append(given.get(name) == truth.attributes.get(name))
 
     all_brands = sorted({labels[index].brand for index, _ in responses})
