@@ -35,6 +35,10 @@ MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the para
 
 
 # --------------------------------------------------------------------------- reference
+GATHER_BYTES_PER_GROUP = 8 * 2**20  # gathered K+V per group of sequences: stays in the CPU cache
+MIN_SHARED_BLOCKS = 2  # a shared prefix shorter than this is gathered per sequence as usual
+
+
 def paged_decode_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -43,46 +47,133 @@ def paged_decode_attention_reference(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [B, Hq, D] -> [B, Hq, D]; float32 scores/softmax, all sequences in one batched pass.
+    """q [B, Hq, D] -> [B, Hq, D]; float32 scores/softmax.
 
-    The blocks of every sequence are gathered once into [B, S, Hkv*D] (S = the
-    longest context). Scores and outputs are two batched matmuls against a
-    block-diagonal query ([Hkv*D, Hkv*G], head h's queries in block h), which
-    needs no permuted copy of K or V; positions past a sequence's length are
-    masked out of its softmax.
+    Two CPU optimisations, same softmax over the same positions:
+    - sequences are clustered by their first block; the leading blocks a
+      cluster shares (a prompt prefix reused through the prefix cache, such as
+      this workload's system prompt) are gathered once for the cluster instead
+      of once per sequence;
+    - the rest is processed in groups of sequences whose gathered K and V
+      (about GATHER_BYTES_PER_GROUP) stay in the CPU cache between the gather
+      and the matmuls that read them.
+    """
+    batch = q.shape[0]
+    lengths = context_lens.long()
+    if batch == 0 or int(lengths.max()) == 0:
+        return torch.zeros_like(q)
+    # sequences that start with the same block may share a prefix: handle them together
+    first_blocks, cluster = torch.unique(block_tables[:, 0], return_inverse=True)
+    if len(first_blocks) == 1:
+        return _decode_with_shared_prefix(q, k_cache, v_cache, block_tables, lengths, scale)
+    out = torch.empty_like(q)
+    for index in range(len(first_blocks)):
+        rows = (cluster == index).nonzero().flatten()
+        out[rows] = _decode_with_shared_prefix(
+            q[rows], k_cache, v_cache, block_tables[rows], lengths[rows], scale
+        )
+    return out
+
+
+def _decode_with_shared_prefix(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Sequences whose common leading blocks are gathered once, the rest in cache-sized groups."""
+    batch = q.shape[0]
+    max_len = int(lengths.max())
+    if max_len == 0:
+        return torch.zeros_like(q)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    shared = _shared_leading_blocks(block_tables, lengths, block_size)
+    prefix = None
+    if shared >= MIN_SHARED_BLOCKS:
+        prefix = tuple(
+            _gather_blocks(cache, block_tables[0, :shared].long()).view(shared * block_size, -1).float()
+            for cache in (k_cache, v_cache)
+        )  # K, V [P, Hkv*D]
+    else:
+        shared = 0
+    per_sequence = 2 * (max_len - shared * block_size) * num_kv_heads * head_dim * 4  # float32 K and V
+    group = max(1, GATHER_BYTES_PER_GROUP // max(per_sequence, 1))
+    return torch.cat([
+        _decode_group(q[first : first + group], k_cache, v_cache, block_tables[first : first + group, shared:],
+                      lengths[first : first + group] - shared * block_size, scale, prefix)
+        for first in range(0, batch, group)
+    ])
+
+
+def _shared_leading_blocks(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int) -> int:
+    """How many leading blocks every sequence has in common (full blocks of every context)."""
+    if block_tables.shape[0] < 2:
+        return 0
+    limit = min(int(lengths.min()) // block_size, block_tables.shape[1])
+    same = (block_tables[:, :limit] == block_tables[:1, :limit]).all(dim=0)  # [limit]
+    return limit if bool(same.all()) else int(same.long().argmin())
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Rows [len(blocks), block_size * Hkv * D] of the given blocks."""
+    return cache.reshape(cache.shape[0], -1).index_select(0, blocks)
+
+
+def _decode_group(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One group of sequences in one batched pass.
+
+    `block_tables`/`lengths` describe each sequence's own part of its context;
+    `prefix` (K, V [P, Hkv*D]) is a part every sequence sees first. The own
+    parts are gathered once into [B, S, Hkv*D]. Queries are laid out
+    block-diagonally ([Hq, Hkv*D]: query head h only has entries in its KV
+    head's D columns), so scores against all KV heads at once are plain
+    matmuls with no permuted copy of K or V, and the prefix is one GEMM for the
+    whole group. One softmax runs over [prefix | own] positions, own positions
+    past a sequence's length masked.
     """
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    lengths = context_lens.long()
-    max_len = int(lengths.max()) if batch else 0
-    if max_len == 0:
-        return torch.zeros_like(q)
-    num_blocks = -(-max_len // block_size)
+    width = num_kv_heads * head_dim
+    num_blocks = -(-int(lengths.max()) // block_size)  # 0 when the prefix is all there is
     # unused table entries may hold anything; their positions are masked below
     blocks = block_tables[:, :num_blocks].reshape(-1).long().clamp(0, k_cache.shape[0] - 1)  # [B * nb]
-
-    def gather(cache: torch.Tensor) -> torch.Tensor:
-        rows = cache.reshape(cache.shape[0], -1).index_select(0, blocks)  # [B * nb, bs * Hkv * D]
-        return rows.view(batch, num_blocks * block_size, num_kv_heads * head_dim).float()  # [B, S', Hkv*D]
-
-    keys, values = gather(k_cache), gather(v_cache)
+    keys = _gather_blocks(k_cache, blocks).view(batch, num_blocks * block_size, width).float()  # [B, S, Hkv*D]
+    values = _gather_blocks(v_cache, blocks).view(batch, num_blocks * block_size, width).float()
     # slots past a sequence's length hold anything (even NaN): zero them so 0 * garbage stays 0
     for seq, length in enumerate(lengths.tolist()):
         if length < values.shape[1]:
-            values[seq, length:] = 0.0
-    query = q.float().view(batch, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
-    block_query = query.new_zeros(batch, num_kv_heads, head_dim, num_kv_heads, group)  # [B, Hkv, D, Hkv, G]
+            values[seq, max(length, 0):] = 0.0
+    queries = q.new_zeros(batch, num_q_heads, width, dtype=torch.float32)  # [B, Hq, Hkv*D]
     for head in range(num_kv_heads):
-        block_query[:, head, :, head, :] = query[:, head].transpose(1, 2)  # [B, D, G]
-    scores = torch.bmm(keys, block_query.view(batch, num_kv_heads * head_dim, num_q_heads)) * scale  # [B, S', Hq]
-    valid = torch.arange(keys.shape[1], device=q.device)[None, :] < lengths[:, None]  # [B, S']
-    scores.masked_fill_(~valid[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=1).nan_to_num_(0.0)  # over positions; empty sequences -> zeros
-    mixed = torch.bmm(probs.transpose(1, 2), values)  # [B, Hq, S'] @ [B, S', Hkv*D] -> [B, Hq, Hkv*D]
+        rows, columns = slice(head * group, (head + 1) * group), slice(head * head_dim, (head + 1) * head_dim)
+        queries[:, rows, columns] = q[:, rows].float() * scale
+    scores = torch.bmm(queries, keys.transpose(1, 2))  # [B, Hq, S]
+    valid = torch.arange(keys.shape[1], device=q.device)[None, :] < lengths[:, None]  # [B, S]
+    scores.masked_fill_(~valid[:, None, :], float("-inf"))
+    prefix_len = 0
+    if prefix is not None:
+        prefix_len = prefix[0].shape[0]
+        prefix_scores = (queries.view(-1, width) @ prefix[0].t()).view(batch, num_q_heads, prefix_len)  # [B, Hq, P]
+        scores = torch.cat([prefix_scores, scores], dim=2)  # [B, Hq, P + S]
+    probs = torch.softmax(scores, dim=2).nan_to_num_(0.0)  # over positions; empty sequences -> zeros
+    mixed = torch.bmm(probs[:, :, prefix_len:], values)  # [B, Hq, S] @ [B, S, Hkv*D] -> [B, Hq, Hkv*D]
+    if prefix is not None:
+        mixed += (probs[:, :, :prefix_len].reshape(-1, prefix_len) @ prefix[1]).view(batch, num_q_heads, width)
+    # each query head keeps the D columns of its own KV head
     mixed = mixed.view(batch, num_kv_heads, group, num_kv_heads, head_dim)  # [B, Hkv, G, Hkv, D]
     heads = torch.arange(num_kv_heads, device=q.device)
-    context = mixed[:, heads, :, heads, :]  # each query head's own KV head: [Hkv, B, G, D]
+    context = mixed[:, heads, :, heads, :]  # [Hkv, B, G, D]
     return context.permute(1, 0, 2, 3).reshape(batch, num_q_heads, head_dim).to(q.dtype)  # [B, Hq, D]
 
 

@@ -180,7 +180,7 @@ def measure_engine(checkpoint: Path, model, device: torch.device, records, dtype
     config = EngineConfig(model=checkpoint, device=str(device), dtype=dtype, max_num_seqs=256,
                           max_num_batched_tokens=16384, enable_prefix_caching=False,
                           scheduling_policy="shortest_prompt_first", max_model_len=32768)
-    engine = LLMEngine(config, model=model)
+    engine = LLMEngine(config, prebuilt_model=model)
     conversations = [build_messages(record) for record in records]
     results = {"kv_cache_tokens": engine.num_blocks * config.block_size}
     fixed = [SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True)] * len(records)

@@ -33,8 +33,8 @@ import torch
 
 from schemas import ProductMetadata
 from vlm_catalog import LLM, SamplingParams
-from vlm_catalog.data.loader import load_catalogue
 from vlm_catalog.bench.baselines import TransformersPipeline
+from vlm_catalog.data.loader import load_catalogue
 from vlm_catalog.data.synthetic.generator import make_catalog
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 from vlm_catalog.preprocess.prompt import build_messages

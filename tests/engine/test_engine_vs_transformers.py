@@ -26,6 +26,8 @@ def expected(engine_checkpoint, reference_model):
 CONFIGS = {
     "batched": {},
     "every_prompt_chunked": {"max_num_batched_tokens": 16},
+    # 3 tokens a step: prompts, images included, are cut into one- and two-token chunks beside decodes
+    "three_token_budget": {"max_num_batched_tokens": 3},
     "prefix_caching_off": {"enable_prefix_caching": False},
     "shortest_prompt_first": {"scheduling_policy": "shortest_prompt_first", "max_num_seqs": 3},
 }

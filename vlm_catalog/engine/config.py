@@ -26,7 +26,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int = 8192
     max_model_len: int = 32768
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "shortest_prompt_first"

@@ -262,7 +262,7 @@ class LLMEngine:
                 self.scheduler.update_after_step(SchedulerOutput(chunks))
                 touched = self._sample_and_append(chunks, logits)
             elapsed = time.perf_counter() - started
-            if all(chunk.num_tokens == 1 for chunk in chunks):
+            if all(chunk.is_decode for chunk in chunks):
                 self.stats.seconds_in_decode_steps += elapsed
             else:
                 self.stats.seconds_in_prefill_steps += elapsed

@@ -34,8 +34,17 @@ from vlm_catalog.preprocess.image import ImageProbe, ImageProcessor
 
 
 def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-    """Decodes (one-token chunks) first, the rest after; stable otherwise."""
-    return sorted(chunks, key=lambda chunk: chunk.num_tokens != 1)
+    """Decodes first, prefill chunks after; stable otherwise."""
+    return sorted(chunks, key=lambda chunk: not chunk.is_decode)
+
+
+def _count_leading_decodes(chunks: list[ScheduledChunk]) -> int:
+    count = 0
+    while count < len(chunks) and chunks[count].is_decode:
+        count += 1
+    if any(chunk.is_decode for chunk in chunks[count:]):
+        raise ValueError("decode chunks must come first (see order_chunks)")
+    return count
 
 
 class ModelRunner:
@@ -104,18 +113,12 @@ class ModelRunner:
         self, chunks: list[ScheduledChunk], slots: torch.Tensor, cu_seqlens: list[int], context_lens: list[int]
     ) -> PagedAttentionMetadata:
         device = self.device
-        num_decodes = 0
-        while num_decodes < len(chunks) and chunks[num_decodes].num_tokens == 1:
-            num_decodes += 1
-        if any(chunk.num_tokens == 1 for chunk in chunks[num_decodes:]):
-            raise ValueError("decode chunks must come first (see order_chunks)")
+        num_decodes = _count_leading_decodes(chunks)
 
         def tables(part: list[ScheduledChunk]) -> torch.Tensor:
             width = max(len(chunk.block_table) for chunk in part)
-            table = torch.zeros(len(part), width, dtype=torch.int32)
-            for row, chunk in enumerate(part):
-                table[row, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.int32)
-            return table.to(device)
+            padded = [chunk.block_table + [0] * (width - len(chunk.block_table)) for chunk in part]
+            return torch.tensor(padded, dtype=torch.int32, device=device)  # [B, max_blocks]
 
         decode = prefill = None
         if num_decodes:
@@ -150,21 +153,34 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk], images: dict[str, ImageEmbedding]) -> torch.Tensor:
         """Run one step; logits [number of sampling chunks, V] in float32, in chunk order.
 
-        Chunks of one token (decodes) must come first (`order_chunks`).
+        Decode chunks must come first (`order_chunks`).
         """
         device = self.device
-        token_ids, positions, slots, sample_rows = [], [], [], []
+        block_size = self.block_size
+        num_decodes = _count_leading_decodes(chunks)
+        # decode chunks (one token each, first in the step): plain Python ints, one tensor each
+        decodes = chunks[:num_decodes]
+        decode_ids = [chunk.request.token_ids[chunk.start] for chunk in decodes]
+        decode_positions = [chunk.start + chunk.request.prompt.mrope_delta for chunk in decodes]
+        decode_slots = [
+            chunk.block_table[chunk.start // block_size] * block_size + chunk.start % block_size for chunk in decodes
+        ]
+        token_ids = [torch.tensor(decode_ids, dtype=torch.int32)]
+        positions = [torch.tensor(decode_positions).unsqueeze(0).expand(3, -1)]
+        slots = [torch.tensor(decode_slots, dtype=torch.int64)]
+        sample_rows = list(range(num_decodes))  # a decode always samples
+        cu_seqlens = list(range(num_decodes + 1))
+        context_lens = [chunk.end for chunk in decodes]
         multimodal_rows: list[torch.Tensor] = []
         multimodal_parts: list[ImageEmbedding] = []
-        cu_seqlens, context_lens = [0], []
-        offset = 0
-        for chunk in chunks:
+        offset = num_decodes
+        for chunk in chunks[num_decodes:]:  # prefill chunks
             request = chunk.request
             token_ids.append(torch.frombuffer(request.token_ids[chunk.start : chunk.end], dtype=torch.int32))
             positions.append(request.positions(chunk.start, chunk.end))
             table = torch.tensor(chunk.block_table, dtype=torch.int64)
             indices = torch.arange(chunk.start, chunk.end)
-            slots.append(table[indices // self.block_size] * self.block_size + indices % self.block_size)
+            slots.append(table[indices // block_size] * block_size + indices % block_size)
             for image, (span_start, span_length) in zip(request.prompt.images, request.prompt.image_spans):
                 first, last = max(chunk.start, span_start), min(chunk.end, span_start + span_length)
                 if first < last:

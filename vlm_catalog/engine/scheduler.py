@@ -45,6 +45,11 @@ class ScheduledChunk:
     def end(self) -> int:
         return self.start + self.num_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        """One generated token (a one-token chunk of the prompt is a prefill chunk)."""
+        return self.num_tokens == 1 and self.start >= self.request.num_prompt_tokens
+
 
 @dataclass
 class SchedulerOutput:
