@@ -46,7 +46,7 @@ def test_every_constrained_answer_parses_over_hundreds_of_generations(llm):
     prompts, params, candidate_lists = [], [], []
     for index in range(200):
         messages, candidates = product_prompt(index, rng)
-        schema = catalogue_schema(candidates)
+        schema = catalogue_schema(candidates).json_schema
         # a random model rarely closes a free-text string; bounding the brand lets answers finish
         schema["properties"]["brand"]["maxLength"] = 8
         prompts.append(messages)
@@ -68,7 +68,7 @@ def test_jump_forward_on_and_off_give_the_same_text_with_fewer_steps(engine_chec
     prompts, params = [], []
     for index in range(24):
         messages, candidates = product_prompt(index, rng)
-        schema = catalogue_schema(candidates)
+        schema = catalogue_schema(candidates).json_schema
         schema["properties"]["brand"]["maxLength"] = 12  # brand-sized answers, as real products have
         prompts.append(messages)
         params.append(SamplingParams(max_tokens=120, temperature=0.8 if index % 3 == 0 else 0.0, seed=index,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import jsonschema
 import pytest
 
-from schemas import ProductDetails, ProductMetadata
+from schemas import AnswerValidationError, ProductDetails, ProductMetadata
 from vlm_catalog.structured import GrammarError, GrammarSpec, GrammarState, catalogue_schema
 
 CANDIDATES = [
@@ -16,7 +17,9 @@ CANDIDATES = [
 
 
 def test_category_becomes_enum_rest_kept():
-    schema = catalogue_schema(CANDIDATES)
+    restricted = catalogue_schema(CANDIDATES)
+    assert restricted.name == "ProductMetadata"
+    schema = restricted.json_schema
     base = ProductMetadata.model_json_schema()
     category = schema["properties"]["category"]
     assert category["enum"] == CANDIDATES[:3]  # deduplicated, order kept
@@ -30,9 +33,21 @@ def test_category_becomes_enum_rest_kept():
 
 
 def test_product_details_base_keeps_its_definitions():
-    schema = catalogue_schema(CANDIDATES, base=ProductDetails)
+    schema = catalogue_schema(CANDIDATES, base=ProductDetails).json_schema
     assert schema["properties"]["category"]["enum"] == CANDIDATES[:3]
     assert schema["$defs"] == ProductDetails.model_json_schema()["$defs"]
+
+
+def test_validation_checks_the_enum():
+    restricted = catalogue_schema(CANDIDATES)
+    assert restricted.validate(answer(CANDIDATES[2]))["category"] == CANDIDATES[2]
+    with pytest.raises(AnswerValidationError, match="is not one of"):
+        restricted.validate(answer("Toys"))
+
+
+def test_restricted_schema_is_itself_a_valid_json_schema():
+    schema = catalogue_schema(CANDIDATES).json_schema
+    jsonschema.validators.validator_for(schema).check_schema(schema)
 
 
 @pytest.mark.parametrize(

@@ -56,4 +56,4 @@ def test_choice_with_prefix_options_needs_a_stop_or_more(service, tokenizer):
 
 
 def test_choice_ebnf_escapes_literals():
-    assert choice_ebnf(['a"b', "c\\d"]) == 'root ::= "a\\"b" | "c\\\\d"'
+    assert choice_ebnf(['a"b', "c\\d"]) == 'root ::= ("a\\"b") | ("c\\\\d")'

@@ -11,7 +11,6 @@ serving other specs.
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
@@ -25,6 +24,10 @@ from typing import Any
 import xgrammar as xgr
 
 from vlm_catalog.structured.errors import GrammarError
+from vlm_catalog.structured.literal_trie import (
+    factor_literal_alternations,
+    literal_alternation_rules,
+)
 from vlm_catalog.structured.spec import GrammarSpec
 from vlm_catalog.structured.vocabulary import GrammarVocabulary
 
@@ -190,25 +193,21 @@ _JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\\r\n]'
 
 
 def json_schema_grammar(schema_text: str) -> xgr.Grammar:
-    """Compact-JSON grammar for a schema, with control characters kept out of every string."""
+    """Compact-JSON grammar for a schema, with control characters kept out of every string
+    and enums written as radix trees (see `literal_trie`)."""
     grammar = xgr.Grammar.from_json_schema(schema_text, any_whitespace=False, separators=JSON_SEPARATORS)
-    ebnf = str(grammar)
-    if _LOOSE_STRING_CHARACTER not in ebnf:
-        return grammar
-    return xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_STRING_CHARACTER, _JSON_STRING_CHARACTER))
+    ebnf = str(grammar).replace(_LOOSE_STRING_CHARACTER, _JSON_STRING_CHARACTER)
+    try:
+        return xgr.Grammar.from_ebnf(factor_literal_alternations(ebnf))
+    except RuntimeError:  # a literal the EBNF parser reads differently: keep the flat enum
+        return xgr.Grammar.from_ebnf(ebnf)
 
 
 def choice_ebnf(choices: Sequence[str]) -> str:
-    """An EBNF grammar matching exactly one of `choices`.
-
-    xgrammar's EBNF string literals take JSON-style escapes; `ensure_ascii=False`
-    keeps non-ASCII characters literal (JSON's surrogate-pair escapes for
-    characters beyond the BMP are not understood by the EBNF parser).
-    """
+    """An EBNF grammar matching exactly one of `choices`, shared prefixes written once."""
     if not choices:
         raise GrammarError("choice is empty: give at least one string")
-    alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
-    return f"root ::= {alternatives}"
+    return "\n".join(literal_alternation_rules("root", choices))
 
 
 def _xgrammar_message(exc: Exception) -> str:
