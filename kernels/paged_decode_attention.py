@@ -62,13 +62,16 @@ def paged_decode_attention_reference(
     lengths = context_lens.long()
     if batch == 0 or int(lengths.max()) == 0:
         return torch.zeros_like(q)
-    # sequences that start with the same block may share a prefix: handle them together
-    first_blocks, cluster = torch.unique(block_tables[:, 0], return_inverse=True)
+    # sequences that start with the same block may share a prefix: handle them together;
+    # sequences alone with their first block share nothing and go together in one pass
+    first_blocks, cluster, sizes = torch.unique(block_tables[:, 0], return_inverse=True, return_counts=True)
     if len(first_blocks) == 1:
         return _decode_with_shared_prefix(q, k_cache, v_cache, block_tables, lengths, scale)
+    alone = sizes[cluster] == 1  # [B]
+    row_sets = [alone.nonzero().flatten()] if bool(alone.any()) else []
+    row_sets += [(cluster == index).nonzero().flatten() for index in (sizes > 1).nonzero().flatten().tolist()]
     out = torch.empty_like(q)
-    for index in range(len(first_blocks)):
-        rows = (cluster == index).nonzero().flatten()
+    for rows in row_sets:
         out[rows] = _decode_with_shared_prefix(
             q[rows], k_cache, v_cache, block_tables[rows], lengths[rows], scale
         )
@@ -83,28 +86,61 @@ def _decode_with_shared_prefix(
     lengths: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Sequences whose common leading blocks are gathered once, the rest in cache-sized groups."""
-    batch = q.shape[0]
+    """Sequences whose common leading blocks are gathered once, the rest in cache-sized groups.
+
+    Queries are laid out block-diagonally ([B, Hq, Hkv*D]: query head h only
+    has entries in its KV head's D columns), so scores against all KV heads at
+    once are plain matmuls with no permuted copy of K or V. The softmax over
+    [shared prefix | own positions] is taken in two parts that share one
+    running maximum: the prefix part is one GEMM for all sequences, the own
+    parts are batched matmuls per group, and the two are added before the
+    single normalisation.
+    """
+    batch, num_q_heads, head_dim = q.shape
     max_len = int(lengths.max())
     if max_len == 0:
         return torch.zeros_like(q)
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group_size = num_q_heads // num_kv_heads
+    width = num_kv_heads * head_dim
+    queries = q.new_zeros(batch, num_q_heads, width, dtype=torch.float32)  # [B, Hq, Hkv*D]
+    for head in range(num_kv_heads):
+        rows, columns = slice(head * group_size, (head + 1) * group_size), slice(head * head_dim, (head + 1) * head_dim)
+        queries[:, rows, columns] = q[:, rows].float() * scale
+
     shared = _shared_leading_blocks(block_tables, lengths, block_size)
-    prefix = None
-    if shared >= MIN_SHARED_BLOCKS:
-        prefix = tuple(
-            _gather_blocks(cache, block_tables[0, :shared].long()).view(shared * block_size, -1).float()
+    if shared < MIN_SHARED_BLOCKS:
+        shared = 0
+    running_max = torch.full((batch, num_q_heads), float("-inf"), device=q.device)  # [B, Hq]
+    prefix_scores = prefix_values = None
+    if shared:
+        prefix_keys, prefix_values = (
+            _gather_blocks(cache, block_tables[0, :shared].long()).view(shared * block_size, width).float()
             for cache in (k_cache, v_cache)
         )  # K, V [P, Hkv*D]
-    else:
-        shared = 0
-    per_sequence = 2 * (max_len - shared * block_size) * num_kv_heads * head_dim * 4  # float32 K and V
+        prefix_scores = (queries.view(-1, width) @ prefix_keys.t()).view(batch, num_q_heads, -1)  # [B, Hq, P]
+        running_max = prefix_scores.amax(dim=2)
+
+    # own parts: exp(scores - max) @ V, unnormalised, group by group
+    weighted = torch.zeros(batch, num_q_heads, width, device=q.device)  # [B, Hq, Hkv*D]
+    weight_sums = torch.zeros(batch, num_q_heads, device=q.device)  # [B, Hq]
+    own_lengths = lengths - shared * block_size
+    per_sequence = 2 * (max_len - shared * block_size) * width * 4  # float32 K and V
     group = max(1, GATHER_BYTES_PER_GROUP // max(per_sequence, 1))
-    return torch.cat([
-        _decode_group(q[first : first + group], k_cache, v_cache, block_tables[first : first + group, shared:],
-                      lengths[first : first + group] - shared * block_size, scale, prefix)
-        for first in range(0, batch, group)
-    ])
+    for first in range(0, batch if max_len > shared * block_size else 0, group):
+        rows = slice(first, first + group)
+        _own_part(queries[rows], k_cache, v_cache, block_tables[rows, shared:], own_lengths[rows],
+                  running_max[rows], weighted[rows], weight_sums[rows])
+    if prefix_scores is not None:
+        finite_max = torch.where(torch.isinf(running_max), 0.0, running_max)  # all-masked rows stay zero
+        prefix_probs = (prefix_scores - finite_max[:, :, None]).exp_()  # [B, Hq, P]
+        weight_sums += prefix_probs.sum(dim=2)
+        weighted += (prefix_probs.view(-1, prefix_probs.shape[2]) @ prefix_values).view(batch, num_q_heads, width)
+    mixed = weighted / weight_sums.clamp_min(torch.finfo(torch.float32).tiny)[:, :, None]  # empty sequences -> 0
+    # each query head keeps the D columns of its own KV head
+    per_head = mixed.view(batch, num_kv_heads, group_size, num_kv_heads, head_dim)  # [B, Hkv, G, Hkv, D]
+    context = per_head.diagonal(dim1=1, dim2=3)  # [B, G, D, Hkv]
+    return context.permute(0, 3, 1, 2).reshape(batch, num_q_heads, head_dim).to(q.dtype)  # [B, Hq, D]
 
 
 def _shared_leading_blocks(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int) -> int:
@@ -121,60 +157,43 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return cache.reshape(cache.shape[0], -1).index_select(0, blocks)
 
 
-def _decode_group(
-    q: torch.Tensor,
+def _own_part(
+    queries: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     lengths: torch.Tensor,
-    scale: float,
-    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """One group of sequences in one batched pass.
+    running_max: torch.Tensor,
+    weighted: torch.Tensor,
+    weight_sums: torch.Tensor,
+) -> None:
+    """One group's own positions, gathered once into [B, S, Hkv*D] (sized to stay in the CPU cache).
 
-    `block_tables`/`lengths` describe each sequence's own part of its context;
-    `prefix` (K, V [P, Hkv*D]) is a part every sequence sees first. The own
-    parts are gathered once into [B, S, Hkv*D]. Queries are laid out
-    block-diagonally ([Hq, Hkv*D]: query head h only has entries in its KV
-    head's D columns), so scores against all KV heads at once are plain
-    matmuls with no permuted copy of K or V, and the prefix is one GEMM for the
-    whole group. One softmax runs over [prefix | own] positions, own positions
-    past a sequence's length masked.
+    In place: `running_max` [B, Hq] becomes the max over prefix and own
+    scores; `weighted` [B, Hq, Hkv*D] and `weight_sums` [B, Hq] get the own
+    part's exp(score - max) @ V and sum of exp(score - max), with the prefix
+    part's rescaled (it is added later, against the final max).
     """
-    batch, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_q_heads // num_kv_heads
-    width = num_kv_heads * head_dim
-    num_blocks = -(-int(lengths.max()) // block_size)  # 0 when the prefix is all there is
+    batch, _, width = queries.shape
+    block_size = k_cache.shape[1]
+    num_blocks = -(-int(lengths.max()) // block_size)
+    if num_blocks <= 0:  # the group's contexts end with the shared prefix
+        return
     # unused table entries may hold anything; their positions are masked below
     blocks = block_tables[:, :num_blocks].reshape(-1).long().clamp(0, k_cache.shape[0] - 1)  # [B * nb]
     keys = _gather_blocks(k_cache, blocks).view(batch, num_blocks * block_size, width).float()  # [B, S, Hkv*D]
     values = _gather_blocks(v_cache, blocks).view(batch, num_blocks * block_size, width).float()
+    valid = torch.arange(keys.shape[1], device=queries.device)[None, :] < lengths[:, None]  # [B, S]
     # slots past a sequence's length hold anything (even NaN): zero them so 0 * garbage stays 0
-    for seq, length in enumerate(lengths.tolist()):
-        if length < values.shape[1]:
-            values[seq, max(length, 0):] = 0.0
-    queries = q.new_zeros(batch, num_q_heads, width, dtype=torch.float32)  # [B, Hq, Hkv*D]
-    for head in range(num_kv_heads):
-        rows, columns = slice(head * group, (head + 1) * group), slice(head * head_dim, (head + 1) * head_dim)
-        queries[:, rows, columns] = q[:, rows].float() * scale
+    invalid_rows = (~valid).flatten().nonzero().flatten()  # few: the tails of partly used blocks
+    values.view(-1, width).index_fill_(0, invalid_rows, 0.0)  # [B*S, Hkv*D]
     scores = torch.bmm(queries, keys.transpose(1, 2))  # [B, Hq, S]
-    valid = torch.arange(keys.shape[1], device=q.device)[None, :] < lengths[:, None]  # [B, S]
     scores.masked_fill_(~valid[:, None, :], float("-inf"))
-    prefix_len = 0
-    if prefix is not None:
-        prefix_len = prefix[0].shape[0]
-        prefix_scores = (queries.view(-1, width) @ prefix[0].t()).view(batch, num_q_heads, prefix_len)  # [B, Hq, P]
-        scores = torch.cat([prefix_scores, scores], dim=2)  # [B, Hq, P + S]
-    probs = torch.softmax(scores, dim=2).nan_to_num_(0.0)  # over positions; empty sequences -> zeros
-    mixed = torch.bmm(probs[:, :, prefix_len:], values)  # [B, Hq, S] @ [B, S, Hkv*D] -> [B, Hq, Hkv*D]
-    if prefix is not None:
-        mixed += (probs[:, :, :prefix_len].reshape(-1, prefix_len) @ prefix[1]).view(batch, num_q_heads, width)
-    # each query head keeps the D columns of its own KV head
-    mixed = mixed.view(batch, num_kv_heads, group, num_kv_heads, head_dim)  # [B, Hkv, G, Hkv, D]
-    heads = torch.arange(num_kv_heads, device=q.device)
-    context = mixed[:, heads, :, heads, :]  # [Hkv, B, G, D]
-    return context.permute(1, 0, 2, 3).reshape(batch, num_q_heads, head_dim).to(q.dtype)  # [B, Hq, D]
+    torch.maximum(running_max, scores.amax(dim=2), out=running_max)
+    finite_max = torch.where(torch.isinf(running_max), 0.0, running_max)  # all-masked rows stay zero
+    probs = scores.sub_(finite_max[:, :, None]).exp_()  # [B, Hq, S]
+    weight_sums += probs.sum(dim=2)
+    weighted += torch.bmm(probs, values)  # [B, Hq, S] @ [B, S, Hkv*D] -> [B, Hq, Hkv*D]
 
 
 def paged_decode_attention_with_kv_write_reference(

@@ -54,11 +54,7 @@ def paged_prefill_attention_reference(
         if query_len == context_len:  # nothing cached before: plain causal attention (faster path)
             mask, causal = None, True
         else:
-            query_positions = torch.arange(context_len - query_len, context_len, device=q.device)
-            hidden = torch.arange(context_len, device=q.device)[None, :] > query_positions[:, None]  # [q_len, L]
-            # an additive float mask: SDPA's CPU kernel takes it ~15% faster than a boolean one
-            mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
-            causal = False
+            mask, causal = _lower_right_causal_mask(query_len, context_len, q.dtype, q.device), False
         context = F.scaled_dot_product_attention(
             q[begin:end].transpose(0, 1).unsqueeze(0),  # [1, Hq, q_len, D]
             keys.transpose(0, 1).unsqueeze(0),  # [1, Hkv, L, D]
@@ -70,6 +66,31 @@ def paged_prefill_attention_reference(
         )  # [1, Hq, q_len, D]
         out[begin:end] = context[0].transpose(0, 1)  # [q_len, Hq, D]
     return out
+
+
+MAX_CACHED_MASK_SIDE = 4096  # the cached square mask stays at or under 64 MiB in float32
+_causal_masks: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _lower_right_causal_mask(query_len: int, context_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask [q_len, L]: query j (at position L - q_len + j) sees keys 0..L - q_len + j.
+
+    A float mask, because SDPA's CPU kernel takes it ~15% faster than a boolean
+    one. Building it for every sequence of every layer cost a fifth of the
+    attention itself, so it is a view of one cached square causal mask
+    (N x N, -inf above the diagonal): its bottom-right [q_len, L] corner is
+    exactly this mask. Contexts longer than MAX_CACHED_MASK_SIDE get their own.
+    """
+    key = (dtype, device)
+    side = _causal_masks[key].shape[0] if key in _causal_masks else 0
+    if context_len > side:
+        if context_len > MAX_CACHED_MASK_SIDE:
+            query_positions = torch.arange(context_len - query_len, context_len, device=device)
+            hidden = torch.arange(context_len, device=device)[None, :] > query_positions[:, None]  # [q_len, L]
+            return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+        side = min(MAX_CACHED_MASK_SIDE, max(1024, 1 << (context_len - 1).bit_length()))
+        _causal_masks[key] = torch.full((side, side), float("-inf"), dtype=dtype, device=device).triu_(1)
+    return _causal_masks[key][side - query_len :, side - context_len :]  # [q_len, L], row stride `side`
 
 
 # --------------------------------------------------------------------------- triton

@@ -42,7 +42,7 @@ def test_chunked_prefill_runs_beside_decodes():
 def test_max_num_seqs_and_budget():
     scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
     for i in range(3):
-        scheduler.add(make_request(f"r{i}", 5))
+        scheduler.add(make_request(f"r{i}", 5, first_token=1 + 10 * i))  # distinct prompts: no shared blocks
     output = run_step(scheduler)
     assert [c.request.request_id for c in output.chunks] == ["r0", "r1"]
     assert [r.request_id for r in scheduler.waiting] == ["r2"]
@@ -108,6 +108,48 @@ def test_prefix_cache_hit_skips_shared_blocks_but_computes_the_last_token():
     other = make_request("other", 12, max_tokens=1, first_token=3)
     scheduler.add(other)
     assert run_step(scheduler).chunks[0].start == 0
+
+
+def test_twins_arriving_together_wait_for_the_shared_blocks_instead_of_recomputing_them():
+    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=100)
+    first, twin = make_request("first", 12, max_tokens=2), make_request("twin", 12, max_tokens=2)
+    other = make_request("other", 12, max_tokens=2, first_token=3)
+    for request in (first, twin, other):
+        scheduler.add(request)
+    step1 = run_step(scheduler)
+    # the twin's first block is being computed by `first`: it waits; `other` shares nothing and goes
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in step1.chunks] == [("first", 0, 12), ("other", 0, 12)]
+    assert [r.request_id for r in scheduler.waiting] == ["twin"]
+    first_blocks = list(scheduler.block_manager.block_table("first"))
+    step2 = run_step(scheduler)
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in step2.chunks] == [
+        ("first", 12, 1), ("other", 12, 1), ("twin", 8, 4),  # 2 blocks reused, as a later arrival would
+    ]
+    assert twin.metrics.num_cached_tokens == 8
+    assert scheduler.block_manager.block_table("twin")[:2] == first_blocks[:2]
+
+
+def test_twins_do_not_wait_with_prefix_caching_off():
+    scheduler = Scheduler(BlockManager(64, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=100)
+    for request_id in ("first", "twin"):
+        scheduler.add(make_request(request_id, 12, max_tokens=1))
+    assert [c.request.request_id for c in run_step(scheduler).chunks] == ["first", "twin"]
+
+
+def test_a_waiting_twin_is_admitted_once_a_chunked_producer_passes_the_shared_blocks():
+    # the producer's 40-token prompt is chunked 16 tokens a step; the twin shares its first 8 blocks of 4
+    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=16)
+    producer = make_request("producer", 40, max_tokens=1)
+    twin = Request("twin", ProcessedPrompt(producer.prompt.token_ids[:32] + [99] * 8, [], []),
+                   SamplingParams(max_tokens=1), max_model_len=4096)
+    scheduler.add(producer)
+    scheduler.add(twin)
+    starts = []
+    while twin.metrics.first_scheduled_time is None:
+        run_step(scheduler)
+        starts.append(producer.num_computed_tokens)
+    assert starts == [16, 32, 40]  # admitted in the step after the producer computed the 8 shared blocks
+    assert twin.metrics.num_cached_tokens == 32  # the 8 shared blocks came from the cache
 
 
 def test_finish_releases_waiting_and_running_requests():

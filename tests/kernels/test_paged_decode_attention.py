@@ -215,3 +215,49 @@ def test_reference_with_a_prefix_shared_by_every_sequence():
             weights = torch.softmax(keys[:, kv] @ q[row, head].double() * scale, dim=0)
             expected = weights @ values[:, kv]
             assert torch.allclose(got[row, head].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("gather_bytes", [8 * 2**20, 1])  # 1 byte: every sequence is its own group
+def test_reference_with_clusters_loners_empty_rows_and_poisoned_slots(monkeypatch, gather_bytes):
+    """A batch as the engine builds it: two sequence clusters sharing leading blocks, sequences
+    sharing nothing, a padding row, and NaN in every cache slot no sequence may read.
+    Equal to dense float64 attention (1e-5 relative); the padding row is zeros."""
+    import importlib
+
+    decode_module = importlib.import_module("kernels.paged_decode_attention")
+    monkeypatch.setattr(decode_module, "GATHER_BYTES_PER_GROUP", gather_bytes)
+    generator = torch.Generator().manual_seed(11)
+    block_size, kv_heads, q_heads, head_dim, num_blocks = 4, 2, 8, 8, 48
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
+    v_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
+    tables_and_lengths = [
+        ([1, 2, 3, 10], 15), ([1, 2, 3, 11, 12], 17), ([1, 2, 3], 12),  # cluster: 3 shared blocks
+        ([20, 21, 22], 9), ([20, 21, 23], 11),  # cluster: 2 shared blocks (below MIN_SHARED_BLOCKS it is not shared)
+        ([30, 31], 6), ([40], 1),  # alone
+        ([47], 0),  # padding row
+    ]
+    for table, length in tables_and_lengths:
+        for position in range(length):  # only the slots some sequence reads get numbers
+            block, slot = table[position // block_size], position % block_size
+            k_cache[block, slot] = torch.randn(kv_heads, head_dim, generator=generator)
+            v_cache[block, slot] = torch.randn(kv_heads, head_dim, generator=generator)
+    width = max(len(table) for table, _ in tables_and_lengths)
+    tables = torch.full((len(tables_and_lengths), width), 46, dtype=torch.int32)  # block 46: all NaN
+    for row, (table, _) in enumerate(tables_and_lengths):
+        tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    lengths = torch.tensor([length for _, length in tables_and_lengths], dtype=torch.int32)
+    q = torch.randn(len(tables_and_lengths), q_heads, head_dim, generator=generator)
+    scale = head_dim**-0.5
+    got = decode_module.paged_decode_attention_reference(q, k_cache, v_cache, tables, lengths, scale)
+    for row, (_, length) in enumerate(tables_and_lengths):
+        if length == 0:
+            assert torch.equal(got[row], torch.zeros_like(got[row]))
+            continue
+        positions = torch.arange(length)
+        blocks = tables[row, positions // block_size].long()
+        keys = k_cache[blocks, positions % block_size].double()  # [L, Hkv, D]
+        values = v_cache[blocks, positions % block_size].double()
+        for head in range(q_heads):
+            kv = head // (q_heads // kv_heads)
+            weights = torch.softmax(keys[:, kv] @ q[row, head].double() * scale, dim=0)
+            assert_close(got[row, head], weights @ values[:, kv], rel=1e-5, what=f"row {row} head {head}")

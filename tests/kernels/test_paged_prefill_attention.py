@@ -3,6 +3,8 @@ prefix; consistency with decode; Triton vs reference."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -14,6 +16,8 @@ from kernels.paged_prefill_attention import (
 )
 from tests.kernels.helpers import TOLERANCE, assert_close
 from tests.kernels.paged import build_paged_kv, dense_attention_float64
+
+prefill_module = importlib.import_module("kernels.paged_prefill_attention")  # `kernels` exports a same-named function
 
 
 def packed_queries(query_lens: list[int], num_q_heads: int, head_dim: int, dtype, device):
@@ -50,6 +54,18 @@ def test_reference_against_float64_dense_causal(num_q_heads, num_kv_heads):
             query_positions=positions,
         )
         assert_close(out[begin : begin + query_len], expected, rel=1e-5, what=f"sequence {seq}")
+
+
+@pytest.mark.parametrize("max_side", [4096, 8])  # 8: contexts past the cached mask get their own
+def test_lower_right_causal_mask_is_the_chunk_corner_of_a_causal_mask(monkeypatch, max_side):
+    monkeypatch.setattr(prefill_module, "MAX_CACHED_MASK_SIDE", max_side)
+    monkeypatch.setattr(prefill_module, "_causal_masks", {})
+    for query_len, context_len in [(3, 7), (1, 1), (5, 5), (2, 1500), (7, 9), (1500, 1500)]:
+        mask = prefill_module._lower_right_causal_mask(query_len, context_len, torch.float32, torch.device("cpu"))
+        positions = torch.arange(context_len - query_len, context_len)
+        visible = torch.arange(context_len)[None, :] <= positions[:, None]  # [q_len, L]
+        assert mask.shape == (query_len, context_len)
+        assert torch.equal(mask == 0, visible) and bool(torch.isneginf(mask[~visible]).all())
 
 
 def test_single_query_prefill_equals_decode():

@@ -38,6 +38,7 @@ class EngineConfig:
     image_workers: int | None = None  # threads decoding images; None: one per CPU
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are only used on CUDA)
     cuda_graph_max_batch: int = 256  # largest decode batch captured (capped at max_num_seqs)
+    tune_cpu_allocator: bool = True  # on CPU, keep freed memory for reuse (see engine/cpu_allocator.py)
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -31,6 +31,7 @@ import torch
 
 from vlm_catalog.engine.block_manager import BlockManager
 from vlm_catalog.engine.config import EngineConfig, EngineConfigError
+from vlm_catalog.engine.cpu_allocator import keep_freed_memory
 from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner
 from vlm_catalog.engine.detokenizer import Detokenizer
 from vlm_catalog.engine.encoder_cache import EncoderCache
@@ -81,6 +82,8 @@ class LLMEngine:
         provides the config, tokenizer, chat template and preprocessor settings."""
         config = config or EngineConfig(**overrides)
         self.config = config
+        if config.tune_cpu_allocator and config.torch_device.type == "cpu":
+            keep_freed_memory()
         self.model_config = ModelConfig.from_pretrained(config.model)
         if prebuilt_model is None:
             prebuilt_model = load_model(config.model, dtype=config.torch_dtype, device=config.torch_device)

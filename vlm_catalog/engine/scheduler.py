@@ -135,7 +135,17 @@ class Scheduler:
         return output
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in policy order while budget, sequences and blocks last.
+
+        With prefix caching on, a request whose next uncached block is one that
+        a running request is about to compute (the shared system prompt, when
+        many requests arrive together) waits for it instead of computing a
+        private copy: it is admitted a step later with that block as a cache
+        hit. It keeps its place in the queue, and the wait ends once the block
+        is computed (or its producer leaves the running set).
+        """
         skipped: list[Request] = []
+        in_flight = self._blocks_in_flight() if self.block_manager.enable_prefix_caching else set()
         for request in self._waiting_in_policy_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 skipped.append(request)
@@ -149,6 +159,11 @@ class Scheduler:
             hits: list[int] = []
             if request.num_computed_tokens == 0 and self.block_manager.enable_prefix_caching:
                 hits = self._prefix_hits(request)
+                hashes = request.block_hashes(self.block_manager.block_size)
+                reusable = (request.num_tokens - 1) // self.block_manager.block_size  # as in _prefix_hits
+                if len(hits) < min(reusable, len(hashes)) and hashes[len(hits)] in in_flight:
+                    skipped.append(request)  # its next block is being computed: reuse it next step
+                    continue
             computed = len(hits) * self.block_manager.block_size
             num_tokens = min(request.num_tokens - computed, budget)
             if not self.block_manager.allocate(request.request_id, computed + num_tokens, hits):
@@ -163,7 +178,18 @@ class Scheduler:
             self.running.append(request)
             output.chunks.append(self._chunk(request, num_tokens))
             budget -= num_tokens
+            if self.block_manager.enable_prefix_caching:
+                in_flight.update(request.block_hashes(self.block_manager.block_size)[len(hits):])
         self.waiting = deque(skipped) if self.policy == "fcfs" else deque(sorted(skipped, key=self._policy_key))
+
+    def _blocks_in_flight(self) -> set[bytes]:
+        """Hashes of the full blocks running requests have yet to compute."""
+        block_size = self.block_manager.block_size
+        in_flight: set[bytes] = set()
+        for request in self.running:
+            if request.num_uncomputed_tokens >= block_size:
+                in_flight.update(request.block_hashes(block_size)[request.num_computed_tokens // block_size:])
+        return in_flight
 
     def _waiting_in_policy_order(self) -> Iterable[Request]:
         if self.policy == "shortest_prompt_first":
