@@ -1,0 +1,24 @@
+"""scripts/bench_grammar.py on a few sample records: both grammars accept every candidate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_grammar_smoke(tmp_path):
+    out = tmp_path / "grammar.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "bench_grammar.py"), "--records", "3", "--json", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["records"] == 3
+    assert report["records_where_both_accept_every_candidate"] == 3
+    assert set(report["ms_per_record"]) == {"flat", "ours"}
+    assert all(timing["median"] > 0 for timing in report["ms_per_record"].values())
