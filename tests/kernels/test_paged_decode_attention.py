@@ -206,15 +206,8 @@ def test_reference_with_a_prefix_shared_by_every_sequence():
     scale = 1 / math.sqrt(head_dim)
     got = paged_decode_attention_reference(q, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32), scale)
     for row, length in enumerate(lengths):
-        positions = torch.arange(length)
-        blocks = tables[row, positions // block_size].long()
-        keys = k_cache[blocks, positions % block_size].double()  # [L, Hkv, D]
-        values = v_cache[blocks, positions % block_size].double()
-        for head in range(q_heads):
-            kv = head // (q_heads // kv_heads)
-            weights = torch.softmax(keys[:, kv] @ q[row, head].double() * scale, dim=0)
-            expected = weights @ values[:, kv]
-            assert torch.allclose(got[row, head].double(), expected, rtol=1e-5, atol=1e-6)
+        expected = dense_decode_float64(q[row], k_cache, v_cache, tables[row], length, scale)  # [Hq, D]
+        assert torch.allclose(got[row].double(), expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("gather_bytes", [8 * 2**20, 1])  # 1 byte: every sequence is its own group
@@ -253,11 +246,20 @@ def test_reference_with_clusters_loners_empty_rows_and_poisoned_slots(monkeypatc
         if length == 0:
             assert torch.equal(got[row], torch.zeros_like(got[row]))
             continue
-        positions = torch.arange(length)
-        blocks = tables[row, positions // block_size].long()
-        keys = k_cache[blocks, positions % block_size].double()  # [L, Hkv, D]
-        values = v_cache[blocks, positions % block_size].double()
-        for head in range(q_heads):
-            kv = head // (q_heads // kv_heads)
-            weights = torch.softmax(keys[:, kv] @ q[row, head].double() * scale, dim=0)
-            assert_close(got[row, head], weights @ values[:, kv], rel=1e-5, what=f"row {row} head {head}")
+        expected = dense_decode_float64(q[row], k_cache, v_cache, tables[row], length, scale)  # [Hq, D]
+        assert_close(got[row], expected, rel=1e-5, what=f"row {row}")
+
+
+def dense_decode_float64(q_row, k_cache, v_cache, table, length, scale):
+    """One sequence's decode attention in float64, reading its `length` cached tokens through `table`."""
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    positions = torch.arange(length)
+    blocks = table[positions // block_size].long()
+    keys = k_cache[blocks, positions % block_size].double()  # [L, Hkv, D]
+    values = v_cache[blocks, positions % block_size].double()
+    group = q_row.shape[0] // kv_heads
+    out = []
+    for head in range(q_row.shape[0]):
+        weights = torch.softmax(keys[:, head // group] @ q_row[head].double() * scale, dim=0)  # [L]
+        out.append(weights @ values[:, head // group])
+    return torch.stack(out)  # [Hq, D]
