@@ -28,6 +28,7 @@ from kernels.checks import (
 )
 from kernels.dispatch import use_triton
 from kernels.kv_cache import check_paged_kv_cache, gather_sequence_kv
+from kernels.paged_decode_attention import paged_attention_rows
 
 
 # --------------------------------------------------------------------------- reference
@@ -40,14 +41,27 @@ def paged_prefill_attention_reference(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [T, Hq, D] -> [T, Hq, D]; per sequence, SDPA (float32 softmax) with a
-    bottom-right-aligned causal mask over the gathered cache."""
+    """q [T, Hq, D] -> [T, Hq, D]; float32 softmax, bottom-right-aligned causal mask.
+
+    Short chunks after a cached context (at most SHORT_EXTEND_QUERIES tokens:
+    jump-forward spans, the tail of a chunked prompt) go together through the
+    batched paged path of decode attention, which gathers each context once
+    and shares the cached system prompt; per-sequence SDPA would gather every
+    whole context separately. Longer chunks run SDPA per sequence.
+    """
     out = torch.zeros_like(q)
     starts = cu_seqlens_q.tolist()
-    for seq, context_len in enumerate(context_lens.tolist()):
+    context_list = context_lens.tolist()
+    query_lens = [starts[seq + 1] - starts[seq] for seq in range(len(context_list))]
+    short = [seq for seq, (n, length) in enumerate(zip(query_lens, context_list))
+             if 0 < n <= SHORT_EXTEND_QUERIES and n < length]
+    if short:
+        _short_extends(q, k_cache, v_cache, block_tables, starts, query_lens, context_list, short, scale, out)
+    short_set = set(short)
+    for seq, context_len in enumerate(context_list):
         begin, end = starts[seq], starts[seq + 1]
         query_len = end - begin
-        if query_len == 0:
+        if query_len == 0 or seq in short_set:
             continue
         keys = gather_sequence_kv(k_cache, block_tables[seq], context_len)  # [L, Hkv, D]
         values = gather_sequence_kv(v_cache, block_tables[seq], context_len)  # [L, Hkv, D]
@@ -66,6 +80,26 @@ def paged_prefill_attention_reference(
         )  # [1, Hq, q_len, D]
         out[begin:end] = context[0].transpose(0, 1)  # [q_len, Hq, D]
     return out
+
+
+SHORT_EXTEND_QUERIES = 16  # chunks up to this long after a cached context take the batched path
+
+
+def _short_extends(q, k_cache, v_cache, block_tables, starts, query_lens, context_lens, short, scale, out) -> None:
+    """The `short` sequences' chunks as rows of `paged_attention_rows`; results written into `out`."""
+    width = max(query_lens[seq] for seq in short)
+    token_index = torch.zeros(len(short), width, dtype=torch.long)  # [S, Q]: row of q for each query
+    lengths = torch.zeros(len(short), width, dtype=torch.long)  # [S, Q]: 0 for padding queries
+    for row, seq in enumerate(short):
+        n, context_len = query_lens[seq], context_lens[seq]
+        token_index[row, :n] = torch.arange(starts[seq], starts[seq] + n)
+        lengths[row, :n] = torch.arange(context_len - n + 1, context_len + 1)  # query j sees up to itself
+    token_index = token_index.to(q.device)
+    queries = q[token_index.flatten()].view(len(short), width, *q.shape[1:])  # [S, Q, Hq, D]
+    rows = torch.tensor(short, device=block_tables.device)
+    attended = paged_attention_rows(queries, k_cache, v_cache, block_tables[rows], lengths.to(q.device), scale)
+    real = lengths.flatten() > 0  # [S*Q]
+    out[token_index.flatten()[real]] = attended.flatten(0, 1)[real]  # [S*Q, Hq, D] -> [T_short, Hq, D]
 
 
 MAX_CACHED_MASK_SIDE = 4096  # the cached square mask stays at or under 64 MiB in float32

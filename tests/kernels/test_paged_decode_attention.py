@@ -225,7 +225,7 @@ def test_reference_with_clusters_loners_empty_rows_and_poisoned_slots(monkeypatc
     v_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
     tables_and_lengths = [
         ([1, 2, 3, 10], 15), ([1, 2, 3, 11, 12], 17), ([1, 2, 3], 12),  # cluster: 3 shared blocks
-        ([20, 21, 22], 9), ([20, 21, 23], 11),  # cluster: 2 shared blocks (below MIN_SHARED_BLOCKS it is not shared)
+        ([20, 21, 22], 9), ([20, 21, 23], 11),  # cluster: 2 shared blocks (MIN_SHARED_BLOCKS)
         ([30, 31], 6), ([40], 1),  # alone
         ([47], 0),  # padding row
     ]

@@ -191,3 +191,34 @@ def test_gpu_paged_prefill_model_shapes(cuda_device):
     assert_close(
         kernels.paged_prefill_attention(*args), paged_prefill_attention_reference(*args), rel=1e-2
     )
+
+
+def test_short_extends_after_a_shared_prefix_match_per_sequence_attention(monkeypatch):
+    """Jump-forward-like chunks (1-16 tokens after a shared, prefix-cached system prompt) take the
+    batched path; they equal the per-sequence SDPA path (1e-5 relative, float32), and chunks
+    longer than SHORT_EXTEND_QUERIES still run per sequence. Unread cache slots hold NaN."""
+    generator = torch.Generator().manual_seed(5)
+    block_size, kv_heads, q_heads, head_dim, num_blocks = 4, 2, 4, 8, 64
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
+    v_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
+    shared = [1, 2, 3]  # 12 tokens every sequence starts with
+    query_lens = [1, 5, 16, 17, 3]
+    context_lens = [20, 14, 30, 29, 12 + 3]
+    tables = torch.full((len(query_lens), 8), 63, dtype=torch.int32)  # block 63: NaN, never read
+    next_block = 10
+    for row, context_len in enumerate(context_lens):
+        own = list(range(next_block, next_block + -(-(context_len - 12) // block_size)))
+        next_block += len(own)
+        tables[row, : 3 + len(own)] = torch.tensor(shared + own, dtype=torch.int32)
+        for position in range(context_len):
+            block, slot = int(tables[row, position // block_size]), position % block_size
+            k_cache[block, slot] = torch.randn(kv_heads, head_dim, generator=generator)
+            v_cache[block, slot] = torch.randn(kv_heads, head_dim, generator=generator)
+    cu_seqlens = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu_seqlens[-1]), q_heads, head_dim, generator=generator)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    routed = paged_prefill_attention_reference(q, k_cache, v_cache, tables, cu_seqlens, lens, 0.3)
+    monkeypatch.setattr(prefill_module, "SHORT_EXTEND_QUERIES", 0)
+    per_sequence = paged_prefill_attention_reference(q, k_cache, v_cache, tables, cu_seqlens, lens, 0.3)
+    assert not torch.isnan(routed).any()
+    assert_close(routed, per_sequence, rel=1e-5, what="batched short extends vs per-sequence SDPA")

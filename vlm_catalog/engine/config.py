@@ -26,7 +26,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # tokens per step (prefill chunks + decodes); on the offline benchmark (2 CPU cores)
+    # 16384 is about 3% faster than 8192: fewer, fuller prefill steps
+    max_num_batched_tokens: int = 16384
     max_model_len: int = 32768
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "shortest_prompt_first"
