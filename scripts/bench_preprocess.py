@@ -44,6 +44,7 @@ from PIL import Image, ImageDraw
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from vlm_catalog.bench.baselines import transformers_image_processor  # noqa: E402
 from vlm_catalog.preprocess.image import ImageProcessor  # noqa: E402
 
 TOLERANCE = 1e-5
@@ -82,20 +83,6 @@ def make_jpeg(rng: np.random.Generator, size: int, quality: int = 90) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="JPEG", quality=quality)
     return buffer.getvalue()
-
-
-def reference_processor(ours: ImageProcessor) -> Qwen2VLImageProcessorPil:
-    """transformers' PIL processor on our settings."""
-    return Qwen2VLImageProcessorPil(
-        patch_size=ours.patch_size,
-        temporal_patch_size=ours.temporal_patch_size,
-        merge_size=ours.merge_size,
-        image_mean=list(ours.image_mean),
-        image_std=list(ours.image_std),
-        size={"shortest_edge": ours.min_pixels, "longest_edge": ours.max_pixels},
-        resample=int(ours.resample),
-        rescale_factor=ours.rescale_factor,
-    )
 
 
 def run_reference(reference: Qwen2VLImageProcessorPil, data: bytes):
@@ -199,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(args.seed)
     jpegs = [make_jpeg(rng, args.size) for _ in range(args.num_images)]
     ours = ImageProcessor()  # Qwen3-VL defaults
-    reference = reference_processor(ours)
+    reference = transformers_image_processor(ours)
     workers = args.workers or available_cpus()
 
     worst = check_equal(ours, reference, jpegs)

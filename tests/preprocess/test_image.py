@@ -18,12 +18,10 @@ import torch
 from PIL import Image, ImageDraw
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-    Qwen2VLImageProcessorPil,
-)
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     smart_resize as transformers_smart_resize,
 )
 
+from vlm_catalog.bench.baselines import transformers_image_processor
 from vlm_catalog.preprocess.image import ImageProcessor, ProcessedImage, smart_resize
 from vlm_catalog.preprocess.image_decode import DecodeFailure, ImageDecodeError
 
@@ -39,17 +37,6 @@ QWEN2_VL_STYLE = ImageProcessor(
     image_mean=tuple(OPENAI_CLIP_MEAN),
     image_std=tuple(OPENAI_CLIP_STD),
 )
-
-
-def reference_for(ours: ImageProcessor) -> Qwen2VLImageProcessorPil:
-    return Qwen2VLImageProcessorPil(
-        patch_size=ours.patch_size,
-        temporal_patch_size=ours.temporal_patch_size,
-        merge_size=ours.merge_size,
-        image_mean=list(ours.image_mean),
-        image_std=list(ours.image_std),
-        size={"shortest_edge": ours.min_pixels, "longest_edge": ours.max_pixels},
-    )
 
 
 def encode(image: Image.Image, fmt: str, **save_args) -> bytes:
@@ -80,7 +67,7 @@ def with_alpha(image: Image.Image) -> Image.Image:
 
 
 def assert_matches_reference(ours: ImageProcessor, result: ProcessedImage, pil_image) -> None:
-    expected = reference_for(ours)(pil_image, return_tensors="pt")
+    expected = transformers_image_processor(ours)(pil_image, return_tensors="pt")
     assert result.grid_thw == tuple(expected["image_grid_thw"][0].tolist())
     assert result.pixel_values.dtype == torch.float32
     assert result.pixel_values.is_contiguous()

@@ -7,6 +7,7 @@ import torch
 from PIL import Image
 
 from tests.model.helpers import build_checkpoint, noise_image
+from vlm_catalog.bench.baselines import transformers_processor
 from vlm_catalog.model.config import ModelConfig
 from vlm_catalog.preprocess.mrope import mrope_positions
 from vlm_catalog.preprocess.processor import PromptError, PromptProcessor
@@ -22,25 +23,6 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def processor(checkpoint):
     return PromptProcessor.from_pretrained(checkpoint, image_token_id=ModelConfig.from_pretrained(checkpoint).image_token_id)
-
-
-def transformers_processor(processor):
-    """transformers' Qwen3VLProcessor without its video processor, with our checkpoint's settings."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
-
-    class ImageOnlyProcessor(Qwen3VLProcessor):
-        @classmethod
-        def get_attributes(cls):
-            return ["image_processor", "tokenizer"]
-
-    ours = processor.image_processor
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=ours.patch_size, merge_size=ours.merge_size, temporal_patch_size=ours.temporal_patch_size,
-        image_mean=list(ours.image_mean), image_std=list(ours.image_std),
-        size={"shortest_edge": ours.min_pixels, "longest_edge": ours.max_pixels},
-    )
-    return ImageOnlyProcessor(image_processor=image_processor, tokenizer=processor.tokenizer)
 
 
 def messages_with_images(images):
@@ -64,7 +46,7 @@ def test_same_tokens_pixels_grids_and_positions_as_transformers(processor, check
     prompt = processor.process(messages_with_images(images))
     text, _ = processor.render(messages_with_images(images))
     pil_images = [Image.open(__import__("io").BytesIO(b)).convert("RGB") for b in images]
-    expected = transformers_processor(processor)(text=[text], images=pil_images, return_tensors="pt")
+    expected = transformers_processor(processor.image_processor, processor.tokenizer)(text=[text], images=pil_images, return_tensors="pt")
 
     assert prompt.token_ids == expected["input_ids"][0].tolist()
     assert [list(image.grid_thw) for image in prompt.images] == expected["image_grid_thw"].tolist()

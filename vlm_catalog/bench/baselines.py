@@ -4,10 +4,38 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 from pathlib import Path
 
 import torch
+
+
+def transformers_image_processor(ours):
+    """transformers' `Qwen2VLImageProcessorPil` with the settings of our `ImageProcessor` `ours`."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        patch_size=ours.patch_size,
+        temporal_patch_size=ours.temporal_patch_size,
+        merge_size=ours.merge_size,
+        image_mean=list(ours.image_mean),
+        image_std=list(ours.image_std),
+        size={"shortest_edge": ours.min_pixels, "longest_edge": ours.max_pixels},
+        resample=int(ours.resample),
+        rescale_factor=ours.rescale_factor,
+    )
+
+
+def transformers_processor(ours, tokenizer):
+    """transformers' `Qwen3VLProcessor` for images and text only (no video processor), with
+    our image settings `ours` and `tokenizer`."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    class ImageOnlyProcessor(Qwen3VLProcessor):
+        @classmethod
+        def get_attributes(cls):
+            return ["image_processor", "tokenizer"]
+
+    return ImageOnlyProcessor(image_processor=transformers_image_processor(ours), tokenizer=tokenizer)
 
 
 class TransformersPipeline:
@@ -17,26 +45,12 @@ class TransformersPipeline:
         """`model_dir` gives tokenizer, template and image settings; `model` (optional) is an
         already built transformers model, else it is loaded from `model_dir`."""
         from transformers import AutoTokenizer, Qwen3VLMoeForConditionalGeneration
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil,
-        )
-        from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
         from vlm_catalog.preprocess.chat_template import load_chat_template
+        from vlm_catalog.preprocess.image import ImageProcessor
 
-        class ImageOnlyProcessor(Qwen3VLProcessor):
-            @classmethod
-            def get_attributes(cls):
-                return ["image_processor", "tokenizer"]
-
-        config = json.loads((model_dir / "preprocessor_config.json").read_text())
-        image_processor = Qwen2VLImageProcessorPil(
-            patch_size=config["patch_size"], merge_size=config["merge_size"],
-            temporal_patch_size=config["temporal_patch_size"], image_mean=config["image_mean"],
-            image_std=config["image_std"], size=config["size"],
-        )
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.processor = ImageOnlyProcessor(image_processor=image_processor, tokenizer=self.tokenizer)
+        self.processor = transformers_processor(ImageProcessor.from_pretrained(model_dir), self.tokenizer)
         self.template = load_chat_template(model_dir)
         if model is None:
             model = Qwen3VLMoeForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)

@@ -145,7 +145,7 @@ class Scheduler:
         is computed (or its producer leaves the running set).
         """
         skipped: list[Request] = []
-        in_flight = self._blocks_in_flight() if self.block_manager.enable_prefix_caching else set()
+        in_flight = self._blocks_in_flight() if self.waiting and self.block_manager.enable_prefix_caching else set()
         for request in self._waiting_in_policy_order():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 skipped.append(request)
@@ -158,10 +158,9 @@ class Scheduler:
                 continue
             hits: list[int] = []
             if request.num_computed_tokens == 0 and self.block_manager.enable_prefix_caching:
-                hits = self._prefix_hits(request)
-                hashes = request.block_hashes(self.block_manager.block_size)
-                reusable = (request.num_tokens - 1) // self.block_manager.block_size  # as in _prefix_hits
-                if len(hits) < min(reusable, len(hashes)) and hashes[len(hits)] in in_flight:
+                reusable = self._reusable_hashes(request)
+                hits = self._prefix_hits(reusable)
+                if len(hits) < len(reusable) and reusable[len(hits)] in in_flight:
                     skipped.append(request)  # its next block is being computed: reuse it next step
                     continue
             computed = len(hits) * self.block_manager.block_size
@@ -200,13 +199,15 @@ class Scheduler:
     def _policy_key(request: Request) -> tuple[int, float]:
         return (request.num_tokens - request.num_computed_tokens, request.metrics.arrival_time)
 
-    def _prefix_hits(self, request: Request) -> list[int]:
+    def _reusable_hashes(self, request: Request) -> list[bytes]:
+        """Hashes of the full blocks a new request could take from the prefix cache: all but a
+        block ending at the last prompt token (that token is computed: its logits are needed)."""
         block_size = self.block_manager.block_size
-        hashes = request.block_hashes(block_size)
-        # leave at least one token to compute: the last position's logits are needed
-        usable = hashes[: (request.num_tokens - 1) // block_size]
-        hits = self.block_manager.cached_prefix(usable)
-        self.block_manager.record_lookup(len(usable), len(hits))
+        return request.block_hashes(block_size)[: (request.num_tokens - 1) // block_size]
+
+    def _prefix_hits(self, reusable: list[bytes]) -> list[int]:
+        hits = self.block_manager.cached_prefix(reusable)
+        self.block_manager.record_lookup(len(reusable), len(hits))
         return hits
 
     def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
