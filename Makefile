@@ -14,7 +14,7 @@ PIP_CONSTRAINT_FLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(PIP_CONSTRAINT_FLAG) -e ".[dev]"
+	$(BIN)/python -m pip install -q $(PIP_CONSTRAINT_FLAG) -e ".[dev,distributed]"
 	touch $(STAMP)
 
 install: $(STAMP)
