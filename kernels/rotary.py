@@ -183,7 +183,12 @@ def qk_norm_mrope(
     mrope_section: MRopeSection,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm + interleaved MRoPE for q [T, Hq, D] and k [T, Hkv, D]."""
+    """Per-head RMSNorm + interleaved MRoPE for q [T, Hq, D] and k [T, Hkv, D].
+
+    positions must be integers on both paths (the Triton kernel reads them as
+    integers); checking here keeps CPU runs as strict as GPU runs.
+    """
+    check_dtype("positions", positions, INDEX_DTYPES)
     if use_triton(q, k, q_weight, k_weight, positions, inv_freq):
         return qk_norm_mrope_triton(
             q, k, q_weight, k_weight, positions, inv_freq, mrope_section, eps

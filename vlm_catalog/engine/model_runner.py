@@ -166,7 +166,9 @@ class ModelRunner:
             chunk.block_table[chunk.start // block_size] * block_size + chunk.start % block_size for chunk in decodes
         ]
         token_ids = [torch.tensor(decode_ids, dtype=torch.int32)]
-        positions = [torch.tensor(decode_positions).unsqueeze(0).expand(3, -1)]
+        # dtype explicit: torch.tensor([]) would be float32, and concatenating it with the
+        # prefill positions would promote them all to float (the Triton MRoPE kernel refuses that)
+        positions = [torch.tensor(decode_positions, dtype=torch.int64).unsqueeze(0).expand(3, -1)]  # [3, D]
         slots = [torch.tensor(decode_slots, dtype=torch.int64)]
         sample_rows = list(range(num_decodes))  # a decode always samples
         cu_seqlens = list(range(num_decodes + 1))
@@ -206,7 +208,7 @@ class ModelRunner:
                     for j in range(len(multimodal_parts[0].deepstack))
                 ],
             )
-        positions = torch.cat(positions, dim=1).to(device)
+        positions = torch.cat(positions, dim=1).to(device)  # [3, T] int64
         graphs = self.graph_runner
         if graphs is not None and metadata.prefill is None and multimodal is None and len(chunks) <= graphs.max_batch:
             decode = metadata.decode
