@@ -402,6 +402,21 @@ class LLMEngine:
         if self._grammar_service is not None:
             self._grammar_service.close()
 
+    def load_stats(self) -> dict[str, float]:
+        """Current load, read-only (for metrics): requests running and waiting, KV blocks held by
+        live requests over all blocks, and the prefix cache's hit ratio over all lookups so far."""
+        manager = self.block_manager
+        queried = manager.stats["queried_blocks"]
+        used = self.num_blocks - manager.num_free_blocks  # blocks with a reference count > 0
+        return {
+            "requests_running": len(self.scheduler.running),
+            "requests_waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": used,
+            "kv_blocks_total": self.num_blocks,
+            "kv_cache_usage_ratio": used / self.num_blocks,
+            "prefix_cache_hit_ratio": manager.stats["hit_blocks"] / queried if queried else 0.0,
+        }
+
     def cache_stats(self) -> dict[str, Any]:
         manager = self.block_manager
         return {

@@ -9,6 +9,11 @@ Image parts may be `{"type": "image_url", "image_url": {"url": "data:image/...;b
 (OpenAI form; a bare string URL is accepted too) or `{"type": "image", "image": <bytes |
 PIL.Image | data URI>}`. Remote URLs are refused: the server never fetches.
 
+Messages are checked before rendering: the role must be one of `ROLES`, and
+text must be valid Unicode (a lone surrogate such as "\\ud800", which JSON
+escapes can carry, is refused with a `PromptError` naming the message instead
+of failing inside the tokenizer).
+
 Text that contains the tokenizer's special-token strings (e.g. "<|im_end|>" in a
 scraped description) would otherwise be read as control tokens; such strings
 in message text are broken with a zero-width space before rendering.
@@ -28,6 +33,7 @@ from vlm_catalog.preprocess.image import ImageProbe, ImageProcessor
 from vlm_catalog.preprocess.mrope import mrope_delta, mrope_positions
 
 ZERO_WIDTH_SPACE = "\u200b"
+ROLES = ("system", "user", "assistant")  # the roles the chat templates render
 
 
 class PromptError(ValueError):
@@ -153,22 +159,26 @@ class PromptProcessor:
     def _clean_message(self, message: Any, position: int, images: list[Any]) -> dict[str, Any]:
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise PromptError(f"message {position} must be an object with 'role' and 'content'")
+        role = message["role"]
+        if role not in ROLES:
+            raise PromptError(f"message {position}: unknown role {role!r}; use one of {', '.join(ROLES)}")
         content = message["content"]
         if isinstance(content, str):
-            return {"role": message["role"], "content": self._neutralise(content)}
+            return {"role": role, "content": self._neutralise(_checked_text(content, f"message {position}"))}
         if not isinstance(content, list):
             raise PromptError(f"message {position}: content must be a string or a list of parts")
         parts = []
         for index, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
-                parts.append({"type": "text", "text": self._neutralise(str(part.get("text", "")))})
+                text = _checked_text(str(part.get("text", "")), f"message {position}, part {index}")
+                parts.append({"type": "text", "text": self._neutralise(text)})
             elif kind in ("image_url", "image"):
                 images.append(self._image_input(part, kind, position, index))
                 parts.append({"type": "image"})
             else:
                 raise PromptError(f"message {position}, part {index}: unsupported content part type {kind!r}")
-        return {"role": message["role"], "content": parts}
+        return {"role": role, "content": parts}
 
     @staticmethod
     def _image_input(part: dict[str, Any], kind: str, position: int, index: int) -> Any:
@@ -190,3 +200,15 @@ class PromptProcessor:
             if token in text:
                 text = text.replace(token, token[:2] + ZERO_WIDTH_SPACE + token[2:])
         return text
+
+
+def _checked_text(text: str, where: str) -> str:
+    """`text` if it is valid Unicode; a lone surrogate (no UTF-8 form) raises `PromptError`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PromptError(
+            f"{where}: text contains an unpaired surrogate {text[exc.start]!r} at character {exc.start} "
+            "(not valid Unicode)"
+        ) from None
+    return text
