@@ -22,7 +22,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
     block_size: int = 16
-    # KV pool size: bytes on CPU; on CUDA, None means `gpu_memory_utilization` of free memory
+    # KV pool size in bytes. None: on CPU a fixed default; on CUDA what is left of
+    # `gpu_memory_utilization` x total device memory after the weights, the activations
+    # of a profiled worst-case step and non-torch memory (engine/memory_profile.py)
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256

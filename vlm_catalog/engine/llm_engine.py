@@ -35,6 +35,14 @@ from vlm_catalog.engine.cpu_allocator import keep_freed_memory
 from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner
 from vlm_catalog.engine.detokenizer import Detokenizer
 from vlm_catalog.engine.encoder_cache import EncoderCache
+from vlm_catalog.engine.memory_profile import (
+    CUDA_GRAPH_RESERVE_BYTES,
+    CudaMemory,
+    DeviceMemory,
+    MemoryBudget,
+    profile_memory,
+    worst_case_step,
+)
 from vlm_catalog.engine.model_runner import ModelRunner, order_chunks
 from vlm_catalog.engine.outputs import RequestOutput
 from vlm_catalog.engine.paged_attention import allocate_kv_caches, kv_bytes_per_block
@@ -50,7 +58,6 @@ from vlm_catalog.preprocess.processor import ProcessedPrompt, PromptProcessor
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
-CUDA_ACTIVATION_RESERVE_BYTES = 2 * 2**30
 
 
 class EngineRequestError(ValueError):
@@ -94,6 +101,7 @@ class LLMEngine:
         self.tokenizer = self.processor.tokenizer
         self.eos_token_ids = self._eos_token_ids()
         text = self.model_config.text
+        self.memory_budget: MemoryBudget | None = None  # set when the KV pool was sized by profiling
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = allocate_kv_caches(
             text.num_layers, self.num_blocks, config.block_size, text.num_kv_heads, text.head_dim,
@@ -127,20 +135,43 @@ class LLMEngine:
         return frozenset(ids)
 
     def _num_kv_blocks(self) -> int:
+        """Blocks in the KV pool: `kv_cache_memory_bytes` if set; on CUDA otherwise what the
+        profiling pass leaves (engine/memory_profile.py); on CPU a fixed default."""
         config, text = self.config, self.model_config.text
         per_block = kv_bytes_per_block(text.num_layers, config.block_size, text.num_kv_heads, text.head_dim, config.torch_dtype)
         budget = config.kv_cache_memory_bytes
         if budget is None:
-            if config.torch_device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(config.torch_device)
-                budget = int(free * config.gpu_memory_utilization) - CUDA_ACTIVATION_RESERVE_BYTES
+            memory = self._device_memory()
+            if memory is not None:
+                self.memory_budget = self._profile_memory(memory)
+                self.memory_budget.check(per_block)
+                budget = self.memory_budget.kv_cache_bytes
             else:
                 budget = DEFAULT_CPU_KV_BYTES
         useful = -(-config.max_num_seqs * config.max_model_len // config.block_size)  # more could never be used
         num_blocks = min(budget // per_block, useful)
         if num_blocks < 1:
             raise EngineConfigError(f"the KV-cache budget ({budget} bytes) is smaller than one block ({per_block} bytes)")
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB)",
+            num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * per_block / 2**30,
+        )
         return int(num_blocks)
+
+    def _device_memory(self) -> DeviceMemory | None:
+        """Memory queries of the device whose KV pool is sized by profiling (CUDA); None on CPU."""
+        device = self.config.torch_device
+        return CudaMemory(device) if device.type == "cuda" else None
+
+    def _profile_memory(self, memory: DeviceMemory) -> MemoryBudget:
+        """Run the worst-case step on the model and measure the KV budget on `memory`."""
+        config = self.config
+        step = worst_case_step(
+            config.max_num_batched_tokens, config.max_num_seqs, self.processor.image_processor,
+            max_images=config.max_images_per_prompt * config.max_num_seqs,
+        )
+        reserve = 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
+        return profile_memory(self.model, step, memory, config.gpu_memory_utilization, config.block_size, reserve)
 
     def _decode_graphs(self) -> DecodeGraphRunner | None:
         """Capture decode CUDA graphs (CUDA only, unless enforce_eager)."""
@@ -413,6 +444,7 @@ class LLMEngine:
             "requests_waiting": len(self.scheduler.waiting),
             "kv_blocks_used": used,
             "kv_blocks_total": self.num_blocks,
+            "kv_capacity_tokens": self.num_blocks * self.config.block_size,
             "kv_cache_usage_ratio": used / self.num_blocks,
             "prefix_cache_hit_ratio": manager.stats["hit_blocks"] / queried if queried else 0.0,
         }
@@ -423,9 +455,12 @@ class LLMEngine:
             "prefix_cache_hit_blocks": manager.stats["hit_blocks"],
             "prefix_cache_queried_blocks": manager.stats["queried_blocks"],
             "kv_blocks_total": self.num_blocks,
+            "kv_capacity_tokens": self.num_blocks * self.config.block_size,
             "kv_blocks_free": manager.num_free_blocks,
             "encoder_cache_hits": self.encoder_cache.hits,
             "encoder_cache_misses": self.encoder_cache.misses,
             "images_encoded": self.runner.num_images_encoded,
+            # the profiling pass that sized the KV pool (CUDA); None when it was not profiled
+            "memory_profile": self.memory_budget.as_dict() if self.memory_budget is not None else None,
         }
 
