@@ -5,8 +5,10 @@ The "mlperf" style reproduces the MLPerf reference prompt byte for byte
 comparable with published results. Its quirks are kept on purpose: the typos
 ("specifc", "followng"), the candidate list printed with Python's `str(list)`
 (single quotes, not JSON) inside a json fence, and the schema printed with
-`json.dumps(schema, indent=2)`. One difference: the reference re-encodes the
-image with PIL before base64; we send the original bytes, as TASK.md asks.
+`json.dumps(schema, indent=2)`. One difference by default: the reference
+re-encodes the image with PIL before base64; we send the original bytes.
+`build_mlperf_messages(..., reencode_image=True)` re-encodes as the reference
+does (`reencode_like_reference`), for the LoadGen harness's "mlperf" requests.
 
 The "concise" style is our own shorter prompt (same content, a third of the
 system tokens); use it when byte-compatibility with the benchmark is not needed.
@@ -87,17 +89,48 @@ def image_data_uri(image: bytes) -> str:
     return f"data:image/{image_format};base64,{base64.b64encode(image).decode('ascii')}"
 
 
+def reencode_like_reference(image: bytes) -> tuple[str, bytes]:
+    """(PIL format, bytes) of `image` saved again in its own format with Pillow's defaults.
+
+    This is what the MLPerf reference harness sends: it calls
+    `image.save(buffer, format=image.format)` on the dataset's PIL image, so a
+    JPEG is re-compressed at Pillow's default quality (75) and loses its EXIF
+    block, and the base64 in the request is of those new bytes.
+    """
+    try:
+        with Image.open(io.BytesIO(image)) as opened:
+            image_format = opened.format
+            if image_format is None:
+                raise PromptError("cannot identify the image format")
+            buffer = io.BytesIO()
+            opened.save(buffer, format=image_format)
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise PromptError(f"cannot re-encode the image as the reference does: {exc}") from None
+    return image_format, buffer.getvalue()
+
+
+def reencoded_image_data_uri(image: bytes) -> str:
+    """`data:image/<format>;base64,...` of the image re-encoded as the reference does."""
+    image_format, data = reencode_like_reference(image)
+    return f"data:image/{image_format};base64,{base64.b64encode(data).decode('ascii')}"
+
+
 def build_mlperf_messages(
-    record: ProductRecord, schema: type[BaseModel] = ProductMetadata
+    record: ProductRecord, schema: type[BaseModel] = ProductMetadata, reencode_image: bool = False
 ) -> Messages:
-    """The benchmark's messages: system prompt, then user text and the image."""
+    """The benchmark's messages: system prompt, then user text and the image.
+
+    With `reencode_image`, the image is re-encoded as the reference harness does
+    (`reencode_like_reference`); otherwise its original bytes are sent.
+    """
+    image_uri = reencoded_image_data_uri(record.image) if reencode_image else image_data_uri(record.image)
     return [
         {"role": "system", "content": mlperf_system_prompt(schema)},
         {
             "role": "user",
             "content": [
                 {"type": "text", "text": mlperf_user_text(record)},
-                {"type": "image_url", "image_url": {"url": image_data_uri(record.image)}},
+                {"type": "image_url", "image_url": {"url": image_uri}},
             ],
         },
     ]

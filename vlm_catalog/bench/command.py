@@ -1,0 +1,132 @@
+"""`vlm-catalog bench`: the MLPerf LoadGen harness (Offline and Server scenarios).
+
+Runs LoadGen (`mlperf_loadgen`) against the in-process engine, or against a
+running `vlm-catalog serve` with `--server-url`, writes LoadGen's logs into
+`--out-dir`, scores the accuracy log in accuracy mode (accuracy.txt as the
+reference writes it) and prints the result line, e.g.
+
+    offline performance: 12.10 samples/s over 64 samples (0 failed); LoadGen: VALID
+    server performance: 1.96 queries/s at target 2.00; latency p50 0.412 s, p99 0.903 s; \
+TTFT p50 0.101 s, p99 0.388 s (SUT clock); LoadGen: VALID
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from vlm_catalog.paths import DEFAULT_MODEL_DIR
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="MLPerf LoadGen benchmark (Offline/Server) on the engine or a server",
+        description=(
+            "Run MLPerf LoadGen over a catalogue. Defaults are the benchmark's settings "
+            "(LoadGen's mlperf.conf for qwen3-vl-235b-a22b: 600 s, 48,289 queries); "
+            "--count and --duration shorten a run."
+        ),
+    )
+    parser.add_argument("--scenario", required=True, choices=("offline", "server"))
+    parser.add_argument("--mode", required=True, choices=("accuracy", "performance"))
+    parser.add_argument("--dataset", type=Path, required=True, help="catalogue to read")
+    parser.add_argument("--split", default=None, help='splits to use, e.g. "test" or "train+test"')
+    parser.add_argument("--out-dir", type=Path, required=True, help="folder for LoadGen's logs and accuracy.txt")
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
+                        help="checkpoint directory (the engine's; with --server-url, the served one's "
+                             "generation_config.json gives the mlperf style's sampling)")
+    parser.add_argument("--count", type=int, default=None,
+                        help="samples to use and minimum query count (drops the 600 s minimum unless --duration)")
+    parser.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                        help="minimum duration (drops the minimum query count unless --count)")
+    parser.add_argument("--target-qps", type=float, default=None,
+                        help="Server: Poisson arrival rate; Offline: expected samples/s (sizes a --duration run)")
+    parser.add_argument("--request-style", default="mlperf", choices=("mlperf", "ours"),
+                        help="mlperf: the reference's requests (re-encoded image, no guided decoding, "
+                             "checkpoint sampling); ours: per-record constrained schema, greedy")
+    parser.add_argument("--max-tokens", type=int, default=150, help="answer cap (the submitters' 150)")
+    parser.add_argument("--server-url", default=None, help="a running `vlm-catalog serve`, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--server-model", default=None, help="model name to request (default: the first the server lists)")
+    parser.add_argument("--token-latencies", action="store_true",
+                        help="Server: LoadGen measures TTFT/TPOT and judges the run on them (limits = 12 s)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="as the benchmark's rules require")
+    parser.add_argument("--policy", default="fcfs", choices=("fcfs", "shortest_prompt_first"))
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from vlm_catalog.bench.loadgen.harness import BenchConfig, BenchError, run_benchmark
+    from vlm_catalog.bench.loadgen.report import SummaryError
+    from vlm_catalog.bench.loadgen.settings import RunOptions, SettingsError
+    from vlm_catalog.bench.loadgen.sut_http import ServerUnreachableError
+    from vlm_catalog.data.format import CatalogueError
+    from vlm_catalog.engine.config import EngineConfigError
+    from vlm_catalog.model.config import ModelConfigError
+    from vlm_catalog.model.loader import CheckpointError
+
+    try:
+        options = RunOptions(
+            scenario=args.scenario, mode=args.mode, count=args.count, duration_s=args.duration,
+            target_qps=args.target_qps, token_latencies=args.token_latencies,
+        )
+        config = BenchConfig(
+            options=options, dataset=args.dataset, out_dir=args.out_dir, model=args.model, split=args.split,
+            request_style=args.request_style, max_tokens=args.max_tokens, server_url=args.server_url,
+            server_model=args.server_model, device=args.device, dtype=args.dtype,
+            enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.policy,
+        )
+        result = run_benchmark(config)
+    except (SettingsError, BenchError, CatalogueError, CheckpointError, ModelConfigError, EngineConfigError,
+            ServerUnreachableError, SummaryError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    if result.accuracy is not None:
+        print(result.accuracy.format_table())
+        print(f"wrote {args.out_dir / 'accuracy.txt'} (category hF1 {result.accuracy.category_hf1:.4f})")
+    print(format_result(result, args.scenario, args.mode))
+    print(f"LoadGen logs in {args.out_dir}")
+    return 0
+
+
+def format_result(result, scenario: str, mode: str) -> str:
+    """The one-line result: throughput, latencies (Server), failures and LoadGen's verdict."""
+    summary, tally = result.summary, result.tally
+    failed = f"({tally.failed} failed)"
+    if summary is None:  # accuracy mode: LoadGen measures nothing, the SUT's clock does
+        seconds = tally.active_seconds
+        rate = tally.samples / seconds if seconds > 0 else 0.0
+        unit = "samples/s" if scenario == "offline" else "queries/s"
+        return (
+            f"{scenario} {mode}: {tally.samples} samples in {seconds:.2f} s ({rate:.2f} {unit}, SUT clock) "
+            f"{failed}; LoadGen: no performance verdict in accuracy mode"
+        )
+    verdict = "VALID" if summary.valid else "INVALID"
+    throughput = summary.samples_per_second or 0.0
+    if scenario == "offline":
+        return (
+            f"offline {mode}: {throughput:.2f} samples/s over {tally.completed + tally.failed} samples "
+            f"{failed}; LoadGen: {verdict}"
+        )
+    latency = summary.latency_percentiles_ns
+    parts = [f"server {mode}: {throughput:.2f} queries/s at target {result.target_qps:.2f}"]
+    if 50.0 in latency and 99.0 in latency:
+        parts.append(f"latency p50 {latency[50.0] / 1e9:.3f} s, p99 {latency[99.0] / 1e9:.3f} s")
+    first = summary.first_token_percentiles_ns
+    if 50.0 in first and 99.0 in first:
+        parts.append(f"TTFT p50 {first[50.0] / 1e9:.3f} s, p99 {first[99.0] / 1e9:.3f} s (LoadGen)")
+    elif tally.ttft_s:
+        p50, p99 = _percentile(tally.ttft_s, 0.50), _percentile(tally.ttft_s, 0.99)
+        parts.append(f"TTFT p50 {p50:.3f} s, p99 {p99:.3f} s (SUT clock)")
+    return "; ".join(parts) + f" {failed}; LoadGen: {verdict}"
+
+
+def _percentile(values: list[float], fraction: float) -> float:
+    """The value at rank floor(n * fraction) of the sorted values, as LoadGen ranks them."""
+    ordered = sorted(values)
+    return ordered[min(int(len(ordered) * fraction), len(ordered) - 1)]

@@ -1,0 +1,1 @@
+"""The MLPerf LoadGen harness behind `vlm-catalog bench` (see harness.py for one run)."""

@@ -1,0 +1,143 @@
+"""One `vlm-catalog bench` run: catalogue -> QSL, engine or server -> SUT, LoadGen, logs, accuracy.
+
+    result = run_benchmark(BenchConfig(RunOptions("offline", "accuracy", count=8), dataset, out_dir))
+    result.summary.samples_per_second, result.summary.valid, result.accuracy.category_hf1
+
+Everything that can be checked before LoadGen starts is (options, dataset,
+ground truth for accuracy mode, the output folder, the server's answer), so a
+bad run fails in seconds with a message, not after the timed part.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlperf_loadgen as lg
+
+from vlm_catalog.bench.loadgen.qsl import CatalogueQSL
+from vlm_catalog.bench.loadgen.report import (
+    ACCURACY_FILE,
+    ACCURACY_JSON_FILE,
+    SUMMARY_FILE,
+    LoadGenSummary,
+    parse_summary,
+    write_accuracy,
+)
+from vlm_catalog.bench.loadgen.requests import REQUEST_STYLES, RequestStyleError, prepare_request, style_sampling
+from vlm_catalog.bench.loadgen.responses import ResponseSink, RunTally
+from vlm_catalog.bench.loadgen.settings import RunOptions, build_log_settings, build_test_settings
+from vlm_catalog.paths import DEFAULT_MODEL_DIR
+
+
+class BenchError(ValueError):
+    """A run that cannot start (bad options, unusable dataset or output folder); the message says why."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    options: RunOptions
+    dataset: Path
+    out_dir: Path
+    model: Path = DEFAULT_MODEL_DIR
+    split: str | None = None
+    request_style: str = "mlperf"
+    max_tokens: int = 150
+    server_url: str | None = None
+    server_model: str | None = None  # default: the first model the server lists
+    device: str = "cpu"
+    dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+
+
+@dataclass
+class BenchResult:
+    summary: LoadGenSummary | None  # LoadGen's performance summary (None in accuracy mode: it writes none)
+    tally: RunTally
+    num_samples: int
+    target_qps: float
+    loadgen_seconds: float  # wall time of StartTest (includes loading the QSL)
+    accuracy: object | None = None  # evaluate.scoring.AccuracyReport in accuracy mode
+
+
+def run_benchmark(config: BenchConfig) -> BenchResult:
+    from vlm_catalog.data.loader import load_catalogue
+
+    options = config.options
+    if config.request_style not in REQUEST_STYLES:
+        raise BenchError(f"--request-style must be one of {', '.join(REQUEST_STYLES)}, got {config.request_style!r}")
+    if config.max_tokens < 1:
+        raise BenchError(f"--max-tokens must be at least 1, got {config.max_tokens}")
+    catalogue = load_catalogue(config.dataset, split=config.split)
+    if len(catalogue) == 0:
+        raise BenchError(f"{config.dataset}: holds no records")
+    if options.mode == "accuracy" and not catalogue.has_labels:
+        raise BenchError(f"{config.dataset}: accuracy mode needs ground truth columns, and this catalogue has none")
+    num_samples = min(len(catalogue), options.count) if options.count is not None else len(catalogue)
+    try:
+        sampling = style_sampling(config.request_style, config.model)
+    except RequestStyleError as exc:
+        raise BenchError(str(exc)) from None
+    _prepare_out_dir(config.out_dir)
+    settings = build_test_settings(options, num_samples)
+    sink = ResponseSink(report_first_tokens=options.scenario == "server")
+
+    def prepare(record):
+        return prepare_request(record, config.request_style)
+
+    with CatalogueQSL(catalogue, num_samples, settings.performance_sample_count_override, prepare) as qsl:
+        sut, engine = _make_sut(config, qsl, sampling, sink)
+        try:
+            with sut:
+                start = time.perf_counter()
+                lg.StartTestWithLogSettings(sut.handle, qsl.handle, settings, build_log_settings(config.out_dir))
+                seconds = time.perf_counter() - start
+        finally:
+            if engine is not None:
+                engine.close()
+    summary = parse_summary(config.out_dir / SUMMARY_FILE) if options.mode == "performance" else None
+    target_qps = settings.server_target_qps if options.scenario == "server" else settings.offline_expected_qps
+    result = BenchResult(summary, sink.tally, num_samples, target_qps, seconds)
+    if options.mode == "accuracy":
+        result.accuracy = write_accuracy(config.out_dir, catalogue)
+    return result
+
+
+def _prepare_out_dir(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BenchError(f"--out-dir {out_dir} exists and is not a folder")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".bench-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise BenchError(f"--out-dir {out_dir} is not writable: {exc.strerror or exc}") from None
+    for stale in (ACCURACY_FILE, ACCURACY_JSON_FILE):  # from an earlier accuracy run
+        (out_dir / stale).unlink(missing_ok=True)
+
+
+def _make_sut(config: BenchConfig, qsl: CatalogueQSL, sampling, sink: ResponseSink):
+    """(SUT, engine to close or None): the HTTP client with --server-url, else the in-process engine."""
+    if config.server_url is not None:
+        from vlm_catalog.bench.loadgen.sut_http import HttpSUT
+
+        try:
+            sut = HttpSUT(
+                config.server_url, config.server_model, qsl, sampling, config.max_tokens, sink,
+                stream=config.options.scenario == "server",
+            )
+        except ValueError as exc:
+            raise BenchError(str(exc)) from None
+        return sut, None
+    from vlm_catalog.bench.loadgen.sut_engine import EngineSUT
+    from vlm_catalog.engine.config import EngineConfig
+    from vlm_catalog.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(
+        model=config.model, device=config.device, dtype=config.dtype,
+        enable_prefix_caching=config.enable_prefix_caching, scheduling_policy=config.scheduling_policy,
+    ))
+    return EngineSUT(engine, qsl, sampling, config.max_tokens, sink), engine

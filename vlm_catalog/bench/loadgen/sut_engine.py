@@ -1,0 +1,135 @@
+"""A LoadGen SUT that drives the in-process engine (`LLMEngine`).
+
+One engine thread owns the engine (it is not thread-safe). LoadGen's
+`issue_query` only puts the query samples into the thread's inbox, so it
+never blocks LoadGen: in the Offline scenario all samples arrive in one call
+and all go into the engine, which batches them continuously; in the Server
+scenario they arrive one by one at Poisson times and join the running batch
+at the next step. Each step's outputs are streamed: the first generated text
+of a sample is reported as its first token (Server), and a finished request
+completes its sample at once, so LoadGen sees each latency as it happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import mlperf_loadgen as lg
+
+from vlm_catalog.bench.loadgen.qsl import CatalogueQSL
+from vlm_catalog.bench.loadgen.requests import Sampling
+from vlm_catalog.bench.loadgen.responses import ResponseSink
+from vlm_catalog.engine.llm_engine import EngineRequestError, LLMEngine
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5
+
+
+class EngineSUT:
+    """Use as a context manager: starts the engine thread and constructs the LoadGen SUT."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        qsl: CatalogueQSL,
+        sampling: Sampling,
+        max_tokens: int,
+        sink: ResponseSink,
+    ) -> None:
+        self.engine = engine
+        self.qsl = qsl
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self.sink = sink
+        self._inbox: queue.Queue = queue.Queue()
+        self._in_flight: dict[str, int] = {}  # engine request id -> LoadGen response id
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-engine", daemon=True)
+        self.handle = None
+
+    def __enter__(self) -> EngineSUT:
+        self._thread.start()
+        self.handle = lg.ConstructSUT(self.issue_queries, self.flush_queries)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join()
+        if self.handle is not None:
+            lg.DestroySUT(self.handle)
+            self.handle = None
+
+    # ------------------------------------------------------- LoadGen thread
+    def issue_queries(self, query_samples: list) -> None:
+        batch = [(sample.id, sample.index) for sample in query_samples]
+        for response_id, _ in batch:
+            self.sink.issued(response_id)
+        self._inbox.put(batch)
+
+    def flush_queries(self) -> None:
+        """Nothing is held back: every issued sample is already in the engine's queue."""
+
+    # -------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._take_inbox(block=not self.engine.has_unfinished_requests())
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - a failed step fails its samples, not the run
+                logger.exception("engine step failed; failing the samples in flight")
+                self._fail_in_flight(f"engine step failed: {exc}")
+                continue
+            for output in outputs:
+                response_id = self._in_flight.get(output.request_id)
+                if response_id is None:
+                    continue
+                if output.token_ids:
+                    self.sink.first_token(response_id, output.text)
+                if output.finished:
+                    del self._in_flight[output.request_id]
+                    if output.finish_reason == "error":
+                        self.sink.fail(response_id, output.error or "engine error")
+                    else:
+                        self.sink.complete(response_id, output.text, len(output.token_ids))
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            batch = self._inbox.get(block=block, timeout=_IDLE_WAIT_S if block else None)
+        except queue.Empty:
+            return
+        while batch is not None:
+            for response_id, index in batch:
+                self._add(response_id, index)
+            try:
+                batch = self._inbox.get_nowait()
+            except queue.Empty:
+                batch = None
+
+    def _add(self, response_id: int, index: int) -> None:
+        sample = self.qsl[index]
+        if sample.request is None:
+            self.sink.fail(response_id, f"sample {index}: {sample.error}")
+            return
+        request_id = str(response_id)
+        try:
+            params = sample.request.sampling_params(self.sampling, self.max_tokens)
+            self.engine.add_request(sample.request.messages, params, request_id=request_id)
+        except (EngineRequestError, ValueError) as exc:
+            self.sink.fail(response_id, f"sample {index}: {exc}")
+            return
+        self._in_flight[request_id] = response_id
+
+    def _fail_in_flight(self, reason: str) -> None:
+        for request_id, response_id in list(self._in_flight.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - the engine is already in trouble
+                logger.exception("abort of %s failed", request_id)
+            self.sink.fail(response_id, reason)
+        self._in_flight.clear()

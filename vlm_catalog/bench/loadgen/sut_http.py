@@ -1,0 +1,167 @@
+"""A LoadGen SUT that sends each query sample to an OpenAI-compatible server.
+
+Like the reference harness's client: one asyncio event loop in its own
+thread runs an `AsyncOpenAI` client; `issue_query` schedules one coroutine
+per sample on it and returns at once, so any number of requests are in
+flight together (the server batches them). In the Server scenario the request
+streams (`stream=True`, usage in the last chunk) and the first non-empty text
+chunk is reported as the first token; otherwise one plain request per sample.
+A request that fails (HTTP error, timeout, refused) completes its sample with
+an empty response and is counted, so LoadGen never waits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+import httpx
+import mlperf_loadgen as lg
+from openai import AsyncOpenAI, OpenAIError
+
+from vlm_catalog.bench.loadgen.qsl import CatalogueQSL
+from vlm_catalog.bench.loadgen.requests import Sampling
+from vlm_catalog.bench.loadgen.responses import ResponseSink
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 3600.0
+_CONNECT_TIMEOUT_S = 5.0
+
+
+class ServerUnreachableError(RuntimeError):
+    """The server at --server-url does not answer; the message names the URL."""
+
+
+def openai_base_url(server_url: str) -> str:
+    """`http://host:port` or `http://host:port/v1` -> the client's base URL (ending in /v1)."""
+    url = server_url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--server-url must start with http:// or https://, got {server_url!r}")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+class HttpSUT:
+    """Use as a context manager: starts the client's event loop and constructs the LoadGen SUT."""
+
+    def __init__(
+        self,
+        server_url: str,
+        model: str | None,
+        qsl: CatalogueQSL,
+        sampling: Sampling,
+        max_tokens: int,
+        sink: ResponseSink,
+        stream: bool,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.base_url = openai_base_url(server_url)
+        self.model = model
+        self.qsl = qsl
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self.sink = sink
+        self.stream = stream
+        self.timeout_s = timeout_s
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="bench-http", daemon=True)
+        self.client: AsyncOpenAI | None = None
+        self.handle = None
+
+    def __enter__(self) -> HttpSUT:
+        self._thread.start()
+        try:
+            self._call(self._open())
+        except BaseException:
+            self._close()
+            raise
+        self.handle = lg.ConstructSUT(self.issue_queries, self.flush_queries)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.handle is not None:
+            lg.DestroySUT(self.handle)
+            self.handle = None
+        self._close()
+
+    def _close(self) -> None:
+        if self.client is not None:
+            self._call(self.client.close())
+            self.client = None
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+    def _call(self, coroutine) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    async def _open(self) -> None:
+        """Create the client and check the server answers (and which model it serves)."""
+        self.client = AsyncOpenAI(
+            base_url=self.base_url,
+            api_key="not-needed",
+            timeout=httpx.Timeout(self.timeout_s, connect=_CONNECT_TIMEOUT_S),
+            max_retries=0,
+        )
+        try:
+            models = await self.client.models.list()
+        except OpenAIError as exc:
+            raise ServerUnreachableError(f"no OpenAI-compatible server at {self.base_url}: {exc}") from None
+        if self.model is None:
+            served = [model.id for model in models.data]
+            if not served:
+                raise ServerUnreachableError(f"{self.base_url}/models lists no model")
+            self.model = served[0]
+
+    # ------------------------------------------------------- LoadGen thread
+    def issue_queries(self, query_samples: list) -> None:
+        for sample in query_samples:
+            self.sink.issued(sample.id)
+            asyncio.run_coroutine_threadsafe(self._query(sample.id, sample.index), self.loop)
+
+    def flush_queries(self) -> None:
+        """Nothing is held back: every sample's request is already on its way."""
+
+    # ----------------------------------------------------------- event loop
+    async def _query(self, response_id: int, index: int) -> None:
+        sample = self.qsl[index]
+        if sample.request is None:
+            self.sink.fail(response_id, f"sample {index}: {sample.error}")
+            return
+        arguments = sample.request.openai_arguments(self.sampling, self.max_tokens, self.model)
+        try:
+            if self.stream:
+                text, tokens = await self._streamed(response_id, arguments)
+            else:
+                text, tokens = await self._whole(arguments)
+        except Exception as exc:  # noqa: BLE001 - one failed request must not hang LoadGen
+            logger.warning("sample %d (response %d) failed: %s", index, response_id, exc)
+            self.sink.fail(response_id, f"sample {index}: {type(exc).__name__}: {exc}")
+            return
+        self.sink.complete(response_id, text, tokens)
+
+    async def _whole(self, arguments: dict[str, Any]) -> tuple[str, int]:
+        response = await self.client.chat.completions.create(**arguments)
+        text = response.choices[0].message.content or ""
+        tokens = response.usage.completion_tokens if response.usage is not None else 0
+        return text, int(tokens)
+
+    async def _streamed(self, response_id: int, arguments: dict[str, Any]) -> tuple[str, int]:
+        stream = await self.client.chat.completions.create(
+            **arguments, stream=True, stream_options={"include_usage": True}
+        )
+        pieces: list[str] = []
+        tokens = 0
+        async for chunk in stream:
+            if chunk.usage is not None:
+                tokens = int(chunk.usage.completion_tokens)
+            if not chunk.choices:
+                continue
+            text = chunk.choices[0].delta.content
+            if text:
+                if not pieces:
+                    self.sink.first_token(response_id, text)
+                pieces.append(text)
+        return "".join(pieces), tokens
