@@ -10,8 +10,12 @@ steps while there is work. Callers talk to it through an inbox; outputs come
 back to each request's asyncio queue on the caller's event loop. Prompt
 preprocessing (template, tokenisation, image headers) runs in a worker thread,
 off both the event loop and the engine thread. A request that fails raises
-`EngineRequestError` in its own `generate` only. A bug inside a step fails the
-requests then in flight, is logged, and the engine goes on serving.
+`EngineRequestError` in its own `generate` only; a request id already in
+flight is refused at once (the caller picks ids, or lets `AsyncLLM` number
+them). A bug inside a step fails the requests then in flight with
+`EngineInternalError`, is logged, and the engine goes on serving. Once the
+engine is shut down, or its thread has died, `generate` raises
+`EngineUnavailableError` and `is_running` is False.
 """
 
 from __future__ import annotations
@@ -48,12 +52,22 @@ class _Abort:
     request_id: str
 
 
+class EngineUnavailableError(RuntimeError):
+    """The engine is shut down or its thread has died: no request can run."""
+
+
+class EngineInternalError(RuntimeError):
+    """A bug inside an engine step failed the requests then in flight."""
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         self.engine = LLMEngine(config, **overrides)
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._ids = itertools.count()
+        self._live_ids: set[str] = set()  # ids between the start and the end of their `generate`
+        self._live_lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vlm-catalog-engine", daemon=True)
         self._thread.start()
@@ -64,7 +78,11 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and not self._stopped.is_set()
+
+    def load_stats(self) -> dict[str, float]:
+        """The engine's current load (see `LLMEngine.load_stats`); plain reads, safe from any thread."""
+        return self.engine.load_stats()
 
     async def generate(
         self,
@@ -72,11 +90,30 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; raises `EngineRequestError` if it is refused."""
-        if self._stopped.is_set():
-            raise EngineRequestError("the engine is shut down")
+        """Stream a request's outputs.
+
+        Raises `EngineRequestError` if the request is refused (bad prompt or
+        settings, or `request_id` already in flight), `EngineUnavailableError`
+        if the engine is not running, `EngineInternalError` if a step failed.
+        """
+        if not self.is_running:
+            raise EngineUnavailableError("the engine is not running (shut down, or its thread died)")
         params = params or SamplingParams()
         request_id = request_id or f"async-{next(self._ids)}"
+        with self._live_lock:
+            if request_id in self._live_ids:
+                raise EngineRequestError(f"request id {request_id!r} is already in flight")
+            self._live_ids.add(request_id)
+        try:
+            async for output in self._generate(prompt, params, request_id):
+                yield output
+        finally:
+            with self._live_lock:
+                self._live_ids.discard(request_id)
+
+    async def _generate(
+        self, prompt: list[dict[str, Any]] | ProcessedPrompt, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         if not isinstance(prompt, ProcessedPrompt):
             try:
@@ -84,12 +121,16 @@ class AsyncLLM:
             except ValueError as exc:
                 raise EngineRequestError(str(exc)) from None
         outputs: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(_Add(request_id, prompt, params, outputs, loop))
+        with self._live_lock:  # the engine thread, when it ends, fails every _Add queued before it
+            if self._stopped.is_set():
+                raise EngineUnavailableError("the engine is not running (shut down, or its thread died)")
+            self._inbox.put(_Add(request_id, prompt, params, outputs, loop))
         finished = False
         try:
             while True:
                 item = await outputs.get()
                 if isinstance(item, Exception):
+                    finished = True  # the engine has forgotten the request already
                     raise item
                 finished = item.finished
                 yield item
@@ -110,6 +151,19 @@ class AsyncLLM:
 
     # ------------------------------------------------------- engine thread
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:  # logged, not re-raised: `is_running` and the failed streams report it
+            logger.exception("the engine thread died")
+        finally:  # nobody may wait forever: fail what is in flight and what is still queued
+            with self._live_lock:
+                self._stopped.set()
+                self._fail_streams(EngineUnavailableError("the engine stopped"))
+                while (item := self._next_inbox_item()) is not None or not self._inbox.empty():
+                    if isinstance(item, _Add):
+                        item.loop.call_soon_threadsafe(item.outputs.put_nowait, EngineUnavailableError("the engine stopped"))
+
+    def _loop(self) -> None:
         while not self._stopped.is_set():
             block = not self.engine.has_unfinished_requests()
             self._drain_inbox(block)
@@ -133,6 +187,12 @@ class AsyncLLM:
             return
         while item is not None:
             if isinstance(item, _Add):
+                if item.request_id in self._streams:  # defensive: `generate` refuses live ids already
+                    item.loop.call_soon_threadsafe(
+                        item.outputs.put_nowait, EngineRequestError(f"request id {item.request_id!r} is already in flight")
+                    )
+                    item = self._next_inbox_item()
+                    continue
                 self._streams[item.request_id] = (item.outputs, item.loop)
                 try:
                     self.engine.add_request(item.prompt, item.params, request_id=item.request_id)
@@ -140,10 +200,13 @@ class AsyncLLM:
                     self._deliver(item.request_id, exc, last=True)
             elif isinstance(item, _Abort):
                 self.engine.abort(item.request_id)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                item = None
+            item = self._next_inbox_item()
+
+    def _next_inbox_item(self) -> _Add | _Abort | None:
+        try:
+            return self._inbox.get_nowait()
+        except queue.Empty:
+            return None
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception, last: bool) -> None:
         stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
@@ -159,5 +222,8 @@ class AsyncLLM:
         self.engine.scheduler.drain_finished()
         self.engine.requests.clear()
         self.engine.detokenizers.clear()
+        self._fail_streams(EngineInternalError(f"internal engine error: {exc}"))
+
+    def _fail_streams(self, exc: Exception) -> None:
         for request_id in list(self._streams):
-            self._deliver(request_id, EngineRequestError(f"internal engine error: {exc}"), last=True)
+            self._deliver(request_id, exc, last=True)

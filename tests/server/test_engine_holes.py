@@ -1,0 +1,101 @@
+"""The engine under the service: duplicate ids, lone surrogates, unknown roles, a dying engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from vlm_catalog import LLM, SamplingParams
+from vlm_catalog.engine.async_engine import AsyncLLM, EngineUnavailableError
+from vlm_catalog.engine.llm_engine import EngineRequestError
+from vlm_catalog.paths import DEFAULT_MODEL_DIR
+from vlm_catalog.preprocess.processor import PromptError
+
+LONG = SamplingParams(max_tokens=60, regex="[ab]{60}")
+
+
+def user(text: str, role: str = "user") -> list[dict]:
+    return [{"role": role, "content": text}]
+
+
+def test_a_duplicate_request_id_is_refused_at_once_and_the_first_still_finishes(engine):
+    async def run():
+        first = engine.generate(user("first"), LONG, request_id="same-id")
+        opening = await first.__anext__()
+        started = time.perf_counter()
+        with pytest.raises(EngineRequestError, match="already in flight"):
+            async for _ in engine.generate(user("second"), LONG, request_id="same-id"):
+                pass
+        refused_after = time.perf_counter() - started
+        outputs = [opening] + [output async for output in first]
+        # once the first has finished, the id may be used again
+        again = [output async for output in engine.generate(user("third"), SamplingParams(max_tokens=2), "same-id")]
+        return refused_after, outputs[-1], again[-1]
+
+    refused_after, final, again = asyncio.run(asyncio.wait_for(run(), 60))
+    assert refused_after < 0.5
+    assert final.finished and final.finish_reason == "stop" and len(final.token_ids) >= 1
+    assert final.text and set(final.text) <= {"a", "b"} and len(final.text) == 60
+    assert again.finished
+
+
+def test_unknown_role_and_lone_surrogate_fail_their_request_only(engine):
+    async def run(messages):
+        return [output async for output in engine.generate(messages, SamplingParams(max_tokens=3))]
+
+    with pytest.raises(EngineRequestError, match="unknown role 'hacker'"):
+        asyncio.run(run(user("hello", role="hacker")))
+    with pytest.raises(EngineRequestError, match="unpaired surrogate"):
+        asyncio.run(run(user("bad \ud800 text")))
+    with pytest.raises(EngineRequestError, match="part 1: text contains an unpaired surrogate"):
+        asyncio.run(run([{"role": "user", "content": [{"type": "text", "text": "ok"},
+                                                      {"type": "text", "text": "\udfff"}]}]))
+    assert asyncio.run(run(user("hello")))[-1].finished
+
+
+def test_processor_refuses_with_prompt_error(engine):
+    processor = engine.engine.processor
+    with pytest.raises(PromptError, match="unknown role 'hacker'; use one of system, user, assistant"):
+        processor.process(user("x", role="hacker"))
+    with pytest.raises(PromptError, match="message 1: text contains an unpaired surrogate"):
+        processor.process([{"role": "system", "content": "fine"}, {"role": "user", "content": "\ud83d alone"}])
+    # a properly paired character outside the BMP is fine
+    assert processor.process(user("emoji \U0001f600 ok")).num_tokens > 0
+
+
+def test_llm_chat_batch_survives_a_lone_surrogate():
+    llm = LLM(DEFAULT_MODEL_DIR)
+    try:
+        outputs = llm.chat([user("first"), user("broken \ud800"), user("third", role="hacker"), user("fourth")],
+                           SamplingParams(max_tokens=4))
+    finally:
+        llm.engine.close()
+    assert [output.finish_reason for output in outputs] == ["length", "error", "error", "length"]
+    assert "unpaired surrogate" in outputs[1].error and "unknown role" in outputs[2].error
+    assert len(outputs[0].token_ids) == 4 and len(outputs[3].token_ids) == 4
+
+
+def test_a_dying_engine_thread_fails_waiting_requests_and_refuses_new_ones():
+    engine = AsyncLLM(model=DEFAULT_MODEL_DIR, max_num_seqs=4)
+
+    def die():
+        raise SystemExit("simulated death of the engine thread")
+
+    async def run():
+        stream = engine.generate(user("hello"), LONG)
+        await stream.__anext__()
+        engine.engine.step = die  # the next step kills the thread (SystemExit is not caught as a step bug)
+        with pytest.raises(EngineUnavailableError):
+            async for _ in stream:
+                pass
+        assert not engine.is_running
+        with pytest.raises(EngineUnavailableError):
+            async for _ in engine.generate(user("after"), SamplingParams(max_tokens=2)):
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        engine.shutdown()
