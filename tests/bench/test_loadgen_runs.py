@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from vlm_catalog.bench.loadgen.report import ACCURACY_LOG_FILE, DETAIL_FILE, SUMMARY_FILE, accuracy_txt
+from vlm_catalog.bench.loadgen.report import (
+    ACCURACY_LOG_FILE,
+    DETAIL_FILE,
+    SUMMARY_FILE,
+    accuracy_txt,
+)
 from vlm_catalog.bench.loadgen.requests import prepare_request
 from vlm_catalog.cli import main
 from vlm_catalog.data.loader import load_catalogue

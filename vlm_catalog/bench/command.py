@@ -106,7 +106,7 @@ def format_result(result, scenario: str, mode: str) -> str:
             f"{scenario} {mode}: {tally.samples} samples in {seconds:.2f} s ({rate:.2f} {unit}, SUT clock) "
             f"{failed}; LoadGen: no performance verdict in accuracy mode"
         )
-    verdict = "VALID" if summary.valid else "INVALID"
+    verdict = "VALID" if summary.valid else f"INVALID ({_unmet(summary)})"
     throughput = summary.samples_per_second or 0.0
     if scenario == "offline":
         return (
@@ -124,6 +124,15 @@ def format_result(result, scenario: str, mode: str) -> str:
         p50, p99 = _percentile(tally.ttft_s, 0.50), _percentile(tally.ttft_s, 0.99)
         parts.append(f"TTFT p50 {p50:.3f} s, p99 {p99:.3f} s (SUT clock)")
     return "; ".join(parts) + f" {failed}; LoadGen: {verdict}"
+
+
+def _unmet(summary) -> str:
+    """LoadGen's unmet conditions, e.g. "early stopping not satisfied"."""
+    unmet = [
+        key.lower() for key, value in summary.fields.items()
+        if key.endswith("satisfied") and value.upper() == "NO"
+    ]
+    return ", ".join(f"{key.removesuffix(' satisfied')} not satisfied" for key in unmet) or "see the summary log"
 
 
 def _percentile(values: list[float], fraction: float) -> float:

@@ -25,7 +25,12 @@ from vlm_catalog.bench.loadgen.report import (
     parse_summary,
     write_accuracy,
 )
-from vlm_catalog.bench.loadgen.requests import REQUEST_STYLES, RequestStyleError, prepare_request, style_sampling
+from vlm_catalog.bench.loadgen.requests import (
+    REQUEST_STYLES,
+    RequestStyleError,
+    prepare_request,
+    style_sampling,
+)
 from vlm_catalog.bench.loadgen.responses import ResponseSink, RunTally
 from vlm_catalog.bench.loadgen.settings import RunOptions, build_log_settings, build_test_settings
 from vlm_catalog.paths import DEFAULT_MODEL_DIR

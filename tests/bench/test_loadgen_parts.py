@@ -1,0 +1,234 @@
+"""The harness's parts: request styles, LoadGen settings, the QSL, failures, CLI errors."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import socket
+from pathlib import Path
+
+import mlperf_loadgen as lg
+import pytest
+from PIL import Image
+
+from schemas import ProductMetadata, ProductRecord
+from vlm_catalog.bench.loadgen.qsl import CatalogueQSL
+from vlm_catalog.bench.loadgen.report import ACCURACY_LOG_FILE, parse_summary
+from vlm_catalog.bench.loadgen.requests import (
+    GREEDY,
+    RequestStyleError,
+    Sampling,
+    generation_config_sampling,
+    prepare_request,
+)
+from vlm_catalog.bench.loadgen.responses import ResponseSink
+from vlm_catalog.bench.loadgen.settings import (
+    RunOptions,
+    SettingsError,
+    build_log_settings,
+    build_test_settings,
+)
+from vlm_catalog.cli import main
+from vlm_catalog.paths import DEFAULT_MODEL_DIR, SAMPLE_CATALOGUE_DIR
+from vlm_catalog.preprocess.prompt import build_mlperf_messages, reencode_like_reference
+
+CANDIDATES = ["Home & Garden > Lighting > Lamps", "Home & Garden > Decor"]
+
+
+def jpeg(quality: int = 95, exif: bool = True) -> bytes:
+    image = Image.new("RGB", (64, 48), (200, 120, 40))
+    buffer = io.BytesIO()
+    extra = {}
+    if exif:
+        data = Image.Exif()
+        data[0x0112] = 6  # orientation
+        extra["exif"] = data.tobytes()
+    image.save(buffer, format="JPEG", quality=quality, **extra)
+    return buffer.getvalue()
+
+
+def record(image: bytes | None = None) -> ProductRecord:
+    return ProductRecord(
+        id="0", title="Desk lamp", description="<p>A lamp</p>", image=image or jpeg(), candidate_categories=CANDIDATES
+    )
+
+
+def image_url(messages) -> str:
+    return messages[1]["content"][1]["image_url"]["url"]
+
+
+# ---------------------------------------------------------------- request styles
+def test_reencoding_is_pillows_default_save_in_the_images_own_format():
+    original = jpeg(quality=95)
+    image_format, data = reencode_like_reference(original)
+    expected = io.BytesIO()
+    Image.open(io.BytesIO(original)).save(expected, format="JPEG")  # what the reference does
+    assert image_format == "JPEG" and data == expected.getvalue() and data != original
+    assert "exif" not in Image.open(io.BytesIO(data)).info  # Pillow drops EXIF unless asked
+
+
+def test_mlperf_style_is_the_reference_request_and_ours_the_constrained_one():
+    product = record()
+    mlperf = prepare_request(product, "mlperf")
+    assert mlperf.schema is None  # no guided decoding
+    _, reencoded = reencode_like_reference(product.image)
+    assert image_url(mlperf.messages) == "data:image/JPEG;base64," + base64.b64encode(reencoded).decode()
+    # everything but the image is the byte-exact mlperf prompt
+    original = build_mlperf_messages(product)
+    assert mlperf.messages[0] == original[0]
+    assert mlperf.messages[1]["content"][0] == original[1]["content"][0]
+
+    ours = prepare_request(product, "ours")
+    assert ours.messages == original  # original image bytes, as LLM.extract sends
+    assert ours.schema.json_schema["properties"]["category"]["enum"] == CANDIDATES
+    assert ours.sampling_params(GREEDY, 150).greedy
+
+    with pytest.raises(RequestStyleError, match="unknown request style"):
+        prepare_request(product, "fancy")
+
+
+def test_openai_arguments_of_both_styles():
+    product = record()
+    sampling = Sampling(temperature=0.7, top_p=0.8, top_k=20)
+    mlperf = prepare_request(product, "mlperf").openai_arguments(sampling, 150, "m")
+    assert mlperf["temperature"] == 0.7 and mlperf["top_p"] == 0.8 and mlperf["extra_body"] == {"top_k": 20}
+    assert mlperf["max_tokens"] == 150 and mlperf["model"] == "m" and "response_format" not in mlperf
+    ours = prepare_request(product, "ours").openai_arguments(GREEDY, 150, "m")
+    assert ours["temperature"] == 0.0 and "extra_body" not in ours
+    response_format = ours["response_format"]
+    assert response_format["type"] == "json_schema" and response_format["json_schema"]["strict"] is True
+    assert response_format["json_schema"]["schema"]["properties"]["category"]["enum"] == CANDIDATES
+    json.dumps(ours)  # sendable as JSON
+
+
+def write_generation_config(directory: Path, **values) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "generation_config.json").write_text(json.dumps(values))
+    return directory
+
+
+def test_sampling_comes_from_generation_config(tmp_path):
+    qwen = write_generation_config(
+        tmp_path / "qwen", do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.0
+    )
+    assert generation_config_sampling(qwen) == Sampling(temperature=0.7, top_p=0.8, top_k=20)
+    assert generation_config_sampling(DEFAULT_MODEL_DIR) == GREEDY  # do_sample: false
+    assert generation_config_sampling(tmp_path / "none") == GREEDY  # no file
+    penalised = write_generation_config(tmp_path / "pen", do_sample=True, repetition_penalty=1.05)
+    with pytest.raises(RequestStyleError, match="repetition_penalty = 1.05 is not supported"):
+        generation_config_sampling(penalised)
+
+
+# ---------------------------------------------------------------- settings
+def test_defaults_are_the_benchmarks_settings():
+    offline = build_test_settings(RunOptions("offline", "performance"), num_samples=48289)
+    assert offline.scenario == lg.TestScenario.Offline and offline.mode == lg.TestMode.PerformanceOnly
+    assert offline.min_duration_ms == 600_000 and offline.min_query_count == 48289
+    assert offline.performance_sample_count_override == 48289
+    assert offline.sample_concatenate_permutation and not offline.use_token_latencies
+    server = build_test_settings(RunOptions("server", "accuracy"), num_samples=64)
+    assert server.server_target_latency_ns == 12_000_000_000 and server.server_target_latency_percentile == 0.99
+    assert server.min_duration_ms == 600_000 and server.mode == lg.TestMode.AccuracyOnly
+    assert server.performance_sample_count_override == 64  # never more than the QSL holds
+
+
+def test_count_and_duration_shorten_a_run():
+    counted = build_test_settings(RunOptions("offline", "performance", count=8), 8)
+    assert counted.min_query_count == 8 and counted.min_duration_ms == 0
+    timed = build_test_settings(RunOptions("server", "performance", duration_s=2.5, target_qps=3), 64)
+    assert timed.min_duration_ms == 2500 and timed.min_query_count == 1 and timed.server_target_qps == 3
+    tokens = build_test_settings(RunOptions("server", "performance", count=2, token_latencies=True), 2)
+    assert tokens.use_token_latencies and tokens.ttft_latency == tokens.server_target_latency_ns
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(scenario="multistream", mode="performance"), "--scenario must be one of"),
+        (dict(scenario="offline", mode="fast"), "--mode must be one of"),
+        (dict(scenario="offline", mode="performance", count=0), "--count must be at least 1"),
+        (dict(scenario="offline", mode="performance", duration_s=-1), "--duration must be a positive"),
+        (dict(scenario="server", mode="performance", target_qps=0), "--target-qps must be positive"),
+    ],
+)
+def test_bad_options_are_refused(options, message):
+    with pytest.raises(SettingsError, match=message):
+        RunOptions(**options)
+
+
+# ---------------------------------------------------------------- a bad record
+def test_a_record_that_cannot_be_prepared_fails_alone(tmp_path):
+    """The QSL keeps the error; the SUT answers that sample with an empty response; the run goes on."""
+    from vlm_catalog.bench.loadgen.sut_engine import EngineSUT
+    from vlm_catalog.engine.config import EngineConfig
+    from vlm_catalog.engine.llm_engine import LLMEngine
+
+    records = [record(), record(image=b"this is not an image"), record(jpeg(quality=60, exif=False))]
+    settings = build_test_settings(RunOptions("offline", "accuracy", count=3), 3)
+    sink = ResponseSink(report_first_tokens=False)
+    engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL_DIR))
+
+    def prepare(product):
+        return prepare_request(product, "ours")
+
+    with CatalogueQSL(records, 3, 3, prepare) as qsl:
+        with EngineSUT(engine, qsl, GREEDY, 40, sink) as sut:
+            lg.StartTestWithLogSettings(sut.handle, qsl.handle, settings, build_log_settings(tmp_path))
+        assert qsl.loaded == {}  # LoadGen unloaded every sample after the run
+    engine.close()
+    entries = {e["qsl_idx"]: bytes.fromhex(e["data"]).decode() for e in json.loads((tmp_path / ACCURACY_LOG_FILE).read_text())}
+    assert entries[1] == ""
+    for index in (0, 2):
+        assert ProductMetadata.model_validate_json(entries[index]).category in CANDIDATES
+    assert sink.tally.completed == 2 and sink.tally.failed == 1
+    assert "cannot" in sink.tally.errors[0] and "sample 1" in sink.tally.errors[0]
+
+
+# ---------------------------------------------------------------- CLI errors
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--count", "0"], "error: --count must be at least 1"),
+        (["--duration", "0"], "error: --duration must be a positive number of seconds"),
+        (["--max-tokens", "0"], "error: --max-tokens must be at least 1"),
+        (["--dataset", "/nonexistent/catalogue"], "error: "),
+        (["--server-url", "ftp://x"], "error: --server-url must start with http:// or https://"),
+        (["--server-url", "http://127.0.0.1:{port}"], "error: no OpenAI-compatible server at http://127.0.0.1:"),
+    ],
+)
+def test_bad_input_gets_a_one_line_error(tmp_path, capsys, args, message):
+    args = [arg.replace("{port}", str(free_port())) for arg in args]
+    base = ["bench", "--scenario", "offline", "--mode", "accuracy", "--dataset", str(SAMPLE_CATALOGUE_DIR),
+            "--out-dir", str(tmp_path / "out")]
+    code = main(base + args)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(message.split("{")[0]) and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_out_dir_that_is_a_file_is_refused(tmp_path, capsys):
+    target = tmp_path / "file"
+    target.write_text("x")
+    code = main(["bench", "--scenario", "offline", "--mode", "accuracy", "--dataset", str(SAMPLE_CATALOGUE_DIR),
+                 "--out-dir", str(target)])
+    assert code == 2 and "exists and is not a folder" in capsys.readouterr().err
+
+
+def test_summary_parser_reads_loadgens_fields(tmp_path):
+    (tmp_path / "mlperf_log_summary.txt").write_text(
+        "Scenario : Server\nMode     : PerformanceOnly\nCompleted samples per second    : 3.43\n"
+        "Result is : INVALID\n  Early stopping satisfied: NO\n50.00 percentile latency (ns)   : 226015552\n"
+        "99.00 percentile latency (ns)   : 1359824199\n99.00 percentile first token latency (ns)   : 5000\n"
+    )
+    summary = parse_summary(tmp_path / "mlperf_log_summary.txt")
+    assert summary.scenario == "Server" and not summary.valid and summary.samples_per_second == 3.43
+    assert summary.latency_percentiles_ns == {50.0: 226015552, 99.0: 1359824199}
+    assert summary.first_token_percentiles_ns == {99.0: 5000}
+    assert summary.fields["Early stopping satisfied"] == "NO"
