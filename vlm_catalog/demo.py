@@ -1,14 +1,16 @@
 """`vlm-catalog demo`: the main job on the shipped default model and sample catalogue.
 
 Extracts ProductMetadata for every record of `data/sample_catalogue` with the
-default model (`data/models/tiny-qwen3-vl-moe`), writes the predictions, and
-scores them with the benchmark's metric against the random-guess baseline.
+default model (`data/models/tiny-qwen3-vl-moe`) through the batch job (as
+`vlm-catalog extract --overwrite` would), writes the predictions, and scores
+them with the benchmark's metric against the random-guess baseline.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from vlm_catalog.paths import SAMPLE_CATALOGUE_DIR
@@ -28,22 +30,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vlm_catalog.data.loader import load_catalogue
-    from vlm_catalog.evaluate.command import resolve_indices
-    from vlm_catalog.evaluate.predictions import read_predictions
-    from vlm_catalog.evaluate.scoring import score
-    from vlm_catalog.extract.command import extract_catalogue
+    from vlm_catalog.batch import BatchError, run_batch
+    from vlm_catalog.extract.command import settings_from_args
 
     predictions = args.out_dir / "predictions.jsonl"
     print(f"model: {args.model}\ncatalogue: {args.dataset}")
-    summary = extract_catalogue(args, predictions)
-    catalogue = load_catalogue(args.dataset, split=args.split)
-    report = score(resolve_indices(read_predictions(predictions), catalogue), catalogue.labels())
+    try:
+        summary = run_batch(settings_from_args(args, predictions, overwrite=True, evaluate=True))
+    except BatchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if summary.interrupted:
+        print("interrupted", file=sys.stderr)
+        return 130
+    stats = summary.as_dict()
     print(
-        f"\n{summary['records']} records in {summary['seconds']:.1f} s ({summary['records_per_second']:.2f}/s); "
-        f"{summary['model_steps']} model steps, {summary['jump_forward_tokens']} tokens by jump-forward\n"
+        f"\n{stats['records']} records in {stats['seconds']:.1f} s ({stats['records_per_second']:.2f}/s); "
+        f"{stats['model_steps']} model steps, {stats['jump_forward_tokens']} tokens by jump-forward"
+        + (f"; {stats['failed']} failed" if stats["failed"] else "") + "\n"
     )
-    print(report.format_table())
-    (args.out_dir / "report.json").write_text(json.dumps({"extraction": summary, "accuracy": report.to_dict()}, indent=2) + "\n")
+    if summary.accuracy is None:
+        print("the catalogue has no ground truth to score against")
+        return 0
+    print(summary.accuracy.format_table())
+    report = {"extraction": stats, "accuracy": summary.accuracy.to_dict()}
+    (args.out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {predictions} and {args.out_dir / 'report.json'}")
     return 0

@@ -89,26 +89,44 @@ class LLM:
         """Catalogue extraction: one validated `schema` instance per record (or the reason there is none).
 
         With `restrict_categories`, each record's answer is constrained to a
-        schema whose `category` is an enum of that record's candidates.
+        schema whose `category` is an enum of that record's candidates, and
+        whose free-text `brand` is bounded so that every answer is complete
+        within `sampling_params.max_tokens` (see `budgeted_catalogue_schema`).
+        A record that cannot run (an unreadable or oversized image, bad
+        candidates) comes back with its error; the others are unaffected.
         """
-        from vlm_catalog.preprocess.prompt import PromptError, build_messages
-        from vlm_catalog.structured import catalogue_schema
+        from PIL import Image
+
+        from vlm_catalog.preprocess.image_decode import probe_image_bytes
+        from vlm_catalog.preprocess.prompt import build_messages
+        from vlm_catalog.structured.catalogue import budgeted_catalogue_schema
 
         records = list(records)
         base = sampling_params or SamplingParams(max_tokens=150, temperature=0.0)
+        max_pixels = self.engine.processor.image_processor.max_decode_pixels
         conversations: list[Messages | None] = []
         params: list[SamplingParams] = []
         prompt_errors: dict[int, str] = {}
         for index, record in enumerate(records):
+            json_schema, budget = schema, base.max_tokens
             try:
+                # the header check first: a decompression bomb is refused before PIL opens it
+                probe_image_bytes(record.image, max_pixels=max_pixels)
                 conversations.append(build_messages(record, style=prompt_style, schema=schema))
-            except PromptError as exc:
+                if restrict_categories:
+                    json_schema, budget = budgeted_catalogue_schema(
+                        record.candidate_categories, base.max_tokens, self._count_tokens, schema
+                    )
+            except (ValueError, Image.DecompressionBombError) as exc:  # PromptError, ImageDecodeError, GrammarError
+                del conversations[index:]  # the messages, if they were built
                 conversations.append(None)
                 prompt_errors[index] = str(exc)
-            json_schema = catalogue_schema(record.candidate_categories, schema) if restrict_categories else schema
-            params.append(_with_schema(base, json_schema))
+            params.append(_with_schema(base, json_schema, budget))
         outputs = self._run(conversations, params, use_tqdm, prompt_errors)
         return [_extraction(record, output, schema) for record, output in zip(records, outputs)]
+
+    def _count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _run(self, prompts: list, sampling_params, use_tqdm: bool, known_errors: dict[int, str] | None = None) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -141,9 +159,9 @@ class LLM:
         return [results[request_id] for request_id in order]
 
 
-def _with_schema(params: SamplingParams, json_schema: Any) -> SamplingParams:
+def _with_schema(params: SamplingParams, json_schema: Any, max_tokens: int) -> SamplingParams:
     values = {name: getattr(params, name) for name in params.__dataclass_fields__}
-    values.update(json_schema=json_schema, regex=None, choice=None)
+    values.update(json_schema=json_schema, regex=None, choice=None, max_tokens=max_tokens)
     return SamplingParams(**values)
 
 

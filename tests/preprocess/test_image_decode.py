@@ -14,9 +14,12 @@ from PIL import Image
 from transformers.image_transforms import convert_to_rgb
 
 from vlm_catalog.preprocess.image_decode import (
+    DEFAULT_MAX_DECODE_PIXELS,
     DecodeFailure,
     ImageDecodeError,
     decode_image,
+    decode_image_bytes,
+    probe_image_bytes,
 )
 
 LIMIT = 10_000_000
@@ -292,3 +295,24 @@ def test_wrong_input_type() -> None:
 def test_non_positive_limit() -> None:
     with pytest.raises(ValueError, match="max_pixels"):
         decode_image(CASES["png_rgb"](), max_pixels=0)
+
+
+def test_text_html_and_svg_are_named() -> None:
+    assert "is text" in assert_reason(b"this is not an image at all", DecodeFailure.NOT_AN_IMAGE)
+    assert "HTML document" in assert_reason(b"\n<!DOCTYPE html><html><body>404</body></html>", DecodeFailure.NOT_AN_IMAGE)
+    assert "SVG" in assert_reason(b'  <svg xmlns="http://www.w3.org/2000/svg"/>', DecodeFailure.UNSUPPORTED_FORMAT)
+    assert "SVG" in assert_reason(b'\xef\xbb\xbf<?xml version="1.0"?>\n<svg/>', DecodeFailure.UNSUPPORTED_FORMAT)
+
+
+def test_tiny_png_claiming_a_huge_size_is_refused_from_its_header() -> None:
+    """69 bytes claiming 100000 x 100000 pixels: refused without decoding, never PIL's raw error."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    bomb = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 100000, 100000, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\x00")) + chunk(b"IEND", b""))
+    assert len(bomb) < 80
+    for function in (probe_image_bytes, decode_image_bytes):
+        with pytest.raises(ImageDecodeError) as raised:
+            function(bomb, max_pixels=DEFAULT_MAX_DECODE_PIXELS)
+        assert raised.value.reason in (DecodeFailure.DECOMPRESSION_BOMB, DecodeFailure.TOO_LARGE)

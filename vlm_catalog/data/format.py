@@ -19,6 +19,18 @@ INPUT_COLUMNS = (TITLE, DESCRIPTION, IMAGE, CANDIDATES)
 LABEL_COLUMNS = (TRUE_CATEGORY, TRUE_BRAND, TRUE_SECONDHAND)
 BENCHMARK_COLUMNS = INPUT_COLUMNS + LABEL_COLUMNS
 
+# Short names a JSONL catalogue may use instead of the dataset's column names.
+SHORT_COLUMN_NAMES = {
+    "title": TITLE,
+    "description": DESCRIPTION,
+    "image": IMAGE,
+    "candidates": CANDIDATES,
+    "candidate_categories": CANDIDATES,
+    "category": TRUE_CATEGORY,
+    "brand": TRUE_BRAND,
+    "is_secondhand": TRUE_SECONDHAND,
+}
+
 DATA_DIR = "data"
 ATTRIBUTES_FILE = "attributes.jsonl"
 MANIFEST_FILE = "catalogue.json"

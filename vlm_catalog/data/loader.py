@@ -1,4 +1,4 @@
-"""Load a product catalogue and yield `ProductRecord`s.
+"""Load a product catalogue and yield `ProductRecord`s, one bad record never stopping the rest.
 
 Accepted sources, all with the columns of `Shopify/product-catalogue`:
 - a catalogue written by `vlm-catalog make-catalog` (`DIR/data/*.parquet`, plus
@@ -6,11 +6,31 @@ Accepted sources, all with the columns of `Shopify/product-catalogue`:
 - a local copy of the real dataset (a directory of parquet files named
   `<split>-NNNNN-of-NNNNN.parquet`, as the Hugging Face repository lays them out);
 - a single parquet file;
-- a directory written by `datasets`' `save_to_disk` (a Dataset or a DatasetDict).
+- a directory written by `datasets`' `save_to_disk` (a Dataset or a DatasetDict);
+- a JSONL file, one record per line, with the dataset's column names (or the
+  short names `title`, `description`, `image`, `candidates`, `category`,
+  `brand`, `is_secondhand`); its image is a path relative to the JSONL's folder.
 
 Splits are concatenated in the benchmark's order (train, then test) unless one is
 chosen; a record's id is its row index in that concatenation, which is also the
 `qsl_idx` MLPerf LoadGen uses. Images stay encoded (bytes) until the preprocessor.
+
+Parquet is read with pyarrow one row group at a time and JSONL one line at a
+time, so iterating a catalogue holds one row group (or line) of raw data, never
+the whole dataset.
+
+Each row is validated against the column types with no coercion: a title that
+is the integer 0, candidates stored as one string, or `ground_truth_is_secondhand`
+stored as the string "no" are errors naming the record and the column, not
+`""`, a list of characters or `True`. A null title or description reads as the
+empty text. An image is checked from its header (format, size, pixel limit)
+without decoding its pixels. An image given as a path must be a relative path
+resolving inside the dataset's folder.
+
+Two ways to read: `catalogue[i]` and iteration raise `CatalogueError` for a
+bad record (what evaluation and benchmarks want); `catalogue.items(indices)`
+yields a `CatalogueItem` per record, holding either the record or the reason
+it is unusable (what the batch job wants: a bad record fails alone).
 """
 
 from __future__ import annotations
@@ -18,13 +38,13 @@ from __future__ import annotations
 import io
 import json
 import re
-from collections.abc import Iterator, Sequence
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import datasets
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from pydantic import ValidationError
 
 from schemas import ProductAttributes, ProductMetadata, ProductRecord
@@ -35,15 +55,33 @@ from vlm_catalog.data.format import (
     IMAGE,
     INPUT_COLUMNS,
     LABEL_COLUMNS,
+    MANIFEST_FILE,
+    SHORT_COLUMN_NAMES,
     TITLE,
     TRUE_BRAND,
     TRUE_CATEGORY,
     TRUE_SECONDHAND,
     CatalogueError,
 )
+from vlm_catalog.preprocess.image_decode import (
+    DEFAULT_MAX_DECODE_PIXELS,
+    ImageDecodeError,
+    probe_image_bytes,
+)
 
 SPLIT_ORDER = ("train", "validation", "test")
 _SPLIT_FROM_FILENAME = re.compile(r"^(?P<split>[A-Za-z0-9_]+?)-\d+-of-\d+\.parquet$")
+# An image file read from disk larger than this is refused before it is read.
+MAX_IMAGE_FILE_BYTES = 128 * 2**20
+
+__all__ = [
+    "Catalogue",
+    "CatalogueError",
+    "CatalogueItem",
+    "RecordLabels",
+    "SPLIT_ORDER",
+    "load_catalogue",
+]
 
 
 @dataclass(frozen=True)
@@ -57,22 +95,238 @@ class RecordLabels:
     attributes: dict[str, str] | None = None
 
 
+@dataclass(frozen=True)
+class CatalogueItem:
+    """One row of a catalogue: its record, or why it has none.
+
+    `kind` classifies the problem: "image" (missing, unreadable, refused or
+    outside the dataset's folder) or "record" (a missing or wrongly typed
+    column, an empty candidate list, a line that is not JSON).
+    """
+
+    index: int
+    record: ProductRecord | None = None
+    error: str | None = None
+    kind: str | None = None
+
+    @property
+    def id(self) -> str:
+        return str(self.index)
+
+
+class _RecordProblem(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+# ------------------------------------------------------------------ row sources
+class _Rows(Protocol):
+    """Raw rows by index: what each on-disk layout provides."""
+
+    column_names: list[str]
+    input_files: list[Path]
+
+    def __len__(self) -> int: ...
+
+    def rows(self, start: int, stop: int) -> Iterator[dict[str, Any] | str]:
+        """Rows start..stop-1 as dicts of raw values (a str: why the row cannot be read)."""
+        ...
+
+    def column(self, name: str) -> list[Any]: ...
+
+
+class _ParquetRows:
+    """Parquet files read with pyarrow, one row group at a time (the last one cached)."""
+
+    def __init__(self, files: Sequence[Path]) -> None:
+        import pyarrow.parquet as pq
+
+        self.input_files = [Path(file) for file in files]
+        self._files = []
+        self._starts: list[int] = []  # global index of each row group's first row
+        self._groups: list[tuple[int, int]] = []  # (file number, row group number)
+        total = 0
+        names: list[str] | None = None
+        for number, file in enumerate(self.input_files):
+            try:
+                parquet = pq.ParquetFile(file)
+            except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
+                raise CatalogueError(f"{file}: is not a readable parquet file ({exc})") from None
+            self._files.append(parquet)
+            file_names = parquet.schema_arrow.names
+            if names is None:
+                names = file_names
+            elif set(file_names) != set(names):
+                raise CatalogueError(f"{file}: has columns {file_names}, the other files {names}")
+            for group in range(parquet.metadata.num_row_groups):
+                self._starts.append(total)
+                self._groups.append((number, group))
+                total += parquet.metadata.row_group(group).num_rows
+        self._num_rows = total
+        self.column_names = list(names or [])
+        self._cached: tuple[int, list[dict[str, Any]]] | None = None
+
+    def __len__(self) -> int:
+        return self._num_rows
+
+    def _group_rows(self, group: int) -> list[dict[str, Any]]:
+        if self._cached is None or self._cached[0] != group:
+            self._cached = None  # drop the old group before reading the next
+            file_number, group_number = self._groups[group]
+            table = self._files[file_number].read_row_group(group_number)
+            self._cached = (group, table.to_pylist())
+        return self._cached[1]
+
+    def rows(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
+        import bisect
+
+        index = start
+        while index < stop:
+            group = bisect.bisect_right(self._starts, index) - 1
+            group_rows = self._group_rows(group)
+            offset = index - self._starts[group]
+            take = min(stop - index, len(group_rows) - offset)
+            yield from group_rows[offset:offset + take]
+            index += take
+
+    def column(self, name: str) -> list[Any]:
+        values: list[Any] = []
+        for parquet in self._files:
+            values.extend(parquet.read(columns=[name]).column(name).to_pylist())
+        return values
+
+
+class _DatasetRows:
+    """A `datasets.Dataset` (from `save_to_disk`), images kept encoded."""
+
+    def __init__(self, dataset, input_files: list[Path]) -> None:
+        import datasets
+
+        feature = dataset.features.get(IMAGE)
+        if isinstance(feature, datasets.Image) and feature.decode:
+            dataset = dataset.cast_column(IMAGE, datasets.Image(decode=False))
+        self._dataset = dataset
+        self.column_names = list(dataset.column_names)
+        self.input_files = input_files
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def rows(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
+        for batch_start in range(start, stop, 64):
+            columns = self._dataset[batch_start:min(stop, batch_start + 64)]
+            names = list(columns)
+            for values in zip(*(columns[name] for name in names)):
+                yield dict(zip(names, values))
+
+    def column(self, name: str) -> list[Any]:
+        return list(self._dataset[name])
+
+
+class _JsonlRows:
+    """A JSONL file: one record per non-blank line, read by byte offset."""
+
+    def __init__(self, path: Path) -> None:
+        self.input_files = [path]
+        self._path = path
+        self._offsets = array("Q")
+        first: dict[str, Any] | None = None
+        with path.open("rb") as handle:
+            offset = 0
+            for line in handle:
+                if line.strip():
+                    self._offsets.append(offset)
+                    if first is None:
+                        first = _parse_json_line(line)
+                offset += len(line)
+        self.column_names = list(first) if isinstance(first, dict) else []
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def rows(self, start: int, stop: int) -> Iterator[dict[str, Any] | str]:
+        with self._path.open("rb") as handle:
+            if start < stop:
+                handle.seek(self._offsets[start])
+            produced = start
+            while produced < stop:
+                line = handle.readline()
+                if not line:
+                    return
+                if not line.strip():
+                    continue
+                produced += 1
+                yield _parse_json_line(line)
+
+    def column(self, name: str) -> list[Any]:
+        return [row.get(name) if isinstance(row, dict) else None for row in self.rows(0, len(self))]
+
+
+def _parse_json_line(line: bytes) -> dict[str, Any] | str:
+    try:
+        value = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return f"the line is not JSON ({exc})"
+    if not isinstance(value, dict):
+        return f"the line is a JSON {type(value).__name__}, not an object"
+    return {SHORT_COLUMN_NAMES.get(key, key): item for key, item in value.items()}
+
+
+class _ConcatRows:
+    """Splits one after the other (train, then test)."""
+
+    def __init__(self, parts: list[_Rows]) -> None:
+        self._parts = parts
+        self._starts = []
+        total = 0
+        for part in parts:
+            self._starts.append(total)
+            total += len(part)
+        self._num_rows = total
+        self.column_names = parts[0].column_names
+        for part in parts[1:]:
+            if set(part.column_names) != set(self.column_names):
+                raise CatalogueError(f"the splits have different columns: {part.column_names} and {self.column_names}")
+        self.input_files = [file for part in parts for file in part.input_files]
+
+    def __len__(self) -> int:
+        return self._num_rows
+
+    def rows(self, start: int, stop: int) -> Iterator[dict[str, Any] | str]:
+        for part, part_start in zip(self._parts, self._starts):
+            lo, hi = max(start, part_start), min(stop, part_start + len(part))
+            if lo < hi:
+                yield from part.rows(lo - part_start, hi - part_start)
+
+    def column(self, name: str) -> list[Any]:
+        return [value for part in self._parts for value in part.column(name)]
+
+
+# -------------------------------------------------------------------- catalogue
 class Catalogue(Sequence[ProductRecord]):
     """A loaded catalogue: indexable, iterable, lazily materialising records."""
 
     def __init__(
         self,
-        dataset: datasets.Dataset,
+        rows: _Rows,
         source: str,
         attributes: list[dict[str, Any]] | None = None,
+        image_root: Path | None = None,
     ) -> None:
         self.source = source
-        self._dataset = dataset
+        self._rows = rows
         self._attributes = attributes
-        self.has_labels = all(column in dataset.column_names for column in LABEL_COLUMNS)
+        self._image_root = image_root
+        self.has_labels = all(column in rows.column_names for column in LABEL_COLUMNS)
+
+    @property
+    def input_files(self) -> list[Path]:
+        """Every file the catalogue is read from (an output must never be one of them)."""
+        return list(self._rows.input_files)
 
     def __len__(self) -> int:
-        return len(self._dataset)
+        return len(self._rows)
 
     def __getitem__(self, index: int) -> ProductRecord:  # type: ignore[override]
         if not isinstance(index, int):
@@ -81,11 +335,36 @@ class Catalogue(Sequence[ProductRecord]):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"record {index} is out of range for {len(self)} records")
-        return self._record(index, self._dataset[index])
+        return _record_or_raise(next(self.items([index])), self.source)
 
     def __iter__(self) -> Iterator[ProductRecord]:
-        for index, row in enumerate(self._dataset):
-            yield self._record(index, row)
+        for item in self.items():
+            yield _record_or_raise(item, self.source)
+
+    def items(self, indices: Iterable[int] | None = None) -> Iterator[CatalogueItem]:
+        """One `CatalogueItem` per index (all records when None), in the order given.
+
+        Never raises for a bad record: the item carries the error instead. Runs
+        of consecutive indices are read together, one row group at a time.
+        """
+        indices = range(len(self)) if indices is None else indices
+        run: list[int] = []
+        for index in indices:
+            if not 0 <= index < len(self):
+                raise IndexError(f"record {index} is out of range for {len(self)} records")
+            if run and (index != run[-1] + 1 or len(run) >= 256):
+                yield from self._read_run(run[0], run[-1] + 1)
+                run = []
+            run.append(index)
+        if run:
+            yield from self._read_run(run[0], run[-1] + 1)
+
+    def _read_run(self, start: int, stop: int) -> Iterator[CatalogueItem]:
+        for index, row in zip(range(start, stop), self._rows.rows(start, stop)):
+            try:
+                yield CatalogueItem(index, record=self._record(index, row))
+            except _RecordProblem as problem:
+                yield CatalogueItem(index, error=str(problem), kind=problem.kind)
 
     def index_of(self, key: str | int) -> int:
         """Row index of a record id (its row index, as given to predictions)."""
@@ -98,105 +377,240 @@ class Catalogue(Sequence[ProductRecord]):
         return index
 
     def labels(self) -> list[RecordLabels]:
-        """Ground truth of every record, in order (no image is read)."""
+        """Ground truth of every record, in order (no image is read).
+
+        Raises `CatalogueError` naming the first record whose labels are missing
+        or wrongly typed.
+        """
+        labels = self._labels()
+        for index, label in enumerate(labels):
+            if isinstance(label, str):
+                raise CatalogueError(f"{self.source}: record {index}: {label}")
+        return labels  # type: ignore[return-value]
+
+    def labels_or_none(self) -> list[RecordLabels | None]:
+        """Like `labels`, with None for a record whose labels are unusable (to score the others)."""
+        return [None if isinstance(label, str) else label for label in self._labels()]
+
+    def _labels(self) -> list[RecordLabels | str]:
         if not self.has_labels:
             raise CatalogueError(
                 f"{self.source}: has no ground truth columns ({', '.join(LABEL_COLUMNS)})"
             )
-        columns = self._dataset.select_columns([CANDIDATES, *LABEL_COLUMNS]).to_dict()
-        return [
-            RecordLabels(
-                category=columns[TRUE_CATEGORY][i],
-                brand=columns[TRUE_BRAND][i],
-                is_secondhand=bool(columns[TRUE_SECONDHAND][i]),
-                candidates=list(columns[CANDIDATES][i]),
+        columns = {name: self._rows.column(name) for name in (CANDIDATES, *LABEL_COLUMNS)}
+        labels: list[RecordLabels | str] = []
+        for i in range(len(self)):
+            row = {name: values[i] for name, values in columns.items()}
+            try:
+                truth = _checked_labels(row)
+                candidates = _checked_candidates(row.get(CANDIDATES))
+            except _RecordProblem as problem:
+                labels.append(str(problem))
+                continue
+            labels.append(RecordLabels(
+                category=truth.category, brand=truth.brand, is_secondhand=truth.is_secondhand,
+                candidates=candidates,
                 attributes=self._attributes[i] if self._attributes is not None else None,
-            )
-            for i in range(len(self))
-        ]
+            ))
+        return labels
 
     def check_images(self) -> None:
-        """Open every image once; raise `CatalogueError` naming the first unreadable one."""
-        for index, row in enumerate(self._dataset.select_columns([IMAGE])):
-            _verify_image(_image_bytes(row[IMAGE], index, self.source), index, self.source)
+        """Check every image's header once; raise `CatalogueError` naming the first unusable one."""
+        for item in self.items():
+            if item.kind == "image":
+                raise CatalogueError(f"{self.source}: record {item.index}: {item.error}")
 
-    def _record(self, index: int, row: dict[str, Any]) -> ProductRecord:
-        image = _image_bytes(row[IMAGE], index, self.source)
-        _verify_image(image, index, self.source)
-        ground_truth = None
+    def _record(self, index: int, row: dict[str, Any] | str) -> ProductRecord:
+        if isinstance(row, str):
+            raise _RecordProblem("record", row)
+        missing = [column for column in INPUT_COLUMNS if column not in row]
         if self.has_labels:
-            ground_truth = ProductMetadata(
-                category=row[TRUE_CATEGORY],
-                brand=row[TRUE_BRAND],
-                is_secondhand=bool(row[TRUE_SECONDHAND]),
-            )
+            missing += [column for column in LABEL_COLUMNS if column not in row]
+        if missing:
+            raise _RecordProblem("record", f"missing column(s) {', '.join(missing)}")
+        title = _checked_text(row[TITLE], TITLE)
+        description = _checked_text(row[DESCRIPTION], DESCRIPTION)
+        candidates = _checked_candidates(row[CANDIDATES])
+        ground_truth = _checked_labels(row) if self.has_labels else None
         attributes = None
         if self._attributes is not None:
-            attributes = ProductAttributes.model_validate(self._attributes[index])
+            try:
+                attributes = ProductAttributes.model_validate(self._attributes[index])
+            except ValidationError as exc:
+                raise _RecordProblem("record", f"{ATTRIBUTES_FILE}: {_pydantic_problems(exc)}") from None
+        image = _image_bytes(row[IMAGE], self._image_root)
+        try:
+            probe_image_bytes(image, max_pixels=DEFAULT_MAX_DECODE_PIXELS)
+        except ImageDecodeError as exc:
+            raise _RecordProblem("image", f"{IMAGE}: {exc}") from None
         try:
             return ProductRecord(
-                id=str(index),
-                title=row[TITLE] or "",
-                description=row[DESCRIPTION] or "",
-                image=image,
-                candidate_categories=list(row[CANDIDATES] or []),
-                ground_truth=ground_truth,
-                attributes=attributes,
+                id=str(index), title=title, description=description, image=image,
+                candidate_categories=candidates, ground_truth=ground_truth, attributes=attributes,
             )
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}" for error in exc.errors()
+            raise _RecordProblem("record", _pydantic_problems(exc)) from None
+
+
+def _record_or_raise(item: CatalogueItem, source: str) -> ProductRecord:
+    if item.record is None:
+        raise CatalogueError(f"{source}: record {item.index}: {item.error}")
+    return item.record
+
+
+# ------------------------------------------------------------ per-record checks
+def _describe(value: Any) -> str:
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return f"{type(value).__name__} {shown}"
+
+
+def _checked_text(value: Any, column: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise _RecordProblem("record", f"{column}: expected a string, got {_describe(value)}")
+    return value
+
+
+def _checked_candidates(value: Any) -> list[str]:
+    if value is None:
+        raise _RecordProblem("record", f"{CANDIDATES}: is null; expected a list of category strings")
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise _RecordProblem(
+            "record", f"{CANDIDATES}: expected a list of category strings, got {_describe(value)}"
+        )
+    if not value:
+        raise _RecordProblem("record", f"{CANDIDATES}: the candidate category list is empty")
+    for position, candidate in enumerate(value):
+        if not isinstance(candidate, str):
+            raise _RecordProblem(
+                "record", f"{CANDIDATES}: position {position} is {_describe(candidate)}, not a string"
             )
-            raise CatalogueError(f"{self.source}: record {index}: {problems}") from None
+        if not candidate.strip():
+            raise _RecordProblem("record", f"{CANDIDATES}: position {position} is blank")
+    return list(value)
 
 
+def _checked_labels(row: dict[str, Any]) -> ProductMetadata:
+    category, brand, secondhand = row.get(TRUE_CATEGORY), row.get(TRUE_BRAND), row.get(TRUE_SECONDHAND)
+    for column, value in ((TRUE_CATEGORY, category), (TRUE_BRAND, brand)):
+        if not isinstance(value, str):
+            raise _RecordProblem("record", f"{column}: expected a string, got {_describe(value)}")
+    if not isinstance(secondhand, bool):  # no coercion: "no" is not False (and not True)
+        raise _RecordProblem("record", f"{TRUE_SECONDHAND}: expected a boolean, got {_describe(secondhand)}")
+    return ProductMetadata(category=category, brand=brand, is_secondhand=secondhand)
+
+
+def _pydantic_problems(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}" for error in exc.errors()
+    )
+
+
+def _image_bytes(value: Any, image_root: Path | None) -> bytes:
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, dict):
+        if value.get("bytes"):
+            if not isinstance(value["bytes"], (bytes, bytearray)):
+                raise _RecordProblem("image", f"{IMAGE}: bytes field is {_describe(value['bytes'])}")
+            return bytes(value["bytes"])
+        if value.get("path"):
+            return _read_image_file(value["path"], image_root)
+    if isinstance(value, str) and value:
+        return _read_image_file(value, image_root)
+    if isinstance(value, Image.Image):
+        buffer = io.BytesIO()
+        value.save(buffer, format=value.format or "PNG")
+        return buffer.getvalue()
+    if value is None or value == {} or (isinstance(value, dict) and not any(value.values())):
+        raise _RecordProblem("image", f"{IMAGE}: the record has no image (null)")
+    raise _RecordProblem("image", f"{IMAGE}: expected image bytes or a relative path, got {_describe(value)}")
+
+
+def _read_image_file(name: Any, image_root: Path | None) -> bytes:
+    """The bytes of an image file named by a path relative to the dataset's folder."""
+    if not isinstance(name, str):
+        raise _RecordProblem("image", f"{IMAGE}: path must be a string, got {_describe(name)}")
+    if image_root is None:
+        raise _RecordProblem("image", f"{IMAGE}: has a path ({name!r}) but no bytes, and this source reads no files")
+    relative = Path(name)
+    if relative.is_absolute():
+        raise _RecordProblem("image", f"{IMAGE}: absolute path {name!r} refused; paths are relative to the dataset's folder")
+    root = image_root.resolve()
+    target = (root / relative).resolve()
+    if not target.is_relative_to(root):
+        raise _RecordProblem("image", f"{IMAGE}: path {name!r} leads outside the dataset's folder; refused")
+    if not target.is_file():
+        raise _RecordProblem("image", f"{IMAGE}: image file not found: {name!r}")
+    size = target.stat().st_size
+    if size > MAX_IMAGE_FILE_BYTES:
+        raise _RecordProblem("image", f"{IMAGE}: image file {name!r} has {size} bytes, over the limit of {MAX_IMAGE_FILE_BYTES}")
+    return target.read_bytes()
+
+
+# ---------------------------------------------------------------------- loading
 def load_catalogue(path: str | Path, split: str | None = None) -> Catalogue:
-    """Load a catalogue from `path`; `split` selects splits, e.g. "test" or "train+test"."""
+    """Load a catalogue from `path`; `split` selects splits, e.g. "test" or "train+test".
+
+    Problems with the whole source (not found, not a catalogue, missing
+    columns, no records) raise `CatalogueError`; problems with single records
+    surface when they are read.
+    """
     path = Path(path)
     if not path.exists():
         raise CatalogueError(f"catalogue not found: {path}")
-    splits = _read_splits(path)
-    chosen = _choose_splits(splits, split, path)
-    dataset = (
-        splits[chosen[0]]
-        if len(chosen) == 1
-        else datasets.concatenate_datasets([splits[name] for name in chosen])
-    )
-    _check_columns(dataset, path)
-    dataset = _keep_images_encoded(dataset)
-    _check_candidates(dataset, path)
-    attributes = _read_attributes(path, len(dataset)) if path.is_dir() else None
-    return Catalogue(dataset, source=str(path), attributes=attributes)
+    if path.is_file() and path.suffix == ".jsonl":
+        rows: _Rows = _JsonlRows(path)
+        image_root = path.parent
+    else:
+        splits, image_root = _read_splits(path)
+        chosen = _choose_splits(splits, split, path)
+        rows = splits[chosen[0]] if len(chosen) == 1 else _ConcatRows([splits[name] for name in chosen])
+    if len(rows) == 0:
+        raise CatalogueError(f"{path}: has no records")
+    _check_columns(rows.column_names, path)
+    attributes = None
+    if path.is_dir():
+        attributes = _read_attributes(path, len(rows))
+        for extra in (ATTRIBUTES_FILE, MANIFEST_FILE):
+            if (path / extra).is_file():
+                rows.input_files.append(path / extra)
+    return Catalogue(rows, source=str(path), attributes=attributes, image_root=image_root)
 
 
-def _read_splits(path: Path) -> dict[str, datasets.Dataset]:
-    datasets.disable_progress_bars()
+def _read_splits(path: Path) -> tuple[dict[str, _Rows], Path]:
     if path.is_file():
         if path.suffix != ".parquet":
-            raise CatalogueError(f"{path}: expected a .parquet file or a directory")
-        return {"train": datasets.load_dataset("parquet", data_files=str(path), split="train")}
+            raise CatalogueError(
+                f"{path}: expected a .parquet or .jsonl file, a catalogue directory or a `datasets` directory"
+            )
+        return {"train": _ParquetRows([path])}, path.parent
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
-        loaded = datasets.load_from_disk(str(path))
+        import datasets
+
+        datasets.disable_progress_bars()
+        files = [file for file in path.rglob("*") if file.is_file()]
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except Exception as exc:  # datasets raises many kinds for a damaged directory
+            raise CatalogueError(f"{path}: cannot be read as a `datasets` directory ({exc})") from None
         if isinstance(loaded, datasets.DatasetDict):
-            return dict(loaded)
-        return {"train": loaded}
+            return {name: _DatasetRows(split, files) for name, split in loaded.items()}, path
+        return {"train": _DatasetRows(loaded, files)}, path
     parquet_files = sorted(path.rglob("*.parquet"))
     if not parquet_files:
         raise CatalogueError(f"{path}: holds no parquet files and no dataset saved by `datasets`")
-    files_by_split: dict[str, list[str]] = {}
+    files_by_split: dict[str, list[Path]] = {}
     for file in parquet_files:
         match = _SPLIT_FROM_FILENAME.match(file.name)
         split_name = match.group("split") if match else "train"
-        files_by_split.setdefault(split_name, []).append(str(file))
-    return {
-        name: datasets.load_dataset("parquet", data_files=files, split="train")
-        for name, files in files_by_split.items()
-    }
+        files_by_split.setdefault(split_name, []).append(file)
+    return {name: _ParquetRows(files) for name, files in files_by_split.items()}, path
 
 
-def _choose_splits(
-    splits: dict[str, datasets.Dataset], requested: str | None, path: Path
-) -> list[str]:
+def _choose_splits(splits: dict[str, _Rows], requested: str | None, path: Path) -> list[str]:
     if requested is None:
         known = [name for name in SPLIT_ORDER if name in splits]
         return known + sorted(name for name in splits if name not in SPLIT_ORDER)
@@ -209,33 +623,17 @@ def _choose_splits(
     return chosen
 
 
-def _check_columns(dataset: datasets.Dataset, path: Path) -> None:
-    missing = [column for column in INPUT_COLUMNS if column not in dataset.column_names]
+def _check_columns(column_names: list[str], path: Path) -> None:
+    missing = [column for column in INPUT_COLUMNS if column not in column_names]
     if missing:
         raise CatalogueError(
             f"{path}: missing column(s) {', '.join(missing)}; a catalogue needs "
             f"{', '.join(INPUT_COLUMNS)} (and {', '.join(LABEL_COLUMNS)} for evaluation)"
         )
-    partial_labels = [column for column in LABEL_COLUMNS if column in dataset.column_names]
+    partial_labels = [column for column in LABEL_COLUMNS if column in column_names]
     if partial_labels and len(partial_labels) != len(LABEL_COLUMNS):
         absent = sorted(set(LABEL_COLUMNS) - set(partial_labels))
         raise CatalogueError(f"{path}: has some ground-truth columns but not {', '.join(absent)}")
-
-
-def _keep_images_encoded(dataset: datasets.Dataset) -> datasets.Dataset:
-    feature = dataset.features[IMAGE]
-    if isinstance(feature, datasets.Image) and feature.decode:
-        return dataset.cast_column(IMAGE, datasets.Image(decode=False))
-    return dataset
-
-
-def _check_candidates(dataset: datasets.Dataset, path: Path) -> None:
-    candidate_lists = dataset.select_columns([CANDIDATES]).to_dict()[CANDIDATES]
-    empty = [index for index, candidates in enumerate(candidate_lists) if not candidates]
-    if empty:
-        shown = ", ".join(str(index) for index in empty[:5])
-        more = f" and {len(empty) - 5} more" if len(empty) > 5 else ""
-        raise CatalogueError(f"{path}: empty candidate category list in record(s) {shown}{more}")
 
 
 def _read_attributes(path: Path, num_rows: int) -> list[dict[str, Any]] | None:
@@ -251,29 +649,3 @@ def _read_attributes(path: Path, num_rows: int) -> list[dict[str, Any]] | None:
         return [json.loads(line) for line in lines]
     except json.JSONDecodeError as exc:
         raise CatalogueError(f"{attributes_path}: line {exc.lineno} is not JSON") from None
-
-
-def _image_bytes(value: Any, index: int, source: str) -> bytes:
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value)
-    if isinstance(value, dict):
-        if value.get("bytes"):
-            return bytes(value["bytes"])
-        if value.get("path"):
-            image_path = Path(value["path"])
-            if image_path.is_file():
-                return image_path.read_bytes()
-            raise CatalogueError(f"{source}: record {index}: image file not found: {image_path}")
-    if isinstance(value, Image.Image):
-        buffer = io.BytesIO()
-        value.save(buffer, format=value.format or "PNG")
-        return buffer.getvalue()
-    raise CatalogueError(f"{source}: record {index}: has no image")
-
-
-def _verify_image(data: bytes, index: int, source: str) -> None:
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.verify()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        raise CatalogueError(f"{source}: record {index}: unreadable image ({exc})") from None

@@ -1,103 +1,99 @@
-"""`vlm-catalog extract`: run the model over a catalogue and write predictions JSONL.
+"""`vlm-catalog extract`: the batch job over a catalogue (see `vlm_catalog.batch`).
 
-Each line is `{"id": <record id>, "response": <raw model text>}` (what
-`vlm-catalog eval` reads), plus the parsed answer and per-request metrics.
+Each line of `--out` is `{"id", "response", "parsed", "finish_reason", "error",
+"metrics", "failure"}` (`vlm-catalog eval` reads `id` and `response`), written
+as soon as the record finishes. Running the same command again resumes.
+
+Exit status: 0 every selected record answered; 3 the run completed with failed
+records (the summary counts each kind); 1 a run-level error (one line on
+stderr); 130 interrupted (what finished is on disk).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 
+EXIT_OK, EXIT_ERROR, EXIT_FAILED_RECORDS, EXIT_INTERRUPTED = 0, 1, 3, 130
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "extract", help="extract structured metadata for every record of a catalogue",
-        description="Run catalogue extraction (per-record constrained JSON) and write predictions JSONL.",
+        "extract", help="extract structured metadata for every record of a catalogue (resumable batch job)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_extraction_arguments(parser)
-    parser.add_argument("--dataset", type=Path, required=True, help="catalogue to read")
-    parser.add_argument("--out", type=Path, required=True, help="predictions JSONL to write")
+    parser.add_argument("--dataset", type=Path, required=True,
+                        help="catalogue: parquet file or folder, `datasets` save_to_disk folder, or JSONL")
+    parser.add_argument("--out", type=Path, required=True, help="predictions JSONL (resumed if it exists)")
+    parser.add_argument("--overwrite", action="store_true", help="start afresh instead of resuming --out")
+    parser.add_argument("--shard", default="0/1", metavar="I/N",
+                        help="process shard I of N (records split by a stable hash of their id)")
+    parser.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                        help="run on a Ray cluster (ADDRESS, default: auto = the running one, or a local one)")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="with --ray: engine replicas (default: one per GPU, or one per node on CPU)")
+    parser.add_argument("--eval", action="store_true",
+                        help="score the results with the benchmark's metric (needs ground truth)")
+    parser.add_argument("--window", type=int, default=64, help="requests in the engine at once (memory bound)")
+    parser.add_argument("--log-every", type=float, default=30.0, metavar="SECONDS",
+                        help="progress log interval when stderr is not a terminal")
     parser.set_defaults(handler=run)
 
 
 def add_extraction_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR, help="checkpoint directory")
     parser.add_argument("--split", default=None, help='splits to use, e.g. "test" or "train+test"')
-    parser.add_argument("--limit", type=int, default=None, help="only the first N records")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N records (of the shard)")
     parser.add_argument("--schema", default="product_metadata", help="answer schema (a registered name)")
     parser.add_argument("--prompt-style", default="mlperf", choices=("mlperf", "concise"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-tokens", type=int, default=150)
+    parser.add_argument("--max-tokens", type=int, default=150,
+                        help="answer token budget (the free-text brand is bounded to fit it)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="as the benchmark's rules require")
     parser.add_argument("--policy", default="fcfs", choices=("fcfs", "shortest_prompt_first"))
 
 
-def extract_catalogue(args: argparse.Namespace, out: Path) -> dict:
-    """Run extraction for `args`; write predictions to `out`; return a summary."""
-    from schemas import resolve_schema
-    from vlm_catalog import LLM, SamplingParams
-    from vlm_catalog.data.loader import load_catalogue
+def settings_from_args(args: argparse.Namespace, out: Path, **overrides):
+    from vlm_catalog.batch import BatchError, BatchSettings
+    from vlm_catalog.batch.selection import Shard
 
-    schema = resolve_schema(args.schema).model
-    catalogue = load_catalogue(args.dataset, split=args.split)
-    records = [catalogue[i] for i in range(len(catalogue) if args.limit is None else min(args.limit, len(catalogue)))]
-    llm = LLM(
-        args.model, device=args.device, dtype=args.dtype,
-        enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.policy,
+    try:
+        shard = Shard.parse(getattr(args, "shard", "0/1"))
+    except ValueError as exc:
+        raise BatchError(str(exc)) from None
+    values = dict(
+        dataset=args.dataset, out=out, model=args.model, split=args.split, limit=args.limit,
+        schema=args.schema, prompt_style=args.prompt_style, device=args.device, dtype=args.dtype,
+        max_tokens=args.max_tokens, enable_prefix_caching=not args.no_prefix_caching,
+        scheduling_policy=args.policy, shard=shard, overwrite=getattr(args, "overwrite", False),
+        ray_address=getattr(args, "ray", None), replicas=getattr(args, "replicas", None),
+        window=getattr(args, "window", 64), evaluate=getattr(args, "eval", False),
+        log_every_s=getattr(args, "log_every", 30.0),
     )
-    start = time.perf_counter()
-    results = llm.extract(
-        records, schema=schema, prompt_style=args.prompt_style,
-        sampling_params=SamplingParams(max_tokens=args.max_tokens), use_tqdm=sys.stderr.isatty(),
-    )
-    seconds = time.perf_counter() - start
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as handle:
-        for result in results:
-            handle.write(json.dumps({
-                "id": result.record_id,
-                "response": result.text,
-                "parsed": result.metadata.model_dump(mode="json") if result.metadata else None,
-                "finish_reason": result.finish_reason,
-                "error": result.error,
-                "metrics": result.metrics,
-            }) + "\n")
-    stats = llm.engine.stats
-    llm.engine.close()
-    return {
-        "records": len(records),
-        "seconds": seconds,
-        "records_per_second": len(records) / seconds if seconds else 0.0,
-        "valid_answers": sum(result.ok for result in results),
-        "failed": sum(result.finish_reason == "error" for result in results),
-        "model_steps": stats.num_sampled_tokens,
-        "jump_forward_tokens": stats.num_jump_forward_tokens,
-        "prompt_tokens_computed": stats.num_prompt_tokens_computed,
-    }
+    values.update(overrides)
+    return BatchSettings(**values)
 
 
 def run(args: argparse.Namespace) -> int:
-    from schemas import SchemaError
-    from vlm_catalog.data.format import CatalogueError
-    from vlm_catalog.engine.config import EngineConfigError
-    from vlm_catalog.model.config import ModelConfigError
-    from vlm_catalog.model.loader import CheckpointError
+    from vlm_catalog.batch import BatchError, run_batch
 
     try:
-        summary = extract_catalogue(args, args.out)
-    except (CatalogueError, CheckpointError, ModelConfigError, EngineConfigError, SchemaError) as exc:
+        summary = run_batch(settings_from_args(args, args.out))
+    except BatchError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(
-        f"extracted {summary['records']} records in {summary['seconds']:.1f} s "
-        f"({summary['records_per_second']:.2f} records/s): {summary['valid_answers']} valid answers, "
-        f"{summary['failed']} failed; wrote {args.out}"
-    )
-    return 0
+        return EXIT_ERROR
+    print(summary.format())
+    if summary.interrupted:
+        print(f"interrupted: {args.out} holds every finished record; run the same command to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if summary.accuracy is not None:
+        print()
+        print(summary.accuracy.format_table())
+    elif args.eval:
+        print("--eval: the dataset has no ground truth to score against")
+    return EXIT_OK if not summary.file_failures and summary.complete else EXIT_FAILED_RECORDS

@@ -196,10 +196,32 @@ def _sniff_format(raw: bytes) -> str:
             f"ISO-BMFF image (brand {brand!r}, e.g. HEIC/AVIF) is not supported "
             "(use JPEG, PNG, WebP or GIF)",
         )
+    markup = raw[:512].lstrip(b"\xef\xbb\xbf \t\r\n").lower()
+    if markup.startswith((b"<svg", b"<?xml")) and b"<svg" in markup:
+        raise ImageDecodeError(
+            DecodeFailure.UNSUPPORTED_FORMAT, "SVG images are not supported (use JPEG, PNG, WebP or GIF)"
+        )
+    if markup.startswith((b"<!doctype html", b"<html", b"<head", b"<body", b"<!--")):
+        raise ImageDecodeError(
+            DecodeFailure.NOT_AN_IMAGE, f"data is an HTML document, not a JPEG, PNG, WebP or GIF image (starts with {raw[:16]!r})"
+        )
+    if _looks_like_text(raw[:512]):
+        raise ImageDecodeError(
+            DecodeFailure.NOT_AN_IMAGE, f"data is text, not a JPEG, PNG, WebP or GIF image (starts with {raw[:16]!r})"
+        )
     raise ImageDecodeError(
         DecodeFailure.NOT_AN_IMAGE,
         f"data is not a JPEG, PNG, WebP or GIF image (starts with {raw[:8]!r})",
     )
+
+
+def _looks_like_text(head: bytes) -> bool:
+    """UTF-8 without control characters other than whitespace: no image starts like that."""
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return all(ch.isprintable() or ch in "\t\r\n" for ch in text)
 
 
 def _declared_size(raw: bytes, fmt: str) -> tuple[int, int] | None:

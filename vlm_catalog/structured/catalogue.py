@@ -10,7 +10,8 @@ jump-forward decoding emits without model steps.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -70,3 +71,84 @@ def _checked_candidates(candidates: object) -> list[str]:
         if not candidate.strip():
             raise GrammarError(f"candidate category at position {position} is blank")
     return list(dict.fromkeys(candidates))
+
+
+# --------------------------------------------------------------- token budget
+# A JSON string character costs at most 4 tokens: the pattern below admits no
+# escape sequences, so a character is its UTF-8 bytes (1-4) in the answer, and
+# a byte-level BPE token holds at least one byte.
+MAX_TOKENS_PER_FREE_CHAR = 4
+# Tokens the fixed parts may take beyond their canonical tokenisation (where
+# the model, not a forced span, chooses how to spell a category prefix).
+RESERVE_SLACK_TOKENS = 4
+# Raw characters only: no control characters, no `"` and no `\` (so no escapes).
+_FREE_TEXT_CHARACTERS = '[^"\\\\\\x00-\\x1f]'
+
+
+def budgeted_catalogue_schema(
+    candidates: Sequence[str],
+    max_tokens: int,
+    count_tokens: Callable[[str], int],
+    base: type[BaseModel] | dict[str, Any] | str = ProductMetadata,
+) -> tuple[OutputSchema, int]:
+    """The per-record schema whose every complete answer fits in the token budget.
+
+    Returns the schema and the budget to run it with. The fixed parts of an
+    answer (keys, punctuation, the longest candidate category, the longest
+    enum value or `false` of each other field) are *reserved*: their canonical
+    tokens (`count_tokens`) plus `RESERVE_SLACK_TOKENS`. What the budget
+    leaves is shared by the free-text string fields (`brand`): each gets a
+    `pattern` of at most `L` raw characters with
+    `L = (max_tokens - reserve) // (fields * MAX_TOKENS_PER_FREE_CHAR)`.
+    So the grammar ends every answer before the budget runs out, and a short
+    `--max-tokens` yields a short brand, never a cut answer. When `max_tokens`
+    is smaller than the reserve (no complete answer could fit), the budget
+    returned is the reserve and the free-text fields must be empty.
+    """
+    schema = catalogue_schema(candidates, base)
+    properties = schema.json_schema.get("properties", {})
+    free_fields = [
+        name for name, spec in properties.items()
+        if name != CATEGORY_FIELD and _is_free_string(spec)
+    ]
+    definitions = schema.json_schema.get("$defs", {})
+    widest = {  # every property, optional ones too: the grammar may emit them
+        name: _widest_value(name, _resolved(spec, definitions), count_tokens)
+        for name, spec in properties.items()
+    }
+    reserve = count_tokens(json.dumps(widest, separators=(",", ":"), ensure_ascii=False)) + RESERVE_SLACK_TOKENS
+    budget = max(max_tokens, reserve)
+    if free_fields:
+        length = (budget - reserve) // (len(free_fields) * MAX_TOKENS_PER_FREE_CHAR)
+        for name in free_fields:
+            properties[name] = {
+                **{key: value for key, value in properties[name].items() if key not in ("maxLength", "pattern")},
+                "pattern": f"^{_FREE_TEXT_CHARACTERS}{{0,{length}}}$",
+            }
+    return schema, budget
+
+
+def _is_free_string(spec: Any) -> bool:
+    return isinstance(spec, dict) and spec.get("type") == "string" and "enum" not in spec and "$ref" not in spec
+
+
+def _resolved(spec: Any, definitions: dict[str, Any]) -> Any:
+    """`spec` with a local `#/$defs/Name` reference replaced by its definition."""
+    if isinstance(spec, dict) and isinstance(spec.get("$ref"), str) and spec["$ref"].startswith("#/$defs/"):
+        return {**definitions.get(spec["$ref"][len("#/$defs/"):], {}), **{k: v for k, v in spec.items() if k != "$ref"}}
+    return spec
+
+
+def _widest_value(name: str, spec: Any, count_tokens: Callable[[str], int]) -> Any:
+    """The value of a field whose answer text takes the most tokens (free text: empty)."""
+    if not isinstance(spec, dict):
+        raise GrammarError(f"cannot budget field {name!r}: its schema is not an object")
+    options = spec.get("enum")
+    if options is not None:
+        return max(options, key=lambda option: count_tokens(json.dumps(option, ensure_ascii=False)))
+    kind = spec.get("type")
+    if kind == "string":
+        return ""
+    if kind == "boolean":
+        return False
+    raise GrammarError(f"cannot budget field {name!r} of type {kind!r}")

@@ -1,0 +1,326 @@
+"""One batch run: check everything that can be checked before any work, then extract.
+
+`run_batch(settings)`:
+1. checks the arguments, the model directory and the output path (its folder is
+   writable, it is not a folder, not a file of the dataset, not inside a dataset
+   directory) and opens the dataset (not found, not a catalogue, no records):
+   any problem raises `BatchError` with a one-line message before the model loads;
+2. opens the results file (lock, resume: finished ids skipped, torn line cut);
+3. streams the pending records (shard, limit, minus done) through the engine,
+   in this process or on Ray, writing each line as it finishes;
+4. returns a `BatchSummary` (and scores the file with `--eval`).
+
+Ctrl-C (or SIGTERM) stops the run with everything finished already on disk;
+`BatchSummary.interrupted` says so.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlm_catalog.batch.output import OutputError, ResultsFile
+from vlm_catalog.batch.progress import Progress
+from vlm_catalog.batch.requests import FAILURE_KINDS, ResultLine
+from vlm_catalog.batch.selection import WHOLE, Shard, count_selected, pending_indices
+from vlm_catalog.paths import DEFAULT_MODEL_DIR
+
+
+class BatchError(RuntimeError):
+    """A run-level problem (arguments, output path, dataset, model); one line, no traceback."""
+
+
+@dataclass
+class BatchSettings:
+    dataset: Path
+    out: Path
+    model: Path = DEFAULT_MODEL_DIR
+    split: str | None = None
+    limit: int | None = None
+    schema: str = "product_metadata"
+    prompt_style: str = "mlperf"
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_tokens: int = 150
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    shard: Shard = WHOLE
+    overwrite: bool = False
+    ray_address: str | None = None  # None: this process; "" or "auto" or an address: Ray
+    replicas: int | None = None  # Ray engine replicas (default: one per GPU, or per node on CPU)
+    window: int = 64  # requests in the engine at once
+    evaluate: bool = False
+    log_every_s: float = 30.0
+    terminal: bool | None = None  # progress bar (None: when stderr is a terminal)
+
+    def job_identity(self, num_records: int) -> dict[str, Any]:
+        """What makes two runs' answers the same (a resumed run must match it)."""
+        return {
+            "dataset": str(self.dataset.resolve()),
+            "split": self.split,
+            "num_records": num_records,
+            "shard": str(self.shard),
+            "model": str(Path(self.model).resolve()),
+            "schema": self.schema,
+            "prompt_style": self.prompt_style,
+            "max_tokens": self.max_tokens,
+            "dtype": self.dtype,
+        }
+
+
+@dataclass
+class BatchSummary:
+    out: Path
+    selected: int = 0  # records of this dataset/shard/limit
+    skipped: int = 0  # already in the results file when the run started
+    answered: int = 0  # this run
+    failures: Counter = field(default_factory=Counter)  # this run, by kind
+    file_answered: int = 0  # the whole results file after the run
+    file_failures: Counter = field(default_factory=Counter)
+    seconds: float = 0.0
+    tokens: int = 0
+    interrupted: bool = False
+    repaired_bytes: int = 0
+    engine_stats: dict[str, Any] = field(default_factory=dict)
+    accuracy: Any = None  # AccuracyReport with --eval
+
+    @property
+    def processed(self) -> int:
+        return self.answered + sum(self.failures.values())
+
+    @property
+    def records_per_second(self) -> float:
+        return self.processed / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def complete(self) -> bool:
+        return not self.interrupted and self.file_answered + sum(self.file_failures.values()) >= self.selected
+
+    def format(self) -> str:
+        failed = sum(self.file_failures.values())
+        kinds = ", ".join(f"{kind}: {self.file_failures[kind]}" for kind in FAILURE_KINDS if self.file_failures[kind])
+        head = "interrupted after" if self.interrupted else "extracted"
+        lines = [
+            f"{head} {self.processed} records in {self.seconds:.1f} s "
+            f"({self.records_per_second:.2f} records/s, {self.tokens_per_second:.0f} tokens/s)"
+            + (f"; {self.skipped} already done" if self.skipped else ""),
+            f"{self.out}: {self.file_answered + failed} of {self.selected} records, "
+            f"{self.file_answered} answered, {failed} failed" + (f" ({kinds})" if kinds else ""),
+        ]
+        if self.repaired_bytes:
+            lines.append(f"repaired a torn last line ({self.repaired_bytes} bytes cut)")
+        if self.interrupted:
+            lines.append("run the same command again to resume")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "records": self.processed, "seconds": self.seconds, "records_per_second": self.records_per_second,
+            "tokens_per_second": self.tokens_per_second, "valid_answers": self.answered,
+            "failed": sum(self.failures.values()), "failures": dict(self.failures), "skipped": self.skipped,
+            "model_steps": self.engine_stats.get("num_sampled_tokens", 0),
+            "jump_forward_tokens": self.engine_stats.get("num_jump_forward_tokens", 0),
+            "prompt_tokens_computed": self.engine_stats.get("num_prompt_tokens_computed", 0),
+        }
+
+
+# ------------------------------------------------------------------- checks
+def check_settings(settings: BatchSettings) -> None:
+    from schemas import SchemaError, resolve_schema
+    from vlm_catalog.preprocess.prompt import PROMPT_STYLES
+
+    if settings.limit is not None and settings.limit < 1:
+        raise BatchError(f"--limit must be a positive number of records, got {settings.limit}")
+    if settings.max_tokens < 1:
+        raise BatchError(f"--max-tokens must be at least 1, got {settings.max_tokens}")
+    if settings.window < 1:
+        raise BatchError(f"--window must be at least 1, got {settings.window}")
+    if settings.replicas is not None and settings.replicas < 1:
+        raise BatchError(f"--replicas must be at least 1, got {settings.replicas}")
+    if settings.prompt_style not in PROMPT_STYLES:
+        raise BatchError(f"unknown --prompt-style {settings.prompt_style!r}; choose {', '.join(PROMPT_STYLES)}")
+    try:
+        model = resolve_schema(settings.schema).model
+    except SchemaError as exc:
+        raise BatchError(str(exc)) from None
+    if model is None or "category" not in model.model_fields:
+        raise BatchError(f"schema {settings.schema!r} has no category field to restrict")
+    if not (Path(settings.model) / "config.json").is_file():
+        raise BatchError(f"--model {settings.model}: not a checkpoint directory (no config.json)")
+
+
+def check_output_path(out: Path, catalogue) -> None:
+    """Refuse an output that cannot be written or that would touch the dataset."""
+    out = Path(out)
+    if out.is_dir():
+        raise BatchError(f"--out {out} is a directory; give a file name such as {out / 'predictions.jsonl'}")
+    resolved = out.resolve()
+    inputs = {Path(file).resolve() for file in catalogue.input_files}
+    if resolved in inputs:
+        raise BatchError(f"--out {out} is a file of the dataset itself; choose another path")
+    source = Path(catalogue.source).resolve()
+    if source.is_dir() and resolved.is_relative_to(source):
+        raise BatchError(f"--out {out} lies inside the dataset directory {catalogue.source}; choose a path outside it")
+    parent = resolved.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BatchError(f"--out {out}: cannot create its folder {parent} ({exc.strerror})") from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise BatchError(f"--out {out}: the folder {parent} is not writable")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise BatchError(f"--out {out} exists and is not writable")
+
+
+# ---------------------------------------------------------------------- run
+def run_batch(settings: BatchSettings) -> BatchSummary:
+    from vlm_catalog.data.format import CatalogueError
+    from vlm_catalog.data.loader import load_catalogue
+
+    check_settings(settings)
+    try:
+        catalogue = load_catalogue(settings.dataset, split=settings.split)
+    except CatalogueError as exc:
+        raise BatchError(str(exc)) from None
+    check_output_path(settings.out, catalogue)
+    ray = None
+    if settings.ray_address is not None:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise BatchError("--ray needs Ray: pip install 'vlm-catalog[distributed]'") from None
+
+    selected = count_selected(len(catalogue), settings.shard, settings.limit)
+    try:
+        results = ResultsFile.open(settings.out, settings.job_identity(len(catalogue)), settings.overwrite)
+    except OutputError as exc:
+        raise BatchError(str(exc)) from None
+    summary = BatchSummary(out=settings.out, selected=selected, repaired_bytes=results.repaired_bytes)
+    try:
+        summary.skipped = sum(1 for _ in _selected_done(catalogue, settings, results))
+        pending = pending_indices(len(catalogue), results.done, settings.shard, settings.limit)
+        progress = Progress(selected - summary.skipped, terminal=settings.terminal, log_every_s=settings.log_every_s)
+
+        def emit(line: ResultLine) -> None:
+            if int(line.id) in results.done:
+                return  # a Ray task retried after its first answer was written
+            results.write(line.to_json())
+            progress.update(line)
+
+        try:
+            with _interrupt_on_sigterm():
+                if settings.ray_address is None:
+                    summary.engine_stats = _run_here(settings, catalogue.items(pending), emit, progress.restart)
+                else:
+                    from vlm_catalog.batch.ray_runner import run_on_ray
+
+                    run_on_ray(settings, list(pending), emit, progress.restart)
+        except KeyboardInterrupt:
+            summary.interrupted = True
+        except OSError as exc:  # e.g. the disk is full: lines written so far stay valid
+            raise BatchError(f"writing {settings.out} failed: {exc.strerror or exc}") from None
+        finally:
+            progress.close()
+        summary.seconds = progress.seconds
+        summary.answered, summary.failures, summary.tokens = progress.answered, progress.failures, progress.tokens
+        selected_done = list(_selected_done(catalogue, settings, results))
+        summary.file_failures = Counter(kind for kind in selected_done if kind is not None)
+        summary.file_answered = sum(1 for kind in selected_done if kind is None)
+    finally:
+        results.close()
+    if settings.evaluate and not summary.interrupted:
+        summary.accuracy = evaluate_results(settings, catalogue)
+    return summary
+
+
+def _selected_done(catalogue, settings: BatchSettings, results: ResultsFile):
+    """Failure kind (None: answered) of each selected record already in the file."""
+    from vlm_catalog.batch.selection import selected_indices
+
+    for index in selected_indices(len(catalogue), settings.shard, settings.limit):
+        if index in results.done:
+            yield results.done[index]
+
+
+def _run_here(settings: BatchSettings, items, emit, on_ready) -> dict[str, Any]:
+    from vlm_catalog.batch.local import run_items
+
+    engine = build_engine(settings)
+    on_ready()
+    try:
+        run_items(engine, build_request_builder(settings, engine.tokenizer), items, emit, settings.window)
+        return engine.stats.as_dict()
+    finally:
+        engine.close()
+
+
+def build_engine(settings: BatchSettings):
+    from vlm_catalog.engine.config import EngineConfig, EngineConfigError
+    from vlm_catalog.engine.llm_engine import LLMEngine
+    from vlm_catalog.model.config import ModelConfigError
+    from vlm_catalog.model.loader import CheckpointError
+
+    try:
+        return LLMEngine(EngineConfig(
+            model=settings.model, device=settings.device, dtype=settings.dtype,
+            enable_prefix_caching=settings.enable_prefix_caching, scheduling_policy=settings.scheduling_policy,
+        ))
+    except (CheckpointError, ModelConfigError, EngineConfigError) as exc:
+        raise BatchError(f"cannot load the model: {exc}") from None
+
+
+def build_request_builder(settings: BatchSettings, tokenizer):
+    from schemas import resolve_schema
+    from vlm_catalog.batch.requests import RequestBuilder
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    return RequestBuilder(resolve_schema(settings.schema).model, settings.prompt_style, settings.max_tokens, count_tokens)
+
+
+def evaluate_results(settings: BatchSettings, catalogue):
+    """The benchmark's accuracy over the records in the results file (None without ground truth)."""
+    from schemas import resolve_schema
+    from vlm_catalog.evaluate.command import resolve_indices
+    from vlm_catalog.evaluate.predictions import read_predictions
+    from vlm_catalog.evaluate.scoring import score
+
+    if not catalogue.has_labels:
+        return None
+    labels = catalogue.labels_or_none()
+    responses = [
+        (index, response) for index, response in resolve_indices(read_predictions(settings.out), catalogue)
+        if labels[index] is not None
+    ]
+    if not responses:
+        return None
+    return score(responses, labels, answer_schema=resolve_schema(settings.schema).model)
+
+
+class _interrupt_on_sigterm:
+    """SIGTERM ends the run like Ctrl-C (finished lines stay; exit 130)."""
+
+    def __enter__(self):
+        self._previous = None
+        try:
+            self._previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        except ValueError:  # not the main thread
+            pass
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,71 @@
+"""The single-process runner: catalogue items through one engine, a bounded window at a time.
+
+At most `window` requests are in the engine at once; the next record is read
+only when one finishes. So memory holds the window's raw image bytes and
+tokens (and the pixels of the images being encoded), whatever the dataset's
+size. Each finished record is handed to `emit` at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from PIL import Image
+
+from vlm_catalog.batch.requests import RequestBuilder, ResultLine, failure_kind_of_error
+from vlm_catalog.data.loader import CatalogueItem
+from vlm_catalog.engine.llm_engine import EngineRequestError, LLMEngine
+
+
+def run_items(
+    engine: LLMEngine,
+    builder: RequestBuilder,
+    items: Iterable[CatalogueItem],
+    emit: Callable[[ResultLine], None],
+    window: int = 64,
+) -> None:
+    """Run every item; call `emit` with each record's line as soon as it is known."""
+    pending: dict[str, str] = {}  # engine request id -> record id
+    items = iter(items)
+    exhausted = False
+    while True:
+        while not exhausted and len(pending) < window:
+            item = next(items, None)
+            if item is None:
+                exhausted = True
+                break
+            failure = _submit(engine, builder, item, pending)
+            if failure is not None:
+                emit(failure)
+        if not pending:
+            if exhausted:
+                return
+            continue
+        for output in engine.step():
+            if output.finished:
+                emit(builder.result(pending.pop(output.request_id), output))
+
+
+def _submit(engine: LLMEngine, builder: RequestBuilder, item: CatalogueItem, pending: dict[str, str]) -> ResultLine | None:
+    """Queue the item's request; the failed line instead if the record cannot run."""
+    if item.record is None:
+        return ResultLine.failed(item.id, item.kind or "record", item.error or "unusable record")
+    try:
+        messages, params = builder.build(item.record)
+    except (ValueError, Image.DecompressionBombError) as exc:
+        return ResultLine.failed(item.id, _kind_of(exc), str(exc))
+    request_id = f"batch-{item.index}"
+    try:
+        engine.add_request(messages, params, request_id=request_id)
+    except EngineRequestError as exc:
+        return ResultLine.failed(item.id, failure_kind_of_error(str(exc)), str(exc))
+    pending[request_id] = item.id
+    return None
+
+
+def _kind_of(exc: Exception) -> str:
+    from vlm_catalog.preprocess.image_decode import ImageDecodeError
+
+    if isinstance(exc, (ImageDecodeError, Image.DecompressionBombError)):
+        return "image"
+    return "record"

@@ -1,0 +1,203 @@
+"""The results file: one JSON line per record, written once, kept across crashes.
+
+Contract:
+- `ResultsFile.open(path, job)` takes an exclusive lock (`fcntl.flock` on
+  `<path>.lock`, released by the kernel when the process dies, however it
+  dies), so a second process on the same file is refused, not interleaved.
+- Resuming, it reads the existing file: every complete line with an `id` is a
+  finished record. A last line without its newline (a crash mid-write) is cut
+  off (only those bytes; nothing complete is ever removed). Duplicate ids or
+  damaged complete lines (which this writer never makes) are dropped by
+  writing a cleaned copy next to the file and renaming it over the original.
+- `<path>.job.json` records what the file holds (dataset, split, shard, model,
+  schema, prompt, budget); resuming with different settings is refused, so
+  one file never mixes answers of two jobs.
+- `write(line)` appends one line and flushes it to the kernel at once (a killed
+  process loses nothing written); `close()` fsyncs. The file is never opened
+  for truncation: `overwrite` renames an empty file over it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+LOCK_SUFFIX = ".lock"
+JOB_SUFFIX = ".job.json"
+FSYNC_EVERY_LINES = 256
+
+
+class OutputError(RuntimeError):
+    """The results file cannot be used; the message says why and what to do."""
+
+
+class ResultsFile:
+    def __init__(self, path: Path, lock_handle, handle, done: dict[int, str | None]) -> None:
+        self.path = path
+        self._lock_handle = lock_handle
+        self._handle = handle
+        self.done = done  # record index -> failure kind (None: answered)
+        self.repaired_bytes = 0
+        self.dropped_lines = 0
+        self._unsynced = 0
+
+    # ----------------------------------------------------------------- open
+    @classmethod
+    def open(cls, path: Path, job: dict[str, Any], overwrite: bool = False) -> ResultsFile:
+        path = Path(path)
+        lock_handle = _acquire_lock(path)
+        try:
+            job_path = path.with_name(path.name + JOB_SUFFIX)
+            if overwrite or not path.exists():
+                _replace_with_empty(path)
+                done: dict[int, str | None] = {}
+                repaired, dropped = 0, 0
+            else:
+                _check_same_job(job_path, job, path)
+                done, repaired, dropped = _scan_and_repair(path)
+            _write_atomically(job_path, json.dumps(job, indent=2, sort_keys=True) + "\n")
+            handle = path.open("a", encoding="utf-8")
+        except BaseException:
+            lock_handle.close()
+            raise
+        results = cls(path, lock_handle, handle, done)
+        results.repaired_bytes, results.dropped_lines = repaired, dropped
+        return results
+
+    # ---------------------------------------------------------------- write
+    def write(self, line: dict[str, Any]) -> None:
+        index = int(line["id"])
+        if index in self.done:
+            raise OutputError(f"record {index} is already in {self.path}")  # a bug, never data
+        self._handle.write(json.dumps(line, ensure_ascii=False) + "\n")
+        self._handle.flush()
+        self.done[index] = line.get("failure")
+        self._unsynced += 1
+        if self._unsynced >= FSYNC_EVERY_LINES:
+            os.fsync(self._handle.fileno())
+            self._unsynced = 0
+
+    def failure_counts(self) -> Counter:
+        return Counter(kind for kind in self.done.values() if kind is not None)
+
+    def close(self) -> None:
+        try:
+            if not self._handle.closed:
+                self._handle.flush()
+                os.fsync(self._handle.fileno())
+                self._handle.close()
+        finally:
+            self._lock_handle.close()  # closing the descriptor releases the flock
+
+
+def _acquire_lock(path: Path):
+    lock_path = path.with_name(path.name + LOCK_SUFFIX)
+    try:
+        handle = lock_path.open("a")
+    except OSError as exc:
+        raise OutputError(f"cannot create the lock file {lock_path}: {exc.strerror}") from None
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise OutputError(
+            f"another process is writing {path} (it holds {lock_path}); wait for it or use another --out"
+        ) from None
+    return handle
+
+
+def _check_same_job(job_path: Path, job: dict[str, Any], path: Path) -> None:
+    if not job_path.is_file():
+        if path.stat().st_size:
+            raise OutputError(
+                f"{path} exists and was not written by `vlm-catalog extract` (no {job_path.name}); "
+                "use --overwrite to replace it or choose another --out"
+            )
+        return
+    try:
+        previous = json.loads(job_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise OutputError(f"{job_path}: unreadable ({exc}); use --overwrite to start afresh") from None
+    changed = sorted(key for key in set(job) | set(previous) if job.get(key) != previous.get(key))
+    if changed:
+        detail = ", ".join(f"{key}: {previous.get(key)!r} then, {job.get(key)!r} now" for key in changed)
+        raise OutputError(
+            f"{path} holds results of a different job ({detail}); "
+            "resume with the same settings, or use --overwrite or another --out"
+        )
+
+
+def _scan_and_repair(path: Path) -> tuple[dict[int, str | None], int, int]:
+    """Finished records of an existing file; cut a torn last line; clean damaged ones."""
+    done: dict[int, str | None] = {}
+    damaged = 0
+    end_of_complete = 0
+    with path.open("rb") as handle:
+        for raw in handle:
+            if not raw.endswith(b"\n"):
+                break  # the torn last line of a crash
+            end_of_complete += len(raw)
+            index, failure = _parse_line(raw)
+            if index is None or index in done:
+                damaged += 1
+                continue
+            done[index] = failure
+    torn = path.stat().st_size - end_of_complete
+    if torn:
+        os.truncate(path, end_of_complete)  # removes only the bytes after the last newline
+    if damaged:
+        _rewrite_clean(path)
+    return done, torn, damaged
+
+
+def _parse_line(raw: bytes) -> tuple[int | None, str | None]:
+    try:
+        line = json.loads(raw)
+        return int(line["id"]), line.get("failure")
+    except (ValueError, KeyError, TypeError):
+        return None, None
+
+
+def _rewrite_clean(path: Path) -> None:
+    seen: set[int] = set()
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".clean")
+    os.fchmod(fd, os.stat(path).st_mode & 0o777)
+    with os.fdopen(fd, "wb") as clean, path.open("rb") as original:
+        for raw in original:
+            index, _ = _parse_line(raw)
+            if index is not None and index not in seen:
+                seen.add(index)
+                clean.write(raw)
+        clean.flush()
+        os.fsync(clean.fileno())
+    os.replace(temporary, path)
+
+
+def _replace_with_empty(path: Path) -> None:
+    _write_atomically(path, "")
+
+
+def _new_file_mode() -> int:
+    """0o666 less the umask: what `open(path, "w")` would give (mkstemp makes 0o600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, _new_file_mode())
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
