@@ -1,0 +1,77 @@
+"""`create_app(engine, settings)`: the FastAPI application over one `AsyncLLM`.
+
+The engine runs in its own thread (`AsyncLLM`); the event loop only parses,
+checks and routes. Base64 decoding, image header probing, prompt building and
+tokenisation run in worker threads, so a large request never stalls the others.
+
+    engine = AsyncLLM(model=DEFAULT_MODEL_DIR)
+    app = create_app(engine, ServerSettings())
+    uvicorn.run(app)          # or `vlm-catalog serve`
+
+The app does not own the engine: whoever created it shuts it down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from vlm_catalog.engine.async_engine import AsyncLLM
+from vlm_catalog.server import chat, extract, info
+from vlm_catalog.server.auth import ApiKeyAuth
+from vlm_catalog.server.body_limit import BodySizeLimit
+from vlm_catalog.server.errors import install_error_handlers
+from vlm_catalog.server.generation import ClientDisconnected, EngineGateway
+from vlm_catalog.server.images import ImageResolver
+from vlm_catalog.server.metrics import ServiceMetrics
+from vlm_catalog.server.settings import ServerSettings
+from vlm_catalog.server.state import ServiceState, checkpoint_temperature
+
+# not a real HTTP status: nginx's "client closed request", only for logs and metrics
+CLIENT_CLOSED_REQUEST = 499
+
+
+def create_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    model_dir = engine.engine.config.model
+    metrics = ServiceMetrics(engine.load_stats)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client = None
+        if settings.allowed_image_hosts:
+            client = httpx.AsyncClient(timeout=settings.image_fetch_timeout_s, follow_redirects=False, trust_env=False)
+            state.images.client = client
+        try:
+            yield
+        finally:
+            if client is not None:
+                await client.aclose()
+
+    app = FastAPI(title="vlm-catalog", summary="Product metadata extraction service", lifespan=lifespan)
+    state = ServiceState(
+        engine=engine,
+        settings=settings,
+        metrics=metrics,
+        gateway=EngineGateway(engine, settings, metrics),
+        images=ImageResolver(settings),
+        model_name=settings.served_model_name or model_dir.name,
+        default_temperature=checkpoint_temperature(model_dir),
+    )
+    app.state.service = state
+    install_error_handlers(app, metrics.count_error)
+
+    async def client_disconnected(request, exc: ClientDisconnected) -> Response:
+        metrics.count_error("client_disconnected")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    app.add_exception_handler(ClientDisconnected, client_disconnected)
+    for router in (info.router, chat.router, extract.router):
+        app.include_router(router)
+    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes, count_error=metrics.count_error)
+    if settings.api_key is not None:  # outermost: nothing is read before the key is checked
+        app.add_middleware(ApiKeyAuth, api_key=settings.api_key.get_secret_value(), count_error=metrics.count_error)
+    return app

@@ -1,0 +1,140 @@
+"""`vlm-catalog serve`: the catalogue-ingestion service on uvicorn.
+
+Loads the model (by default the shipped one, on CPU), starts the engine
+thread and the HTTP server, prints the URL once it listens, and on SIGTERM or
+SIGINT stops accepting connections, lets in-flight requests finish for
+`graceful_shutdown_s` (then aborts them), stops the engine and exits 0.
+
+Settings come from `VLM_CATALOG_*` environment variables (`ServerSettings`),
+overridden by the options given here. The API key is best given as
+`VLM_CATALOG_API_KEY` (command lines are visible to other local users).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from vlm_catalog.paths import DEFAULT_MODEL_DIR
+
+logger = logging.getLogger("vlm_catalog.server")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="run the extraction service (REST + OpenAI-compatible API)",
+        description="Serve /v1/extract, /v1/extract/batch, /v1/chat/completions, /v1/models, /health and /metrics.",
+    )
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR, help="checkpoint directory")
+    parser.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
+    parser.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port (default 8000; 0: any free port)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' (default: $VLM_CATALOG_API_KEY, else none)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--device", default="cpu")
+    engine.add_argument("--dtype", default="auto")
+    engine.add_argument("--max-num-seqs", type=int, default=None, help="requests computed together")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool size (CPU default 256 MiB)")
+    engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--policy", default="fcfs", choices=("fcfs", "shortest_prompt_first"))
+    limits = parser.add_argument_group("limits (also VLM_CATALOG_<NAME> variables)")
+    limits.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="requests queued beyond --max-num-seqs before 429 (default 512)")
+    limits.add_argument("--request-timeout", type=float, default=None, dest="request_timeout_s",
+                        help="seconds one request may take (default 600)")
+    limits.add_argument("--max-body-bytes", type=int, default=None, help="default 32 MiB")
+    limits.add_argument("--max-images-per-request", type=int, default=None, help="default 8")
+    limits.add_argument("--allowed-image-host", action="append", default=None, dest="allowed_image_hosts",
+                        help="a host image URLs may be fetched from (repeatable; default: data URIs only)")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.set_defaults(handler=run)
+
+
+SETTING_OPTIONS = ("host", "port", "api_key", "served_model_name", "max_waiting_requests", "request_timeout_s",
+                   "max_body_bytes", "max_images_per_request", "allowed_image_hosts")
+ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_bytes")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from vlm_catalog.engine.async_engine import AsyncLLM
+    from vlm_catalog.engine.config import EngineConfigError
+    from vlm_catalog.model.config import ModelConfigError
+    from vlm_catalog.model.loader import CheckpointError
+    from vlm_catalog.server.app import create_app
+    from vlm_catalog.server.settings import ServerSettings
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = ServerSettings(**{name: getattr(args, name) for name in SETTING_OPTIONS
+                                     if getattr(args, name) is not None})
+    except ValidationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    engine_options = {name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None}
+    try:
+        engine = AsyncLLM(model=args.model, device=args.device, dtype=args.dtype,
+                          enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.policy,
+                          **engine_options)
+    except (CheckpointError, ModelConfigError, EngineConfigError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        app = create_app(engine, settings)
+        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=settings.graceful_shutdown_s, lifespan="on")
+        server = AnnouncingServer(config, app.state.service.model_name, settings.api_key is not None)
+        with _signals_stop(server):
+            server.run()
+    finally:
+        engine.shutdown()
+    return 0
+
+
+class AnnouncingServer(uvicorn.Server):
+    """uvicorn's Server that prints the URL once it listens (the real port, also for --port 0)."""
+
+    def __init__(self, config: uvicorn.Config, model_name: str, keyed: bool) -> None:
+        super().__init__(config)
+        self.model_name = model_name
+        self.keyed = keyed
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            auth = " (API key required)" if self.keyed else ""
+            print(f"vlm-catalog serving {self.model_name!r} at http://{shown}:{port}{auth}", flush=True)
+
+
+class _signals_stop:
+    """Let SIGTERM and SIGINT stop the server gracefully and the process exit 0.
+
+    uvicorn re-raises the signal that stopped it once it has shut down; with
+    these handlers in place that re-raise only asks the (stopped) server to
+    exit again instead of killing the process before the engine is shut down.
+    """
+
+    def __init__(self, server) -> None:
+        self.server = server
+
+    def __enter__(self):
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.server.should_exit = True
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

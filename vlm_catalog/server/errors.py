@@ -1,0 +1,107 @@
+"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}`.
+
+Every refusal is an `APIError` carrying its HTTP status; the handlers installed
+by `install_error_handlers` turn it, FastAPI's validation errors and unknown
+routes into that body, and count each in `vlm_catalog_request_errors_total`
+by `code`. An exception nobody expected is a bug: it is logged and answered
+500 with a body of the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code or type
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def error_json(error: APIError) -> str:
+    return json.dumps(error.body())
+
+
+def location(loc: tuple[Any, ...]) -> str | None:
+    """`("body", "messages", 0, "content")` -> `"messages.0.content"`."""
+    parts = [str(part) for part in loc if part != "body"]
+    return ".".join(parts) or None
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """One 400 naming the first problem (and how many more there are)."""
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
+                        code="invalid_json")
+    param = location(tuple(first.get("loc", ())))
+    message = f"{param}: {first['msg']}" if param else first["msg"]
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    code = "missing_field" if first.get("type") == "missing" else "invalid_value"
+    return APIError(400, message, param=param, code=code)
+
+
+def from_pydantic(exc: ValidationError) -> APIError:
+    return validation_error(exc.errors(include_url=False))
+
+
+def install_error_handlers(app: FastAPI, count_error) -> None:
+    """`count_error(code)` is called once per error answered."""
+
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        count_error(exc.code)
+        return exc.response()
+
+    async def request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return await api_error(request, validation_error(list(exc.errors())))
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        error = APIError(exc.status_code, str(exc.detail), code=codes.get(exc.status_code, "http_error"),
+                         headers=getattr(exc, "headers", None))
+        return await api_error(request, error)
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        error = APIError(500, f"internal server error ({type(exc).__name__}); this is a bug", type="server_error",
+                         code="internal_error")
+        return await api_error(request, error)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, request_validation)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)

@@ -1,0 +1,161 @@
+"""Between HTTP handlers and `AsyncLLM`: admission, ids, timeouts, disconnects, error mapping, metrics.
+
+* Admission: at most `max_num_seqs + max_waiting_requests` requests are in the
+  service at once; past that a request is answered 429 with `Retry-After` at
+  once, so a burst costs no memory.
+* Every request gets a fresh server-side id (`<kind>-<uuid>`); client-given ids
+  never reach the engine.
+* A request runs at most `request_timeout_s` (then 408 and it is aborted).
+* A client that disconnects has its request aborted at once: `AsyncLLM.generate`
+  aborts the engine request when its consumer stops listening, which frees the
+  request's KV blocks in the engine's next loop iteration.
+* Engine outcomes become HTTP ones: a refused prompt or a request the engine
+  failed (unreadable pixels, an output constraint that does not compile) is a
+  400; a stopped engine is 503; a failed engine step is a 500 (a bug).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from vlm_catalog.engine.async_engine import AsyncLLM, EngineInternalError, EngineUnavailableError
+from vlm_catalog.engine.llm_engine import EngineRequestError
+from vlm_catalog.engine.outputs import RequestOutput
+from vlm_catalog.engine.sampling_params import SamplingParams
+from vlm_catalog.server.errors import APIError
+from vlm_catalog.server.metrics import ServiceMetrics
+from vlm_catalog.server.settings import ServerSettings
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready."""
+
+
+@dataclass
+class Finished:
+    output: RequestOutput  # the final output (finish_reason "stop" or "length")
+    time_to_first_token: float | None  # seconds from arrival, as the service saw it
+    seconds: float  # arrival to the last token
+
+
+def new_request_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+class Admission:
+    """Places held in the service; `release` is idempotent (a stream may release from two paths)."""
+
+    def __init__(self, gateway: EngineGateway, count: int) -> None:
+        self.gateway = gateway
+        self.count = count
+
+    def release(self) -> None:
+        if self.count:
+            self.gateway.in_flight -= self.count
+            self.count = 0
+
+    def __enter__(self) -> Admission:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+class EngineGateway:
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings, metrics: ServiceMetrics) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.capacity = engine.engine.config.max_num_seqs + settings.max_waiting_requests
+        self.in_flight = 0  # event-loop only
+
+    # ------------------------------------------------------------- admission
+    def admit(self, count: int = 1) -> Admission:
+        """Take `count` places in the service (release them with the returned `Admission`); 429 if not free."""
+        if self.in_flight + count > self.capacity:
+            raise APIError(
+                429,
+                f"the service is at capacity ({self.in_flight} requests in flight, at most {self.capacity}); "
+                f"retry in {self.settings.retry_after_s} s",
+                type="rate_limit_error", code="server_busy",
+                headers={"Retry-After": str(self.settings.retry_after_s)},
+            )
+        self.in_flight += count
+        return Admission(self, count)
+
+    # ------------------------------------------------------------ generation
+    async def outputs(
+        self, prompt: list[dict[str, Any]], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs with its refusals and failures as `APIError`s."""
+        try:
+            async with contextlib.aclosing(self.engine.generate(prompt, params, request_id)) as stream:
+                async for output in stream:
+                    if output.finished and output.finish_reason == "error":
+                        raise APIError(400, output.error or "the request failed", code="request_failed")
+                    yield output
+        except EngineRequestError as exc:
+            raise APIError(400, str(exc), code="invalid_prompt") from None
+        except EngineUnavailableError as exc:
+            raise APIError(503, str(exc), type="server_error", code="engine_unavailable") from None
+        except EngineInternalError as exc:
+            raise APIError(500, str(exc), type="server_error", code="internal_error") from None
+
+    async def complete(self, prompt: list[dict[str, Any]], params: SamplingParams, request_id: str) -> Finished:
+        """Run a request to its end (within the request timeout)."""
+        started = time.perf_counter()
+        first_token: float | None = None
+        final: RequestOutput | None = None
+        try:
+            async with asyncio.timeout(self.settings.request_timeout_s):
+                async for output in self.outputs(prompt, params, request_id):
+                    if first_token is None and output.token_ids:
+                        first_token = time.perf_counter() - started
+                    final = output
+        except TimeoutError:
+            raise self.timeout_error() from None
+        assert final is not None and final.finished
+        return self.record(final, first_token, started)
+
+    def record(self, final: RequestOutput, first_token: float | None, started: float) -> Finished:
+        seconds = time.perf_counter() - started
+        self.metrics.observe_finished(final.num_prompt_tokens, len(final.token_ids), final.finish_reason or "stop",
+                                      first_token, seconds)
+        return Finished(final, first_token, seconds)
+
+    def timeout_error(self) -> APIError:
+        return APIError(408, f"the request did not finish within {self.settings.request_timeout_s} s and was aborted",
+                        type="timeout_error", code="request_timeout")
+
+
+async def until_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
+    """Run `work()`; if the client disconnects first, cancel it (aborting its engine requests)
+    and raise `ClientDisconnected`. Call only after the request body has been read."""
+
+    async def wait_for_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work())
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if not task.done() or task.cancelled():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientDisconnected()
+    return task.result()

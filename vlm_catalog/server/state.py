@@ -1,0 +1,59 @@
+"""What every route needs, kept on `app.state.service`, and the small checks they share."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import Request
+
+from vlm_catalog.engine.async_engine import AsyncLLM
+from vlm_catalog.server.errors import APIError, bad_request
+from vlm_catalog.server.generation import EngineGateway
+from vlm_catalog.server.images import ImageResolver
+from vlm_catalog.server.metrics import ServiceMetrics
+from vlm_catalog.server.settings import ServerSettings
+
+
+@dataclass
+class ServiceState:
+    engine: AsyncLLM
+    settings: ServerSettings
+    metrics: ServiceMetrics
+    gateway: EngineGateway
+    images: ImageResolver
+    model_name: str
+    default_temperature: float  # the checkpoint's generation_config: greedy unless it samples
+
+
+def service(request: Request) -> ServiceState:
+    return request.app.state.service
+
+
+def check_model(state: ServiceState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+def check_text(state: ServiceState, text: str, param: str) -> str:
+    """`text` if it fits the per-field limit (in UTF-8 bytes); 400 otherwise."""
+    limit = state.settings.max_text_field_bytes
+    if len(text) * 4 > limit:  # only long texts pay for the exact count
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            raise bad_request(f"{param} is {size} bytes; at most {limit} are allowed", param=param,
+                              code="text_too_long")
+    return text
+
+
+def checkpoint_temperature(model_dir: Path) -> float:
+    """1.0 if the checkpoint's generation_config samples (its temperature if given), else 0.0 (greedy)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return 0.0
+    config = json.loads(path.read_text())
+    if not config.get("do_sample", False):
+        return 0.0
+    return float(config.get("temperature", 1.0))
