@@ -19,6 +19,8 @@ COMMAND_MODULES: dict[str, str] = {
     "make-catalog": "vlm_catalog.data.synthetic.command",
     "eval": "vlm_catalog.evaluate.command",
     "check-parity": "vlm_catalog.model.command",
+    "serve": "vlm_catalog.server.command",
+    "bench": "vlm_catalog.bench.command",
 }
 
 
