@@ -11,9 +11,13 @@ in its epilogue ([T*K, I] intermediate); GEMM 2 computes down with the routing
 weight applied ([T*K, H]); a sum over k gives [T, H].
 
 The reference is transformers' `Qwen3VLMoeTextExperts.forward` loop over the
-experts hit, accumulating with `index_add_` in the hidden dtype; routing weights
-are multiplied in the hidden dtype (transformers casts them to the router
-logits' dtype first).
+experts hit (routing weights multiplied in the hidden dtype: transformers casts
+them to the router logits' dtype first), with one difference: transformers
+accumulates the K expert outputs of a token with `index_add_` in the hidden
+dtype, rounding after every add; the reference (like the Triton path) adds them
+in float32 and rounds once. In float32 the two are the same; in bfloat16 the
+per-add rounding alone moved the result ~1e-2 of max |out| at the 30B-A3B
+shapes (K=8), which is what failed the GPU test against the Triton kernel.
 """
 
 from __future__ import annotations
@@ -49,12 +53,13 @@ def fused_moe_reference(
 ) -> torch.Tensor:
     """hidden [T, H] -> [T, H]; `config` is ignored (kept for a uniform signature).
 
-    Bit-exact with transformers' expert loop, without its `index_add_` (slow on
-    CPU): each expert's tokens are run in transformers' row order (top-k
-    position, then token: matmul rounding can depend on row order), each
-    (token, expert) pair's weighted output goes to its own row of `pair_out`,
-    and each token's rows are added in ascending expert id, the order in which
-    transformers accumulates them.
+    Transformers' expert loop without its `index_add_` (slow on CPU): each
+    expert's tokens are run in transformers' row order (top-k position, then
+    token: matmul rounding can depend on row order), each (token, expert)
+    pair's weighted output goes to its own row of `pair_out` (rounded to the
+    hidden dtype), and each token's rows are added in ascending expert id, the
+    order in which transformers accumulates them, in float32, rounded once
+    (module doc). Bit-exact with transformers in float32.
     """
     del config
     num_tokens, top_k = topk_ids.shape
@@ -74,10 +79,10 @@ def fused_moe_reference(
         rows = ascending[tokens, slots] * num_tokens + tokens
         pair_out[rows] = F.linear(activated, w2[expert]) * weights[tokens, slots, None]  # [n, H]
     per_rank = pair_out.view(top_k, num_tokens, -1)  # [K, T, H], experts in ascending id
-    out = per_rank[0].clone()
+    out = per_rank[0].float()  # [T, H] float32 accumulator
     for j in range(1, top_k):
         out += per_rank[j]
-    return out
+    return out.to(hidden.dtype)
 
 
 # --------------------------------------------------------------------------- triton
@@ -212,7 +217,8 @@ def _fused_moe_chunk(
         pair_out.stride(0),
         **meta,
     )
-    torch.sum(pair_out.view(num_tokens, top_k, hidden_size), dim=1, out=out)  # [T, K, H] -> [T, H]
+    # [T, K, H] -> [T, H]; torch accumulates 16-bit sums in float32 and rounds once, as the reference does
+    torch.sum(pair_out.view(num_tokens, top_k, hidden_size), dim=1, out=out)
 
 
 # --------------------------------------------------------------------------- dispatch
