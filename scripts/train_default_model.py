@@ -1,131 +1,91 @@
 #!/usr/bin/env python
-"""Train the shipped default model on synthetic catalogue extraction (CPU, ~40 min).
+"""Train the default model on synthetic catalogue extraction (CPU or CUDA), resumably.
 
-Starts from the random checkpoint of `scripts/make_default_model.py`, trains it
-with transformers' `Qwen3VLMoeForConditionalGeneration` (teacher forcing, loss
-on the answer tokens only) on products from the synthetic generator (seed 2000,
-disjoint from the shipped sample and from the tokenizer corpus), each shown
-with the benchmark's mlperf prompt and answered with compact ProductMetadata
-JSON followed by <|im_end|>. The weights are written back in bfloat16 every
-`--save-every` steps, so the model our engine serves is what transformers trained.
+Teacher forcing with transformers' `Qwen3VLMoeForConditionalGeneration` on
+synthetic products shown with the benchmark's mlperf prompt and answered with
+compact ProductMetadata JSON (see `vlm_catalog/training/`). The run directory
+holds the checkpoint (`state.pt`: weights, optimizer, step, RNG; saved every
+`--save-every` steps and on SIGINT/SIGTERM), the servable bf16 model
+(`model/`) and `log.jsonl` (loss, learning rate, held-out accuracy measured
+through our engine on a generator seed never used for training).
 
-    python scripts/train_default_model.py --steps 600 --batch-size 8
+    python scripts/train_default_model.py --run-dir scratch/training/run --steps 3000 \
+        --base data/models/tiny-qwen3-vl-moe --eval-every 200
+    python scripts/train_default_model.py --run-dir scratch/training/run --resume   # continue it
+
+Ship the result by copying `<run-dir>/model/model.safetensors` into
+data/models/tiny-qwen3-vl-moe once it beats the current model on held-out data.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from schemas import ProductRecord
-from vlm_catalog.data.synthetic.records import default_factory
-from vlm_catalog.model.config import ModelConfig
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
-from vlm_catalog.preprocess.processor import PromptProcessor
-from vlm_catalog.preprocess.prompt import build_mlperf_messages
-
-TRAIN_SEED = 2000
+from vlm_catalog.training.data import TrainingMix
+from vlm_catalog.training.trainer import TrainConfig, Trainer
 
 
-def answer_text(category: str, brand: str, is_secondhand: bool) -> str:
-    return json.dumps({"category": category, "brand": brand, "is_secondhand": is_secondhand}, separators=(",", ":"))
-
-
-class ExampleMaker:
-    def __init__(self, checkpoint: Path) -> None:
-        config = ModelConfig.from_pretrained(checkpoint)
-        self.image_token_id = config.image_token_id
-        self.processor = PromptProcessor.from_pretrained(checkpoint, image_token_id=config.image_token_id)
-        self.factory = default_factory()
-        self.end = self.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-    def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        prompts, answers = [], []
-        for index in indices:
-            product = self.factory.make(TRAIN_SEED, index)
-            record = ProductRecord(
-                title=product.title, description=product.description,
-                image=product.image_jpeg, candidate_categories=list(product.candidates),
-            )
-            prompts.append(self.processor.process(build_mlperf_messages(record)))
-            text = answer_text(product.category, product.brand, product.is_secondhand)
-            answers.append(self.processor.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.end])
-        length = max(p.num_tokens + len(a) for p, a in zip(prompts, answers))
-        input_ids = torch.zeros(len(indices), length, dtype=torch.long)
-        labels = torch.full_like(input_ids, -100)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, (prompt, answer) in enumerate(zip(prompts, answers)):
-            sequence = prompt.token_ids + answer
-            input_ids[row, : len(sequence)] = torch.tensor(sequence)
-            attention_mask[row, : len(sequence)] = 1
-            labels[row, prompt.num_tokens : len(sequence)] = torch.tensor(answer)
-        pixel_values, grids = self.processor.load_pixels([image for p in prompts for image in p.images])
-        return {
-            "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
-            "pixel_values": pixel_values, "image_grid_thw": grids,
-            "mm_token_type_ids": (input_ids == self.image_token_id).int(),
-        }
-
-
-def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return 1e-4 + (peak - 1e-4) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def save(model, checkpoint: Path) -> None:
-    """Write the trained weights (bfloat16) into the checkpoint, keeping its other files."""
-    state = {name: tensor.detach().to(torch.bfloat16) for name, tensor in model.state_dict().items()}
-    with tempfile.TemporaryDirectory() as scratch:
-        model.save_pretrained(scratch, state_dict=state)
-        shutil.copy(Path(scratch) / "model.safetensors", checkpoint / "model.safetensors")
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", type=Path, required=True, help="checkpoint, exported model and log")
+    parser.add_argument("--resume", action="store_true", help="continue the run saved in --run-dir")
+    parser.add_argument("--base", type=Path, default=DEFAULT_MODEL_DIR, help="starting checkpoint (new runs)")
+    parser.add_argument("--steps", type=int, help="total steps of the run (default 1000; on --resume: as saved)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--min-lr", type=float, default=1e-4)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0, help="torch/python/numpy seed of the run")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--eval-every", type=int, default=0, help="held-out evaluation every N steps (0: off)")
+    parser.add_argument("--eval-seed", type=int, default=9001)
+    parser.add_argument("--eval-records", type=int, default=64)
+    parser.add_argument("--data-seed", type=int, default=TrainingMix.seed, help="generator seed of the training data")
+    parser.add_argument("--fresh-brand-rate", type=float, default=TrainingMix.fresh_brand_rate)
+    parser.add_argument("--realistic-image-rate", type=float, default=TrainingMix.realistic_image_rate)
+    parser.add_argument("--brand-weight", type=float, default=TrainingMix.brand_weight)
+    parser.add_argument("--flag-weight", type=float, default=TrainingMix.flag_weight)
+    parser.add_argument("--until-step", type=int, default=None, help="stop (and save) at this step")
+    parser.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this long")
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--warmup", type=int, default=30)
-    parser.add_argument("--save-every", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--start-index", type=int, default=0, help="first product index (to continue on fresh data)")
-    args = parser.parse_args(argv)
-
-    from transformers import Qwen3VLMoeForConditionalGeneration
-
-    torch.manual_seed(args.seed)
-    maker = ExampleMaker(args.checkpoint)
-    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(str(args.checkpoint), dtype=torch.float32)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    started = time.time()
-    for step in range(args.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
-        first = args.start_index + step * args.batch_size
-        indices = list(range(first, first + args.batch_size))
-        loss = model(**maker.batch(indices)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % 10 == 0 or step == args.steps - 1:
-            print(f"step {step:4d}  loss {loss.item():.4f}  lr {optimizer.param_groups[0]['lr']:.2e}  "
-                  f"{time.time() - started:.0f}s", flush=True)
-        if (step + 1) % args.save_every == 0 or step == args.steps - 1:
-            save(model, args.checkpoint)
-            print(f"saved {args.checkpoint} at step {step + 1}", flush=True)
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.resume:
+        overrides = {"steps": args.steps} if args.steps else {}
+        trainer = Trainer.resume(args.run_dir, **overrides)
+        print(f"resumed {args.run_dir} at step {trainer.step} of {trainer.config.steps}", flush=True)
+    else:
+        if (args.run_dir / "state.pt").exists():
+            print(f"error: {args.run_dir} already holds a run; pass --resume or choose another --run-dir", file=sys.stderr)
+            return 2
+        mix = TrainingMix(
+            seed=args.data_seed, fresh_brand_rate=args.fresh_brand_rate,
+            realistic_image_rate=args.realistic_image_rate,
+            brand_weight=args.brand_weight, flag_weight=args.flag_weight,
+        )
+        config = TrainConfig(
+            base=args.base, run_dir=args.run_dir, steps=args.steps or 1000, batch_size=args.batch_size,
+            lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, seed=args.seed, device=args.device,
+            save_every=args.save_every, log_every=args.log_every, eval_every=args.eval_every,
+            eval_seed=args.eval_seed, eval_records=args.eval_records, mix=mix,
+        )
+        trainer = Trainer(config)
+    deadline = time.time() + 60 * args.max_minutes if args.max_minutes else None
+    trainer.train(until_step=args.until_step, deadline=deadline)
+    print(f"saved {args.run_dir} at step {trainer.step}", flush=True)
     return 0
 
 

@@ -8,7 +8,7 @@ and a small and a realistic catalogue with one seed share every label and text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from schemas import ProductAttributes
@@ -46,10 +46,20 @@ class RecordFactory:
         self._signatures = SignatureBook(taxonomy)
         self._candidates = CandidateSampler(taxonomy)
 
-    def make(self, seed: int, index: int, image_size: str = "small") -> SyntheticRecord:
+    def make(
+        self, seed: int, index: int, image_size: str = "small", brand: str | None = None
+    ) -> SyntheticRecord:
+        """Record `index` of catalogue `seed`.
+
+        `brand` (for training data) replaces the brand the plan drew, everywhere
+        the listing names it; every other draw is unchanged. None keeps the
+        generator's own brand, as catalogues do.
+        """
         content = record_rng("content", seed, index)
         category = content.choice(self._leaves)
         plan = plan_product(category, content)
+        if brand is not None:
+            plan = replace(plan, brand=brand)
         title = compose_title(plan, content)
         description = compose_description(plan, title, content)
         candidates = self._candidates.sample(category, content)

@@ -160,3 +160,46 @@ TITLE_DETAILS = (
     " - Set of {pack}", " | {width} x {height} cm",
 )  # fmt: skip
 SIZES = ("XS", "S", "M", "L", "XL", "One Size")
+
+
+# -- fresh brands (training data) -----------------------------------------------------------
+
+_FRESH_ONSETS = (
+    "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z",
+    "br", "ch", "cl", "dr", "fl", "gr", "kr", "pl", "qu", "sh", "st", "th", "tr", "",
+)  # fmt: skip
+_FRESH_VOWELS = ("a", "e", "i", "o", "u", "y", "ae", "io", "ou", "ea")
+_FRESH_CODAS = ("", "", "", "", "", "n", "r", "s", "x", "l", "m", "k", "t", "nd", "rk", "st", "ck")
+_FRESH_STYLES = _BRAND_STYLES + ("{} Co.", "The {} Company", "{} Home", "{} & Sons", "{} {}")
+
+
+def _fresh_stem(rng: random.Random) -> str:
+    syllables = rng.choice((1, 2, 2, 2, 2, 3))
+    return "".join(
+        rng.choice(_FRESH_ONSETS) + rng.choice(_FRESH_VOWELS) + rng.choice(_FRESH_CODAS)
+        for _ in range(syllables)
+    )
+
+
+def fresh_brand(rng: random.Random) -> str:
+    """A made-up brand name drawn from `rng`, almost never one of `brand_names()`.
+
+    For training data: a model shown brands it cannot have memorised must learn
+    to copy the brand from the listing's text. Casing and styles vary as in the
+    fixed vocabulary (mostly capitalised, some all upper or lower case).
+    """
+    style = rng.choice(_FRESH_STYLES)
+    stems = []
+    for _ in range(style.count("{}")):
+        stem = _fresh_stem(rng)
+        while len(stem) < 3:
+            stem += _fresh_stem(rng)
+        casing = rng.random()
+        if casing < 0.08:
+            stem = stem.upper()
+        elif casing < 0.14:
+            stem = stem.lower()
+        else:
+            stem = stem.capitalize()
+        stems.append(stem)
+    return style.format(*stems)

@@ -1,0 +1,80 @@
+"""Training examples: the answer the loss reads, brand weighting, the mixture, fresh brands."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from vlm_catalog.data.synthetic.records import default_factory
+from vlm_catalog.data.synthetic.vocabulary import brand_names, fresh_brand
+from vlm_catalog.training.data import ExampleBuilder, TrainingMix, answer_text
+
+
+def test_fresh_brands_are_new_varied_and_reproducible() -> None:
+    names = [fresh_brand(random.Random(seed)) for seed in range(300)]
+    assert names == [fresh_brand(random.Random(seed)) for seed in range(300)]
+    assert len(set(names)) > 290
+    known = set(brand_names())
+    assert sum(name in known for name in names) <= 3
+    assert any(name.isupper() or name.split()[0].isupper() for name in names)
+    assert all(name.strip() == name and len(name) >= 3 for name in names)
+
+
+def test_brand_override_changes_only_the_brand() -> None:
+    factory = default_factory()
+    for index in range(30):
+        original = factory.make(5, index)
+        assert factory.make(5, index, brand=None) == original
+        renamed = factory.make(5, index, brand="Qwixel Labs")
+        assert renamed.brand == "Qwixel Labs"
+        assert (renamed.category, renamed.candidates, renamed.is_secondhand, renamed.image_jpeg) == (
+            original.category, original.candidates, original.is_secondhand, original.image_jpeg)
+        assert renamed.title == original.title.replace(original.brand, "Qwixel Labs")
+        assert "Qwixel Labs" in renamed.title or "Qwixel Labs" in renamed.description
+
+
+def test_mixture_is_a_function_of_the_index() -> None:
+    mix = TrainingMix(seed=41, fresh_brand_rate=0.5)
+    factory = default_factory()
+    records = [mix.record(factory, index) for index in range(60)]
+    assert records[:5] == [mix.record(factory, index) for index in range(5)]
+    known = set(brand_names())
+    fresh = sum(record.brand not in known for record in records)
+    assert 15 <= fresh <= 45  # about half, as asked
+    plain = TrainingMix(seed=41, fresh_brand_rate=0.0)
+    assert all(plain.record(factory, index).brand in known for index in range(20))
+
+
+def test_answer_tokens_and_weights(tiny_base: Path) -> None:
+    mix = TrainingMix(seed=9, fresh_brand_rate=0.5, brand_weight=4.0, flag_weight=2.0)
+    builder = ExampleBuilder(tiny_base, mix)
+    for index in range(6):
+        record = mix.record(builder.factory, index)
+        example = builder.example(index)
+        tokenizer = builder.tokenizer
+        assert example.answer_ids[-1] == builder.end_id
+        answer = tokenizer.decode(example.answer_ids[:-1])
+        assert json.loads(answer) == {"category": record.category, "brand": record.brand,
+                                      "is_secondhand": record.is_secondhand}
+        assert answer == answer_text(record.category, record.brand, record.is_secondhand)
+        brand_tokens = [t for t, w in zip(example.answer_ids, example.answer_weights) if w == 4.0]
+        assert record.brand in tokenizer.decode(brand_tokens)
+        assert "category" not in tokenizer.decode(brand_tokens)
+        flag_tokens = [t for t, w in zip(example.answer_ids, example.answer_weights) if w == 2.0]
+        assert str(record.is_secondhand).lower() in tokenizer.decode(flag_tokens)
+
+
+def test_batch_targets_line_up_with_inputs(tiny_base: Path) -> None:
+    builder = ExampleBuilder(tiny_base, TrainingMix(seed=9))
+    batch = builder.batch([0, 1, 2])
+    input_ids = batch.inputs["input_ids"]  # (3, L)
+    assert input_ids.shape[0] == 3
+    # the token after each loss position is the target (teacher forcing)
+    assert (input_ids[batch.rows, batch.positions + 1] == batch.targets).all()
+    for row in range(3):
+        length = int(batch.inputs["attention_mask"][row].sum())
+        row_positions = batch.positions[batch.rows == row]
+        assert int(row_positions.max()) == length - 2  # the last target is the row's last token
+    image_tokens = int((input_ids == builder.image_token_id).sum())
+    assert image_tokens * 4 == int(batch.inputs["image_grid_thw"].prod(dim=1).sum())  # 2x2 merge

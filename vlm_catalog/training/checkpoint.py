@@ -1,0 +1,74 @@
+"""Training state on disk, and the servable model directory next to it.
+
+    <run dir>/
+      state.pt    float32 weights, optimizer, step, RNG states, config, loss history
+      model/      the model as users get it: config, tokenizer, bfloat16 weights
+      log.jsonl   one line per logged step or evaluation
+
+`state.pt` is written to a temporary file and renamed, so a run killed while
+saving still has its previous checkpoint. It is never shipped: only `model/`
+(about 7 MB for the default shapes) is.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+STATE_FILE = "state.pt"
+MODEL_DIR = "model"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_state(run_dir: Path, state: dict[str, Any]) -> Path:
+    """Write `state` to run_dir/state.pt atomically."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=run_dir, prefix=".state-", suffix=".pt")
+    os.close(handle)
+    torch.save(state, temporary)
+    os.replace(temporary, run_dir / STATE_FILE)
+    return run_dir / STATE_FILE
+
+
+def load_state(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no training state to resume from: {path} does not exist")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def export_model(model: torch.nn.Module, base_checkpoint: Path, out_dir: Path) -> Path:
+    """Write a servable checkpoint: `base_checkpoint`'s files with `model`'s weights in bfloat16."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in base_checkpoint.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name != "model.safetensors.index.json":
+            if path.resolve() != (out_dir / path.name).resolve():
+                shutil.copy(path, out_dir / path.name)
+    state = {name: tensor.detach().to("cpu", torch.bfloat16) for name, tensor in model.state_dict().items()}
+    with tempfile.TemporaryDirectory() as scratch:
+        model.save_pretrained(scratch, state_dict=state)
+        shutil.copy(Path(scratch) / WEIGHTS_FILE, out_dir / (WEIGHTS_FILE + ".tmp"))
+    os.replace(out_dir / (WEIGHTS_FILE + ".tmp"), out_dir / WEIGHTS_FILE)
+    return out_dir
