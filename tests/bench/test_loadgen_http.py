@@ -18,6 +18,7 @@ from vlm_catalog.cli import main
 from vlm_catalog.data.loader import load_catalogue
 from vlm_catalog.paths import DEFAULT_MODEL_DIR, SAMPLE_CATALOGUE_DIR
 
+SERVER_CAPACITY = 4  # --max-num-seqs 4 --max-waiting-requests 0: a fifth request at once gets 429
 ANNOUNCEMENT = re.compile(r"vlm-catalog serving '(?P<model>[^']+)' at (?P<url>http://\S+)")
 START_TIMEOUT_S = 120
 
@@ -26,7 +27,8 @@ START_TIMEOUT_S = 120
 def served():
     """(URL, model name) of `vlm-catalog serve --port 0` with the shipped model; stopped afterwards."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "vlm_catalog.cli", "serve", "--port", "0", "--log-level", "warning"],
+        [sys.executable, "-m", "vlm_catalog.cli", "serve", "--port", "0", "--log-level", "warning",
+         "--max-num-seqs", str(SERVER_CAPACITY), "--max-waiting-requests", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     found: dict[str, str] = {}
@@ -59,8 +61,9 @@ def served():
         reader.join(5)
 
 
-def bench(capsys, url: str, *args: str) -> tuple[int, str, str]:
-    code = main(["bench", "--dataset", str(SAMPLE_CATALOGUE_DIR), "--server-url", url, *args])
+def bench(capsys, url: str, *args: str, max_in_flight: int = SERVER_CAPACITY) -> tuple[int, str, str]:
+    code = main(["bench", "--dataset", str(SAMPLE_CATALOGUE_DIR), "--server-url", url,
+                 "--max-in-flight", str(max_in_flight), *args])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -115,6 +118,23 @@ def test_a_model_the_server_does_not_serve_fails_every_sample_but_the_run_ends(s
     entries = json.loads((tmp_path / "wrong" / ACCURACY_LOG_FILE).read_text())
     assert sorted(entry["qsl_idx"] for entry in entries) == [0, 1]
     assert all(entry["data"] == "" for entry in entries)
+
+
+def test_max_in_flight_keeps_the_offline_burst_within_the_servers_capacity(served, tmp_path, capsys):
+    """Offline issues every sample at once: past the server's capacity it answers 429, unless the SUT holds them."""
+    url, _ = served
+    runs = {}
+    for limit in (SERVER_CAPACITY, 4 * SERVER_CAPACITY):
+        code, out, err = bench(
+            capsys, url, "--scenario", "offline", "--mode", "performance", "--out-dir", str(tmp_path / str(limit)),
+            "--count", str(4 * SERVER_CAPACITY), "--request-style", "ours", "--max-tokens", "20",
+            max_in_flight=limit,
+        )
+        assert code == 0, err
+        runs[limit] = int(re.search(r"\((\d+) failed\)", out).group(1))
+    assert runs[SERVER_CAPACITY] == 0
+    assert runs[4 * SERVER_CAPACITY] > 0  # the burst was refused (no retries: each counts as failed)
+    assert "failed: sample" in err and "429" in err
 
 
 def test_the_served_model_is_the_shipped_one(served):

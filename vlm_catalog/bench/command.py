@@ -48,6 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=int, default=150, help="answer cap (the submitters' 150)")
     parser.add_argument("--server-url", default=None, help="a running `vlm-catalog serve`, e.g. http://127.0.0.1:8000")
     parser.add_argument("--server-model", default=None, help="model name to request (default: the first the server lists)")
+    parser.add_argument("--max-in-flight", type=int, default=512,
+                        help="with --server-url: requests sent at once (the rest wait in the client)")
     parser.add_argument("--token-latencies", action="store_true",
                         help="Server: LoadGen measures TTFT/TPOT and judges the run on them (limits = 12 s)")
     parser.add_argument("--device", default="cpu")
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         config = BenchConfig(
             options=options, dataset=args.dataset, out_dir=args.out_dir, model=args.model, split=args.split,
             request_style=args.request_style, max_tokens=args.max_tokens, server_url=args.server_url,
-            server_model=args.server_model, device=args.device, dtype=args.dtype,
+            server_model=args.server_model, max_in_flight=args.max_in_flight, device=args.device, dtype=args.dtype,
             enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.policy,
         )
         result = run_benchmark(config)
@@ -90,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         print(result.accuracy.format_table())
         print(f"wrote {args.out_dir / 'accuracy.txt'} (category hF1 {result.accuracy.category_hf1:.4f})")
     print(format_result(result, args.scenario, args.mode))
+    for error in result.tally.errors:  # the first few; each failed sample was answered with ""
+        print(f"failed: {error}", file=sys.stderr)
     print(f"LoadGen logs in {args.out_dir}")
     return 0
 

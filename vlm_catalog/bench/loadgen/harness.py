@@ -51,6 +51,7 @@ class BenchConfig:
     max_tokens: int = 150
     server_url: str | None = None
     server_model: str | None = None  # default: the first model the server lists
+    max_in_flight: int = 512  # HTTP requests sent at once
     device: str = "cpu"
     dtype: str = "auto"
     enable_prefix_caching: bool = True
@@ -132,7 +133,7 @@ def _make_sut(config: BenchConfig, qsl: CatalogueQSL, sampling, sink: ResponseSi
         try:
             sut = HttpSUT(
                 config.server_url, config.server_model, qsl, sampling, config.max_tokens, sink,
-                stream=config.options.scenario == "server",
+                stream=config.options.scenario == "server", max_in_flight=config.max_in_flight,
             )
         except ValueError as exc:
             raise BenchError(str(exc)) from None

@@ -2,8 +2,11 @@
 
 Like the reference harness's client: one asyncio event loop in its own
 thread runs an `AsyncOpenAI` client; `issue_query` schedules one coroutine
-per sample on it and returns at once, so any number of requests are in
-flight together (the server batches them). In the Server scenario the request
+per sample on it and returns at once, so many requests are in flight together
+(the server batches them). At most `max_in_flight` are sent at once (default
+512, under `vlm-catalog serve`'s admission limit of max_num_seqs 256 + 512
+waiting, past which it answers 429); the others wait in the client, and their
+wait counts in LoadGen's latency as it would in a real queue. In the Server scenario the request
 streams (`stream=True`, usage in the last chunk) and the first non-empty text
 chunk is reported as the first token; otherwise one plain request per sample.
 A request that fails (HTTP error, timeout, refused) completes its sample with
@@ -28,6 +31,7 @@ from vlm_catalog.bench.loadgen.responses import ResponseSink
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 3600.0
+DEFAULT_MAX_IN_FLIGHT = 512
 _CONNECT_TIMEOUT_S = 5.0
 
 
@@ -56,8 +60,12 @@ class HttpSUT:
         sink: ResponseSink,
         stream: bool,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"--max-in-flight must be at least 1, got {max_in_flight}")
         self.base_url = openai_base_url(server_url)
+        self.max_in_flight = max_in_flight
         self.model = model
         self.qsl = qsl
         self.sampling = sampling
@@ -68,6 +76,7 @@ class HttpSUT:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="bench-http", daemon=True)
         self.client: AsyncOpenAI | None = None
+        self._slots: asyncio.Semaphore | None = None
         self.handle = None
 
     def __enter__(self) -> HttpSUT:
@@ -99,6 +108,7 @@ class HttpSUT:
 
     async def _open(self) -> None:
         """Create the client and check the server answers (and which model it serves)."""
+        self._slots = asyncio.Semaphore(self.max_in_flight)
         self.client = AsyncOpenAI(
             base_url=self.base_url,
             api_key="not-needed",
@@ -132,10 +142,11 @@ class HttpSUT:
             return
         arguments = sample.request.openai_arguments(self.sampling, self.max_tokens, self.model)
         try:
-            if self.stream:
-                text, tokens = await self._streamed(response_id, arguments)
-            else:
-                text, tokens = await self._whole(arguments)
+            async with self._slots:
+                if self.stream:
+                    text, tokens = await self._streamed(response_id, arguments)
+                else:
+                    text, tokens = await self._whole(arguments)
         except Exception as exc:  # noqa: BLE001 - one failed request must not hang LoadGen
             logger.warning("sample %d (response %d) failed: %s", index, response_id, exc)
             self.sink.fail(response_id, f"sample {index}: {type(exc).__name__}: {exc}")
