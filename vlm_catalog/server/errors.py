@@ -55,18 +55,41 @@ def error_json(error: APIError) -> str:
     return json.dumps(error.body())
 
 
+# pydantic names the member of a union it tried in the error location; these are not fields
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "ImageURL", "TextPart", "ImagePart"})
+
+
 def location(loc: tuple[Any, ...]) -> str | None:
-    """`("body", "messages", 0, "content")` -> `"messages.0.content"`."""
-    parts = [str(part) for part in loc if part != "body"]
+    """The field path a client wrote: `("body", "messages", 0, "content", "str")` -> `"messages.0.content"`.
+
+    Union member names (`"str"`, `"list[...]"`) are dropped, and so is the tag pydantic inserts
+    after the index of an item of a tagged union (`..., "list[tagged-union[...]]", 0, "text", "text"`).
+    """
+    parts: list[str] = []
+    skip_tag_after_index = False
+    expect_tag = False
+    for part in loc:
+        if part == "body" and not parts:
+            continue
+        if isinstance(part, str) and ("[" in part or part in _UNION_MEMBERS):
+            skip_tag_after_index = skip_tag_after_index or "tagged-union" in part
+            continue
+        if expect_tag:
+            expect_tag = False
+            continue
+        if isinstance(part, int) and skip_tag_after_index:
+            skip_tag_after_index, expect_tag = False, True
+        parts.append(str(part))
     return ".".join(parts) or None
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """One 400 naming the first problem (and how many more there are)."""
+    """One 400 naming the most specific problem (the deepest; for a union, the form the client meant)."""
     first = errors[0]
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
                         code="invalid_json")
+    first = max(errors, key=lambda error: len(error.get("loc", ())))
     param = location(tuple(first.get("loc", ())))
     message = f"{param}: {first['msg']}" if param else first["msg"]
     if len(errors) > 1:

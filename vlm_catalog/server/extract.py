@@ -215,9 +215,9 @@ def _loc(param_prefix: str) -> tuple[str, ...]:
 
 
 def _image_reference(image: str, param: str) -> str | bytes:
-    """A data URI or an http(s) URL as given; anything else is base64 of the file."""
-    head = image[:8].lower()
-    if head.startswith(("data:", "http://", "https://")):
+    """A URI (data:, http(s):, anything with a scheme) as given, for the image rules; else base64 of the file.
+    (Base64 has no ':', so a colon near the start means a URI.)"""
+    if ":" in image[:32]:
         return image
     try:
         return base64.b64decode("".join(image.split()), validate=True)
