@@ -1,9 +1,11 @@
 """The catalogue loader: our layout, real-dataset layouts, `save_to_disk`, and errors."""
 
+import json
+
 import datasets
 import pytest
 
-from tests.conftest import CATALOGUE_FEATURES, handmade_rows, write_catalogue
+from tests.conftest import CATALOGUE_FEATURES, handmade_rows, jpeg_bytes, write_catalogue
 from vlm_catalog.data.loader import CatalogueError, load_catalogue
 
 
@@ -72,12 +74,73 @@ def test_missing_columns_are_named(tmp_path):
         load_catalogue(tmp_path / "bad.parquet")
 
 
-def test_empty_candidate_list_is_named(tmp_path):
+def test_empty_candidate_list_fails_that_record_only(tmp_path):
     rows = handmade_rows()
     rows[2]["potential_product_categories"] = []
     write_catalogue(tmp_path, rows)
-    with pytest.raises(CatalogueError, match=r"empty candidate category list in record\(s\) 2"):
-        load_catalogue(tmp_path)
+    catalogue = load_catalogue(tmp_path)
+    assert catalogue[1].title == "Pre-owned Zed Polo"
+    with pytest.raises(CatalogueError, match="record 2: potential_product_categories: the candidate category list is empty"):
+        catalogue[2]
+    items = list(catalogue.items())
+    assert [item.kind for item in items] == [None, None, "record"]
+
+
+def test_values_are_never_coerced(tmp_path):
+    """"no" is not True, a string is not a list of characters, 0 is not an empty title."""
+    rows = [
+        {"title": "ok", "description": "d", "image": "a.jpg", "candidates": ["A > B"], "category": "A > B",
+         "brand": "Acme", "is_secondhand": False},
+        {"title": "t", "description": "d", "image": "a.jpg", "candidates": ["A > B"], "category": "A > B",
+         "brand": "Acme", "is_secondhand": "no"},
+        {"title": "t", "description": "d", "image": "a.jpg", "candidates": "A > B", "category": "A > B",
+         "brand": "Acme", "is_secondhand": False},
+        {"title": 0, "description": "d", "image": "a.jpg", "candidates": ["A > B"], "category": "A > B",
+         "brand": "Acme", "is_secondhand": False},
+        {"title": None, "description": None, "image": "a.jpg", "candidates": ["A > B"], "category": "A > B",
+         "brand": "Acme", "is_secondhand": True},
+    ]
+    (tmp_path / "a.jpg").write_bytes(jpeg_bytes((1, 2, 3)))
+    path = tmp_path / "records.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n\n")
+    catalogue = load_catalogue(path)
+    items = list(catalogue.items())
+    assert len(catalogue) == 5 and items[0].record.ground_truth.is_secondhand is False
+    assert "ground_truth_is_secondhand: expected a boolean, got str 'no'" in items[1].error
+    assert "potential_product_categories: expected a list of category strings, got str" in items[2].error
+    assert "product_title: expected a string, got int 0" in items[3].error
+    assert items[4].record.title == "" and items[4].record.description == ""  # null text is empty text
+    labels = catalogue.labels_or_none()
+    assert labels[1] is None and labels[0].brand == "Acme"
+    with pytest.raises(CatalogueError, match="record 1: ground_truth_is_secondhand"):
+        catalogue.labels()
+    assert catalogue.input_files == [path]
+
+
+def test_jsonl_image_paths_stay_inside_the_dataset_folder(tmp_path):
+    folder = tmp_path / "shop"
+    (folder / "img").mkdir(parents=True)
+    (folder / "img" / "a.jpg").write_bytes(jpeg_bytes((9, 9, 9)))
+    (tmp_path / "outside.jpg").write_bytes(jpeg_bytes((9, 9, 9)))
+    (folder / "img" / "link.jpg").symlink_to(tmp_path / "outside.jpg")
+    base = {"product_title": "t", "product_description": "d", "potential_product_categories": ["A"]}
+    paths = ["img/a.jpg", "/etc/passwd", "../outside.jpg", "img/../../outside.jpg", "img/link.jpg", "img/none.jpg"]
+    (folder / "records.jsonl").write_text("".join(json.dumps({**base, "image": p}) + "\n" for p in paths))
+    items = list(load_catalogue(folder / "records.jsonl").items())
+    assert items[0].record.image[:2] == b"\xff\xd8"
+    assert "absolute path" in items[1].error
+    for item in items[2:5]:
+        assert "outside the dataset's folder" in item.error and item.kind == "image"
+    assert "not found" in items[5].error
+
+
+def test_zero_rows_and_non_catalogue_files_are_refused(tmp_path):
+    (tmp_path / "x.csv").write_text("a\n")
+    with pytest.raises(CatalogueError, match="expected a .parquet or .jsonl"):
+        load_catalogue(tmp_path / "x.csv")
+    write_catalogue(tmp_path / "empty", [])
+    with pytest.raises(CatalogueError, match="has no records"):
+        load_catalogue(tmp_path / "empty")
 
 
 def test_unreadable_image_is_named_on_access(tmp_path):
@@ -86,7 +149,7 @@ def test_unreadable_image_is_named_on_access(tmp_path):
     write_catalogue(tmp_path, rows)
     catalogue = load_catalogue(tmp_path)
     assert catalogue[0].title == "Acme Bird Bath"
-    with pytest.raises(CatalogueError, match="record 1: unreadable image"):
+    with pytest.raises(CatalogueError, match="record 1: product_image: data is text"):
         catalogue[1]
     with pytest.raises(CatalogueError, match="record 1"):
         catalogue.check_images()

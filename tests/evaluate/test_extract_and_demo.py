@@ -12,9 +12,8 @@ def test_extract_writes_predictions_that_eval_reads(tmp_path, capsys):
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["id"] for line in lines] == ["0", "1", "2"]
     for line in lines:
-        assert line["finish_reason"] in ("stop", "length")
-        if line["finish_reason"] == "stop":  # constrained: a finished answer always parses
-            assert line["parsed"] is not None
+        # constrained and budgeted: every answer is complete and parses
+        assert line["finish_reason"] == "stop" and line["parsed"] is not None and line["failure"] is None
     assert "extracted 3 records" in capsys.readouterr().out
     report = tmp_path / "report.json"
     assert main(["eval", "--predictions", str(out), "--dataset", str(SAMPLE_CATALOGUE_DIR), "--json", str(report)]) == 0
@@ -30,5 +29,6 @@ def test_demo_scores_against_the_random_baseline(tmp_path, capsys):
 
 
 def test_extract_reports_a_missing_dataset(tmp_path, capsys):
-    assert main(["extract", "--dataset", str(tmp_path / "none"), "--out", str(tmp_path / "p.jsonl")]) == 2
-    assert "error:" in capsys.readouterr().err
+    assert main(["extract", "--dataset", str(tmp_path / "none"), "--out", str(tmp_path / "p.jsonl")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: catalogue not found") and err.count("\n") == 1

@@ -89,3 +89,27 @@ def test_grammar_admits_only_candidates(service, tokenizer):
         tokens = tokenizer.encode(answer(wrong), add_special_tokens=False)
         with pytest.raises(GrammarError, match="not allowed"):
             GrammarState(compiled).accept(tokens)
+
+
+@pytest.mark.parametrize("base", [ProductMetadata, ProductDetails])
+@pytest.mark.parametrize("max_tokens", [12, 40, 150])
+def test_budgeted_schema_ends_every_answer_within_the_budget(service, tokenizer, base, max_tokens):
+    """A model that never wants to close the brand still gets a complete, valid answer in budget."""
+    from tests.structured.conftest import MODEL_VOCAB_SIZE
+    from tests.structured.decoding import HistoryModel, decode
+    from vlm_catalog.structured.catalogue import budgeted_catalogue_schema
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    schema, budget = budgeted_catalogue_schema(CANDIDATES, max_tokens, count, base)
+    assert budget >= max_tokens and (budget == max_tokens or "{0,0}" in schema.json_schema["properties"]["brand"]["pattern"])
+    compiled = service.compile(GrammarSpec.from_request(json_schema=schema))
+    for seed in range(4):
+        model = HistoryModel(tokenizer, MODEL_VOCAB_SIZE, seed=seed, close_bias=0.0)
+        decoded = decode(GrammarState(compiled), model, jump_forward=seed % 2 == 0, sampling="sample",
+                         max_tokens=budget)
+        assert decoded.finished, (seed, tokenizer.decode(decoded.tokens))
+        answer = base.model_validate_json(tokenizer.decode(decoded.tokens))
+        assert answer.category in CANDIDATES
+        schema.validate(tokenizer.decode(decoded.tokens))

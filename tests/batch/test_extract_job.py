@@ -1,0 +1,149 @@
+"""`vlm-catalog extract` as a batch job: checks before work, resume, shards, kill -9, budget."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tests.batch.conftest import FAST, answers, read_lines, sample_rows, write_parquet
+from vlm_catalog.cli import main
+
+
+def extract(dataset, out, *extra) -> int:
+    return main(["extract", "--dataset", str(dataset), "--out", str(out), *FAST, *extra])
+
+
+def test_argument_and_output_problems_are_found_before_any_work(small_catalogue, tmp_path, capsys):
+    out = tmp_path / "p.jsonl"
+    not_parquet = tmp_path / "records.csv"
+    not_parquet.write_text("a,b\n")
+    empty = write_parquet(tmp_path / "empty", [])
+    locked_dir = tmp_path / "locked"
+    locked_dir.mkdir()
+    locked_dir.chmod(0o500)
+    cases = {
+        "--limit must be a positive": [small_catalogue, out, "--limit", "-1"],
+        "--max-tokens must be at least 1": [small_catalogue, out, "--max-tokens", "0"],
+        "--shard must look like I/N": [small_catalogue, out, "--shard", "2"],
+        "is a directory": [small_catalogue, tmp_path],
+        "is a file of the dataset": [small_catalogue.parent / "x" / "..", small_catalogue / "data" / "test-00000-of-00001.parquet"],
+        "inside the dataset directory": [small_catalogue, small_catalogue / "p.jsonl"],
+        "expected a .parquet or .jsonl": [not_parquet, out],
+        "has no records": [empty, out],
+        "catalogue not found": [tmp_path / "missing", out],
+        "not a checkpoint directory": [small_catalogue, out, "--model", str(tmp_path)],
+    }
+    if os.geteuid() != 0:  # root writes anywhere
+        cases["not writable"] = [small_catalogue, locked_dir / "p.jsonl"]
+    for message, (dataset, target, *extra) in cases.items():
+        if message == "is a file of the dataset":
+            dataset = small_catalogue
+        code = main(["extract", "--dataset", str(dataset), "--out", str(target), *extra])
+        captured = capsys.readouterr()
+        assert code == 1, message
+        assert message in captured.err and captured.err.count("\n") == 1, captured.err  # one line
+        assert "Traceback" not in captured.err
+    assert not out.exists()
+    assert (small_catalogue / "data" / "test-00000-of-00001.parquet").stat().st_size > 1000
+
+
+def test_resume_finishes_the_same_answers_and_each_id_once(small_catalogue, reference_answers, tmp_path, capsys):
+    out = tmp_path / "p.jsonl"
+    assert extract(small_catalogue, out, "--limit", "5", "--window", "2") == 0
+    with out.open("ab") as handle:
+        handle.write(b'{"id": "5", "respo')  # a torn line, as a crash leaves it
+    assert extract(small_catalogue, out, "--window", "3") == 0
+    printed = capsys.readouterr().out
+    assert "5 already done" in printed and "repaired a torn last line" in printed
+    lines = read_lines(out)
+    assert sorted(int(line["id"]) for line in lines) == list(range(12))
+    assert answers(out) == reference_answers  # batch-invariant: windows 2/3 equal the reference's 64
+    assert extract(small_catalogue, out) == 0 and len(read_lines(out)) == 12  # nothing left to do
+    assert extract(small_catalogue, out, "--overwrite", "--limit", "2") == 0 and len(read_lines(out)) == 2
+
+
+def test_shards_together_hold_the_dataset_once_with_the_same_answers(small_catalogue, reference_answers, tmp_path):
+    merged: dict[str, str] = {}
+    for index in range(3):
+        out = tmp_path / f"shard{index}.jsonl"
+        assert extract(small_catalogue, out, "--shard", f"{index}/3") == 0
+        shard_answers = answers(out)
+        assert not set(shard_answers) & set(merged)
+        merged.update(shard_answers)
+    assert merged == reference_answers
+
+
+def test_a_short_budget_still_gives_complete_valid_answers(small_catalogue, tmp_path):
+    out = tmp_path / "p.jsonl"
+    assert main(["extract", "--dataset", str(small_catalogue), "--out", str(out), "--max-tokens", "20",
+                 "--limit", "4"]) == 0
+    for line in read_lines(out):
+        assert line["failure"] is None and line["finish_reason"] == "stop"
+        assert set(line["parsed"]) == {"category", "brand", "is_secondhand"}
+
+
+def test_killed_runs_resume_to_exactly_once_and_equal_answers(small_catalogue, reference_answers, tmp_path):
+    """SIGKILL the job at random points (after 1..n finished lines), then let it finish."""
+    out = tmp_path / "p.jsonl"
+    command = [sys.executable, "-m", "vlm_catalog.cli", "extract", "--dataset", str(small_catalogue),
+               "--out", str(out), "--window", "2", *FAST]
+    rng = random.Random(11)
+    kills = 0
+    for _ in range(3):
+        done = len(read_lines(out)) if out.exists() else 0
+        if done >= 11:
+            break
+        target = done + rng.randint(1, 3)
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            if out.exists() and out.read_bytes().count(b"\n") >= target:
+                time.sleep(rng.uniform(0.0, 0.3))  # sometimes mid-write of the next line
+                process.send_signal(signal.SIGKILL)
+                kills += 1
+                break
+            time.sleep(0.02)
+        process.wait()
+    assert kills >= 2
+    finished = subprocess.run(command, capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr
+    ids = [line["id"] for line in read_lines(out)]
+    assert sorted(ids, key=int) == [str(i) for i in range(12)]  # exactly once
+    assert answers(out) == reference_answers
+
+
+def test_ctrl_c_ends_cleanly_with_finished_lines_on_disk(small_catalogue, tmp_path):
+    out = tmp_path / "p.jsonl"
+    command = [sys.executable, "-m", "vlm_catalog.cli", "extract", "--dataset", str(small_catalogue),
+               "--out", str(out), "--window", "1", *FAST]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (out.exists() and out.read_bytes().count(b"\n") >= 2):
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert "Traceback" not in err and "interrupted" in err
+    lines = read_lines(out)  # every line complete
+    assert 2 <= len(lines) <= 12
+
+
+def test_parquet_with_a_wrongly_typed_column_fails_each_record_alone(tmp_path):
+    rows = sample_rows(3)
+    for row, value in zip(rows, ("no", "yes", "no")):
+        row["ground_truth_is_secondhand"] = value
+    schema = pq.read_schema(write_parquet(tmp_path / "ok", sample_rows(1)) / "data" / "test-00000-of-00001.parquet")
+    schema = schema.set(schema.get_field_index("ground_truth_is_secondhand"), pa.field("ground_truth_is_secondhand", pa.string()))
+    dataset = write_parquet(tmp_path / "typed", rows, schema=schema)
+    out = tmp_path / "p.jsonl"
+    assert extract(dataset, out) == 3
+    for line in read_lines(out):
+        assert line["failure"] == "record"
+        assert "ground_truth_is_secondhand: expected a boolean, got str" in line["error"]

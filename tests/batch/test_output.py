@@ -1,0 +1,102 @@
+"""The results file: lock, resume scan, torn last line, damaged lines, job identity, overwrite."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vlm_catalog.batch.output import OutputError, ResultsFile
+
+JOB = {"dataset": "d", "shard": "0/1"}
+
+
+def line(index: int, failure=None) -> dict:
+    return {"id": str(index), "response": "{}", "parsed": None, "finish_reason": "stop", "error": None,
+            "metrics": {}, "failure": failure}
+
+
+def test_lines_are_on_disk_as_soon_as_written_and_resume_skips_them(tmp_path):
+    out = tmp_path / "p.jsonl"
+    results = ResultsFile.open(out, JOB)
+    results.write(line(0))
+    results.write(line(3, failure="image"))
+    assert [json.loads(raw)["id"] for raw in out.read_text().splitlines()] == ["0", "3"]  # before close
+    results.close()
+    again = ResultsFile.open(out, JOB)
+    assert again.done == {0: None, 3: "image"}
+    with pytest.raises(OutputError, match="already in"):
+        again.write(line(3))
+    again.close()
+
+
+def test_torn_last_line_is_cut_and_nothing_complete_is_lost(tmp_path):
+    out = tmp_path / "p.jsonl"
+    results = ResultsFile.open(out, JOB)
+    results.write(line(0))
+    results.write(line(1))
+    results.close()
+    complete = out.read_bytes()
+    with out.open("ab") as handle:
+        handle.write(b'{"id": "2", "response": "{\\"cat')  # a crash mid-line
+    resumed = ResultsFile.open(out, JOB)
+    assert set(resumed.done) == {0, 1} and resumed.repaired_bytes > 0
+    assert out.read_bytes() == complete
+    resumed.write(line(2))
+    resumed.close()
+    assert [json.loads(raw)["id"] for raw in out.read_text().splitlines()] == ["0", "1", "2"]
+
+
+def test_damaged_and_duplicate_lines_are_dropped_by_a_renamed_clean_copy(tmp_path):
+    out = tmp_path / "p.jsonl"
+    ResultsFile.open(out, JOB).close()
+    out.write_text(json.dumps(line(0)) + "\nnot json\n" + json.dumps(line(0)) + "\n" + json.dumps(line(1)) + "\n")
+    resumed = ResultsFile.open(out, JOB)
+    resumed.close()
+    assert resumed.dropped_lines == 2 and set(resumed.done) == {0, 1}
+    assert [json.loads(raw)["id"] for raw in out.read_text().splitlines()] == ["0", "1"]
+
+
+def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path):
+    out = tmp_path / "p.jsonl"
+    first = ResultsFile.open(out, JOB)
+    with pytest.raises(OutputError, match="another process is writing"):
+        ResultsFile.open(out, JOB)
+    probe = (
+        "import sys, fcntl\n"
+        f"handle = open({str(out) + '.lock'!r}, 'a')\n"
+        "try:\n    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n    sys.exit(7)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", probe]).returncode == 7  # another process too
+    first.close()
+    assert subprocess.run([sys.executable, "-c", probe]).returncode == 0
+    ResultsFile.open(out, JOB).close()  # released
+
+
+def test_resuming_with_other_settings_or_over_a_foreign_file_is_refused(tmp_path):
+    out = tmp_path / "p.jsonl"
+    results = ResultsFile.open(out, JOB)
+    results.write(line(0))
+    results.close()
+    with pytest.raises(OutputError, match="different job.*shard"):
+        ResultsFile.open(out, {**JOB, "shard": "1/2"})
+    foreign = tmp_path / "photo.jpg"
+    foreign.write_bytes(b"\xff\xd8\xff not predictions")
+    with pytest.raises(OutputError, match="not written by"):
+        ResultsFile.open(foreign, JOB)
+    assert foreign.read_bytes() == b"\xff\xd8\xff not predictions"
+
+
+def test_overwrite_replaces_by_rename_never_in_place(tmp_path):
+    out = tmp_path / "p.jsonl"
+    results = ResultsFile.open(out, JOB)
+    results.write(line(0))
+    results.close()
+    old_inode = os.stat(out).st_ino
+    with out.open("rb") as reader:  # a reader of the old file keeps its full content
+        fresh = ResultsFile.open(out, {**JOB, "shard": "1/2"}, overwrite=True)
+        assert fresh.done == {} and out.read_bytes() == b""
+        assert json.loads(reader.read())["id"] == "0"
+    fresh.close()
+    assert os.stat(out).st_ino != old_inode
