@@ -104,7 +104,9 @@ def test_server_performance_over_http_streams_and_reports_ttft(served, tmp_path,
     )
     assert line, out
     assert 0 < float(line["t50"]) <= float(line["p99"]) and float(line["p50"]) <= float(line["p99"])
-    assert "percentile first token latency (ns)" in (out_dir / SUMMARY_FILE).read_text()
+    summary = (out_dir / SUMMARY_FILE).read_text()
+    assert "percentile first token latency (ns)" in summary
+    assert "No errors encountered during test." in summary
 
 
 def test_a_model_the_server_does_not_serve_fails_every_sample_but_the_run_ends(served, tmp_path, capsys):

@@ -120,6 +120,7 @@ def test_server_performance_run_reports_rate_latency_and_ttft(tmp_path, capsys, 
     assert line["verdict"] == verdict
     if token_latencies:
         assert "percentile first token latency (ns)" in summary
+    assert "No errors encountered during test." in summary  # first tokens reported before completions
 
 
 def test_offline_performance_run_prints_loadgens_samples_per_second(tmp_path, capsys):
