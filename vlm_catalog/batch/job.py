@@ -50,7 +50,7 @@ class BatchSettings:
     scheduling_policy: str = "fcfs"
     shard: Shard = WHOLE
     overwrite: bool = False
-    ray_address: str | None = None  # None: this process; "" or "auto" or an address: Ray
+    ray_address: str | None = None  # None: this process; "": Ray (running cluster or local); else its address
     replicas: int | None = None  # Ray engine replicas (default: one per GPU, or per node on CPU)
     window: int = 64  # requests in the engine at once
     evaluate: bool = False

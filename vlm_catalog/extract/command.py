@@ -32,8 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--overwrite", action="store_true", help="start afresh instead of resuming --out")
     parser.add_argument("--shard", default="0/1", metavar="I/N",
                         help="process shard I of N (records split by a stable hash of their id)")
-    parser.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
-                        help="run on a Ray cluster (ADDRESS, default: auto = the running one, or a local one)")
+    parser.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                        help="run with Ray Data on the cluster at ADDRESS (e.g. ray://head:10001 or auto); "
+                             "without ADDRESS: the running cluster, else a local one")
     parser.add_argument("--replicas", type=int, default=None,
                         help="with --ray: engine replicas (default: one per GPU, or one per node on CPU)")
     parser.add_argument("--eval", action="store_true",

@@ -1,0 +1,148 @@
+"""The batch job on a Ray cluster, with Ray Data (the optional `[distributed]` extra).
+
+The pipeline:
+
+    from_items(groups of pending record indices)          driver: ids only, no data
+      .flat_map(read_records)      Ray tasks: read rows, validate, check image headers
+      .map_batches(ExtractReplica, concurrency=replicas)   one engine per replica
+                                   (num_gpus=1 each on GPU clusters, else num_cpus=1)
+      .iter_rows()                 driver: each result line -> the results file
+
+The driver alone writes the results file, through the same `emit` as the
+single-process runner, so the lock, resume and exactly-once guarantee are the
+same: ids already written are never queued, and a line that comes twice (a
+Ray task retried after its first result arrived) is written once. Records
+travel as raw image bytes plus text; a replica runs each batch through the
+engine with the same `RequestBuilder` as the local runner, so answers are
+equal to a single-process run.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from vlm_catalog.batch.requests import ResultLine
+
+INDICES_PER_READ_TASK = 32
+
+
+def run_on_ray(settings, indices: list[int], emit: Callable[[ResultLine], None], on_ready: Callable[[], None]) -> None:
+    import ray
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        address = settings.ray_address or None  # None: the running cluster if any, else a local one
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, include_dashboard=False)
+    try:
+        if not indices:
+            return
+        dataset = build_pipeline(settings, indices)
+        on_ready()
+        for row in dataset.iter_rows():
+            emit(ResultLine(**json.loads(row["line"])))
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def build_pipeline(settings, indices: list[int]):
+    import ray
+
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False  # the job's own progress bar counts records
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    groups = [
+        {"indices": indices[start:start + INDICES_PER_READ_TASK]}
+        for start in range(0, len(indices), INDICES_PER_READ_TASK)
+    ]
+    source = {"dataset": str(settings.dataset), "split": settings.split}
+    engine_settings = _engine_settings(settings)
+    on_gpu = settings.device.startswith("cuda")
+    resources = ray.cluster_resources()
+    replicas = settings.replicas or (
+        max(1, int(resources.get("GPU", 0))) if on_gpu else max(1, len(ray.nodes()))
+    )
+    return (
+        ray.data.from_items(groups)
+        .flat_map(functools.partial(read_records, **source))
+        .map_batches(
+            ExtractReplica,
+            fn_constructor_kwargs={"engine_settings": engine_settings},
+            batch_size=settings.window,
+            batch_format="pyarrow",
+            compute=ray.data.ActorPoolStrategy(size=replicas),
+            num_gpus=1 if on_gpu else 0,
+            num_cpus=1,
+        )
+    )
+
+
+def _engine_settings(settings) -> dict[str, Any]:
+    values = asdict(settings)
+    values.update(dataset=str(settings.dataset), out=str(settings.out), model=str(settings.model), shard=str(settings.shard))
+    return values
+
+
+@functools.lru_cache(maxsize=4)
+def _catalogue(dataset: str, split: str | None):
+    from vlm_catalog.data.loader import load_catalogue
+
+    return load_catalogue(dataset, split=split)
+
+
+def read_records(group: dict[str, Any], dataset: str, split: str | None) -> list[dict[str, Any]]:
+    """Rows for a group of indices: the record's fields, or its error (Ray task)."""
+    rows = []
+    for item in _catalogue(dataset, split).items(group["indices"]):
+        record = item.record
+        rows.append({
+            "index": item.index,
+            "title": record.title if record else "",
+            "description": record.description if record else "",
+            "image": record.image if record else b"",
+            "candidates": json.dumps(record.candidate_categories if record else []),
+            "error": item.error or "",
+            "kind": item.kind or "",
+        })
+    return rows
+
+
+class ExtractReplica:
+    """One engine replica (a Ray actor): runs batches of records, returns their result lines."""
+
+    def __init__(self, engine_settings: dict[str, Any]) -> None:
+        from pathlib import Path
+
+        from vlm_catalog.batch.job import BatchSettings, build_engine, build_request_builder
+        from vlm_catalog.batch.selection import Shard
+
+        values = dict(engine_settings)
+        values.update(dataset=Path(values["dataset"]), out=Path(values["out"]), model=Path(values["model"]),
+                      shard=Shard.parse(values["shard"]))
+        self.settings = BatchSettings(**values)
+        self.engine = build_engine(self.settings)
+        self.builder = build_request_builder(self.settings, self.engine.tokenizer)
+
+    def __call__(self, batch) -> dict[str, list]:
+        from schemas import ProductRecord
+        from vlm_catalog.batch.local import run_items
+        from vlm_catalog.data.loader import CatalogueItem
+
+        items = []
+        for row in batch.to_pylist():
+            if row["error"]:
+                items.append(CatalogueItem(row["index"], error=row["error"], kind=row["kind"]))
+                continue
+            record = ProductRecord(
+                id=str(row["index"]), title=row["title"], description=row["description"], image=row["image"],
+                candidate_categories=json.loads(row["candidates"]),
+            )
+            items.append(CatalogueItem(row["index"], record=record))
+        lines: list[ResultLine] = []
+        run_items(self.engine, self.builder, items, lines.append, self.settings.window)
+        return {"line": [json.dumps({**line.to_json(), "num_tokens": line.num_tokens}) for line in lines]}
