@@ -52,7 +52,7 @@ class BatchSettings:
     overwrite: bool = False
     ray_address: str | None = None  # None: this process; "": Ray (running cluster or local); else its address
     replicas: int | None = None  # Ray engine replicas (default: one per GPU, or per node on CPU)
-    window: int = 64  # requests in the engine at once
+    window: int | None = None  # requests in the engine at once (None: 64 on CPU, 512 on GPUs)
     evaluate: bool = False
     log_every_s: float = 30.0
     terminal: bool | None = None  # progress bar (None: when stderr is a terminal)
@@ -141,6 +141,8 @@ def check_settings(settings: BatchSettings) -> None:
         raise BatchError(f"--limit must be a positive number of records, got {settings.limit}")
     if settings.max_tokens < 1:
         raise BatchError(f"--max-tokens must be at least 1, got {settings.max_tokens}")
+    if settings.window is None:
+        settings.window = 64 if settings.device == "cpu" else 512
     if settings.window < 1:
         raise BatchError(f"--window must be at least 1, got {settings.window}")
     if settings.replicas is not None and settings.replicas < 1:

@@ -39,7 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="with --ray: engine replicas (default: one per GPU, or one per node on CPU)")
     parser.add_argument("--eval", action="store_true",
                         help="score the results with the benchmark's metric (needs ground truth)")
-    parser.add_argument("--window", type=int, default=64, help="requests in the engine at once (memory bound)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="records in the engine at once: bounds memory (default 64 on CPU, 512 on GPUs)")
     parser.add_argument("--log-every", type=float, default=30.0, metavar="SECONDS",
                         help="progress log interval when stderr is not a terminal")
     parser.set_defaults(handler=run)
@@ -73,7 +74,7 @@ def settings_from_args(args: argparse.Namespace, out: Path, **overrides):
         max_tokens=args.max_tokens, enable_prefix_caching=not args.no_prefix_caching,
         scheduling_policy=args.policy, shard=shard, overwrite=getattr(args, "overwrite", False),
         ray_address=getattr(args, "ray", None), replicas=getattr(args, "replicas", None),
-        window=getattr(args, "window", 64), evaluate=getattr(args, "eval", False),
+        window=getattr(args, "window", None), evaluate=getattr(args, "eval", False),
         log_every_s=getattr(args, "log_every", 30.0),
     )
     values.update(overrides)
@@ -88,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
     except BatchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except KeyboardInterrupt:  # before the first record started (loading, checking)
+        print("interrupted before any record was processed", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(summary.format())
     if summary.interrupted:
         print(f"interrupted: {args.out} holds every finished record; run the same command to resume", file=sys.stderr)
