@@ -1,0 +1,98 @@
+"""`vlm-catalog serve` as a user runs it: prints its URL, serves, stops on SIGTERM/SIGINT with exit 0."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL_NAME
+
+KEY = "cmd-secret-key-4242"
+ENDLESS = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "go"}], "max_tokens": 20000,
+           "guided_regex": "[ab]{20000}", "stream": True}
+
+
+class Service:
+    def __init__(self, *args: str, env: dict | None = None) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "vlm_catalog.cli", "serve", "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+        )
+        self.lines: list[str] = []
+        self.url: str | None = None
+        ready = threading.Event()
+
+        def read() -> None:
+            for line in self.process.stdout:
+                self.lines.append(line)
+                found = re.search(r"serving '.*' at (http://\S+)", line)
+                if found:
+                    self.url = found.group(1)
+                    ready.set()
+            ready.set()
+
+        self.reader = threading.Thread(target=read, daemon=True)
+        self.reader.start()
+        ready.wait(120)
+        assert self.url, "".join(self.lines)
+
+    def stop(self, sig: int, timeout: float = 15) -> tuple[int, float]:
+        started = time.perf_counter()
+        self.process.send_signal(sig)
+        code = self.process.wait(timeout)
+        self.reader.join(5)
+        return code, time.perf_counter() - started
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+def test_serve_answers_then_sigterm_with_a_request_in_flight_exits_0_quickly():
+    service = Service(env={"VLM_CATALOG_API_KEY": KEY})
+    try:
+        assert "(API key required)" in service.output
+        headers = {"Authorization": f"Bearer {KEY}"}
+        assert httpx.get(f"{service.url}/health").status_code == 200
+        assert httpx.get(f"{service.url}/v1/models").status_code == 401
+        assert httpx.get(f"{service.url}/v1/models", headers=headers).json()["data"][0]["id"] == MODEL_NAME
+        with httpx.Client(base_url=service.url, headers=headers, timeout=30) as client:
+            with client.stream("POST", "/v1/chat/completions", json=ENDLESS) as response:
+                lines = response.iter_lines()
+                assert any('"content"' in next(lines) for _ in range(4))
+                code, seconds = service.stop(signal.SIGTERM)
+    finally:
+        if service.process.poll() is None:
+            service.process.kill()
+    assert code == 0, service.output
+    assert seconds < 10
+    assert KEY not in service.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT])
+def test_serve_idle_stops_on_sigint_with_exit_0(sig):
+    service = Service("--served-model-name", "catalogue-model", "--max-num-seqs", "8")
+    try:
+        assert "serving 'catalogue-model'" in service.output
+        assert httpx.get(f"{service.url}/v1/models").json()["data"][0]["id"] == "catalogue-model"
+        code, seconds = service.stop(sig)
+    finally:
+        if service.process.poll() is None:
+            service.process.kill()
+    assert code == 0, service.output
+    assert seconds < 10
+
+
+def test_serve_refuses_a_missing_model_with_exit_2(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "vlm_catalog.cli", "serve", "--model", str(tmp_path / "none")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "error:" in result.stderr
