@@ -29,6 +29,7 @@ import argparse
 import gc
 import importlib.util
 import json
+import os
 import sys
 import tempfile
 import time
@@ -232,12 +233,32 @@ def measure_transformers(checkpoint: Path, device: torch.device, records, batch_
     return results
 
 
-def kernel_benchmarks(device: torch.device) -> dict:
-    path = REPO_ROOT / "scripts" / "bench_kernels.py"
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+def load_bench_kernels():
+    """scripts/bench_kernels.py as a module (it is a script, not a package member).
+
+    Registered in sys.modules before it runs: its dataclasses look their module up
+    there while they are being defined, and fail without the entry.
+    """
+    name = "bench_kernels"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / "bench_kernels.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.run_kernel_benchmarks(device)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def kernel_benchmarks(device: torch.device) -> dict:
+    """The kernel table at the model's shapes on CUDA; on CPU the interpreter smoke shapes."""
+    bench_kernels = load_bench_kernels()
+    if device.type == "cuda":
+        return bench_kernels.run_kernel_benchmarks(device)
+    return bench_kernels.run_kernel_benchmarks(device, bench_kernels.TINY_SHAPES)
 
 
 # ------------------------------------------------------------------------ main
@@ -259,6 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(phases) - set(PHASES)
     if unknown:
         parser.error(f"unknown phases: {', '.join(sorted(unknown))}")
+    if device.type == "cpu" and "kernels" in phases:
+        # the kernels run under the Triton interpreter on CPU; it is chosen when kernels.jit is
+        # first imported, which has not happened yet (only the Triton wrappers import it)
+        if "kernels.jit" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error("the kernels phase on CPU needs TRITON_INTERPRET=1 set before triton is used")
+        os.environ["TRITON_INTERPRET"] = "1"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     results = json.loads(args.json_out.read_text()) if args.json_out and args.json_out.is_file() else {}
     results["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -278,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             results["ceilings"] = measure_ceilings(device)
             print("ceilings:", results["ceilings"], flush=True)
         if "kernels" in phases:
-            results["kernels"] = kernel_benchmarks(device) if device.type == "cuda" else "needs a GPU"
+            results["kernels"] = kernel_benchmarks(device)
             print("kernels:", results["kernels"], flush=True)
         if {"roofline", "engine"} & set(phases):
             model = random_model(checkpoint, device, dtype)

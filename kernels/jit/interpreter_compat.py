@@ -1,4 +1,4 @@
-"""Work-arounds for two bfloat16 gaps of the Triton interpreter.
+"""Work-arounds for two bfloat16 gaps of the Triton interpreter, and one scalar gap.
 
 The interpreter (``TRITON_INTERPRET=1``) runs kernels with numpy, which has no
 bfloat16: it stores bfloat16 values as their uint16 bit patterns. Two places
@@ -16,8 +16,17 @@ then differ from a GPU:
 
 Our kernels do all other arithmetic in float32 (bfloat16 values are upcast right
 after the load), so these two are enough to make the interpreter a faithful
-stand-in. Applied only under the interpreter, once; `kernels.jit` applies them
-on import.
+stand-in.
+
+3. Scalars in the interpreter are numpy arrays of shape (1,), and before Triton
+   3.9 a scalar's ``__index__`` was ``int(data)``, which NumPy 2.4 refuses
+   ("only 0-dimensional arrays can be converted to Python scalars"). Every loop
+   with tensor bounds (``range(split_start, split_end, BLOCK_N)``) then fails:
+   with triton 3.6 (the GPU image's) every interpreter test and the
+   ``bench_kernels.py --interpret`` smoke run did. We install the ``__index__``
+   that Triton 3.9 has (the element of a one-element array).
+
+Applied only under the interpreter, once; `kernels.jit` applies them on import.
 """
 
 from __future__ import annotations
@@ -85,3 +94,21 @@ def patch_interpreter_bfloat16() -> None:
     builder_class.create_dot = create_dot
     builder_class.create_fp_trunc = create_fp_trunc
     setattr(builder_class, _PATCHED_ATTRIBUTE, True)
+
+
+def patch_interpreter_scalar_index() -> None:
+    """Item 3 of the module doc: a scalar's ``__index__`` that accepts shape (1,) data."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, _PATCHED_ATTRIBUTE, False):
+        return  # another layout (nothing to fix that we know of), or already patched
+
+    def patch_lang_tensor(tensor, scope, *args, **kwargs):
+        result = original(tensor, scope, *args, **kwargs)
+        # set through the scope, so the interpreter restores it after the kernel like its own patches
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        return result
+
+    setattr(patch_lang_tensor, _PATCHED_ATTRIBUTE, True)
+    interpreter._patch_lang_tensor = patch_lang_tensor

@@ -1,6 +1,6 @@
 """The interpreter work-arounds in `kernels.jit.interpreter_compat` make bfloat16 behave
 as on a GPU: `tl.dot` on values (not bit patterns), float32 -> bfloat16 rounding to
-nearest even."""
+nearest even; and loops with tensor bounds run on older Triton too."""
 
 from __future__ import annotations
 
@@ -38,3 +38,31 @@ def test_bfloat16_dot_and_rounding(triton_device):
     assert torch.equal(rounded, values.to(torch.bfloat16)), (
         "float32 -> bfloat16 must round like torch"
     )
+
+
+def test_loops_with_bounds_loaded_from_memory(triton_device):
+    """`range(start, end)` with tensor bounds (the paged-attention split loops) under the
+    interpreter: Triton < 3.9 on NumPy 2.4 failed here until the scalar __index__ patch."""
+    if triton_device.type != "cpu":
+        pytest.skip("checks the Triton interpreter only")
+    import triton
+    import triton.language as tl
+
+    import kernels.jit  # noqa: F401  (applies the patch)
+
+    @triton.jit
+    def sum_between(values_ptr, bounds_ptr, out_ptr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        start = tl.load(bounds_ptr + 2 * row)
+        end = tl.load(bounds_ptr + 2 * row + 1)
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for tile in range(start, end, BLOCK):
+            offsets = tile + tl.arange(0, BLOCK)
+            total += tl.load(values_ptr + offsets, mask=offsets < end, other=0.0)
+        tl.store(out_ptr + row, tl.sum(total))
+
+    values = torch.arange(40, dtype=torch.float32)
+    bounds = torch.tensor([[0, 40], [3, 17], [30, 31]], dtype=torch.int32)
+    out = torch.empty(3)
+    sum_between[(3,)](values, bounds, out, BLOCK=8)
+    assert out.tolist() == [sum(range(40)), sum(range(3, 17)), 30.0]
