@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tests.server.conftest import png_bytes
 from vlm_catalog import LLM, SamplingParams
 from vlm_catalog.engine.async_engine import AsyncLLM, EngineUnavailableError
 from vlm_catalog.engine.llm_engine import EngineRequestError
@@ -65,16 +66,20 @@ def test_processor_refuses_with_prompt_error(engine):
     assert processor.process(user("emoji \U0001f600 ok")).num_tokens > 0
 
 
-def test_llm_chat_batch_survives_a_lone_surrogate():
+def test_llm_chat_batch_survives_a_lone_surrogate_an_unknown_role_and_a_truncated_png():
+    truncated = [{"role": "user", "content": [{"type": "image", "image": png_bytes(90, 70)[:-30]}]}]
     llm = LLM(DEFAULT_MODEL_DIR)
     try:
-        outputs = llm.chat([user("first"), user("broken \ud800"), user("third", role="hacker"), user("fourth")],
-                           SamplingParams(max_tokens=4))
+        outputs = llm.chat(
+            [user("first"), user("broken \ud800"), user("third", role="hacker"), truncated, user("fifth")],
+            SamplingParams(max_tokens=4),
+        )
     finally:
         llm.engine.close()
-    assert [output.finish_reason for output in outputs] == ["length", "error", "error", "length"]
+    assert [output.finish_reason for output in outputs] == ["length", "error", "error", "error", "length"]
     assert "unpaired surrogate" in outputs[1].error and "unknown role" in outputs[2].error
-    assert len(outputs[0].token_ids) == 4 and len(outputs[3].token_ids) == 4
+    assert "truncated or corrupt" in outputs[3].error
+    assert len(outputs[0].token_ids) == 4 and len(outputs[4].token_ids) == 4
 
 
 def test_a_dying_engine_thread_fails_waiting_requests_and_refuses_new_ones():
