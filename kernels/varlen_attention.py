@@ -2,14 +2,19 @@
 rows ``cu_seqlens[i]:cu_seqlens[i+1]`` (vision tower: each image attends only to
 itself).
 
-Backends on CUDA: the Triton kernel, or per-segment `F.scaled_dot_product_attention`
-(which runs FlashAttention on CUDA and is strong on a few long segments, but
-pays a launch and a host sync per segment). `VLM_CATALOG_VARLEN_ATTENTION`
-(``auto`` | ``triton`` | ``sdpa``) picks one; ``auto`` uses SDPA for at most
-`SDPA_MAX_SEGMENTS` segments and Triton above. That threshold is a placeholder
-until `scripts/bench_kernels.py` measures both on a GPU (it prints the timings
-per segment count; set the constant from them). `VLM_CATALOG_KERNELS` still
-wins: ``reference`` forces SDPA, ``triton`` forces the kernel.
+Backends on CUDA, chosen per segment: per-segment `F.scaled_dot_product_attention`
+(FlashAttention on CUDA: far ahead on long segments, but one launch per segment)
+for segments of at least `SDPA_MIN_SEGMENT_LEN` rows, and one Triton launch for
+all the shorter ones (the kernel skips the long segments, so the two write
+disjoint rows). Measured on an H100 (bf16, 16 heads of 72): Triton was 0.12x
+SDPA at 1 x 15625 and 4 x 4096 patches and 4x at 32 x 256 patches; the
+threshold between is a placeholder until `scripts/bench_kernels.py` measures
+the crossover. `VLM_CATALOG_VARLEN_ATTENTION` (``auto`` | ``triton`` | ``sdpa``)
+forces one backend for every segment; `VLM_CATALOG_KERNELS` still wins:
+``reference`` forces SDPA, ``triton`` forces the kernel.
+
+Pass the segment lengths on the host (`seqlens`) when you have them: the
+per-segment choice otherwise reads `cu_seqlens` back from the device (a sync).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from kernels.checks import (
 from kernels.dispatch import kernel_backend, use_triton
 
 VARLEN_BACKEND_ENV_VAR = "VLM_CATALOG_VARLEN_ATTENTION"
-SDPA_MAX_SEGMENTS = 8  # NOT YET MEASURED: placeholder, see the module docstring
+SDPA_MIN_SEGMENT_LEN = 1024  # NOT YET MEASURED on a GPU: placeholder, see the module docstring
 
 
 # --------------------------------------------------------------------------- reference
@@ -41,17 +46,8 @@ def varlen_attention_reference(
 ) -> torch.Tensor:
     """Per-segment SDPA, as transformers' vision attention does without flash-attn."""
     out = torch.empty_like(q)
-    bounds = cu_seqlens.tolist()
-    for begin, end in itertools.pairwise(bounds):
-        if end == begin:
-            continue
-        context = F.scaled_dot_product_attention(
-            q[begin:end].transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
-            k[begin:end].transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
-            v[begin:end].transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
-            scale=scale,
-        )  # [1, H, n, D]
-        out[begin:end] = context[0].transpose(0, 1)  # [n, H, D]
+    bounds = [(begin, end) for begin, end in itertools.pairwise(cu_seqlens.tolist()) if end > begin]
+    _sdpa_segments(q, k, v, bounds, scale, out)
     return out
 
 
@@ -64,8 +60,11 @@ def varlen_attention_triton(
     scale: float,
     *,
     max_seqlen: int | None = None,
+    max_segment_len: int | None = None,
 ) -> torch.Tensor:
-    """`max_seqlen`: optional host-side longest segment (otherwise computed: a device sync)."""
+    """`max_seqlen`: optional host-side longest segment (otherwise computed: a device sync).
+    `max_segment_len`: segments longer than this are not computed (their rows of the
+    output are left unwritten, for another backend); None computes all."""
     import triton
 
     from kernels.jit.varlen_attention import varlen_attention_kernel
@@ -102,6 +101,7 @@ def varlen_attention_triton(
         out,
         # sizes
         scale * LOG2_E,
+        max_segment_len if max_segment_len is not None else num_tokens,
         # strides
         q.stride(0),
         q.stride(1),
@@ -124,14 +124,58 @@ def varlen_attention_triton(
 
 
 # --------------------------------------------------------------------------- dispatch
-def varlen_backend(num_segments: int) -> str:
-    """ "triton" or "sdpa" for a CUDA call with `num_segments` segments."""
+def forced_varlen_backend() -> str | None:
+    """ "triton" or "sdpa" when `VLM_CATALOG_VARLEN_ATTENTION` forces one, else None (auto)."""
     choice = os.environ.get(VARLEN_BACKEND_ENV_VAR, "auto").strip().lower() or "auto"
     if choice not in ("auto", "triton", "sdpa"):
         raise ValueError(f"{VARLEN_BACKEND_ENV_VAR}={choice!r} is not one of auto, triton, sdpa")
-    if choice == "auto":
-        return "sdpa" if num_segments <= SDPA_MAX_SEGMENTS else "triton"
-    return choice
+    return None if choice == "auto" else choice
+
+
+def varlen_backend(segment_len: int) -> str:
+    """ "triton" or "sdpa" for one segment of a CUDA call."""
+    forced = forced_varlen_backend()
+    if forced is not None:
+        return forced
+    return "sdpa" if segment_len >= SDPA_MIN_SEGMENT_LEN else "triton"
+
+
+def _sdpa_segments(q, k, v, bounds: list[tuple[int, int]], scale: float, out: torch.Tensor) -> None:
+    """Per-segment SDPA into the rows `bounds` of `out`."""
+    for begin, end in bounds:
+        context = F.scaled_dot_product_attention(
+            q[begin:end].transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
+            k[begin:end].transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
+            v[begin:end].transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
+            scale=scale,
+        )  # [1, H, n, D]
+        out[begin:end] = context[0].transpose(0, 1)  # [n, H, D]
+
+
+def varlen_attention_per_segment(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    seqlens: list[int],
+) -> torch.Tensor:
+    """Each segment through the backend `varlen_backend` picks for its length: the short
+    ones in one Triton launch (which skips the long ones), the long ones through SDPA."""
+    starts = list(itertools.accumulate([0] + seqlens[:-1]))
+    long_segments = [(s, s + n) for s, n in zip(starts, seqlens) if n and varlen_backend(n) == "sdpa"]
+    short_lengths = [n for n in seqlens if n and varlen_backend(n) == "triton"]
+    if not long_segments:
+        return varlen_attention_triton(q, k, v, cu_seqlens, scale, max_seqlen=max(short_lengths, default=0))
+    if short_lengths:
+        longest_short = max(short_lengths)
+        out = varlen_attention_triton(
+            q, k, v, cu_seqlens, scale, max_seqlen=longest_short, max_segment_len=longest_short
+        )
+    else:
+        out = torch.empty_like(q)
+    _sdpa_segments(q, k, v, long_segments, scale, out)
+    return out
 
 
 def varlen_attention(
@@ -142,10 +186,14 @@ def varlen_attention(
     scale: float,
     *,
     max_seqlen: int | None = None,
+    seqlens: list[int] | None = None,
 ) -> torch.Tensor:
-    """q, k, v [N, H, D], cu_seqlens [n+1] -> [N, H, D]; non-causal within each segment."""
-    if use_triton(q, k, v, cu_seqlens):
-        forced = kernel_backend() == "triton"
-        if forced or varlen_backend(cu_seqlens.shape[0] - 1) == "triton":
-            return varlen_attention_triton(q, k, v, cu_seqlens, scale, max_seqlen=max_seqlen)
-    return varlen_attention_reference(q, k, v, cu_seqlens, scale)
+    """q, k, v [N, H, D], cu_seqlens [n+1] -> [N, H, D]; non-causal within each segment.
+    `seqlens`: the n segment lengths on the host, if known (saves a device sync)."""
+    if not use_triton(q, k, v, cu_seqlens):
+        return varlen_attention_reference(q, k, v, cu_seqlens, scale)
+    if kernel_backend() == "triton":
+        return varlen_attention_triton(q, k, v, cu_seqlens, scale, max_seqlen=max_seqlen)
+    if seqlens is None:
+        seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    return varlen_attention_per_segment(q, k, v, cu_seqlens, scale, seqlens)

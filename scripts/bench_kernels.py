@@ -65,8 +65,10 @@ class Shapes:
     vision_cases: tuple[tuple[int, int], ...] = (
         (1, 15625),
         (4, 4096),
+        (8, 1024),
+        (16, 576),
         (32, 256),
-    )  # (images, patches each)
+    )  # (images, patches each): the crossover between Triton and SDPA sets SDPA_MIN_SEGMENT_LEN
 
 
 GPU_SHAPES = Shapes()
@@ -396,7 +398,7 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 "SDPA per segment (reference)",
                 timer(partial(varlen_attention_reference, *varlen_args)),
                 teraflops(flops, ms),
-                note="picks SDPA_MAX_SEGMENTS",
+                note="sets SDPA_MIN_SEGMENT_LEN (crossover by segment length)",
             )
         )
     return rows

@@ -16,6 +16,7 @@ def varlen_attention_kernel(
     out_ptr,  # [N, H, D]
     # sizes
     scale_log2,  # softmax scale * log2(e)
+    max_segment_len,  # segments longer than this are left alone (another backend writes them)
     # strides
     stride_q_token,
     stride_q_head,
@@ -39,7 +40,7 @@ def varlen_attention_kernel(
     segment_begin = tl.load(cu_seqlens_ptr + segment)
     segment_end = tl.load(cu_seqlens_ptr + segment + 1)
     first_row = segment_begin + query_tile * BLOCK_M
-    if first_row >= segment_end:
+    if first_row >= segment_end or segment_end - segment_begin > max_segment_len:
         return
 
     rows = (first_row + tl.arange(0, BLOCK_M)).to(tl.int64)

@@ -4,14 +4,16 @@ and the CUDA backend choice."""
 from __future__ import annotations
 
 import itertools
+import sys
 
 import pytest
 import torch
 
 import kernels
 from kernels.varlen_attention import (
-    SDPA_MAX_SEGMENTS,
+    SDPA_MIN_SEGMENT_LEN,
     VARLEN_BACKEND_ENV_VAR,
+    varlen_attention_per_segment,
     varlen_attention_reference,
     varlen_attention_triton,
     varlen_backend,
@@ -71,13 +73,35 @@ def test_triton_strided_views_of_a_fused_qkv(triton_device):
 
 def test_backend_choice(monkeypatch):
     monkeypatch.delenv(VARLEN_BACKEND_ENV_VAR, raising=False)
-    assert varlen_backend(1) == "sdpa"
-    assert varlen_backend(SDPA_MAX_SEGMENTS + 1) == "triton"
+    assert varlen_backend(SDPA_MIN_SEGMENT_LEN) == "sdpa"
+    assert varlen_backend(SDPA_MIN_SEGMENT_LEN - 1) == "triton"
     monkeypatch.setenv(VARLEN_BACKEND_ENV_VAR, "triton")
-    assert varlen_backend(1) == "triton"
+    assert varlen_backend(10**6) == "triton"
     monkeypatch.setenv(VARLEN_BACKEND_ENV_VAR, "flash")
     with pytest.raises(ValueError, match="flash"):
         varlen_backend(1)
+
+
+@pytest.mark.parametrize("segment_lens", [[5, 40, 3, 0, 33, 7], [40, 33], [5, 3, 7]])
+def test_per_segment_backends_write_every_row_once(triton_device, poison_allocations, monkeypatch, segment_lens):
+    """Long segments through SDPA, short ones in one Triton launch that skips the long ones:
+    together they equal the reference (poisoned allocations show unwritten rows)."""
+    monkeypatch.delenv(VARLEN_BACKEND_ENV_VAR, raising=False)
+    monkeypatch.setattr(sys.modules["kernels.varlen_attention"], "SDPA_MIN_SEGMENT_LEN", 30)
+    q, k, v, cu_seqlens = packed(segment_lens, 2, 16, torch.float32, triton_device)
+    assert_close(
+        varlen_attention_per_segment(q, k, v, cu_seqlens, 0.25, segment_lens),
+        varlen_attention_reference(q, k, v, cu_seqlens, 0.25),
+        rel=1e-4,
+    )
+
+
+def test_triton_leaves_segments_over_max_segment_len_unwritten(triton_device):
+    q, k, v, cu_seqlens = packed([6, 20, 4], 2, 16, torch.float32, triton_device)
+    out = varlen_attention_triton(q, k, v, cu_seqlens, 0.25, max_seqlen=6, max_segment_len=6)
+    expected = varlen_attention_reference(q, k, v, cu_seqlens, 0.25)
+    computed = torch.cat([torch.arange(0, 6), torch.arange(26, 30)])
+    assert_close(out[computed], expected[computed], rel=1e-4)
 
 
 def test_triton_rejects_bad_arguments(triton_device):
@@ -89,7 +113,7 @@ def test_triton_rejects_bad_arguments(triton_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "sdpa"])
+@pytest.mark.parametrize("backend", ["triton", "sdpa", "auto"])
 def test_gpu_varlen_attention_vision_shapes(cuda_device, monkeypatch, backend):
     # tolerance: 1e-2 (bfloat16); vision tower: 16 heads of 72, images of 1k-16k patches
     monkeypatch.setenv(VARLEN_BACKEND_ENV_VAR, backend)
