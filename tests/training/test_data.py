@@ -50,7 +50,7 @@ def test_answer_tokens_and_weights(tiny_base: Path) -> None:
     mix = TrainingMix(seed=9, fresh_brand_rate=0.5, brand_weight=4.0, flag_weight=2.0)
     builder = ExampleBuilder(tiny_base, mix)
     for index in range(6):
-        record = mix.record(builder.factory, index)
+        record = mix.record(builder.factory, index, builder.brand_words)
         example = builder.example(index)
         tokenizer = builder.tokenizer
         assert example.answer_ids[-1] == builder.end_id
@@ -78,3 +78,14 @@ def test_batch_targets_line_up_with_inputs(tiny_base: Path) -> None:
         assert int(row_positions.max()) == length - 2  # the last target is the row's last token
     image_tokens = int((input_ids == builder.image_token_id).sum())
     assert image_tokens * 4 == int(batch.inputs["image_grid_thw"].prod(dim=1).sum())  # 2x2 merge
+
+
+def test_made_up_brands_from_tokenizer_words(tiny_base: Path) -> None:
+    builder = ExampleBuilder(tiny_base, TrainingMix(seed=3, fresh_brand_rate=1.0))
+    words = builder.brand_words
+    assert words and all(word.isalpha() and len(word) >= 3 for word in words)
+    vocabulary = set(builder.tokenizer.get_vocab())
+    assert all(word in vocabulary or "Ġ" + word in vocabulary for word in words)
+    brands = [builder.mix.record(builder.factory, index, words).brand for index in range(20)]
+    assert all(any(word.lower() in brand.lower() for word in words) for brand in brands)
+    assert len(set(brands)) == 20

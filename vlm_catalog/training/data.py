@@ -34,14 +34,17 @@ class TrainingMix:
     """Which synthetic records a run trains on, and how they are varied."""
 
     seed: int = 3000  # generator seed of the training records (never a held-out seed)
-    fresh_brand_rate: float = 0.3  # share of records whose brand is made up for the example
+    fresh_brand_rate: float = 0.4  # share of records whose brand is made up for the example
+    fresh_brand_words: bool = True  # made-up brands from whole tokenizer words, else syllables
     realistic_image_rate: float = 0.05  # share of records with benchmark-sized photos
-    brand_weight: float = 3.0  # loss weight of the answer's brand tokens
+    brand_weight: float = 5.0  # loss weight of the answer's brand tokens
     flag_weight: float = 3.0  # loss weight of the answer's is_secondhand value tokens
 
-    def record(self, factory: RecordFactory, index: int) -> SyntheticRecord:
+    def record(self, factory: RecordFactory, index: int, words: tuple[str, ...] = ()) -> SyntheticRecord:
+        """Example `index`; `words` are the stems of made-up brands (see `brand_words`)."""
         chooser = record_rng("training-mix", self.seed, index)
-        brand = fresh_brand(chooser) if chooser.random() < self.fresh_brand_rate else None
+        stems = words if self.fresh_brand_words else ()
+        brand = fresh_brand(chooser, stems) if chooser.random() < self.fresh_brand_rate else None
         image_size = "realistic" if chooser.random() < self.realistic_image_rate else "small"
         return factory.make(self.seed, index, image_size, brand=brand)
 
@@ -81,6 +84,16 @@ class Batch:
         )
 
 
+def brand_words(tokenizer) -> tuple[str, ...]:
+    """Words that are one token of `tokenizer`: letters only, 3+ long (stems of made-up brands)."""
+    words = set()
+    for token in tokenizer.get_vocab():
+        text = tokenizer.convert_tokens_to_string([token]).strip()
+        if len(text) >= 3 and text.isascii() and text.isalpha():
+            words.add(text)
+    return tuple(sorted(words))
+
+
 class ExampleBuilder:
     """Turns synthetic records into tokenised examples and padded batches for one checkpoint."""
 
@@ -93,6 +106,7 @@ class ExampleBuilder:
         self.mix = mix
         self.factory = factory or default_factory()
         self.shared_prefix = self._shared_prefix()
+        self.brand_words = brand_words(self.tokenizer)
 
     def _shared_prefix(self) -> list[int]:
         """The tokens every mlperf prompt starts with: the system prompt up to the title."""
@@ -109,7 +123,7 @@ class ExampleBuilder:
         return list(first[:length])
 
     def example(self, index: int) -> Example:
-        record = self.mix.record(self.factory, index)
+        record = self.mix.record(self.factory, index, self.brand_words)
         prompt = self.processor.process(build_mlperf_messages(ProductRecord(
             title=record.title, description=record.description,
             image=record.image_jpeg, candidate_categories=list(record.candidates),

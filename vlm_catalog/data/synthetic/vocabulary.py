@@ -181,25 +181,32 @@ def _fresh_stem(rng: random.Random) -> str:
     )
 
 
-def fresh_brand(rng: random.Random) -> str:
+def fresh_brand(rng: random.Random, stems: tuple[str, ...] = ()) -> str:
     """A made-up brand name drawn from `rng`, almost never one of `brand_names()`.
 
     For training data: a model shown brands it cannot have memorised must learn
-    to copy the brand from the listing's text. Casing and styles vary as in the
-    fixed vocabulary (mostly capitalised, some all upper or lower case).
+    to copy the brand from the listing's text. Each stem is a random syllable
+    string, or, when `stems` is given, one of those words (e.g. whole tokens of
+    a tokenizer, so copying a brand means copying a few whole tokens, as with
+    the real vocabulary). Casing and styles vary as in the fixed vocabulary.
     """
     style = rng.choice(_FRESH_STYLES)
-    stems = []
+    names = []
     for _ in range(style.count("{}")):
-        stem = _fresh_stem(rng)
-        while len(stem) < 3:
-            stem += _fresh_stem(rng)
+        if stems:
+            stem = rng.choice(stems)
+            if rng.random() < 0.3:
+                stem += rng.choice(stems).lower()
+        else:
+            stem = _fresh_stem(rng)
+            while len(stem) < 3:
+                stem += _fresh_stem(rng)
         casing = rng.random()
         if casing < 0.08:
             stem = stem.upper()
         elif casing < 0.14:
             stem = stem.lower()
         else:
-            stem = stem.capitalize()
-        stems.append(stem)
-    return style.format(*stems)
+            stem = stem[:1].upper() + stem[1:]
+        names.append(stem)
+    return style.format(*names)
