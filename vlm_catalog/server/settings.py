@@ -8,7 +8,7 @@ so an operator can change it without code: `VLM_CATALOG_MAX_BODY_BYTES=...`,
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 KIB = 1024
@@ -49,3 +49,9 @@ class ServerSettings(BaseSettings):
     retry_after_s: int = Field(1, ge=1)
     request_timeout_s: float = Field(600.0, gt=0)  # one request, arrival to last token
     graceful_shutdown_s: float = Field(5.0, ge=0)  # in-flight requests may finish this long after SIGTERM
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _empty_key_is_none(cls, value: object) -> object:
+        """`VLM_CATALOG_API_KEY=` (set but empty) means no key, not the empty key."""
+        return None if value in ("", None) else value
