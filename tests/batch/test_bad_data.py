@@ -104,3 +104,13 @@ def test_hostile_parquet_rows_fail_alone_and_llm_extract_survives_them(tmp_path)
     completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.startswith("True False") and "pixels" in completed.stdout
+
+
+def test_out_can_never_be_an_image_or_the_records_of_a_jsonl_dataset(tmp_path, capsys):
+    dataset, _ = jsonl_catalogue(tmp_path / "shop")
+    image = dataset.parent / "images" / "good.jpg"
+    before = image.read_bytes()
+    for target in (image, dataset):
+        code = main(["extract", "--dataset", str(dataset), "--out", str(target), "--overwrite", *FAST])
+        assert code == 1 and "--out" in capsys.readouterr().err
+    assert image.read_bytes() == before

@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlm_catalog.batch.output import OutputError, ResultsFile
+from vlm_catalog.batch.output import JOB_SUFFIX, OutputError, ResultsFile
 from vlm_catalog.batch.progress import Progress
 from vlm_catalog.batch.requests import FAILURE_KINDS, ResultLine
 from vlm_catalog.batch.selection import WHOLE, Shard, count_selected, pending_indices
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
+
+BATCH_GRAMMAR_CACHE_SIZE = 64
 
 
 class BatchError(RuntimeError):
@@ -171,6 +173,13 @@ def check_output_path(out: Path, catalogue) -> None:
     source = Path(catalogue.source).resolve()
     if source.is_dir() and resolved.is_relative_to(source):
         raise BatchError(f"--out {out} lies inside the dataset directory {catalogue.source}; choose a path outside it")
+    image_root = catalogue.image_root
+    job_file = out.with_name(out.name + JOB_SUFFIX)
+    if image_root is not None and out.exists() and not job_file.exists() and resolved.is_relative_to(image_root.resolve()):
+        raise BatchError(
+            f"--out {out} is a file in the dataset's folder that extract did not write "
+            "(it may be one of its images); choose another path"
+        )
     parent = resolved.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -210,6 +219,10 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
         summary.skipped = sum(1 for _ in _selected_done(catalogue, settings, results))
         pending = pending_indices(len(catalogue), results.done, settings.shard, settings.limit)
         progress = Progress(selected - summary.skipped, terminal=settings.terminal, log_every_s=settings.log_every_s)
+        where = "on Ray" if settings.ray_address is not None else f"on {settings.device}"
+        print(f"extract: {selected - summary.skipped} of {selected} records to do {where}"
+              + (f" ({summary.skipped} already in {settings.out})" if summary.skipped else ""),
+              file=progress.stream, flush=True)
 
         def emit(line: ResultLine) -> None:
             if int(line.id) in results.done:
@@ -274,6 +287,9 @@ def build_engine(settings: BatchSettings):
         return LLMEngine(EngineConfig(
             model=settings.model, device=settings.device, dtype=settings.dtype,
             enable_prefix_caching=settings.enable_prefix_caching, scheduling_policy=settings.scheduling_policy,
+            # each record has its own candidate list, so its grammar is seldom seen again:
+            # a small cache keeps memory flat over millions of records
+            grammar_cache_size=BATCH_GRAMMAR_CACHE_SIZE,
         ))
     except (CheckpointError, ModelConfigError, EngineConfigError) as exc:
         raise BatchError(f"cannot load the model: {exc}") from None
@@ -298,9 +314,15 @@ def evaluate_results(settings: BatchSettings, catalogue):
 
     if not catalogue.has_labels:
         return None
+    from vlm_catalog.evaluate.predictions import PredictionsError
+
     labels = catalogue.labels_or_none()
+    try:
+        predictions = read_predictions(settings.out)
+    except PredictionsError:  # an empty file: nothing to score
+        return None
     responses = [
-        (index, response) for index, response in resolve_indices(read_predictions(settings.out), catalogue)
+        (index, response) for index, response in resolve_indices(predictions, catalogue)
         if labels[index] is not None
     ]
     if not responses:

@@ -237,8 +237,9 @@ class _JsonlRows:
             for line in handle:
                 if line.strip():
                     self._offsets.append(offset)
-                    if first is None:
-                        first = _parse_json_line(line)
+                    if first is None:  # the columns of the first line that is a JSON object
+                        parsed = _parse_json_line(line)
+                        first = parsed if isinstance(parsed, dict) else None
                 offset += len(line)
         self.column_names = list(first) if isinstance(first, dict) else []
 
@@ -319,6 +320,11 @@ class Catalogue(Sequence[ProductRecord]):
         self._attributes = attributes
         self._image_root = image_root
         self.has_labels = all(column in rows.column_names for column in LABEL_COLUMNS)
+
+    @property
+    def image_root(self) -> Path | None:
+        """The folder image paths are relative to (and must stay inside)."""
+        return self._image_root
 
     @property
     def input_files(self) -> list[Path]:
