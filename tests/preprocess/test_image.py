@@ -21,7 +21,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     smart_resize as transformers_smart_resize,
 )
 
-from vlm_catalog.bench.baselines import transformers_image_processor
+from vlm_catalog.bench.baselines import transformers_image_processor, white_background_rgb
 from vlm_catalog.preprocess.image import ImageProcessor, ProcessedImage, smart_resize
 from vlm_catalog.preprocess.image_decode import DecodeFailure, ImageDecodeError
 
@@ -67,7 +67,8 @@ def with_alpha(image: Image.Image) -> Image.Image:
 
 
 def assert_matches_reference(ours: ImageProcessor, result: ProcessedImage, pil_image) -> None:
-    expected = transformers_image_processor(ours)(pil_image, return_tensors="pt")
+    # transformers gets the RGB image (its own RGB rule changed in 5.2x; white_background_rgb is ours)
+    expected = transformers_image_processor(ours)(white_background_rgb(pil_image), return_tensors="pt")
     assert result.grid_thw == tuple(expected["image_grid_thw"][0].tolist())
     assert result.pixel_values.dtype == torch.float32
     assert result.pixel_values.is_contiguous()

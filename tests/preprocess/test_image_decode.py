@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import inspect
 import io
 import struct
 import warnings
@@ -13,6 +14,7 @@ import pytest
 from PIL import Image
 from transformers.image_transforms import convert_to_rgb
 
+from vlm_catalog.bench.baselines import white_background_rgb
 from vlm_catalog.preprocess.image_decode import (
     DEFAULT_MAX_DECODE_PIXELS,
     DecodeFailure,
@@ -63,8 +65,13 @@ def png_rgb16(height: int = 12, width: int = 10) -> bytes:
 
 
 def transformers_rgb(raw: bytes) -> np.ndarray:
-    """What transformers' processors work on: convert_to_rgb of PIL's decode."""
-    return convert_to_rgb(Image.open(io.BytesIO(raw)), return_numpy=True)
+    """What transformers' processors work on: PIL's decode with transparency composited onto
+    white (`white_background_rgb`). Where the installed transformers has that rule
+    (`convert_to_rgb(..., return_numpy=True)`, 5.2x on), it must agree; older ones drop alpha."""
+    expected = np.asarray(white_background_rgb(Image.open(io.BytesIO(raw))))
+    if "return_numpy" in inspect.signature(convert_to_rgb).parameters:
+        np.testing.assert_array_equal(convert_to_rgb(Image.open(io.BytesIO(raw)), return_numpy=True), expected)
+    return expected
 
 
 def assert_reason(raw: bytes | str, reason: DecodeFailure, max_pixels: int = LIMIT) -> str:

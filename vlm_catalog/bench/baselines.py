@@ -9,6 +9,20 @@ from pathlib import Path
 import torch
 
 
+def white_background_rgb(image):
+    """`image` (PIL) as RGB, transparency composited onto white: the RGB rule of our decoder
+    and of transformers' `convert_to_rgb` since 5.2x. Older transformers (5.17 on the GPU
+    image) drop the alpha channel instead, so baselines and tests hand transformers images
+    already converted by this function, and see the same pixels on every version >= 5.0.
+    Uses only PIL's public API."""
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
 def transformers_image_processor(ours):
     """transformers' `Qwen2VLImageProcessorPil` with the settings of our `ImageProcessor` `ours`."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -69,7 +83,8 @@ class TransformersPipeline:
                     parts = []
                     for part in content:
                         if part["type"] == "image_url":
-                            images.append(Image.open(io.BytesIO(_data_uri_bytes(part["image_url"]["url"]))))
+                            raw = _data_uri_bytes(part["image_url"]["url"])
+                            images.append(white_background_rgb(Image.open(io.BytesIO(raw))))
                             parts.append({"type": "image"})
                         else:
                             parts.append(part)
