@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from vlm_catalog.model.tiny_checkpoint import TinySpec, make_tiny_checkpoint
+from vlm_catalog.paths import DEFAULT_MODEL_DIR
 from vlm_catalog.training.data import TrainingMix
 from vlm_catalog.training.trainer import TrainConfig
 
@@ -18,7 +19,12 @@ TINY_SPEC = TinySpec(text_layers=1, hidden_size=32, head_dim=8, num_heads=4, num
 
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("training") / "base", TINY_SPEC, seed=3)
+    """Random tiny weights with the shipped model's tokenizer (catalogue prompts tokenise compactly)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
+    spec = TINY_SPEC.with_changes(tokenizer_vocab_size=len(tokenizer))
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("training") / "base", spec, seed=3, tokenizer=tokenizer)
 
 
 def tiny_config(base: Path, run_dir: Path, **changes) -> TrainConfig:
