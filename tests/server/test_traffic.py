@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import socket
 import time
 
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL_NAME, call, call_many, chat_body, load_is_zero, wait_until
+from tests.server.conftest import (
+    MODEL_NAME,
+    LiveServer,
+    call,
+    call_many,
+    chat_body,
+    load_is_zero,
+    wait_until,
+)
 from vlm_catalog.engine.async_engine import AsyncLLM
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 from vlm_catalog.server import ServerSettings, create_app
@@ -78,6 +88,30 @@ def test_api_key_guards_every_endpoint_but_health(engine, caplog):
     assert call(app, "POST", "/v1/chat/completions", json=chat_body(), headers=authorised).status_code == 200
     assert key not in caplog.text
     assert key not in repr(ServerSettings(api_key=key))
+
+
+def _open_request(url: str, body: dict) -> socket.socket:
+    """Send a POST on a raw connection and leave it open (closing it is the client going away)."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    connection = socket.create_connection((host, int(port)))
+    connection.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                        f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload)
+    return connection
+
+
+def test_a_stream_whose_client_leaves_while_queued_is_dropped_from_the_queue(small_engine):
+    with LiveServer(create_app(small_engine)) as live:
+        fillers = [_open_request(live.url, ENDLESS) for _ in range(2)]  # both running places taken
+        assert wait_until(lambda: small_engine.load_stats()["requests_running"] == 2)
+        queued = _open_request(live.url, {**ENDLESS, "stream": True})
+        assert wait_until(lambda: small_engine.load_stats()["requests_waiting"] == 1)
+        queued.close()
+        assert wait_until(lambda: small_engine.load_stats()["requests_waiting"] == 0, timeout=3)
+        assert small_engine.load_stats()["requests_running"] == 2
+        for filler in fillers:
+            filler.close()
+        assert wait_until(lambda: load_is_zero(small_engine), timeout=3)
 
 
 def test_health_is_503_once_the_engine_has_stopped(small_engine):

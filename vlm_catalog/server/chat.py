@@ -49,7 +49,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         params = await sampling_params(state, body)
         request_id = new_request_id("chatcmpl")
         if body.stream:
-            response = await _stream(state, body, messages, params, request_id, admission)
+            response = await _stream(request, state, body, messages, params, request_id, admission)
             streaming = True  # the stream releases its place when it ends
             return response
         finished = await until_disconnected(
@@ -157,15 +157,19 @@ async def _check_constraint(constraint: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------ streaming
-async def _stream(state: ServiceState, body: ChatCompletionRequest, messages, params, request_id: str,
-                  admission: Admission) -> StreamingResponse:
+async def _stream(request: Request, state: ServiceState, body: ChatCompletionRequest, messages, params,
+                  request_id: str, admission: Admission) -> StreamingResponse:
     gateway = state.gateway
     started = time.perf_counter()
     deadline = asyncio.get_running_loop().time() + state.settings.request_timeout_s
     outputs = gateway.outputs(messages, params, request_id)
-    try:
+
+    async def first_output():
         async with asyncio.timeout_at(deadline):
-            first = await anext(outputs)  # refusals surface here, before any header is sent
+            return await anext(outputs)
+
+    try:  # refusals surface here, before any header is sent; a client gone meanwhile aborts it
+        first = await until_disconnected(request, first_output)
     except TimeoutError:
         await outputs.aclose()
         raise gateway.timeout_error() from None
@@ -174,6 +178,7 @@ async def _stream(state: ServiceState, body: ChatCompletionRequest, messages, pa
         raise
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunk = _chunker(request_id, state.model_name)
+
     async def events() -> AsyncIterator[str]:
         first_token = time.perf_counter() - started if first.token_ids else None
         try:
