@@ -3,6 +3,9 @@
 A declared `Content-Length` over the limit is answered at once, unread. A body
 without one (chunked) is counted as it arrives; once it passes the limit, the
 read fails and whatever the app would have answered is replaced by the 413.
+
+(FastAPI's own `max_body_size` answers a plain-text 413; the service promises
+OpenAI-style JSON error bodies for every error, hence this middleware.)
 """
 
 from __future__ import annotations
