@@ -11,6 +11,7 @@ import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from tests.batch.conftest import FAST, answers, read_lines, sample_rows, write_parquet
 from vlm_catalog.cli import main
@@ -89,33 +90,46 @@ def test_a_short_budget_still_gives_complete_valid_answers(small_catalogue, tmp_
         assert set(line["parsed"]) == {"category", "brand", "is_secondhand"}
 
 
-def test_killed_runs_resume_to_exactly_once_and_equal_answers(small_catalogue, reference_answers, tmp_path):
-    """SIGKILL the job at random points (after 1..n finished lines), then let it finish."""
-    out = tmp_path / "p.jsonl"
-    command = [sys.executable, "-m", "vlm_catalog.cli", "extract", "--dataset", str(small_catalogue),
+def kill_and_resume(dataset, out, kills: int, seed: int) -> int:
+    """SIGKILL the job `kills` times at random points (after 1..3 more finished lines, then a
+    random pause: sometimes mid-write), then let it finish; return the kills made."""
+    command = [sys.executable, "-m", "vlm_catalog.cli", "extract", "--dataset", str(dataset),
                "--out", str(out), "--window", "2", *FAST]
-    rng = random.Random(11)
-    kills = 0
-    for _ in range(3):
+    rng = random.Random(seed)
+    made = 0
+    for _ in range(kills):
         done = len(read_lines(out)) if out.exists() else 0
-        if done >= 11:
-            break
         target = done + rng.randint(1, 3)
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         while time.monotonic() < deadline and process.poll() is None:
             if out.exists() and out.read_bytes().count(b"\n") >= target:
-                time.sleep(rng.uniform(0.0, 0.3))  # sometimes mid-write of the next line
+                time.sleep(rng.uniform(0.0, 0.3))
                 process.send_signal(signal.SIGKILL)
-                kills += 1
+                made += 1
                 break
             time.sleep(0.02)
         process.wait()
-    assert kills >= 2
     finished = subprocess.run(command, capture_output=True, text=True)
     assert finished.returncode == 0, finished.stderr
+    return made
+
+
+def test_killed_runs_resume_to_exactly_once_and_equal_answers(small_catalogue, reference_answers, tmp_path):
+    out = tmp_path / "p.jsonl"
+    assert kill_and_resume(small_catalogue, out, kills=2, seed=11) == 2
     ids = [line["id"] for line in read_lines(out)]
     assert sorted(ids, key=int) == [str(i) for i in range(12)]  # exactly once
+    assert answers(out) == reference_answers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_many_kills_resume_to_exactly_once_and_equal_answers(small_catalogue, reference_answers, tmp_path, seed):
+    out = tmp_path / "p.jsonl"
+    kill_and_resume(small_catalogue, out, kills=4, seed=seed)
+    ids = [line["id"] for line in read_lines(out)]
+    assert sorted(ids, key=int) == [str(i) for i in range(12)]
     assert answers(out) == reference_answers
 
 
