@@ -89,3 +89,74 @@ def test_bench_gpu_kernels_phase_runs_on_cpu(tmp_path):
     report = json.loads(out.read_text())["kernels"]
     assert report["device"] == "cpu (Triton interpreter)"
     assert {"fused_moe", "paged_decode_attention", "varlen_attention"} <= {row["name"] for row in report["rows"]}
+
+
+def load_bench_gpu():
+    spec = importlib.util.spec_from_file_location("bench_gpu_under_test", REPO_ROOT / "scripts" / "bench_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_vision_flops_match_torch_flop_counter(monkeypatch):
+    """The vision_encoder phase's MFU numerator: every matmul, linear and attention of the tower
+    (attention as explicit matmuls here: the counter does not see CPU SDPA)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import kernels
+    from tests.model.test_vision_tables import images, tiny_tower
+
+    def matmul_attention(q, k, v, cu_seqlens, scale, **_):
+        out = torch.empty_like(q)
+        bounds = cu_seqlens.tolist()
+        for begin, end in zip(bounds, bounds[1:]):
+            qs, ks, vs = (x[begin:end].transpose(0, 1) for x in (q, k, v))  # [h, n, d]
+            out[begin:end] = (torch.softmax(qs @ ks.transpose(1, 2) * scale, -1) @ vs).transpose(0, 1)
+        return out
+
+    monkeypatch.setattr(kernels, "varlen_attention", matmul_attention)
+    tower = tiny_tower()
+    grids = [(1, 4, 6), (2, 8, 4)]
+    pixels, grid_thw = images(grids, tower.config.patch_dim)
+    with FlopCounterMode(display=False) as counter, torch.inference_mode():
+        tower(pixels, grid_thw)
+    assert load_bench_gpu().vision_flops(tower.config, grids) == counter.get_total_flops()
+
+
+def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
+    """Every model phase of bench_gpu.py on the tiny model (kernels: see above; ceilings and
+    roofline: the slow test below), each written to the JSON as it finishes."""
+    out = tmp_path / "bench_gpu.json"
+    result = run_script("--tiny", "--device", "cpu", "--records", "2", "--vision-images", "2", "--hf-records", "2",
+                        "--image-size", "small", "--output-tokens", "4",
+                        "--phases", "vision_encoder,engine,constrained,transformers", "--json", str(out),
+                        script=REPO_ROOT / "scripts" / "bench_gpu.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    vision = report["vision_encoder"]
+    assert vision["images"] == 2 and vision["patches"] > 0 and vision["seconds"] > 0 and 0 < vision["mfu"]
+    engine = report["engine"]["fixed_150_tokens"]
+    assert engine["generated_tokens"] == 2 * 4 and engine["errors"] == 0
+    constrained = report["constrained"]
+    # equal generated tokens by construction, both reported
+    assert constrained["constrained_real_stop"]["generated_tokens"] == constrained["unconstrained_same_tokens"]["generated_tokens"]
+    assert constrained["constrained_over_unconstrained"] > 0
+    assert report["engine"]["kv_cache_tokens"] > 0
+    hf = report["transformers"]
+    assert hf["batch_1_probe"]["samples_per_s"] > 0 and hf["batch_chosen"] >= 1 and hf["best_samples_per_s"] > 0
+    # vision_encoder needs the matmul peak: ceilings are measured for it
+    assert set(report["phase_seconds"]) == {"ceilings", "vision_encoder", "engine", "constrained", "transformers"}
+
+
+@pytest.mark.slow
+def test_bench_gpu_single_phases_on_cpu(tmp_path):
+    """--phase runs one phase alone; results of separate runs merge into one JSON."""
+    out = tmp_path / "bench_gpu.json"
+    for phase in ("ceilings", "roofline"):
+        result = run_script("--tiny", "--device", "cpu", "--phase", phase, "--json", str(out),
+                            script=REPO_ROOT / "scripts" / "bench_gpu.py")
+        assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["ceilings"]["bf16_matmul_flops_per_s"] > 0
+    assert report["roofline"]["prefill_tokens_per_s"] > 0

@@ -3,8 +3,9 @@
 `benchmark_checkpoint_dir` writes what the engine reads besides weights
 (config.json with the given shapes, the default model's tokenizer and chat
 template, Qwen3-VL's preprocessor settings); `random_model` builds our model
-on the device with random weights; `random_transformers_model` does the same
-for transformers' reference implementation.
+on the device with random weights (`random_vision_tower`: the vision tower
+alone); `random_transformers_model` does the same for transformers' reference
+implementation.
 """
 
 from __future__ import annotations
@@ -90,6 +91,20 @@ def random_model(checkpoint_dir: Path, device: str | torch.device, dtype: torch.
         model.lm_head.weight = model.language_model.embed_tokens.weight
     randomise_(model, seed)
     return model.requires_grad_(False).eval()
+
+
+def random_vision_tower(checkpoint_dir: Path, device: str | torch.device, dtype: torch.dtype, seed: int = 0):
+    """Only our vision tower for `checkpoint_dir`'s config, with random weights on `device`
+    (the vision benchmark does not need the 60 GB text model)."""
+    from vlm_catalog.model.vision import VisionTower
+
+    config = ModelConfig.from_pretrained(checkpoint_dir)
+    with torch.device("meta"):
+        tower = VisionTower(config.vision)
+    tower = tower.to(dtype).to_empty(device=torch.device(device))
+    tower.reset_rotary_buffers()
+    randomise_(tower, seed)
+    return tower.requires_grad_(False).eval()
 
 
 def random_transformers_model(checkpoint_dir: Path, device: str | torch.device, dtype: torch.dtype, seed: int = 0):
