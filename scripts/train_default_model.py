@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--realistic-image-rate", type=float, default=TrainingMix.realistic_image_rate)
     parser.add_argument("--brand-weight", type=float, default=TrainingMix.brand_weight)
     parser.add_argument("--flag-weight", type=float, default=TrainingMix.flag_weight)
+    parser.add_argument("--prompt-lm-weight", type=float, default=TrainingMix.prompt_lm_weight,
+                        help="weight of next-token prediction on the listing's text (0: answer only)")
     parser.add_argument("--until-step", type=int, default=None, help="stop (and save) at this step")
     parser.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this long")
     return parser.parse_args(argv)
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.data_seed, fresh_brand_rate=args.fresh_brand_rate,
             realistic_image_rate=args.realistic_image_rate,
             brand_weight=args.brand_weight, flag_weight=args.flag_weight,
+            prompt_lm_weight=args.prompt_lm_weight,
         )
         config = TrainConfig(
             base=args.base, run_dir=args.run_dir, steps=args.steps or 1000, batch_size=args.batch_size,

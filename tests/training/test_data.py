@@ -89,3 +89,19 @@ def test_made_up_brands_from_tokenizer_words(tiny_base: Path) -> None:
     brands = [builder.mix.record(builder.factory, index, words).brand for index in range(20)]
     assert all(any(word.lower() in brand.lower() for word in words) for brand in brands)
     assert len(set(brands)) == 20
+
+
+def test_listing_text_targets(tiny_base: Path) -> None:
+    """Next-token targets cover the listing after the shared system prompt, never image tokens."""
+    builder = ExampleBuilder(tiny_base, TrainingMix(seed=9))
+    batch = builder.batch([0, 1])
+    input_ids = batch.inputs["input_ids"]  # (2, L)
+    assert (input_ids[batch.text_rows, batch.text_positions + 1] == batch.text_targets).all()
+    assert (batch.text_targets != builder.image_token_id).all()
+    assert int(batch.text_positions.min()) == batch.prefix_length  # the prefix itself is not a target
+    for row in range(2):
+        record = builder.mix.record(builder.factory, row, builder.brand_words)
+        text = builder.tokenizer.decode(batch.text_targets[batch.text_rows == row].tolist())
+        assert record.title[-12:] in text and record.candidates[0] in text  # (the first token follows the prefix)
+        answer_start = int(batch.positions[batch.rows == row].min())
+        assert int(batch.text_positions[batch.text_rows == row].max()) < answer_start

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.training.conftest import tiny_config
-from vlm_catalog.training.trainer import Trainer, answer_loss, learning_rate
+from vlm_catalog.training.trainer import Trainer, answer_loss, learning_rate, training_loss
 
 
 def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -32,6 +32,13 @@ def test_answer_loss_equals_transformers_loss_on_the_answer(tiny_base: Path, tmp
         shared = answer_loss(trainer.model, batch, share_prefix=True)
     assert torch.allclose(full, reference, atol=1e-5), (full, reference)
     assert torch.allclose(shared, reference, atol=1e-5), (shared, reference)
+
+    text_labels = torch.full_like(labels, -100)  # (B, L): the listing's next-token targets
+    text_labels[batch.text_rows, batch.text_positions + 1] = batch.text_targets
+    with torch.no_grad():
+        text_reference = trainer.model(**batch.inputs, labels=text_labels).loss
+        combined = training_loss(trainer.model, batch, prompt_lm_weight=0.25)
+    assert torch.allclose(combined, reference + 0.25 * text_reference, atol=1e-5)
 
 
 def test_learning_rate_schedule(tiny_base: Path, tmp_path: Path) -> None:

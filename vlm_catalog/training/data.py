@@ -39,6 +39,9 @@ class TrainingMix:
     realistic_image_rate: float = 0.05  # share of records with benchmark-sized photos
     brand_weight: float = 5.0  # loss weight of the answer's brand tokens
     flag_weight: float = 3.0  # loss weight of the answer's is_secondhand value tokens
+    # weight of next-token prediction on the listing's own text (title, description, candidates),
+    # next to the answer loss: text that repeats itself (the brand, the category names) teaches copying
+    prompt_lm_weight: float = 0.5
 
     def record(self, factory: RecordFactory, index: int, words: tuple[str, ...] = ()) -> SyntheticRecord:
         """Example `index`; `words` are the stems of made-up brands (see `brand_words`)."""
@@ -75,12 +78,20 @@ class Batch:
     targets: torch.Tensor  # (T,) the answer token ids
     weights: torch.Tensor  # (T,) their loss weights
     prefix_length: int = 0  # leading tokens every row shares (the system prompt); 0: none
+    # next-token targets inside the listing's text (after the shared prefix, no image tokens)
+    text_rows: torch.Tensor | None = None  # (U,)
+    text_positions: torch.Tensor | None = None  # (U,)
+    text_targets: torch.Tensor | None = None  # (U,)
 
     def to(self, device: torch.device | str) -> Batch:
+        def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.to(device)
+
         return Batch(
             {name: tensor.to(device) for name, tensor in self.inputs.items()},
             self.rows.to(device), self.positions.to(device), self.targets.to(device),
             self.weights.to(device), self.prefix_length,
+            move(self.text_rows), move(self.text_positions), move(self.text_targets),
         )
 
 
@@ -171,7 +182,16 @@ class ExampleBuilder:
         }
         prefix = self.shared_prefix
         shares_prefix = all(e.prompt_ids[: len(prefix)] == prefix for e in examples)
+        first_text = len(prefix) + 1 if shares_prefix else 1  # first target inside the listing
+        text_rows, text_positions, text_targets = [], [], []
+        for row, example in enumerate(examples):
+            for index in range(first_text, len(example.prompt_ids)):
+                if example.prompt_ids[index] != self.image_token_id:
+                    text_rows.append(row)
+                    text_positions.append(index - 1)
+                    text_targets.append(example.prompt_ids[index])
         return Batch(
             inputs, torch.tensor(rows), torch.tensor(positions), torch.tensor(targets),
             torch.tensor(weights, dtype=torch.float32), len(prefix) if shares_prefix else 0,
+            torch.tensor(text_rows), torch.tensor(text_positions), torch.tensor(text_targets),
         )

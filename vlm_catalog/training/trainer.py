@@ -83,8 +83,8 @@ def learning_rate(step: int, config: TrainConfig) -> float:
     return config.min_lr + (config.lr - config.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def answer_loss(model: torch.nn.Module, batch: Batch, share_prefix: bool = True) -> torch.Tensor:
-    """Weighted mean cross-entropy of the answer tokens (the LM head runs on those positions only).
+def hidden_states(model: torch.nn.Module, batch: Batch, share_prefix: bool = True) -> tuple[torch.Tensor, int]:
+    """(last hidden states, index of their first position in the rows).
 
     With `share_prefix` and a batch whose rows start with the same system
     prompt, that prefix runs once, without gradient, and its keys and values
@@ -92,15 +92,33 @@ def answer_loss(model: torch.nn.Module, batch: Batch, share_prefix: bool = True)
     only the prefix's own activations (the same text in every example).
     """
     if share_prefix and batch.prefix_length:
-        hidden = _hidden_after_shared_prefix(model, batch)  # (B, L - P, hidden)
-        positions = batch.positions - batch.prefix_length
-    else:
-        hidden = model.model(**batch.inputs).last_hidden_state  # (B, L, hidden)
-        positions = batch.positions
-    picked = hidden[batch.rows, positions]  # (T, hidden)
-    logits = model.lm_head(picked).float()  # (T, vocab)
-    losses = torch.nn.functional.cross_entropy(logits, batch.targets, reduction="none")  # (T,)
+        return _hidden_after_shared_prefix(model, batch), batch.prefix_length  # (B, L - P, hidden)
+    return model.model(**batch.inputs).last_hidden_state, 0  # (B, L, hidden)
+
+
+def _cross_entropy(model: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor,
+                   positions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token loss of `targets` predicted at (rows, positions); the LM head runs there only."""
+    logits = model.lm_head(hidden[rows, positions]).float()  # (T, vocab)
+    return torch.nn.functional.cross_entropy(logits, targets, reduction="none")  # (T,)
+
+
+def answer_loss(model: torch.nn.Module, batch: Batch, share_prefix: bool = True) -> torch.Tensor:
+    """Weighted mean cross-entropy of the answer tokens."""
+    hidden, first = hidden_states(model, batch, share_prefix)
+    losses = _cross_entropy(model, hidden, batch.rows, batch.positions - first, batch.targets)
     return (losses * batch.weights).sum() / batch.weights.sum()
+
+
+def training_loss(model: torch.nn.Module, batch: Batch, prompt_lm_weight: float) -> torch.Tensor:
+    """The answer loss plus `prompt_lm_weight` times the mean next-token loss on the listing's text."""
+    hidden, first = hidden_states(model, batch)
+    losses = _cross_entropy(model, hidden, batch.rows, batch.positions - first, batch.targets)
+    loss = (losses * batch.weights).sum() / batch.weights.sum()
+    if prompt_lm_weight and batch.text_targets is not None and len(batch.text_targets):
+        text = _cross_entropy(model, hidden, batch.text_rows, batch.text_positions - first, batch.text_targets)
+        loss = loss + prompt_lm_weight * text.mean()
+    return loss
 
 
 def _hidden_after_shared_prefix(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -197,7 +215,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         batch = self.batch_for(self.step).to(self.device)
-        loss = answer_loss(self.model, batch)
+        loss = training_loss(self.model, batch, self.config.mix.prompt_lm_weight)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
