@@ -17,11 +17,12 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-    smart_resize as transformers_smart_resize,
-)
 
-from vlm_catalog.bench.baselines import transformers_image_processor, white_background_rgb
+from vlm_catalog.bench.baselines import (
+    transformers_image_processor,
+    transformers_smart_resize,
+    white_background_rgb,
+)
 from vlm_catalog.preprocess.image import ImageProcessor, ProcessedImage, smart_resize
 from vlm_catalog.preprocess.image_decode import DecodeFailure, ImageDecodeError
 

@@ -23,11 +23,26 @@ def white_background_rgb(image):
     return image.convert("RGB")
 
 
-def transformers_image_processor(ours):
-    """transformers' `Qwen2VLImageProcessorPil` with the settings of our `ImageProcessor` `ours`."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+def transformers_pil_image_processor_class():
+    """transformers' PIL-backed Qwen2-VL image processor: `Qwen2VLImageProcessorPil` (exported
+    at the top level since 5.1x), or, on older 5.x, `Qwen2VLImageProcessor`, which was the
+    PIL/numpy one then."""
+    import transformers
 
-    return Qwen2VLImageProcessorPil(
+    return getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
+
+
+def transformers_smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int):
+    """transformers' Qwen2-VL `smart_resize`, from the module of the class above."""
+    import importlib
+
+    module = importlib.import_module(transformers_pil_image_processor_class().__module__)
+    return module.smart_resize(height, width, factor, min_pixels, max_pixels)
+
+
+def transformers_image_processor(ours):
+    """transformers' PIL image processor with the settings of our `ImageProcessor` `ours`."""
+    return transformers_pil_image_processor_class()(
         patch_size=ours.patch_size,
         temporal_patch_size=ours.temporal_patch_size,
         merge_size=ours.merge_size,
