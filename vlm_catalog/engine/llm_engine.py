@@ -121,6 +121,7 @@ class LLMEngine:
         self.detokenizers: dict[str, Detokenizer] = {}
         self.stats = EngineStats()
         self._grammar_service = None
+        self._bitmasks = None  # BitmaskBuffer, made on the first constrained step
         self._ids = itertools.count()
 
     # ---------------------------------------------------------------- setup
@@ -345,14 +346,18 @@ class LLMEngine:
             return []
         constrained = [row for row, request in enumerate(requests) if request.grammar is not None]
         if constrained:
-            from vlm_catalog.structured import allocate_bitmask, apply_bitmask
+            from vlm_catalog.structured import BitmaskBuffer, apply_bitmask
 
-            bitmask = allocate_bitmask(len(requests), logits.shape[-1])
+            if self._bitmasks is None:  # once: pinned host rows and their device copy
+                self._bitmasks = BitmaskBuffer(self.config.max_num_seqs, logits.shape[-1], logits.device)
+            # filled on the CPU while the device still runs this step's forward pass
+            # (the runner returns logits without waiting for them)
+            bitmask = self._bitmasks.host(len(requests))
             for row in constrained:
                 # force_canonical: where the grammar forces a string, only its canonical
                 # tokens are allowed, so jump-forward on and off produce the same tokens
                 requests[row].grammar.fill_bitmask(bitmask, row, force_canonical=True)
-            apply_bitmask(logits, bitmask.to(logits.device), constrained)
+            apply_bitmask(logits, self._bitmasks.device(len(requests)), constrained)
         result = sample(
             logits,
             [request.params for request in requests],

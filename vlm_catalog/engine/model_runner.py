@@ -209,13 +209,15 @@ class ModelRunner:
                 ],
             )
         positions = torch.cat(positions, dim=1).to(device)  # [3, T] int64
+        # every host-to-device copy happens before the forward is launched: a copy after it
+        # would wait for it, and the engine fills grammar bitmasks while it runs
+        rows = torch.tensor(sample_rows, device=device) if sample_rows else None
         graphs = self.graph_runner
         if graphs is not None and metadata.prefill is None and multimodal is None and len(chunks) <= graphs.max_batch:
             decode = metadata.decode
             hidden = graphs.run(input_ids, positions, decode.slot_mapping, decode.block_tables, decode.context_lens)
         else:
             hidden = self.model(input_ids, positions, PagedAttention(self.kv_caches, metadata), multimodal)
-        if not sample_rows:
+        if rows is None:
             return hidden.new_zeros((0, self.model.config.text.vocab_size), dtype=torch.float32)
-        rows = torch.tensor(sample_rows, device=device)
         return self.model.compute_logits(hidden.index_select(0, rows)).float()

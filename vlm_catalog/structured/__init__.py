@@ -18,7 +18,7 @@ The engine's view, one request's life:
 jump-forward on and off produce identical tokens.
 """
 
-from vlm_catalog.structured.bitmask import allocate_bitmask, apply_bitmask
+from vlm_catalog.structured.bitmask import BitmaskBuffer, allocate_bitmask, apply_bitmask
 from vlm_catalog.structured.catalogue import catalogue_schema
 from vlm_catalog.structured.compiler import (
     CompiledGrammar,
@@ -40,6 +40,7 @@ __all__ = [
     "GrammarSpec",
     "GrammarState",
     "GrammarVocabulary",
+    "BitmaskBuffer",
     "allocate_bitmask",
     "apply_bitmask",
     "catalogue_schema",

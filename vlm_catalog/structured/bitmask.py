@@ -1,9 +1,11 @@
 """Token bitmasks: one int32 word per 32 vocabulary ids, bit set = token allowed.
 
-The engine allocates one `[max_batch, ceil(vocab/32)]` bitmask on the CPU, each
-grammar request fills its row (`GrammarState.fill_bitmask`), and `apply_bitmask`
-sets the disallowed logits of those rows to -inf in one batched call, on the
-logits' device (xgrammar's CPU kernel or, on CUDA, its Triton kernel).
+The engine allocates one `[max_batch, ceil(vocab/32)]` bitmask on the CPU once
+(`BitmaskBuffer`: pinned, with a device copy, on CUDA), each grammar request
+fills its row (`GrammarState.fill_bitmask`) while the device runs the forward
+pass, and `apply_bitmask` sets the disallowed logits of those rows to -inf in one
+batched call, on the logits' device (xgrammar's CPU kernel or, on CUDA, its
+Triton kernel).
 """
 
 from __future__ import annotations
@@ -23,6 +25,39 @@ def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
             f"bitmask needs batch_size >= 1 and vocab_size >= 1, got {batch_size} and {vocab_size}"
         )
     return xgr.allocate_token_bitmask(batch_size, vocab_size)
+
+
+class BitmaskBuffer:
+    """A bitmask allocated once and reused every step, with a device copy.
+
+    `host(n)` gives the first n rows, reset to "every token allowed", for the
+    grammar requests to fill on the CPU (while the device runs the forward pass);
+    `device(n)` copies them to the device in one transfer, from pinned memory
+    and without blocking the host when the device is CUDA. Reusing the pinned
+    rows is safe because every engine step waits for its sampled tokens (after
+    the copy) before the next step fills them again.
+    """
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        device = torch.device(device)
+        host = allocate_bitmask(max_rows, vocab_size)  # [max_rows, W] int32, all allowed
+        self._host = host.pin_memory() if device.type == "cuda" else host
+        self._device = self._host if device.type == "cpu" else torch.empty_like(self._host, device=device)
+        self.max_rows = max_rows
+
+    def host(self, num_rows: int) -> torch.Tensor:
+        """Rows [num_rows, W] on the CPU, every token allowed, to fill."""
+        if not 1 <= num_rows <= self.max_rows:
+            raise ValueError(f"num_rows must be in 1..{self.max_rows}, got {num_rows}")
+        rows = self._host[:num_rows]
+        rows.fill_(-1)  # all 32 bits set: every token allowed
+        return rows
+
+    def device(self, num_rows: int) -> torch.Tensor:
+        """The first num_rows filled rows on the device (one non-blocking copy)."""
+        if self._device is self._host:
+            return self._host[:num_rows]
+        return self._device[:num_rows].copy_(self._host[:num_rows], non_blocking=True)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
