@@ -138,3 +138,33 @@ def test_offline_performance_run_prints_loadgens_samples_per_second(tmp_path, ca
     assert int(line["n"]) == 4 and line["verdict"] == re.search(r"Result is : (\w+)", summary).group(1)
     assert json.loads((out_dir / ACCURACY_LOG_FILE).read_text()) == []  # nothing sampled in performance mode
     assert not (out_dir / "accuracy.txt").exists()
+
+
+def test_ctrl_c_ends_a_loadgen_run_at_once(tmp_path):
+    """LoadGen's C++ run (600 s with the benchmark's settings) cannot be stopped; Ctrl-C ends the process."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out_dir = tmp_path / "interrupted"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vlm_catalog.cli", "bench", "--scenario", "offline", "--mode", "performance",
+         "--dataset", str(SAMPLE_CATALOGUE_DIR), "--out-dir", str(out_dir), "--request-style", "ours"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (out_dir / DETAIL_FILE).is_file():  # LoadGen has started
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.2)
+        time.sleep(1.0)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130
+    assert err.strip() == f"error: interrupted; the LoadGen logs in {out_dir} are incomplete"

@@ -13,6 +13,7 @@ TTFT p50 0.101 s, p99 0.388 s (SUT clock); LoadGen: VALID
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vlm_catalog.bench.loadgen.harness import BenchConfig, BenchError, run_benchmark
+    from vlm_catalog.bench.loadgen.harness import BenchConfig, BenchError, Interrupted, run_benchmark
     from vlm_catalog.bench.loadgen.report import SummaryError
     from vlm_catalog.bench.loadgen.settings import RunOptions, SettingsError
     from vlm_catalog.bench.loadgen.sut_http import ServerUnreachableError
@@ -85,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
             ServerUnreachableError, SummaryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Interrupted:  # LoadGen's C++ run cannot be stopped: end the process now
+        print(f"error: interrupted; the LoadGen logs in {args.out_dir} are incomplete", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

@@ -10,6 +10,8 @@ bad run fails in seconds with a message, not after the timed part.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,22 +95,59 @@ def run_benchmark(config: BenchConfig) -> BenchResult:
     def prepare(record):
         return prepare_request(record, config.request_style)
 
-    with CatalogueQSL(catalogue, num_samples, settings.performance_sample_count_override, prepare) as qsl:
+    with contextlib.ExitStack() as stack:
+        qsl = stack.enter_context(
+            CatalogueQSL(catalogue, num_samples, settings.performance_sample_count_override, prepare)
+        )
         sut, engine = _make_sut(config, qsl, sampling, sink)
+        if engine is not None:
+            stack.callback(engine.close)
+        stack.enter_context(sut)
+        start = time.perf_counter()
         try:
-            with sut:
-                start = time.perf_counter()
-                lg.StartTestWithLogSettings(sut.handle, qsl.handle, settings, build_log_settings(config.out_dir))
-                seconds = time.perf_counter() - start
-        finally:
-            if engine is not None:
-                engine.close()
+            _start_test(sut.handle, qsl.handle, settings, build_log_settings(config.out_dir))
+        except Interrupted:
+            stack.pop_all()  # LoadGen still runs and holds the SUT and QSL: no teardown
+            raise
+        seconds = time.perf_counter() - start
     summary = parse_summary(config.out_dir / SUMMARY_FILE) if options.mode == "performance" else None
     target_qps = settings.server_target_qps if options.scenario == "server" else settings.offline_expected_qps
     result = BenchResult(summary, sink.tally, num_samples, target_qps, seconds)
     if options.mode == "accuracy":
         result.accuracy = write_accuracy(config.out_dir, catalogue)
     return result
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during LoadGen's run: LoadGen cannot be stopped, so the process must exit (os._exit)."""
+
+
+def _start_test(sut, qsl, settings, log_settings) -> None:
+    """`lg.StartTestWithLogSettings` in a thread, so Ctrl-C reaches this (main) thread.
+
+    LoadGen blocks in C++ until its run ends (600 s by default) and Python
+    handles signals only between bytecodes of the main thread, so a run
+    started on the main thread ignores Ctrl-C. Here the main thread waits in
+    short joins; on Ctrl-C it raises `Interrupted`, and the caller must end the
+    process without waiting for LoadGen (its logs are then incomplete).
+    """
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            lg.StartTestWithLogSettings(sut, qsl, settings, log_settings)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="loadgen", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.2)
+    except KeyboardInterrupt:
+        raise Interrupted() from None
+    if errors:
+        raise errors[0]
 
 
 def _prepare_out_dir(out_dir: Path) -> None:
