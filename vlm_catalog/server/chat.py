@@ -130,7 +130,7 @@ async def sampling_params(state: ServiceState, body: ChatCompletionRequest) -> S
     elif body.guided_regex is not None:
         constraint["regex"] = check_text(state, body.guided_regex, "guided_regex")
     if constraint:
-        await _check_constraint(constraint)
+        constraint = await _checked_constraint(constraint)
     try:
         return SamplingParams(
             max_tokens=body.max_completion_tokens or body.max_tokens or state.settings.default_max_tokens,
@@ -144,16 +144,22 @@ async def sampling_params(state: ServiceState, body: ChatCompletionRequest) -> S
         raise bad_request(str(exc)) from None
 
 
-async def _check_constraint(constraint: dict[str, Any]) -> None:
-    """Resolve and meta-validate a JSON schema (in a worker thread); 400 naming what is wrong."""
+async def _checked_constraint(constraint: dict[str, Any]) -> dict[str, Any]:
+    """Resolve and meta-validate a JSON schema in a worker thread (400 naming what is wrong).
+
+    The resolved `OutputSchema` replaces the dict, so the engine thread does not validate it again.
+    """
     from vlm_catalog.structured import GrammarError, GrammarSpec
 
     param = "response_format.json_schema.schema" if "json_schema" in constraint else "guided_regex"
     loop = asyncio.get_running_loop()
     try:
-        await loop.run_in_executor(None, lambda: GrammarSpec.from_request(**constraint))
+        spec = await loop.run_in_executor(None, lambda: GrammarSpec.from_request(**constraint))
     except GrammarError as exc:
         raise bad_request(str(exc), param=param, code="invalid_response_format") from None
+    if spec.output_schema is not None:
+        return {"json_schema": spec.output_schema}
+    return constraint
 
 
 # ------------------------------------------------------------------ streaming
