@@ -61,7 +61,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vlm_catalog.bench.loadgen.harness import BenchConfig, BenchError, Interrupted, run_benchmark
+    from vlm_catalog.bench.loadgen.harness import (
+        BenchConfig,
+        BenchError,
+        Interrupted,
+        run_benchmark,
+    )
     from vlm_catalog.bench.loadgen.report import SummaryError
     from vlm_catalog.bench.loadgen.settings import RunOptions, SettingsError
     from vlm_catalog.bench.loadgen.sut_http import ServerUnreachableError
