@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP_CONSTRAINT_FLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 
-.PHONY: install demo test test-slow test-gpu bench clean
+.PHONY: install demo test test-slow test-gpu test-floor bench clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,15 @@ test-slow: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu
+
+# The oldest versions the project declares (transformers 5.17, Pillow 12.3, as on the
+# GPU image), in a venv of their own so .venv stays as it is.
+FLOOR_VENV ?= /tmp/vlm-catalog-floor
+test-floor:
+	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q $(PIP_CONSTRAINT_FLAG) torch 'transformers==5.17.*' 'pillow==12.3.*'
+	$(FLOOR_VENV)/bin/python -m pip install -q $(PIP_CONSTRAINT_FLAG) -e ".[dev]" 'transformers==5.17.*' 'pillow==12.3.*'
+	$(FLOOR_VENV)/bin/python -m pytest -q tests/preprocess tests/model tests/engine
 
 clean:
 	rm -rf $(VENV) scratch .pytest_cache
