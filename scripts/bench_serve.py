@@ -13,7 +13,17 @@ mlperf prompt, decoding constrained by the per-record schema) and runs:
    `/v1/chat/completions` with `stream: true` (as an OpenAI client would), at
    most `concurrency` in flight -> requests/s, time to first token and
    end-to-end latency (p50/p99, client-side), and the ratio of the online
-   requests/s to the offline records/s (best of --repeats runs per level).
+   requests/s to the offline records/s (best of --repeats runs per level);
+3. paired: --pairs times, an offline run immediately followed by an online
+   run at the highest concurrency; the median of the pairs' ratios is the
+   figure least sensitive to other load on the machine.
+
+CPU accounting: the offline run's CPU seconds per record (the bench process)
+against the server process's CPU seconds per request ("CPU ratio" = offline
+over server; the client's own CPU is shown apart). On a 2-core machine shared
+with other work, wall-clock rates swing by tens of percent from run to run;
+the CPU seconds a request costs are much steadier, and on an otherwise idle
+CPU-bound machine the throughput ratio approaches the CPU ratio.
 
 Prefix caching is off on both sides by default (the benchmark's rules, and
 otherwise every level after the first would hit whole cached prompts); pass
@@ -89,12 +99,13 @@ class Offline:
         self.llm.chat(self.conversations, self.params)
 
     def run(self) -> dict:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         outputs = self.llm.chat(self.conversations, self.params)
         seconds = time.perf_counter() - started
         return {
             "seconds": seconds,
             "records_per_second": len(self.requests) / seconds,
+            "cpu_seconds_per_record": (time.process_time() - cpu_started) / len(self.requests),
             "valid": sum(valid(output.text, request["candidates"]) for output, request in zip(outputs, self.requests)),
         }
 
@@ -157,6 +168,22 @@ async def one_request(client: httpx.AsyncClient, model: str, request: dict) -> d
     return {"ttft": first_token, "e2e": time.perf_counter() - started, "text": "".join(pieces)}
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_online(server: ServerProcess, requests: list[dict], concurrency: int) -> dict:
+    """One pass at `concurrency`, with the CPU seconds the server and the client spent per request."""
+    server_cpu, client_cpu = process_cpu_seconds(server.process.pid), time.process_time()
+    level = asyncio.run(run_level(server.url, server.model_name, requests, concurrency))
+    level["server_cpu_seconds_per_request"] = (process_cpu_seconds(server.process.pid) - server_cpu) / len(requests)
+    level["client_cpu_seconds_per_request"] = (time.process_time() - client_cpu) / len(requests)
+    return level
+
+
 async def run_level(url: str, model: str, requests: list[dict], concurrency: int) -> dict:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
@@ -199,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--prefix-caching", action="store_true", help="on for both sides (default off)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per measurement; the best is reported")
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="offline/online run pairs at the highest concurrency for the paired ratio")
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
 
@@ -209,13 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     offline = Offline(args, requests)
     offline_runs = [offline.run() for _ in range(args.repeats)]  # more runs after the online ones (drift)
     server = ServerProcess(args)
-    levels = []
+    levels, pairs = [], []
     try:
-        asyncio.run(run_level(server.url, server.model_name, requests, max(args.concurrency)))  # warm-up
+        run_online(server, requests, max(args.concurrency))  # warm-up
         for concurrency in args.concurrency:
-            runs = [asyncio.run(run_level(server.url, server.model_name, requests, concurrency))
-                    for _ in range(args.repeats)]
+            runs = [run_online(server, requests, concurrency) for _ in range(args.repeats)]
             levels.append(max(runs, key=lambda run: run["requests_per_second"]))
+        # paired runs at the highest concurrency, each right after an offline run: robust to load drift
+        for _ in range(args.pairs):
+            offline_run = offline.run()
+            online_run = run_online(server, requests, max(args.concurrency))
+            pairs.append({"offline": offline_run["records_per_second"], "online": online_run["requests_per_second"],
+                          "ratio": online_run["requests_per_second"] / offline_run["records_per_second"]})
     finally:
         exit_code = server.stop()
     offline_runs += [offline.run() for _ in range(args.repeats)]
@@ -224,18 +258,27 @@ def main(argv: list[str] | None = None) -> int:
     all_runs = ", ".join(f"{run['records_per_second']:.2f}" for run in offline_runs)
     print(f"offline LLM.chat: {best['records_per_second']:.2f} records/s best ({all_runs} over all runs), "
           f"{best['valid']}/{len(requests)} valid")
+    offline_cpu = min(run["cpu_seconds_per_record"] for run in offline_runs)
+    print(f"offline CPU: {1000 * offline_cpu:.1f} ms per record (least over all runs)")
     print(f"{'concurrency':>11} {'req/s':>7} {'ratio':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'e2e p50':>8} {'e2e p99':>8} {'valid':>6}")
+          f"{'e2e p50':>8} {'e2e p99':>8} {'valid':>6} {'server CPU/req':>15} {'CPU ratio':>9} {'client CPU/req':>15}")
     for level in levels:
         level["ratio_to_offline"] = level["requests_per_second"] / best["records_per_second"]
+        level["cpu_ratio_to_offline"] = offline_cpu / level["server_cpu_seconds_per_request"]
         print(f"{level['concurrency']:>11} {level['requests_per_second']:>7.2f} {level['ratio_to_offline']:>6.2f} "
               f"{level['ttft_p50']:>8.3f}s {level['ttft_p99']:>8.3f}s {level['e2e_p50']:>7.3f}s "
-              f"{level['e2e_p99']:>7.3f}s {level['valid']:>3}/{len(requests)}")
+              f"{level['e2e_p99']:>7.3f}s {level['valid']:>3}/{len(requests)} "
+              f"{1000 * level['server_cpu_seconds_per_request']:>12.1f} ms {level['cpu_ratio_to_offline']:>9.2f} "
+              f"{1000 * level['client_cpu_seconds_per_request']:>12.1f} ms")
+    if pairs:
+        ratios = sorted(pair["ratio"] for pair in pairs)
+        print(f"paired at concurrency {max(args.concurrency)} (offline run, then online run) x{len(pairs)}: "
+              f"ratios {', '.join(f'{ratio:.2f}' for ratio in ratios)}; median {statistics.median(ratios):.2f}")
     print(f"server stopped with exit code {exit_code}")
     if args.json_out:
         args.json_out.write_text(json.dumps({
             "machine": platform.platform(), "cpus": os.cpu_count(), "records": len(requests),
-            "prefix_caching": args.prefix_caching, "offline_runs": offline_runs, "online": levels,
+            "prefix_caching": args.prefix_caching, "offline_runs": offline_runs, "online": levels, "pairs": pairs,
         }, indent=2))
     return 0
 
