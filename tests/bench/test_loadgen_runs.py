@@ -32,7 +32,7 @@ SERVER_LINE = re.compile(
 )
 PERF_OFFLINE_LINE = re.compile(
     r"^offline performance: (?P<rate>[\d.]+) samples/s over (?P<n>\d+) samples \((?P<failed>\d+) failed\); "
-    r"LoadGen: (?P<verdict>VALID|INVALID)", re.M,
+    r"engine busy (?P<busy>[\d.]+)% of the run; LoadGen: (?P<verdict>VALID|INVALID)", re.M,
 )
 
 
@@ -135,6 +135,7 @@ def test_offline_performance_run_prints_loadgens_samples_per_second(tmp_path, ca
     summary = (out_dir / SUMMARY_FILE).read_text()
     logged_rate = float(re.search(r"Samples per second: ([\d.e+]+)", summary).group(1))
     assert float(line["rate"]) == pytest.approx(logged_rate, rel=0.01)
+    assert 0 < float(line["busy"]) <= 100  # engine time inside LoadGen's measured duration
     assert int(line["n"]) == 4 and line["verdict"] == re.search(r"Result is : (\w+)", summary).group(1)
     assert json.loads((out_dir / ACCURACY_LOG_FILE).read_text()) == []  # nothing sampled in performance mode
     assert not (out_dir / "accuracy.txt").exists()

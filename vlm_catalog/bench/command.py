@@ -123,9 +123,12 @@ def format_result(result, scenario: str, mode: str) -> str:
     verdict = "VALID" if summary.valid else f"INVALID ({_unmet(summary)})"
     throughput = summary.samples_per_second or 0.0
     if scenario == "offline":
+        busy = ""
+        if tally.engine_busy_s and throughput:  # in-process: engine time over LoadGen's duration
+            busy = f"; engine busy {tally.engine_busy_s / (tally.samples / throughput):.1%} of the run"
         return (
-            f"offline {mode}: {throughput:.2f} samples/s over {tally.completed + tally.failed} samples "
-            f"{failed}; LoadGen: {verdict}"
+            f"offline {mode}: {throughput:.2f} samples/s over {tally.samples} samples "
+            f"{failed}{busy}; LoadGen: {verdict}"
         )
     latency = summary.latency_percentiles_ns
     parts = [f"server {mode}: {throughput:.2f} queries/s at target {result.target_qps:.2f}"]

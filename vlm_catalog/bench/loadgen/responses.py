@@ -40,6 +40,7 @@ class RunTally:
     errors: list[str] = field(default_factory=list)  # the first few failure reasons
     ttft_s: list[float] = field(default_factory=list)  # issue -> first token, SUT clock
     completion_tokens: int = 0
+    engine_busy_s: float = 0.0  # in-process SUT: time inside the engine's add_request and step
     first_issued_at: float | None = None  # perf_counter of the first issue
     last_completed_at: float | None = None  # perf_counter of the last completion
 

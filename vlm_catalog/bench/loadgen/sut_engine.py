@@ -8,6 +8,9 @@ scenario they arrive one by one at Poisson times and join the running batch
 at the next step. Each step's outputs are streamed: the first generated text
 of a sample is reported as its first token (Server), and a finished request
 completes its sample at once, so LoadGen sees each latency as it happens.
+The time spent inside the engine (`add_request`, `step`) is added up in
+`sink.tally.engine_busy_s`: against LoadGen's measured duration it gives
+the harness's own overhead.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 import mlperf_loadgen as lg
 
@@ -79,12 +83,15 @@ class EngineSUT:
             self._take_inbox(block=not self.engine.has_unfinished_requests())
             if not self.engine.has_unfinished_requests():
                 continue
+            started = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - a failed step fails its samples, not the run
                 logger.exception("engine step failed; failing the samples in flight")
                 self._fail_in_flight(f"engine step failed: {exc}")
                 continue
+            finally:
+                self.sink.tally.engine_busy_s += time.perf_counter() - started
             for output in outputs:
                 response_id = self._in_flight.get(output.request_id)
                 if response_id is None:
@@ -117,12 +124,15 @@ class EngineSUT:
             self.sink.fail(response_id, f"sample {index}: {sample.error}")
             return
         request_id = str(response_id)
+        started = time.perf_counter()
         try:
             params = sample.request.sampling_params(self.sampling, self.max_tokens)
             self.engine.add_request(sample.request.messages, params, request_id=request_id)
         except (EngineRequestError, ValueError) as exc:
             self.sink.fail(response_id, f"sample {index}: {exc}")
             return
+        finally:
+            self.sink.tally.engine_busy_s += time.perf_counter() - started
         self._in_flight[request_id] = response_id
 
     def _fail_in_flight(self, reason: str) -> None:
