@@ -177,8 +177,7 @@ class AsyncLLM:
                 logger.exception("engine step failed; failing the requests in flight")
                 self._fail_in_flight(exc)
                 continue
-            for output in outputs:
-                self._deliver(output.request_id, output, last=output.finished)
+            self._deliver_step(outputs)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -208,6 +207,17 @@ class AsyncLLM:
         except queue.Empty:
             return None
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, one wake-up per event loop (not one per request)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for output in outputs:
+            stream = self._streams.pop(output.request_id, None) if output.finished else self._streams.get(output.request_id)
+            if stream is not None:
+                batches.setdefault(stream[1], []).append((stream[0], output))
+        for loop, batch in batches.items():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_put_all, batch)
+
     def _deliver(self, request_id: str, item: RequestOutput | Exception, last: bool) -> None:
         stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
         if stream is None:
@@ -227,3 +237,8 @@ class AsyncLLM:
     def _fail_streams(self, exc: Exception) -> None:
         for request_id in list(self._streams):
             self._deliver(request_id, exc, last=True)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for outputs, item in batch:
+        outputs.put_nowait(item)
