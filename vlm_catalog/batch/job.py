@@ -321,10 +321,10 @@ def evaluate_results(settings: BatchSettings, catalogue):
         predictions = read_predictions(settings.out)
     except PredictionsError:  # an empty file: nothing to score
         return None
-    responses = [
+    responses = sorted(  # in record order: the random baseline draws in this order
         (index, response) for index, response in resolve_indices(predictions, catalogue)
         if labels[index] is not None
-    ]
+    )
     if not responses:
         return None
     return score(responses, labels, answer_schema=resolve_schema(settings.schema).model)
