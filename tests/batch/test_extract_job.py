@@ -161,3 +161,51 @@ def test_parquet_with_a_wrongly_typed_column_fails_each_record_alone(tmp_path):
     for line in read_lines(out):
         assert line["failure"] == "record"
         assert "ground_truth_is_secondhand: expected a boolean, got str" in line["error"]
+
+
+def test_a_full_disk_stops_the_run_with_one_line_and_the_file_resumes(small_catalogue, reference_answers, tmp_path,
+                                                                       monkeypatch, capsys):
+    import errno
+
+    from vlm_catalog.batch.output import ResultsFile
+
+    out = tmp_path / "p.jsonl"
+    real_write = ResultsFile.write
+    calls = {"n": 0}
+
+    def write_until_full(self, line):
+        calls["n"] += 1
+        if calls["n"] == 4:  # the disk fills in the middle of the fourth line
+            self._handle.write('{"id": "9", "resp')
+            self._handle.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(self, line)
+
+    monkeypatch.setattr(ResultsFile, "write", write_until_full)
+    assert extract(small_catalogue, out) == 1
+    last = capsys.readouterr().err.splitlines()[-1]  # after the start line: the error, one line
+    assert last.startswith("error: writing") and last.endswith("No space left on device")
+    assert len(out.read_text().splitlines()) == 4  # three lines and the cut one
+    monkeypatch.setattr(ResultsFile, "write", real_write)
+    assert extract(small_catalogue, out) == 0
+    assert answers(out) == reference_answers and len(read_lines(out)) == 12
+
+
+def test_every_input_layout_runs(tmp_path):
+    import datasets
+
+    from vlm_catalog.data.format import catalogue_features
+
+    rows = sample_rows(3)
+    features = catalogue_features()
+    dataset = datasets.Dataset.from_list(rows, features=features)
+    dataset.save_to_disk(str(tmp_path / "saved"))
+    shopify = tmp_path / "shopify" / "data"
+    shopify.mkdir(parents=True)
+    datasets.Dataset.from_list(rows[:1], features=features).to_parquet(str(shopify / "train-00000-of-00001.parquet"))
+    datasets.Dataset.from_list(rows[1:], features=features).to_parquet(str(shopify / "test-00000-of-00001.parquet"))
+    for source in (tmp_path / "saved", tmp_path / "shopify"):
+        out = tmp_path / f"{source.name}.jsonl"
+        assert extract(source, out, "--limit", "2") == 0
+        assert sorted(line["id"] for line in read_lines(out)) == ["0", "1"]
+    assert answers(tmp_path / "saved.jsonl") == answers(tmp_path / "shopify.jsonl")  # same records, same order
