@@ -66,7 +66,8 @@ CHAT_CASES = [
     ("part text too long", chat_body(content=[{"type": "text", "text": "é" * 1025}]), 400, "text_too_long",
      "messages.0.content.0.text"),
     ("body too large", chat_body(content=[{"type": "text", "text": "y" * 1000}] * 100), 413, "body_too_large", None),
-    ("lone surrogate", chat_body(content="price \ud800 tag"), 400, "invalid_prompt", None),
+    ("lone surrogate", chat_body(content="price \ud800 tag"), 400, "invalid_unicode", "messages.0.content"),
+    ("lone surrogate in a stop string", chat_body(stop=["\udc00"]), 400, "invalid_unicode", "stop.0"),
     ("zero-byte image", chat_body(messages=image_message("data:image/png;base64,")), 400, "image_empty",
      "messages.0.content.0.image_url.url"),
     ("non-image bytes", chat_body(messages=image_message(data_uri(b"%PDF-1.4 not an image at all"))), 400,
@@ -159,7 +160,9 @@ def extract_cases(record) -> list:
         ("image file path", {**good, "image": "file:///etc/hostname"}, 400, "image_url_not_allowed", "image"),
         ("title too long", {**good, "title": "t" * 3000}, 400, "text_too_long", "title"),
         ("max_tokens negative", {**good, "max_tokens": -3}, 400, "invalid_value", "max_tokens"),
-        ("title surrogate", {**good, "title": "bad \udc80"}, 400, "invalid_prompt", None),
+        ("title surrogate", {**good, "title": "bad \udc80"}, 400, "invalid_unicode", "title"),
+        ("candidate surrogate", {**good, "candidate_categories": ["A > \ud801"]}, 400, "invalid_unicode",
+         "candidate_categories.0"),
     ]
 
 

@@ -38,13 +38,16 @@ def check_model(state: ServiceState, model: str | None) -> None:
 
 
 def check_text(state: ServiceState, text: str, param: str) -> str:
-    """`text` if it fits the per-field limit (in UTF-8 bytes); 400 otherwise."""
+    """`text` if it is valid Unicode (JSON's `\\ud800` escapes can carry lone surrogates) and fits the
+    per-field limit (in UTF-8 bytes); 400 naming the field otherwise."""
     limit = state.settings.max_text_field_bytes
-    if len(text) * 4 > limit:  # only long texts pay for the exact count
-        size = len(text.encode("utf-8", "surrogatepass"))
-        if size > limit:
-            raise bad_request(f"{param} is {size} bytes; at most {limit} are allowed", param=param,
-                              code="text_too_long")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"{param} contains an unpaired surrogate {text[exc.start]!r} at character {exc.start} "
+                          "(not valid Unicode)", param=param, code="invalid_unicode") from None
+    if size > limit:
+        raise bad_request(f"{param} is {size} bytes; at most {limit} are allowed", param=param, code="text_too_long")
     return text
 
 
