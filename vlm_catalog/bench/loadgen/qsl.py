@@ -47,7 +47,6 @@ class CatalogueQSL:
         self.performance_sample_count = min(performance_sample_count, num_samples)
         self._prepare = prepare
         self.loaded: dict[int, LoadedSample] = {}
-        self.load_calls = 0
         self.handle = None
 
     def __enter__(self) -> CatalogueQSL:
@@ -60,7 +59,6 @@ class CatalogueQSL:
             self.handle = None
 
     def load(self, indices: list[int]) -> None:
-        self.load_calls += 1
         for index in indices:
             if index not in self.loaded:
                 self.loaded[index] = self._load_one(index)
