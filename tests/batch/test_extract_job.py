@@ -133,7 +133,8 @@ def test_many_kills_resume_to_exactly_once_and_equal_answers(small_catalogue, re
     assert answers(out) == reference_answers
 
 
-def test_ctrl_c_ends_cleanly_with_finished_lines_on_disk(small_catalogue, tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_ends_cleanly_with_finished_lines_on_disk(small_catalogue, tmp_path, stop):
     out = tmp_path / "p.jsonl"
     command = [sys.executable, "-m", "vlm_catalog.cli", "extract", "--dataset", str(small_catalogue),
                "--out", str(out), "--window", "1", *FAST]
@@ -141,7 +142,7 @@ def test_ctrl_c_ends_cleanly_with_finished_lines_on_disk(small_catalogue, tmp_pa
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (out.exists() and out.read_bytes().count(b"\n") >= 2):
         time.sleep(0.02)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(stop)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 130
     assert "Traceback" not in err and "interrupted" in err
