@@ -69,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
     )
     from vlm_catalog.bench.loadgen.report import SummaryError
     from vlm_catalog.bench.loadgen.settings import RunOptions, SettingsError
-    from vlm_catalog.bench.loadgen.sut_http import ServerUnreachableError
     from vlm_catalog.data.format import CatalogueError
     from vlm_catalog.engine.config import EngineConfigError
     from vlm_catalog.model.config import ModelConfigError
@@ -88,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         )
         result = run_benchmark(config)
     except (SettingsError, BenchError, CatalogueError, CheckpointError, ModelConfigError, EngineConfigError,
-            ServerUnreachableError, SummaryError) as exc:
+            SummaryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Interrupted:  # LoadGen's C++ run cannot be stopped: end the process now

@@ -167,7 +167,10 @@ def _prepare_out_dir(out_dir: Path) -> None:
 def _make_sut(config: BenchConfig, qsl: CatalogueQSL, sampling, sink: ResponseSink):
     """(SUT, engine to close or None): the HTTP client with --server-url, else the in-process engine."""
     if config.server_url is not None:
-        from vlm_catalog.bench.loadgen.sut_http import HttpSUT
+        try:
+            from vlm_catalog.bench.loadgen.sut_http import HttpSUT
+        except ImportError as exc:  # openai is a development dependency today
+            raise BenchError(f"--server-url needs the openai package (pip install openai): {exc}") from None
 
         try:
             sut = HttpSUT(

@@ -24,6 +24,7 @@ import httpx
 import mlperf_loadgen as lg
 from openai import AsyncOpenAI, OpenAIError
 
+from vlm_catalog.bench.loadgen.harness import BenchError
 from vlm_catalog.bench.loadgen.qsl import CatalogueQSL
 from vlm_catalog.bench.loadgen.requests import Sampling
 from vlm_catalog.bench.loadgen.responses import ResponseSink
@@ -35,7 +36,7 @@ DEFAULT_MAX_IN_FLIGHT = 512
 _CONNECT_TIMEOUT_S = 5.0
 
 
-class ServerUnreachableError(RuntimeError):
+class ServerUnreachableError(BenchError):
     """The server at --server-url does not answer; the message names the URL."""
 
 
