@@ -232,3 +232,14 @@ def test_summary_parser_reads_loadgens_fields(tmp_path):
     assert summary.latency_percentiles_ns == {50.0: 226015552, 99.0: 1359824199}
     assert summary.first_token_percentiles_ns == {99.0: 5000}
     assert summary.fields["Early stopping satisfied"] == "NO"
+
+
+def test_server_url_without_the_openai_package_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "openai", None)  # as if not installed (it is a dev dependency)
+    monkeypatch.delitem(sys.modules, "vlm_catalog.bench.loadgen.sut_http", raising=False)
+    code = main(["bench", "--scenario", "offline", "--mode", "accuracy", "--dataset", str(SAMPLE_CATALOGUE_DIR),
+                 "--out-dir", str(tmp_path / "out"), "--server-url", "http://127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: --server-url needs the openai package") and err.count("\n") == 1
