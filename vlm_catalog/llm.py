@@ -90,23 +90,48 @@ class LLM:
 
         With `restrict_categories`, each record's answer is constrained to a
         schema whose `category` is an enum of that record's candidates, and
-        whose free-text `brand` is bounded so that every answer is complete
-        within `sampling_params.max_tokens` (see `budgeted_catalogue_schema`).
+        every answer is complete and valid within `sampling_params.max_tokens`:
+        a tight budget gets the bounded schema at once, and an answer the budget
+        cuts is run again with it (see `budgeted_catalogue_schema`).
         A record that cannot run (an unreadable or oversized image, bad
         candidates) comes back with its error; the others are unaffected.
         """
+        records = list(records)
+        base = sampling_params or SamplingParams(max_tokens=150, temperature=0.0)
+        outputs, bounded = self._extract_pass(
+            records, [False] * len(records), schema, prompt_style, base, restrict_categories, use_tqdm
+        )
+        # an answer the budget cut under the plain schema runs again with the bounded one
+        again = [
+            i for i, output in enumerate(outputs)
+            if output.finish_reason == "length" and restrict_categories and not bounded[i]
+        ]
+        if again:
+            retried, _ = self._extract_pass(
+                [records[i] for i in again], [True] * len(again), schema, prompt_style, base, True, False
+            )
+            for i, output in zip(again, retried):
+                outputs[i] = output
+        return [_extraction(record, output, schema) for record, output in zip(records, outputs)]
+
+    def _extract_pass(self, records, bounded, schema, prompt_style, base, restrict_categories, use_tqdm):
+        """One engine run over `records`; a record whose budget is tight gets the bounded
+        schema at once (`budget_is_tight`, as in `vlm_catalog.batch.requests`)."""
         from PIL import Image
 
         from vlm_catalog.preprocess.image_decode import probe_image_bytes
         from vlm_catalog.preprocess.prompt import build_messages
-        from vlm_catalog.structured.catalogue import budgeted_catalogue_schema
+        from vlm_catalog.structured.catalogue import (
+            budget_is_tight,
+            budgeted_catalogue_schema,
+            catalogue_schema,
+        )
 
-        records = list(records)
-        base = sampling_params or SamplingParams(max_tokens=150, temperature=0.0)
         max_pixels = self.engine.processor.image_processor.max_decode_pixels
         conversations: list[Messages | None] = []
         params: list[SamplingParams] = []
         prompt_errors: dict[int, str] = {}
+        bounded = list(bounded)
         for index, record in enumerate(records):
             json_schema, budget = schema, base.max_tokens
             try:
@@ -114,16 +139,20 @@ class LLM:
                 probe_image_bytes(record.image, max_pixels=max_pixels)
                 conversations.append(build_messages(record, style=prompt_style, schema=schema))
                 if restrict_categories:
-                    json_schema, budget = budgeted_catalogue_schema(
-                        record.candidate_categories, base.max_tokens, self._count_tokens, schema
+                    candidates = record.candidate_categories
+                    bounded[index] = bounded[index] or budget_is_tight(
+                        candidates, base.max_tokens, self._count_tokens, schema
                     )
+                    if bounded[index]:
+                        json_schema, budget = budgeted_catalogue_schema(candidates, base.max_tokens, self._count_tokens, schema)
+                    else:
+                        json_schema = catalogue_schema(candidates, schema)
             except (ValueError, Image.DecompressionBombError) as exc:  # PromptError, ImageDecodeError, GrammarError
                 del conversations[index:]  # the messages, if they were built
                 conversations.append(None)
                 prompt_errors[index] = str(exc)
             params.append(_with_schema(base, json_schema, budget))
-        outputs = self._run(conversations, params, use_tqdm, prompt_errors)
-        return [_extraction(record, output, schema) for record, output in zip(records, outputs)]
+        return self._run(conversations, params, use_tqdm, prompt_errors), bounded
 
     def _count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))

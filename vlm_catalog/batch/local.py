@@ -24,8 +24,12 @@ def run_items(
     emit: Callable[[ResultLine], None],
     window: int = 64,
 ) -> None:
-    """Run every item; call `emit` with each record's line as soon as it is known."""
-    pending: dict[str, str] = {}  # engine request id -> record id
+    """Run every item; call `emit` with each record's line as soon as it is known.
+
+    An answer cut by the token budget under the plain schema is run once more
+    with the bounded one (see `RequestBuilder`); only that second answer is emitted.
+    """
+    pending: dict[str, tuple[CatalogueItem, bool]] = {}  # engine request id -> (item, bounded schema)
     items = iter(items)
     exhausted = False
     while True:
@@ -42,24 +46,35 @@ def run_items(
                 return
             continue
         for output in engine.step():
-            if output.finished:
-                emit(builder.result(pending.pop(output.request_id), output))
+            if not output.finished:
+                continue
+            item, bounded = pending.pop(output.request_id)
+            line = builder.result(item.id, output)
+            if line.failure == "length" and not bounded:
+                failure = _submit(engine, builder, item, pending, bounded=True)
+                if failure is None:
+                    continue
+                line = failure
+            emit(line)
 
 
-def _submit(engine: LLMEngine, builder: RequestBuilder, item: CatalogueItem, pending: dict[str, str]) -> ResultLine | None:
+def _submit(
+    engine: LLMEngine, builder: RequestBuilder, item: CatalogueItem,
+    pending: dict[str, tuple[CatalogueItem, bool]], bounded: bool = False,
+) -> ResultLine | None:
     """Queue the item's request; the failed line instead if the record cannot run."""
     if item.record is None:
         return ResultLine.failed(item.id, item.kind or "record", item.error or "unusable record")
     try:
-        messages, params = builder.build(item.record)
+        messages, params, bounded = builder.build(item.record, bounded=bounded)
     except (ValueError, Image.DecompressionBombError) as exc:
         return ResultLine.failed(item.id, _kind_of(exc), str(exc))
-    request_id = f"batch-{item.index}"
+    request_id = f"batch-{item.index}" + ("-bounded" if bounded else "")
     try:
         engine.add_request(messages, params, request_id=request_id)
     except EngineRequestError as exc:
         return ResultLine.failed(item.id, failure_kind_of_error(str(exc)), str(exc))
-    pending[request_id] = item.id
+    pending[request_id] = (item, bounded)
     return None
 
 

@@ -48,7 +48,15 @@ class ResultLine:
 
 class RequestBuilder:
     """Messages and sampling parameters for a record: the mlperf (or concise) prompt,
-    the per-record schema within the token budget, greedy decoding."""
+    the per-record schema, greedy decoding.
+
+    The token budget: when `max_tokens` is tight (`budget_is_tight`: less than
+    `TIGHT_BUDGET_MARGIN_TOKENS` beyond the answer's fixed parts), the record
+    gets the bounded schema (`budgeted_catalogue_schema`) at once. Otherwise
+    it gets the plain per-record schema (cheaper to compile), and an answer the
+    budget cuts is run again with the bounded one (`build(record, bounded=True)`),
+    which always completes. Either way every answer is valid.
+    """
 
     def __init__(
         self,
@@ -62,16 +70,25 @@ class RequestBuilder:
         self.max_tokens = max_tokens
         self.count_tokens = count_tokens
 
-    def build(self, record: ProductRecord) -> tuple[list[dict[str, Any]], SamplingParams]:
-        """Raise ValueError (PromptError, GrammarError, ImageDecodeError) for a record that cannot run."""
+    def build(self, record: ProductRecord, bounded: bool = False) -> tuple[list[dict[str, Any]], SamplingParams, bool]:
+        """(messages, params, whether the schema is bounded); ValueError (PromptError,
+        GrammarError, ImageDecodeError) for a record that cannot run."""
         from vlm_catalog.preprocess.prompt import build_messages
-        from vlm_catalog.structured.catalogue import budgeted_catalogue_schema
+        from vlm_catalog.structured.catalogue import (
+            budget_is_tight,
+            budgeted_catalogue_schema,
+            catalogue_schema,
+        )
 
         messages = _raw_image_parts(build_messages(record, style=self.prompt_style, schema=self.schema), record.image)
-        json_schema, budget = budgeted_catalogue_schema(
-            record.candidate_categories, self.max_tokens, self.count_tokens, self.schema
-        )
-        return messages, SamplingParams(max_tokens=budget, temperature=0.0, json_schema=json_schema)
+        candidates = record.candidate_categories
+        if not bounded:
+            bounded = budget_is_tight(candidates, self.max_tokens, self.count_tokens, self.schema)
+        if bounded:
+            json_schema, budget = budgeted_catalogue_schema(candidates, self.max_tokens, self.count_tokens, self.schema)
+        else:
+            json_schema, budget = catalogue_schema(candidates, self.schema), self.max_tokens
+        return messages, SamplingParams(max_tokens=budget, temperature=0.0, json_schema=json_schema), bounded
 
     def result(self, record_id: str, output) -> ResultLine:
         """The line for a finished `RequestOutput`."""

@@ -85,6 +85,41 @@ RESERVE_SLACK_TOKENS = 4
 _FREE_TEXT_CHARACTERS = '[^"\\\\\\x00-\\x1f]'
 
 
+def answer_reserve(
+    candidates: Sequence[str],
+    count_tokens: Callable[[str], int],
+    base: type[BaseModel] | dict[str, Any] | str = ProductMetadata,
+) -> int:
+    """Tokens an answer needs besides its free text: keys, punctuation, the longest
+    candidate, the longest value of every other field (canonical tokens), plus
+    `RESERVE_SLACK_TOKENS` for where the model, not a forced span, spells a
+    category prefix."""
+    schema = catalogue_schema(candidates, base)
+    properties = schema.json_schema.get("properties", {})
+    definitions = schema.json_schema.get("$defs", {})
+    widest = {  # every property, optional ones too: the grammar may emit them
+        name: _widest_value(name, _resolved(spec, definitions), count_tokens)
+        for name, spec in properties.items()
+    }
+    return count_tokens(json.dumps(widest, separators=(",", ":"), ensure_ascii=False)) + RESERVE_SLACK_TOKENS
+
+
+# A budget this close to an answer's fixed parts gets the bounded schema at once.
+TIGHT_BUDGET_MARGIN_TOKENS = 32
+
+
+def budget_is_tight(
+    candidates: Sequence[str],
+    max_tokens: int,
+    count_tokens: Callable[[str], int],
+    base: type[BaseModel] | dict[str, Any] | str = ProductMetadata,
+) -> bool:
+    """True when `max_tokens` leaves less than `TIGHT_BUDGET_MARGIN_TOKENS` beyond the
+    answer's fixed parts: then the bounded schema is used from the start, not only
+    to re-run an answer the budget cut."""
+    return max_tokens < answer_reserve(candidates, count_tokens, base) + TIGHT_BUDGET_MARGIN_TOKENS
+
+
 def budgeted_catalogue_schema(
     candidates: Sequence[str],
     max_tokens: int,
@@ -94,29 +129,28 @@ def budgeted_catalogue_schema(
     """The per-record schema whose every complete answer fits in the token budget.
 
     Returns the schema and the budget to run it with. The fixed parts of an
-    answer (keys, punctuation, the longest candidate category, the longest
-    enum value or `false` of each other field) are *reserved*: their canonical
-    tokens (`count_tokens`) plus `RESERVE_SLACK_TOKENS`. What the budget
-    leaves is shared by the free-text string fields (`brand`): each gets a
-    `pattern` of at most `L` raw characters with
+    answer are reserved (`answer_reserve`); what the budget leaves is shared
+    by the free-text string fields (`brand`): each gets a `pattern` of at most
+    `L` raw characters with
     `L = (max_tokens - reserve) // (fields * MAX_TOKENS_PER_FREE_CHAR)`.
     So the grammar ends every answer before the budget runs out, and a short
     `--max-tokens` yields a short brand, never a cut answer. When `max_tokens`
     is smaller than the reserve (no complete answer could fit), the budget
     returned is the reserve and the free-text fields must be empty.
+
+    The bound costs compile time (xgrammar makes one state per allowed
+    character: about 30 ms at L = 29 against 8 ms unbounded on the shipped
+    model's vocabulary), so callers use it where it is needed: for a tight
+    budget at once, otherwise only to re-run an answer the budget cut
+    (`vlm_catalog.batch.requests`, `LLM.extract`).
     """
+    reserve = answer_reserve(candidates, count_tokens, base)
     schema = catalogue_schema(candidates, base)
     properties = schema.json_schema.get("properties", {})
     free_fields = [
         name for name, spec in properties.items()
         if name != CATEGORY_FIELD and _is_free_string(spec)
     ]
-    definitions = schema.json_schema.get("$defs", {})
-    widest = {  # every property, optional ones too: the grammar may emit them
-        name: _widest_value(name, _resolved(spec, definitions), count_tokens)
-        for name, spec in properties.items()
-    }
-    reserve = count_tokens(json.dumps(widest, separators=(",", ":"), ensure_ascii=False)) + RESERVE_SLACK_TOKENS
     budget = max(max_tokens, reserve)
     if free_fields:
         length = (budget - reserve) // (len(free_fields) * MAX_TOKENS_PER_FREE_CHAR)
