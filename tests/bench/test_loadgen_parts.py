@@ -6,7 +6,6 @@ import base64
 import io
 import json
 import socket
-from pathlib import Path
 
 import mlperf_loadgen as lg
 import pytest
@@ -19,8 +18,8 @@ from vlm_catalog.bench.loadgen.requests import (
     GREEDY,
     RequestStyleError,
     Sampling,
-    generation_config_sampling,
     prepare_request,
+    style_sampling,
 )
 from vlm_catalog.bench.loadgen.responses import ResponseSink
 from vlm_catalog.bench.loadgen.settings import (
@@ -102,22 +101,17 @@ def test_openai_arguments_of_both_styles():
     json.dumps(ours)  # sendable as JSON
 
 
-def write_generation_config(directory: Path, **values) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "generation_config.json").write_text(json.dumps(values))
-    return directory
-
-
-def test_sampling_comes_from_generation_config(tmp_path):
-    qwen = write_generation_config(
-        tmp_path / "qwen", do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.0
+def test_mlperf_style_takes_the_checkpoints_sampling(tmp_path):
+    checkpoint = tmp_path / "qwen"
+    checkpoint.mkdir()
+    (checkpoint / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20})
     )
-    assert generation_config_sampling(qwen) == Sampling(temperature=0.7, top_p=0.8, top_k=20)
-    assert generation_config_sampling(DEFAULT_MODEL_DIR) == GREEDY  # do_sample: false
-    assert generation_config_sampling(tmp_path / "none") == GREEDY  # no file
-    penalised = write_generation_config(tmp_path / "pen", do_sample=True, repetition_penalty=1.05)
+    assert style_sampling("mlperf", checkpoint) == Sampling(temperature=0.7, top_p=0.8, top_k=20)
+    assert style_sampling("ours", checkpoint) == GREEDY
+    (checkpoint / "generation_config.json").write_text(json.dumps({"do_sample": True, "repetition_penalty": 1.05}))
     with pytest.raises(RequestStyleError, match="repetition_penalty = 1.05 is not supported"):
-        generation_config_sampling(penalised)
+        style_sampling("mlperf", checkpoint)
 
 
 # ---------------------------------------------------------------- settings

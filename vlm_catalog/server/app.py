@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from vlm_catalog.engine.async_engine import AsyncLLM
+from vlm_catalog.engine.generation_config import generation_config_sampling
 from vlm_catalog.server import chat, extract, info
 from vlm_catalog.server.auth import ApiKeyAuth
 from vlm_catalog.server.body_limit import BodySizeLimit
@@ -28,7 +29,7 @@ from vlm_catalog.server.generation import ClientDisconnected, EngineGateway
 from vlm_catalog.server.images import ImageResolver
 from vlm_catalog.server.metrics import ServiceMetrics
 from vlm_catalog.server.settings import ServerSettings
-from vlm_catalog.server.state import ServiceState, checkpoint_temperature
+from vlm_catalog.server.state import ServiceState
 
 # not a real HTTP status: nginx's "client closed request", only for logs and metrics
 CLIENT_CLOSED_REQUEST = 499
@@ -59,7 +60,7 @@ def create_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> Fast
         gateway=EngineGateway(engine, settings, metrics),
         images=ImageResolver(settings),
         model_name=settings.served_model_name or model_dir.name,
-        default_temperature=checkpoint_temperature(model_dir),
+        default_sampling=generation_config_sampling(model_dir),
     )
     app.state.service = state
     install_error_handlers(app, metrics.count_error)

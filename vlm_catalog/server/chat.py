@@ -131,11 +131,14 @@ async def sampling_params(state: ServiceState, body: ChatCompletionRequest) -> S
         constraint["regex"] = check_text(state, body.guided_regex, "guided_regex")
     if constraint:
         constraint = await _checked_constraint(constraint)
+    defaults = state.default_sampling
     try:
         return SamplingParams(
             max_tokens=body.max_completion_tokens or body.max_tokens or state.settings.default_max_tokens,
-            temperature=state.default_temperature if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
+            temperature=defaults.temperature if body.temperature is None else body.temperature,
+            top_p=defaults.top_p if body.top_p is None else body.top_p,
+            top_k=defaults.top_k if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
             seed=body.seed,
             stop=stop,
             **constraint,

@@ -83,7 +83,9 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
-    # extension (vLLM's name): constrain the answer to a regular expression
+    # extensions (vLLM's names): top-k and min-p sampling, an answer constrained to a regular expression
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOKENS_LIMIT, description="0 or -1: off")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     guided_regex: str | None = None
 
 
@@ -96,6 +98,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "top_logprobs": (None, 0),
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
     "logit_bias": (None, {}),
     "audio": (None,),
     "modalities": (None, ["text"]),

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from fastapi import Request
 
 from vlm_catalog.engine.async_engine import AsyncLLM
+from vlm_catalog.engine.generation_config import Sampling
 from vlm_catalog.server.errors import APIError, bad_request
 from vlm_catalog.server.generation import EngineGateway
 from vlm_catalog.server.images import ImageResolver
@@ -24,7 +23,7 @@ class ServiceState:
     gateway: EngineGateway
     images: ImageResolver
     model_name: str
-    default_temperature: float  # the checkpoint's generation_config: greedy unless it samples
+    default_sampling: Sampling  # the checkpoint's generation_config.json: used where a request names none
 
 
 def service(request: Request) -> ServiceState:
@@ -49,14 +48,3 @@ def check_text(state: ServiceState, text: str, param: str) -> str:
     if size > limit:
         raise bad_request(f"{param} is {size} bytes; at most {limit} are allowed", param=param, code="text_too_long")
     return text
-
-
-def checkpoint_temperature(model_dir: Path) -> float:
-    """1.0 if the checkpoint's generation_config samples (its temperature if given), else 0.0 (greedy)."""
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return 0.0
-    config = json.loads(path.read_text())
-    if not config.get("do_sample", False):
-        return 0.0
-    return float(config.get("temperature", 1.0))

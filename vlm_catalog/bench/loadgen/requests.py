@@ -17,12 +17,17 @@ arguments of `chat.completions.create`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from schemas import OutputSchema, ProductMetadata, ProductRecord
+from vlm_catalog.engine.generation_config import (  # noqa: F401 - Sampling, GREEDY: part of this module's API
+    GREEDY,
+    GenerationConfigError,
+    Sampling,
+    generation_config_sampling,
+)
 from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.preprocess.prompt import build_messages, build_mlperf_messages
 
@@ -32,55 +37,6 @@ RESPONSE_FORMAT_NAME = "product_metadata"
 
 class RequestStyleError(ValueError):
     """A request style or checkpoint setting the harness cannot reproduce."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Decoding settings sent with every request of a run."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-GREEDY = Sampling()
-
-
-def generation_config_sampling(model_dir: str | Path) -> Sampling:
-    """The sampling settings of a checkpoint's `generation_config.json`.
-
-    Qwen3-VL ships `do_sample: true, temperature 0.7, top_p 0.8, top_k 20,
-    repetition_penalty 1.0`. `do_sample: false` (or no file) means greedy. A
-    missing field takes the engine's default (temperature 1, top-p 1, top-k off).
-    Settings the engine does not implement are refused rather than ignored.
-    """
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return GREEDY
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise RequestStyleError(f"{path}: cannot read ({exc})") from None
-    for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-        value = config.get(name, neutral)
-        if value != neutral:
-            raise RequestStyleError(
-                f"{path}: {name} = {value} is not supported by the engine (only {neutral})"
-            )
-    if config.get("do_sample") is False:
-        return GREEDY
-    try:
-        return Sampling(
-            temperature=float(config.get("temperature", 1.0)),
-            top_p=float(config.get("top_p", 1.0)),
-            top_k=max(int(config.get("top_k", 0)), 0),
-        )
-    except (TypeError, ValueError) as exc:
-        raise RequestStyleError(f"{path}: bad sampling setting ({exc})") from None
 
 
 @dataclass(frozen=True)
@@ -133,4 +89,9 @@ def prepare_request(record: ProductRecord, style: str) -> PreparedRequest:
 
 def style_sampling(style: str, model_dir: str | Path) -> Sampling:
     """Decoding settings of a style: the checkpoint's for "mlperf", greedy for "ours"."""
-    return generation_config_sampling(model_dir) if style == "mlperf" else GREEDY
+    if style != "mlperf":
+        return GREEDY
+    try:
+        return generation_config_sampling(model_dir)
+    except GenerationConfigError as exc:
+        raise RequestStyleError(str(exc)) from None
