@@ -55,16 +55,19 @@ layers of 8 experts, top-2, hidden 128; a 2-layer vision tower with deepstack)
 that serves the demo and the CPU benchmarks. It is trained on synthetic
 catalogue extraction only; it is not a general model.
 
-Reproduce it (CPU, about an hour):
+This README comes with the random weights of `scripts/make_default_model.py`;
+train them with `scripts/train_default_model.py` (see its --help and the
+training section of the shipped model card), e.g.
 
-    python scripts/make_default_model.py                 # tokenizer + random weights
-    python scripts/train_default_model.py --steps 600 --batch-size 8
-    python scripts/train_default_model.py --steps 700 --batch-size 8 --lr 1e-3 --warmup 20 --start-index 4800
+    python scripts/make_default_model.py --out scratch/training/base
+    python scripts/train_default_model.py --base scratch/training/base \
+        --run-dir scratch/training/run --steps 3000 --eval-every 200
+
+then copy `scratch/training/run/model/model.safetensors` next to this README.
 
 Training: transformers' Qwen3VLMoeForConditionalGeneration, teacher forcing on
-the answer tokens of synthetic products (generator seed 2000, disjoint from the
-shipped sample), each shown with the benchmark's mlperf prompt and answered
-with compact ProductMetadata JSON. Weights stored in bfloat16.
+synthetic products shown with the benchmark's mlperf prompt and answered with
+compact ProductMetadata JSON (`vlm_catalog/training/`). Weights stored in bfloat16.
 
 Accuracy on the shipped sample: see the README committed next to the weights
 (`vlm-catalog demo` measures it).
