@@ -323,3 +323,11 @@ def test_tiny_png_claiming_a_huge_size_is_refused_from_its_header() -> None:
         with pytest.raises(ImageDecodeError) as raised:
             function(bomb, max_pixels=DEFAULT_MAX_DECODE_PIXELS)
         assert raised.value.reason in (DecodeFailure.DECOMPRESSION_BOMB, DecodeFailure.TOO_LARGE)
+
+
+def test_probe_of_a_png_cut_in_its_pixel_data_is_a_decode_error() -> None:
+    """PIL reads a PNG's pixel data to look for EXIF after it: the cut shows in the probe, as our error."""
+    raw = encode(noisy_rgb(120, 90), "PNG")
+    with pytest.raises(ImageDecodeError) as raised:
+        probe_image_bytes(raw[:-40], max_pixels=LIMIT)
+    assert raised.value.reason is DecodeFailure.TRUNCATED

@@ -39,6 +39,7 @@ import base64
 import binascii
 import enum
 import io
+import struct
 import threading
 import warnings
 
@@ -280,6 +281,17 @@ def _load_pixels(image: Image.Image, fmt: str) -> None:
         ) from None
 
 
+def _exif_orientation(image: Image.Image, fmt: str) -> int:
+    """The EXIF orientation tag (1 if none). For a PNG, PIL reads the pixel data to reach
+    an eXIf chunk stored after it, so a file cut short there fails here, as the decode would."""
+    try:
+        return image.getexif().get(ExifTags.Base.Orientation, 1)
+    except Image.DecompressionBombError as exc:
+        raise ImageDecodeError(DecodeFailure.DECOMPRESSION_BOMB, str(exc)) from None
+    except (OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:
+        raise ImageDecodeError(DecodeFailure.TRUNCATED, f"{fmt} data is truncated or corrupt: {exc}") from None
+
+
 def _apply_exif_orientation(image: Image.Image) -> Image.Image:
     """Rotate/flip as the EXIF orientation tag says (no copy when there is none)."""
     orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
@@ -318,7 +330,7 @@ def probe_image_bytes(raw: bytes, *, max_pixels: int) -> tuple[int, int]:
     fmt = _sniff_format(raw)
     with _open_header(raw, fmt) as image:
         check_pixel_limit(image.width, image.height, max_pixels)
-        orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
+        orientation = _exif_orientation(image, fmt)
         if orientation in (5, 6, 7, 8):  # the transposing orientations swap the axes
             return image.height, image.width
         return image.width, image.height

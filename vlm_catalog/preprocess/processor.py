@@ -21,7 +21,6 @@ in message text are broken with a zero-width space before rendering.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -131,15 +130,8 @@ class PromptProcessor:
                 f"the rendered prompt has {len(placeholder_indices)} image placeholders for "
                 f"{len(image_inputs)} images (does the chat template emit {self.image_token!r} per image?)"
             )
-        images = [self._probe(image, index) for index, image in enumerate(image_inputs)]
+        images = [self.image_processor.probe(image) for image in image_inputs]
         return self.expand(token_ids, images)
-
-    def _probe(self, image: Any, index: int) -> ImageProbe:
-        """The image's probe; PIL's own errors (it reads past the header for some files) as PromptError."""
-        try:
-            return self.image_processor.probe(image)
-        except (OSError, SyntaxError, EOFError, struct.error) as exc:
-            raise PromptError(f"image {index} is truncated or corrupt: {exc}") from None
 
     def load_pixels(self, images: list[ImageProbe]) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode and patchify images (in a thread pool): pixel rows [N, D] and grids [n, 3]."""
