@@ -61,6 +61,15 @@ def test_report_is_reproducible_for_a_seed_and_baselines_vary_with_it():
     assert 0.0 < first.random_baseline.category_hf1 < 1.0
 
 
+def test_report_does_not_depend_on_the_order_of_the_file():
+    # results files hold records in the order they finished; the random draws follow record order
+    labels = LABELS * 10
+    responses = [(i, "garbage" if i % 4 == 0 else answer(labels[i].category, "x", False)) for i in range(len(labels))]
+    forward = score(responses, labels, seed=3)
+    backward = score(list(reversed(responses)), labels, seed=3)
+    assert forward.to_dict() == backward.to_dict()
+
+
 def test_richer_schema_scores_attributes():
     attributes = {"colour": "red", "material": "wool", "target_gender": "female",
                   "age_group": "adult", "condition": "new"}

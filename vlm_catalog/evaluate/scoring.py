@@ -6,7 +6,7 @@ as the truth, matching nothing), a pad brand and a random `is_secondhand`. The
 random-guess baselines pick a random candidate category, a random
 `is_secondhand` and a random brand among the scored records' true brands.
 
-Randomness comes from one `numpy.random.default_rng(seed)` consumed in sample
+Randomness comes from one `numpy.random.default_rng(seed)` consumed in record
 order, so a report is reproducible for a seed. (The reference splits its work
 over processes with per-chunk seeds; its random draws, and so its baselines
 and padded `is_secondhand` values, depend on the CPU count. Every other number
@@ -95,6 +95,9 @@ def score(
     """
     if not responses:
         raise ValueError("no predictions to score")
+    # in record order: the random draws, and so the report, do not depend on the order of the
+    # file (an extract run writes records as they finish, an accuracy log in completion order)
+    responses = sorted(responses, key=lambda pair: pair[0])
     rng = np.random.default_rng(seed)
     category_pairs: list[tuple[str, str]] = []
     brand_pairs: list[tuple[str, str]] = []
