@@ -18,10 +18,11 @@ HELDOUT_SEED = 31337  # training used 1000 (tokenizer), 2000 and 3000; held-out 
 RECORDS = 32
 MAX_MODEL_BYTES = 50 * 2**20
 
-# measured on these 32 records: see data/models/tiny-qwen3-vl-moe/README.md
-MIN_CATEGORY_HF1 = 0.0
-MIN_BRAND_ACCURACY = 0.0
-MIN_SECONDHAND_F1 = 0.0
+# The shipped model scores 0.86 / 0.97 / 0.88 on these 32 records (the model shipped
+# before 2026-11-23: 0.83 / 0.19 / 0.80); the thresholds leave room for ~3 different answers.
+MIN_CATEGORY_HF1 = 0.78
+MIN_BRAND_ACCURACY = 0.80
+MIN_SECONDHAND_F1 = 0.75
 
 
 def test_shipped_model_is_within_the_size_budget() -> None:
