@@ -153,20 +153,23 @@ def test_many_kills_resume_to_exactly_once_and_equal_answers(small_catalogue, re
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
-def test_ctrl_c_ends_cleanly_with_finished_lines_on_disk(small_catalogue, tmp_path, stop):
+def test_ctrl_c_ends_cleanly_with_finished_lines_on_disk(tmp_path, stop):
+    # all 64 sample records one at a time: on a quiet machine 12 records could finish before the signal
+    dataset = write_parquet(tmp_path / "catalogue", sample_rows(64))
     out = tmp_path / "p.jsonl"
-    command = [sys.executable, "-m", "vlm_catalog.cli", "extract", "--dataset", str(small_catalogue),
+    command = [sys.executable, "-m", "vlm_catalog.cli", "extract", "--dataset", str(dataset),
                "--out", str(out), "--window", "1", *FAST]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (out.exists() and out.read_bytes().count(b"\n") >= 2):
         time.sleep(0.02)
+    assert process.poll() is None, "the run ended before it could be interrupted"
     process.send_signal(stop)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 130
     assert "Traceback" not in err and "interrupted" in err
     lines = read_lines(out)  # every line complete
-    assert 2 <= len(lines) <= 12
+    assert 2 <= len(lines) < 64
 
 
 def test_parquet_with_a_wrongly_typed_column_fails_each_record_alone(tmp_path):
