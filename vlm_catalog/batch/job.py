@@ -231,7 +231,7 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
             progress.update(line)
 
         try:
-            with _interrupt_on_sigterm():
+            with _interrupt_on_signals():
                 if settings.ray_address is None:
                     summary.engine_stats = _run_here(settings, catalogue.items(pending), emit, progress.restart)
                 else:
@@ -330,20 +330,29 @@ def evaluate_results(settings: BatchSettings, catalogue):
     return score(responses, labels, answer_schema=resolve_schema(settings.schema).model)
 
 
-class _interrupt_on_sigterm:
-    """SIGTERM ends the run like Ctrl-C (finished lines stay; exit 130)."""
+class _interrupt_on_signals:
+    """SIGINT (Ctrl-C) and SIGTERM end the run (finished lines stay; exit 130).
+
+    SIGINT gets its handler explicitly: a process started in the background by
+    a non-interactive shell inherits SIGINT ignored, and Python then installs
+    no KeyboardInterrupt handler of its own, so Ctrl-C (or `kill -INT`) would
+    be ignored.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __enter__(self):
-        self._previous = None
-        try:
-            self._previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-        except ValueError:  # not the main thread
-            pass
+        self._previous = {}
+        for signum in self.SIGNALS:
+            try:
+                self._previous[signum] = signal.signal(signum, _raise_interrupt)
+            except ValueError:  # not the main thread
+                pass
         return self
 
     def __exit__(self, *exc_info) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 
 def _raise_interrupt(signum, frame) -> None:
