@@ -9,40 +9,13 @@ eviction never pulls features from under a running step.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 from vlm_catalog.model.qwen3_vl_moe import ImageEmbedding
+from vlm_catalog.sized_lru import SizedLRU
 
 
-class EncoderCache:
+class EncoderCache(SizedLRU[ImageEmbedding]):
+    """`SizedLRU` of image embeddings by content hash, bounded in tokens; the newest entry
+    always stays, so an image larger than the cache still serves all its prefill chunks."""
+
     def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
-        self._entries: OrderedDict[str, ImageEmbedding] = OrderedDict()
-        self.num_tokens = 0
-        self.hits = 0
-        self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, content_hash: str) -> bool:
-        return content_hash in self._entries
-
-    def get(self, content_hash: str) -> ImageEmbedding | None:
-        embedding = self._entries.get(content_hash)
-        if embedding is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._entries.move_to_end(content_hash)
-        return embedding
-
-    def put(self, content_hash: str, embedding: ImageEmbedding) -> None:
-        if content_hash in self._entries:
-            self._entries.move_to_end(content_hash)
-            return
-        self._entries[content_hash] = embedding
-        self.num_tokens += embedding.num_tokens
-        while self.num_tokens > self.max_tokens and len(self._entries) > 1:
-            _, evicted = self._entries.popitem(last=False)
-            self.num_tokens -= evicted.num_tokens
+        super().__init__(max_tokens, size_of=lambda embedding: embedding.num_tokens, keep_oversized=True)

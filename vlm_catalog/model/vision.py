@@ -18,7 +18,6 @@ and short ones through one Triton launch without a device sync
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ from torch import nn
 
 import kernels
 from vlm_catalog.model.config import VisionConfig
+from vlm_catalog.sized_lru import SizedLRU
 
 LAYER_NORM_EPS = 1e-6
 
@@ -233,40 +233,12 @@ class GridTables:
         return self.position.shape[0]
 
 
-class GridTableCache:
-    """LRU of `GridTables` by grid shape, bounded in patches (so in memory: at the 30B-A3B
-    vision width, 262144 patches are ~0.7 GiB in bf16 with cos/sin)."""
+class GridTableCache(SizedLRU[GridTables]):
+    """`SizedLRU` of `GridTables` by grid shape, bounded in patches (so in memory: at the 30B-A3B
+    vision width, 262144 patches are ~0.7 GiB in bf16 with cos/sin); larger tables are not kept."""
 
     def __init__(self, max_patches: int = 262_144) -> None:
-        self.max_patches = max_patches
-        self._entries: OrderedDict[tuple, GridTables] = OrderedDict()
-        self._patches = 0
-        self.hits = self.misses = 0
-
-    def get(self, key: tuple) -> GridTables | None:
-        tables = self._entries.get(key)
-        if tables is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._entries.move_to_end(key)
-        return tables
-
-    def put(self, key: tuple, tables: GridTables) -> None:
-        if tables.num_patches > self.max_patches:
-            return  # larger than the whole cache: computed every time
-        self._entries[key] = tables
-        self._patches += tables.num_patches
-        while self._patches > self.max_patches:
-            _, evicted = self._entries.popitem(last=False)
-            self._patches -= evicted.num_patches
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._patches = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
+        super().__init__(max_patches, size_of=lambda tables: tables.num_patches)
 
 
 def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
