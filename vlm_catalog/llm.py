@@ -117,9 +117,6 @@ class LLM:
     def _extract_pass(self, records, bounded, schema, prompt_style, base, restrict_categories, use_tqdm):
         """One engine run over `records`; a record whose budget is tight gets the bounded
         schema at once (`budget_is_tight`, as in `vlm_catalog.batch.requests`)."""
-        from PIL import Image
-
-        from vlm_catalog.preprocess.image_decode import probe_image_bytes
         from vlm_catalog.preprocess.prompt import build_messages
         from vlm_catalog.structured.catalogue import (
             budget_is_tight,
@@ -127,7 +124,6 @@ class LLM:
             catalogue_schema,
         )
 
-        max_pixels = self.engine.processor.image_processor.max_decode_pixels
         conversations: list[Messages | None] = []
         params: list[SamplingParams] = []
         prompt_errors: dict[int, str] = {}
@@ -135,8 +131,6 @@ class LLM:
         for index, record in enumerate(records):
             json_schema, budget = schema, base.max_tokens
             try:
-                # the header check first: a decompression bomb is refused before PIL opens it
-                probe_image_bytes(record.image, max_pixels=max_pixels)
                 conversations.append(build_messages(record, style=prompt_style, schema=schema))
                 if restrict_categories:
                     candidates = record.candidate_categories
@@ -147,7 +141,7 @@ class LLM:
                         json_schema, budget = budgeted_catalogue_schema(candidates, base.max_tokens, self._count_tokens, schema)
                     else:
                         json_schema = catalogue_schema(candidates, schema)
-            except (ValueError, Image.DecompressionBombError) as exc:  # PromptError, ImageDecodeError, GrammarError
+            except ValueError as exc:  # PromptError, ImageDecodeError (a decompression bomb too), GrammarError
                 del conversations[index:]  # the messages, if they were built
                 conversations.append(None)
                 prompt_errors[index] = str(exc)

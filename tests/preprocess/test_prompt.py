@@ -113,3 +113,21 @@ def test_concise_style_and_errors(record):
     broken = record.model_copy(update={"image": b"GIF89a broken"})
     with pytest.raises(PromptError, match="image format"):
         build_messages(broken)
+
+
+def test_a_decompression_bomb_is_an_image_error_not_pils():
+    """PIL's own guard fires when the header is opened; it reaches callers as our ValueError."""
+    import struct
+    import zlib
+
+    from vlm_catalog.preprocess.image_decode import DecodeFailure, ImageDecodeError
+    from vlm_catalog.preprocess.prompt import image_data_uri
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    bomb = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 100000, 100000, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\x00")) + chunk(b"IEND", b""))
+    with pytest.raises(ImageDecodeError) as raised:
+        image_data_uri(bomb)
+    assert raised.value.reason is DecodeFailure.DECOMPRESSION_BOMB and "pixels" in str(raised.value)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from PIL import Image
-
 from vlm_catalog.batch.requests import RequestBuilder, ResultLine, failure_kind_of_error
 from vlm_catalog.data.loader import CatalogueItem
 from vlm_catalog.engine.llm_engine import EngineRequestError, LLMEngine
@@ -67,7 +65,7 @@ def _submit(
         return ResultLine.failed(item.id, item.kind or "record", item.error or "unusable record")
     try:
         messages, params, bounded = builder.build(item.record, bounded=bounded)
-    except (ValueError, Image.DecompressionBombError) as exc:
+    except ValueError as exc:  # PromptError, ImageDecodeError (a decompression bomb too), GrammarError
         return ResultLine.failed(item.id, _kind_of(exc), str(exc))
     request_id = f"batch-{item.index}" + ("-bounded" if bounded else "")
     try:
@@ -81,6 +79,6 @@ def _submit(
 def _kind_of(exc: Exception) -> str:
     from vlm_catalog.preprocess.image_decode import ImageDecodeError
 
-    if isinstance(exc, (ImageDecodeError, Image.DecompressionBombError)):
+    if isinstance(exc, ImageDecodeError):
         return "image"
     return "record"

@@ -26,6 +26,7 @@ from PIL import Image, UnidentifiedImageError
 from pydantic import BaseModel
 
 from schemas import ProductMetadata, ProductRecord
+from vlm_catalog.preprocess.image_decode import DecodeFailure, ImageDecodeError
 
 Messages = list[dict[str, Any]]
 
@@ -82,6 +83,8 @@ def image_data_uri(image: bytes) -> str:
     try:
         with Image.open(io.BytesIO(image)) as opened:
             image_format = opened.format
+    except Image.DecompressionBombError as exc:  # PIL's guard fires on the header, before any pixel
+        raise ImageDecodeError(DecodeFailure.DECOMPRESSION_BOMB, str(exc)) from None
     except (UnidentifiedImageError, OSError) as exc:
         raise PromptError(f"cannot identify the image format: {exc}") from None
     if image_format is None:
