@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import struct
+import zlib
 from pathlib import Path
 
 import datasets
@@ -19,6 +21,15 @@ def jpeg_bytes(colour: tuple[int, int, int], size: tuple[int, int] = (48, 40)) -
     buffer = io.BytesIO()
     Image.new("RGB", size, colour).save(buffer, format="JPEG", quality=90)
     return buffer.getvalue()
+
+
+def png_bomb() -> bytes:
+    """A 69-byte PNG whose header claims 100000 x 100000 pixels (a decompression bomb)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 100000, 100000, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\x00")) + chunk(b"IEND", b""))
 
 
 def handmade_rows() -> list[dict]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import struct
-import zlib
 from pathlib import Path
 
 import pyarrow as pa
@@ -37,15 +35,6 @@ def read_lines(path: Path) -> list[dict]:
 
 def answers(path: Path) -> dict[str, str]:
     return {line["id"]: line["response"] for line in read_lines(path)}
-
-
-def png_bomb() -> bytes:
-    """A 69-byte PNG whose header claims 100000 x 100000 pixels."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 100000, 100000, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(b"\x00")) + chunk(b"IEND", b""))
 
 
 def jpeg(colour=(200, 40, 40), size=(64, 48)) -> bytes:

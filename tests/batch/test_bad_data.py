@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from tests.batch.conftest import FAST, jpeg, png_bomb, read_lines, sample_rows, write_parquet
+from tests.batch.conftest import FAST, jpeg, read_lines, sample_rows, write_parquet
+from tests.conftest import png_bomb
 from vlm_catalog.cli import main
 from vlm_catalog.data.loader import load_catalogue
 

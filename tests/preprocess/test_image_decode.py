@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 from transformers.image_transforms import convert_to_rgb
 
+from tests.conftest import png_bomb
 from vlm_catalog.bench.baselines import white_background_rgb
 from vlm_catalog.preprocess.image_decode import (
     DEFAULT_MAX_DECODE_PIXELS,
@@ -313,11 +314,7 @@ def test_text_html_and_svg_are_named() -> None:
 
 def test_tiny_png_claiming_a_huge_size_is_refused_from_its_header() -> None:
     """69 bytes claiming 100000 x 100000 pixels: refused without decoding, never PIL's raw error."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    bomb = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 100000, 100000, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(b"\x00")) + chunk(b"IEND", b""))
+    bomb = png_bomb()
     assert len(bomb) < 80
     for function in (probe_image_bytes, decode_image_bytes):
         with pytest.raises(ImageDecodeError) as raised:

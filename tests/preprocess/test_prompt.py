@@ -5,7 +5,7 @@ import base64
 import pytest
 
 from schemas import ProductDetails, ProductRecord
-from tests.conftest import jpeg_bytes
+from tests.conftest import jpeg_bytes, png_bomb
 from vlm_catalog.preprocess.prompt import PromptError, build_messages
 
 EXPECTED_SYSTEM = '''Please analyze the product from the user prompt
@@ -117,17 +117,9 @@ def test_concise_style_and_errors(record):
 
 def test_a_decompression_bomb_is_an_image_error_not_pils():
     """PIL's own guard fires when the header is opened; it reaches callers as our ValueError."""
-    import struct
-    import zlib
-
     from vlm_catalog.preprocess.image_decode import DecodeFailure, ImageDecodeError
     from vlm_catalog.preprocess.prompt import image_data_uri
 
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    bomb = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 100000, 100000, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(b"\x00")) + chunk(b"IEND", b""))
     with pytest.raises(ImageDecodeError) as raised:
-        image_data_uri(bomb)
+        image_data_uri(png_bomb())
     assert raised.value.reason is DecodeFailure.DECOMPRESSION_BOMB and "pixels" in str(raised.value)
