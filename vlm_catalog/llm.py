@@ -116,13 +116,9 @@ class LLM:
 
     def _extract_pass(self, records, bounded, schema, prompt_style, base, restrict_categories, use_tqdm):
         """One engine run over `records`; a record whose budget is tight gets the bounded
-        schema at once (`budget_is_tight`, as in `vlm_catalog.batch.requests`)."""
+        schema at once (`record_schema`, as in `vlm_catalog.batch.requests`)."""
         from vlm_catalog.preprocess.prompt import build_messages
-        from vlm_catalog.structured.catalogue import (
-            budget_is_tight,
-            budgeted_catalogue_schema,
-            catalogue_schema,
-        )
+        from vlm_catalog.structured.catalogue import record_schema
 
         conversations: list[Messages | None] = []
         params: list[SamplingParams] = []
@@ -133,14 +129,9 @@ class LLM:
             try:
                 conversations.append(build_messages(record, style=prompt_style, schema=schema))
                 if restrict_categories:
-                    candidates = record.candidate_categories
-                    bounded[index] = bounded[index] or budget_is_tight(
-                        candidates, base.max_tokens, self._count_tokens, schema
+                    json_schema, budget, bounded[index] = record_schema(
+                        record.candidate_categories, base.max_tokens, self._count_tokens, schema, bounded[index]
                     )
-                    if bounded[index]:
-                        json_schema, budget = budgeted_catalogue_schema(candidates, base.max_tokens, self._count_tokens, schema)
-                    else:
-                        json_schema = catalogue_schema(candidates, schema)
             except ValueError as exc:  # PromptError, ImageDecodeError (a decompression bomb too), GrammarError
                 del conversations[index:]  # the messages, if they were built
                 conversations.append(None)

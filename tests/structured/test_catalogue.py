@@ -113,3 +113,18 @@ def test_budgeted_schema_ends_every_answer_within_the_budget(service, tokenizer,
         answer = base.model_validate_json(tokenizer.decode(decoded.tokens))
         assert answer.category in CANDIDATES
         schema.validate(tokenizer.decode(decoded.tokens))
+
+
+def test_record_schema_bounds_only_tight_budgets_or_reruns():
+    from vlm_catalog.structured.catalogue import answer_reserve, record_schema
+
+    def count(text: str) -> int:
+        return len(text.encode()) // 3 + 1  # any monotone token count will do here
+
+    reserve = answer_reserve(CANDIDATES, count)
+    plain, budget, bounded = record_schema(CANDIDATES, reserve + 200, count)
+    assert not bounded and budget == reserve + 200 and "pattern" not in plain.json_schema["properties"]["brand"]
+    rerun, _, bounded = record_schema(CANDIDATES, reserve + 200, count, bounded=True)
+    assert bounded and "pattern" in rerun.json_schema["properties"]["brand"]
+    tight, budget, bounded = record_schema(CANDIDATES, 5, count)
+    assert bounded and budget == reserve and "{0,0}" in tight.json_schema["properties"]["brand"]["pattern"]

@@ -74,20 +74,12 @@ class RequestBuilder:
         """(messages, params, whether the schema is bounded); ValueError (PromptError,
         GrammarError, ImageDecodeError) for a record that cannot run."""
         from vlm_catalog.preprocess.prompt import build_messages
-        from vlm_catalog.structured.catalogue import (
-            budget_is_tight,
-            budgeted_catalogue_schema,
-            catalogue_schema,
-        )
+        from vlm_catalog.structured.catalogue import record_schema
 
         messages = _raw_image_parts(build_messages(record, style=self.prompt_style, schema=self.schema), record.image)
-        candidates = record.candidate_categories
-        if not bounded:
-            bounded = budget_is_tight(candidates, self.max_tokens, self.count_tokens, self.schema)
-        if bounded:
-            json_schema, budget = budgeted_catalogue_schema(candidates, self.max_tokens, self.count_tokens, self.schema)
-        else:
-            json_schema, budget = catalogue_schema(candidates, self.schema), self.max_tokens
+        json_schema, budget, bounded = record_schema(
+            record.candidate_categories, self.max_tokens, self.count_tokens, self.schema, bounded
+        )
         return messages, SamplingParams(max_tokens=budget, temperature=0.0, json_schema=json_schema), bounded
 
     def result(self, record_id: str, output) -> ResultLine:

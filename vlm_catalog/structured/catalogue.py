@@ -162,6 +162,25 @@ def budgeted_catalogue_schema(
     return schema, budget
 
 
+def record_schema(
+    candidates: Sequence[str],
+    max_tokens: int,
+    count_tokens: Callable[[str], int],
+    base: type[BaseModel] | dict[str, Any] | str = ProductMetadata,
+    bounded: bool = False,
+) -> tuple[OutputSchema, int, bool]:
+    """The schema to run a record with: `(schema, max_tokens to run it with, bounded)`.
+
+    The bounded schema (`budgeted_catalogue_schema`) when asked for (to re-run an
+    answer the budget cut) or when the budget is tight (`budget_is_tight`); the
+    plain per-record schema otherwise, which is cheaper to compile.
+    """
+    if bounded or budget_is_tight(candidates, max_tokens, count_tokens, base):
+        schema, budget = budgeted_catalogue_schema(candidates, max_tokens, count_tokens, base)
+        return schema, budget, True
+    return catalogue_schema(candidates, base), max_tokens, False
+
+
 def _is_free_string(spec: Any) -> bool:
     return isinstance(spec, dict) and spec.get("type") == "string" and "enum" not in spec and "$ref" not in spec
 
