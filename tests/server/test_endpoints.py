@@ -41,6 +41,15 @@ def test_extract_json_gives_validated_metadata_among_the_candidates(app, records
     assert 0 < body["timings"]["time_to_first_token_seconds"] <= body["timings"]["total_seconds"]
 
 
+def test_extract_with_a_tiny_token_budget_still_gives_valid_metadata(app, records):
+    record = records[1]
+    response = call(app, "POST", "/v1/extract", json={**product_json(record), "max_tokens": 12})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["finish_reason"] == "stop" and "error" not in body
+    assert ProductMetadata.model_validate(body["metadata"]).category in record.candidate_categories
+
+
 def test_extract_answers_like_the_offline_llm(app, engine, records):
     """Same prompt, same per-record schema, greedy: the service's raw answers equal LLM.extract's."""
     from vlm_catalog import LLM

@@ -191,14 +191,17 @@ async def _prepare(state: ServiceState, product: ExtractRequest, param_prefix: s
         raise validation_error(errors) from None
     loop = asyncio.get_running_loop()
     try:
-        messages, constrained = await loop.run_in_executor(None, _messages_and_schema, record, product, schema.model)
+        max_tokens = product.max_tokens or state.settings.extract_max_tokens
+        messages, constrained, max_tokens = await loop.run_in_executor(
+            None, _messages_and_schema, record, product, schema.model, max_tokens, state.engine.tokenizer
+        )
     except GrammarError as exc:  # candidates the per-record schema cannot take
         raise bad_request(str(exc), param=param_prefix + "candidate_categories", code="invalid_product") from None
     except PromptError as exc:
         raise bad_request(str(exc), param=param_prefix + "image", code="invalid_product") from None
     try:
         params = SamplingParams(
-            max_tokens=product.max_tokens or state.settings.extract_max_tokens,
+            max_tokens=max_tokens,
             temperature=0.0 if product.temperature is None else product.temperature,
             top_p=1.0 if product.top_p is None else product.top_p,
             seed=product.seed,
@@ -226,13 +229,18 @@ def _image_reference(image: str, param: str) -> str | bytes:
                           code="image_bad_base64") from None
 
 
-def _messages_and_schema(record, product: ExtractRequest, model):
+def _messages_and_schema(record, product: ExtractRequest, model, max_tokens: int, tokenizer):
+    """The prompt, the per-record schema (bounded when `max_tokens` is tight, so the answer
+    always completes: `structured.catalogue.record_schema`) and the budget to run it with."""
     from vlm_catalog.preprocess.prompt import build_messages
-    from vlm_catalog.structured import catalogue_schema
+    from vlm_catalog.structured.catalogue import record_schema
 
-    return build_messages(record, style=product.prompt_style, schema=model), catalogue_schema(
-        record.candidate_categories, model
-    )
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    messages = build_messages(record, style=product.prompt_style, schema=model)
+    constrained, budget, _ = record_schema(record.candidate_categories, max_tokens, count_tokens, model)
+    return messages, constrained, budget
 
 
 async def _run(state: ServiceState, product: ExtractRequest, messages, params, schema) -> dict[str, Any]:
