@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--realistic-image-rate", type=float, default=TrainingMix.realistic_image_rate)
     parser.add_argument("--brand-weight", type=float, default=TrainingMix.brand_weight)
     parser.add_argument("--flag-weight", type=float, default=TrainingMix.flag_weight)
+    parser.add_argument("--category-weight", type=float, default=TrainingMix.category_weight,
+                        help="loss weight of the category tokens that tell it from the other candidates")
     parser.add_argument("--prompt-lm-weight", type=float, default=TrainingMix.prompt_lm_weight,
                         help="weight of next-token prediction on the listing's text (0: answer only)")
     parser.add_argument("--until-step", type=int, default=None, help="stop (and save) at this step")
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         mix = TrainingMix(
             seed=args.data_seed, fresh_brand_rate=args.fresh_brand_rate,
             realistic_image_rate=args.realistic_image_rate,
-            brand_weight=args.brand_weight, flag_weight=args.flag_weight,
+            brand_weight=args.brand_weight, flag_weight=args.flag_weight, category_weight=args.category_weight,
             prompt_lm_weight=args.prompt_lm_weight,
         )
         config = TrainConfig(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from vlm_catalog.data.synthetic.records import default_factory
 from vlm_catalog.data.synthetic.vocabulary import brand_names, fresh_brand
-from vlm_catalog.training.data import ExampleBuilder, TrainingMix, answer_text
+from vlm_catalog.training.data import ExampleBuilder, TrainingMix, answer_text, deciding_offset
 
 
 def test_fresh_brands_are_new_varied_and_reproducible() -> None:
@@ -63,6 +63,32 @@ def test_answer_tokens_and_weights(tiny_base: Path) -> None:
         assert "category" not in tokenizer.decode(brand_tokens)
         flag_tokens = [t for t, w in zip(example.answer_ids, example.answer_weights) if w == 2.0]
         assert str(record.is_secondhand).lower() in tokenizer.decode(flag_tokens)
+
+
+def test_deciding_offset_is_where_the_answer_leaves_its_nearest_candidate() -> None:
+    answer = "A > B > Scooter Kits"
+    assert deciding_offset(answer, [answer, "A > B > Car Kits", "A > C"]) == len("A > B > ")
+    assert deciding_offset(answer, [answer, "Z"]) == 0
+    assert deciding_offset(answer, [answer]) == 0
+
+
+def test_category_weight_falls_on_the_tokens_that_pick_the_candidate(tiny_base: Path) -> None:
+    mix = TrainingMix(seed=9, category_weight=3.0, brand_weight=5.0, flag_weight=2.0)
+    builder = ExampleBuilder(tiny_base, mix)
+    for index in range(8):
+        record = mix.record(builder.factory, index, builder.brand_words)
+        example = builder.example(index)
+        weighted = [t for t, w in zip(example.answer_ids, example.answer_weights) if w == 3.0]
+        deciding = deciding_offset(record.category, record.candidates)
+        # the weighted tokens cover the category from where it parts from its nearest candidate
+        assert builder.tokenizer.decode(weighted).strip() in record.category
+        assert record.category.endswith(builder.tokenizer.decode(weighted).strip())
+        assert len(builder.tokenizer.decode(weighted).strip()) >= len(record.category[deciding:].strip())
+        nearest = max((c for c in record.candidates if c != record.category),
+                      key=lambda c: deciding_offset(record.category, [c]))
+        assert not nearest.endswith(builder.tokenizer.decode(weighted).strip())
+    plain = ExampleBuilder(tiny_base, TrainingMix(seed=9, brand_weight=5.0, flag_weight=2.0)).example(0)
+    assert set(plain.answer_weights) <= {1.0, 5.0, 2.0}
 
 
 def test_batch_targets_line_up_with_inputs(tiny_base: Path) -> None:

@@ -39,6 +39,9 @@ class TrainingMix:
     realistic_image_rate: float = 0.05  # share of records with benchmark-sized photos
     brand_weight: float = 5.0  # loss weight of the answer's brand tokens
     flag_weight: float = 3.0  # loss weight of the answer's is_secondhand value tokens
+    # loss weight of the category tokens that tell the answer from its nearest candidate:
+    # from where it first differs from every other candidate (usually the last level) to its end
+    category_weight: float = 1.0
     # weight of next-token prediction on the listing's own text (title, description, candidates),
     # next to the answer loss: text that repeats itself (the brand, the category names) teaches copying
     prompt_lm_weight: float = 0.5
@@ -95,6 +98,22 @@ class Batch:
         )
 
 
+def deciding_offset(category: str, candidates) -> int:
+    """Where `category` first differs from every other candidate: the length of its longest
+    common prefix with any of them (0 when there is no other candidate)."""
+    longest = 0
+    for candidate in candidates:
+        if candidate == category:
+            continue
+        shared = 0
+        for mine, theirs in zip(category, candidate):
+            if mine != theirs:
+                break
+            shared += 1
+        longest = max(longest, shared)
+    return longest
+
+
 def brand_words(tokenizer) -> tuple[str, ...]:
     """Words that are one token of `tokenizer`: letters only, 3+ long (stems of made-up brands)."""
     words = set()
@@ -145,12 +164,18 @@ class ExampleBuilder:
     def _answer(self, record: SyntheticRecord) -> tuple[list[int], list[float]]:
         text = answer_text(record.category, record.brand, record.is_secondhand)
         encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        category_start = text.index('"category":"') + len('"category":"')
+        escaped = json.dumps(record.category)[1:-1]  # as the answer text spells it
+        deciding = deciding_offset(escaped, [json.dumps(c)[1:-1] for c in record.candidates])
+        category_span = (category_start + deciding, category_start + len(escaped))
         brand_start = text.index('"brand":"') + len('"brand":"')
         brand_span = (brand_start, brand_start + len(json.dumps(record.brand)) - 2)
         flag_start = text.index('"is_secondhand":') + len('"is_secondhand":')
         weights = []
         for start, end in encoded["offset_mapping"]:
-            if start < brand_span[1] and end > brand_span[0]:
+            if start < category_span[1] and end > category_span[0]:
+                weights.append(self.mix.category_weight)
+            elif start < brand_span[1] and end > brand_span[0]:
                 weights.append(self.mix.brand_weight)
             elif end > flag_start:
                 weights.append(self.mix.flag_weight)
