@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data-seed", type=int, default=TrainingMix.seed, help="generator seed of the training data")
     parser.add_argument("--fresh-brand-rate", type=float, default=TrainingMix.fresh_brand_rate)
     parser.add_argument("--realistic-image-rate", type=float, default=TrainingMix.realistic_image_rate)
+    parser.add_argument("--photo-only-condition-rate", type=float, default=TrainingMix.photo_only_condition_rate,
+                        help="share of second-hand records whose only condition cue is the photo's sticker")
     parser.add_argument("--brand-weight", type=float, default=TrainingMix.brand_weight)
     parser.add_argument("--flag-weight", type=float, default=TrainingMix.flag_weight)
     parser.add_argument("--category-weight", type=float, default=TrainingMix.category_weight,
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         mix = TrainingMix(
             seed=args.data_seed, fresh_brand_rate=args.fresh_brand_rate,
             realistic_image_rate=args.realistic_image_rate,
+            photo_only_condition_rate=args.photo_only_condition_rate,
             brand_weight=args.brand_weight, flag_weight=args.flag_weight, category_weight=args.category_weight,
             prompt_lm_weight=args.prompt_lm_weight,
         )

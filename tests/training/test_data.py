@@ -6,6 +6,7 @@ import json
 import random
 from pathlib import Path
 
+from vlm_catalog.data.synthetic.condition_cues import mentions_secondhand
 from vlm_catalog.data.synthetic.records import default_factory
 from vlm_catalog.data.synthetic.vocabulary import brand_names, fresh_brand
 from vlm_catalog.training.data import ExampleBuilder, TrainingMix, answer_text, deciding_offset
@@ -32,6 +33,31 @@ def test_brand_override_changes_only_the_brand() -> None:
             original.category, original.candidates, original.is_secondhand, original.image_jpeg)
         assert renamed.title == original.title.replace(original.brand, "Qwixel Labs")
         assert "Qwixel Labs" in renamed.title or "Qwixel Labs" in renamed.description
+
+
+def test_photo_only_condition_drops_the_text_cues_of_second_hand_items() -> None:
+    factory = default_factory()
+    secondhand_seen = 0
+    for index in range(60):
+        original = factory.make(5, index)
+        varied = factory.make(5, index, photo_only_condition=True)
+        # the same product (the text, drawn after the cues, may be worded differently)
+        assert (varied.category, varied.brand, varied.is_secondhand) == (
+            original.category, original.brand, original.is_secondhand)
+        assert varied.category in varied.candidates
+        if not original.is_secondhand:
+            assert varied == original  # new items have no cue to drop
+            continue
+        secondhand_seen += 1
+        assert not mentions_secondhand(varied.title + " " + varied.description)
+        # the photo now carries the sticker: it differs wherever the original had a text cue
+        if mentions_secondhand(original.title + " " + original.description):
+            assert varied.image_jpeg != original.image_jpeg
+    assert secondhand_seen >= 5
+    mix = TrainingMix(seed=5, fresh_brand_rate=0.0, photo_only_condition_rate=1.0)
+    for index in range(30):
+        record = mix.record(factory, index)
+        assert not mentions_secondhand(record.title + " " + record.description)
 
 
 def test_mixture_is_a_function_of_the_index() -> None:

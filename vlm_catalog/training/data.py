@@ -3,7 +3,9 @@
 Example k of a `TrainingMix` is record k of generator seed `mix.seed`, with
 its own random stream ("training-mix", seed, k) deciding whether its brand is
 replaced by a freshly made-up one (so the model must copy brands from the
-text instead of memorising a list) and whether its photo is realistic-sized.
+text instead of memorising a list), whether its photo is realistic-sized and
+whether a second-hand item loses its text cues (so the model must read the
+photo's condition sticker).
 The prompt is the benchmark's mlperf prompt, processed by our
 `PromptProcessor`; the answer is compact ProductMetadata JSON then <|im_end|>.
 Batch s holds examples s*B .. s*B+B-1, so the data of a step depends only on
@@ -37,6 +39,9 @@ class TrainingMix:
     fresh_brand_rate: float = 0.4  # share of records whose brand is made up for the example
     fresh_brand_words: bool = True  # made-up brands from whole tokenizer words, else syllables
     realistic_image_rate: float = 0.05  # share of records with benchmark-sized photos
+    # share of second-hand records whose text cues are dropped, so only the photo's sticker
+    # tells (catalogues have a quarter of such items; 0: as the generator makes them)
+    photo_only_condition_rate: float = 0.0
     brand_weight: float = 5.0  # loss weight of the answer's brand tokens
     flag_weight: float = 3.0  # loss weight of the answer's is_secondhand value tokens
     # loss weight of the category tokens that tell the answer from its nearest candidate:
@@ -52,7 +57,8 @@ class TrainingMix:
         stems = words if self.fresh_brand_words else ()
         brand = fresh_brand(chooser, stems) if chooser.random() < self.fresh_brand_rate else None
         image_size = "realistic" if chooser.random() < self.realistic_image_rate else "small"
-        return factory.make(self.seed, index, image_size, brand=brand)
+        photo_only = chooser.random() < self.photo_only_condition_rate
+        return factory.make(self.seed, index, image_size, brand=brand, photo_only_condition=photo_only)
 
 
 def answer_text(category: str, brand: str, is_secondhand: bool) -> str:

@@ -47,19 +47,27 @@ class RecordFactory:
         self._candidates = CandidateSampler(taxonomy)
 
     def make(
-        self, seed: int, index: int, image_size: str = "small", brand: str | None = None
+        self, seed: int, index: int, image_size: str = "small", brand: str | None = None,
+        photo_only_condition: bool = False,
     ) -> SyntheticRecord:
         """Record `index` of catalogue `seed`.
 
-        `brand` (for training data) replaces the brand the plan drew, everywhere
-        the listing names it; every other draw is unchanged. None keeps the
-        generator's own brand, as catalogues do.
+        Two overrides for training data. `brand` replaces the brand the plan
+        drew, everywhere the listing names it, and changes nothing else (None
+        keeps the generator's own brand, as catalogues do).
+        `photo_only_condition` makes a second-hand item's photo (its sticker)
+        the only sign of its condition, as for a quarter of them in catalogues;
+        the same product, but its text and candidates may be drawn differently.
         """
         content = record_rng("content", seed, index)
         category = content.choice(self._leaves)
         plan = plan_product(category, content)
         if brand is not None:
             plan = replace(plan, brand=brand)
+        if photo_only_condition and plan.is_secondhand and "sticker" not in plan.image_wear:
+            wear = "sticker+scratches" if plan.image_wear == "scratches" else "sticker"
+            plan = replace(plan, condition_cue_in_title=False, condition_cue_in_description=False,
+                           image_wear=wear)
         title = compose_title(plan, content)
         description = compose_description(plan, title, content)
         candidates = self._candidates.sample(category, content)
