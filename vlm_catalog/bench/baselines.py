@@ -118,11 +118,17 @@ class TransformersPipeline:
         }
 
     @torch.inference_mode()
-    def generate(self, conversations: list[list[dict]], max_new_tokens: int) -> list[list[int]]:
+    def generate(
+        self, conversations: list[list[dict]], max_new_tokens: int, logits_processor: list | None = None
+    ) -> list[list[int]]:
+        """Greedy tokens after each prompt, `max_new_tokens` of them (no early stop: cut them
+        at the stop token yourself). `logits_processor`: transformers logits processors, e.g.
+        xgrammar's for constrained decoding."""
         inputs = self._inputs(conversations)
         self.model.model.rope_deltas = None
         output = self.model.generate(
-            **inputs, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0
+            **inputs, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0,
+            logits_processor=logits_processor,
         )
         return output[:, inputs["input_ids"].shape[1]:].tolist()
 

@@ -25,6 +25,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -126,14 +127,7 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- setup
     def _eos_token_ids(self) -> frozenset[int]:
-        ids = set()
-        generation_config = self.config.model / "generation_config.json"
-        if generation_config.is_file():
-            eos = json.loads(generation_config.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
+        return eos_token_ids(self.config.model, self.tokenizer)
 
     def _num_kv_blocks(self) -> int:
         """Blocks in the KV pool: `kv_cache_memory_bytes` if set; on CUDA otherwise what the
@@ -469,3 +463,14 @@ class LLMEngine:
             "memory_profile": self.memory_budget.as_dict() if self.memory_budget is not None else None,
         }
 
+
+def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
+    """The tokens that end an answer: generation_config.json's `eos_token_id` plus the tokenizer's."""
+    ids = set()
+    generation_config = Path(model_dir) / "generation_config.json"
+    if generation_config.is_file():
+        eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
