@@ -15,6 +15,7 @@ the step: a resumed run sees the same batches as an uninterrupted one.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,17 +108,8 @@ class Batch:
 def deciding_offset(category: str, candidates) -> int:
     """Where `category` first differs from every other candidate: the length of its longest
     common prefix with any of them (0 when there is no other candidate)."""
-    longest = 0
-    for candidate in candidates:
-        if candidate == category:
-            continue
-        shared = 0
-        for mine, theirs in zip(category, candidate):
-            if mine != theirs:
-                break
-            shared += 1
-        longest = max(longest, shared)
-    return longest
+    others = [candidate for candidate in candidates if candidate != category]
+    return max((len(os.path.commonprefix([category, other])) for other in others), default=0)
 
 
 def brand_words(tokenizer) -> tuple[str, ...]:
