@@ -84,11 +84,15 @@ def test_answer_tokens_and_weights(tiny_base: Path) -> None:
         assert json.loads(answer) == {"category": record.category, "brand": record.brand,
                                       "is_secondhand": record.is_secondhand}
         assert answer == answer_text(record.category, record.brand, record.is_secondhand)
-        brand_tokens = [t for t, w in zip(example.answer_ids, example.answer_weights) if w == 4.0]
-        assert record.brand in tokenizer.decode(brand_tokens)
-        assert "category" not in tokenizer.decode(brand_tokens)
-        flag_tokens = [t for t, w in zip(example.answer_ids, example.answer_weights) if w == 2.0]
-        assert str(record.is_secondhand).lower() in tokenizer.decode(flag_tokens)
+        brand_text = weighted_text(builder, example, 4.0)
+        assert record.brand in brand_text
+        assert "category" not in brand_text
+        assert str(record.is_secondhand).lower() in weighted_text(builder, example, 2.0)
+
+
+def weighted_text(builder: ExampleBuilder, example, weight: float) -> str:
+    """The answer tokens that carry loss weight `weight`, decoded."""
+    return builder.tokenizer.decode([t for t, w in zip(example.answer_ids, example.answer_weights) if w == weight])
 
 
 def test_deciding_offset_is_where_the_answer_leaves_its_nearest_candidate() -> None:
@@ -103,16 +107,14 @@ def test_category_weight_falls_on_the_tokens_that_pick_the_candidate(tiny_base: 
     builder = ExampleBuilder(tiny_base, mix)
     for index in range(8):
         record = mix.record(builder.factory, index, builder.brand_words)
-        example = builder.example(index)
-        weighted = [t for t, w in zip(example.answer_ids, example.answer_weights) if w == 3.0]
+        weighted = weighted_text(builder, builder.example(index), 3.0).strip()
         deciding = deciding_offset(record.category, record.candidates)
         # the weighted tokens cover the category from where it parts from its nearest candidate
-        assert builder.tokenizer.decode(weighted).strip() in record.category
-        assert record.category.endswith(builder.tokenizer.decode(weighted).strip())
-        assert len(builder.tokenizer.decode(weighted).strip()) >= len(record.category[deciding:].strip())
+        assert record.category.endswith(weighted)
+        assert len(weighted) >= len(record.category[deciding:].strip())
         nearest = max((c for c in record.candidates if c != record.category),
                       key=lambda c: deciding_offset(record.category, [c]))
-        assert not nearest.endswith(builder.tokenizer.decode(weighted).strip())
+        assert not nearest.endswith(weighted)
     plain = ExampleBuilder(tiny_base, TrainingMix(seed=9, brand_weight=5.0, flag_weight=2.0)).example(0)
     assert set(plain.answer_weights) <= {1.0, 5.0, 2.0}
 
