@@ -46,6 +46,10 @@ class RecordFactory:
         self._signatures = SignatureBook(taxonomy)
         self._candidates = CandidateSampler(taxonomy)
 
+    def signature(self, leaf: str):
+        """What every photo of `leaf` shows: backdrop, shape, glyph (`signature.VisualSignature`)."""
+        return self._signatures[leaf]
+
     def make(
         self, seed: int, index: int, image_size: str = "small", brand: str | None = None,
         photo_only_condition: bool = False,

@@ -1,0 +1,50 @@
+"""Vision pretraining: labels, a tower that learns them, and a graft that touches only the tower."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from vlm_catalog.data.synthetic.signature import GLYPHS
+from vlm_catalog.training.vision_pretrain import PhotoData, main, photo_loss, pooled, reinitialise
+from vlm_catalog.training.vision_probe import load_model
+
+
+def test_photo_labels_follow_the_records(tiny_base: Path) -> None:
+    data = PhotoData(tiny_base, seed=77)
+    pixels, grids, stickers, glyphs = data.batch(list(range(12)))
+    assert len(grids) == len(stickers) == len(glyphs) == 12
+    assert pixels.shape[0] == sum(t * h * w for t, h, w in grids)
+    for index in range(12):
+        record = data.factory.make(77, index, photo_only_condition=True)
+        assert stickers[index] == float(record.is_secondhand)
+        assert GLYPHS[int(glyphs[index])] == data.factory.signature(record.category).glyph
+
+
+def test_a_reinitialised_tower_fits_the_photo_labels(tiny_base: Path) -> None:
+    model = load_model(tiny_base)
+    visual = model.model.visual.train()
+    reinitialise(visual, torch.Generator().manual_seed(0))
+    batch = PhotoData(tiny_base, seed=77).batch(list(range(8)))
+    head = torch.nn.Linear(2 * visual.merger.linear_fc2.out_features, 1 + len(GLYPHS))
+    assert pooled(visual, batch[0], batch[1]).shape == (8, head.in_features)
+    optimizer = torch.optim.AdamW(list(visual.parameters()) + list(head.parameters()), lr=3e-3)
+    first, _ = photo_loss(visual, head, batch)
+    for _ in range(60):
+        loss, _ = photo_loss(visual, head, batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert float(loss) < 0.5 * float(first)
+
+
+def test_graft_replaces_only_the_vision_tower(tiny_base: Path, tmp_path: Path) -> None:
+    out = tmp_path / "grafted"
+    assert main(["--base", str(tiny_base), "--out", str(out), "--steps", "2", "--batch-size", "2"]) == 0
+    before, after = load_file(tiny_base / "model.safetensors"), load_file(out / "model.safetensors")
+    assert before.keys() == after.keys()
+    changed = {name for name in before if not torch.equal(before[name].to(torch.bfloat16), after[name])}
+    assert changed and all(".visual." in f".{name}" for name in changed)
+    assert main(["--base", str(tiny_base), "--out", str(out), "--steps", "1"]) == 2  # never overwrites
