@@ -14,16 +14,16 @@ from vlm_catalog.data.synthetic import make_catalog
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 from vlm_catalog.training.heldout import evaluate_model
 
-HELDOUT_SEED = 31337  # training used 1000 (tokenizer), 2000, 3000, 3100; held-out reports 9001, 52617, 70707
+HELDOUT_SEED = 31337  # training used 1000 (tokenizer), 2000, 3000, 3100, 3200 (photos), 3300; held-out reports 9001, 52617, 70707
 RECORDS = 32
 MAX_MODEL_BYTES = 50 * 2**20
 
-# The shipped model scores 0.91 / 1.00 / 0.88 on these 32 records (the one before it,
-# 0.86 / 0.97 / 0.88; the one before 2026-11-23, 0.83 / 0.19 / 0.80); the thresholds leave
-# room for ~3 different answers.
+# The shipped model (run 8) scores 0.91 / 1.00 / 0.94 on these 32 records (run 7: 0.91 / 1.00
+# / 0.88; run 5: 0.86 / 0.97 / 0.88; the model before 2026-11-23: 0.83 / 0.19 / 0.80); the
+# thresholds leave room for ~3 different answers.
 MIN_CATEGORY_HF1 = 0.85
 MIN_BRAND_ACCURACY = 0.88
-MIN_SECONDHAND_F1 = 0.75
+MIN_SECONDHAND_F1 = 0.80
 
 
 def test_shipped_model_is_within_the_size_budget() -> None:
