@@ -26,6 +26,7 @@ import torch
 
 from vlm_catalog.data.synthetic.records import RecordFactory, default_factory
 from vlm_catalog.data.synthetic.signature import GLYPHS
+from vlm_catalog.evaluate.metrics import binary_f1
 from vlm_catalog.preprocess.image import ImageProcessor
 from vlm_catalog.training.checkpoint import export_model
 from vlm_catalog.training.vision_probe import load_model
@@ -70,15 +71,13 @@ class PhotoData:
         self.images = ImageProcessor.from_pretrained(checkpoint)
 
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, list, torch.Tensor, torch.Tensor]:
-        pixels, grids, stickers, glyphs = [], [], [], []
-        for index in indices:
-            record = self.factory.make(self.seed, index, photo_only_condition=True)
-            image = self.images.process_many([record.image_jpeg], num_workers=1)[0]
-            pixels.append(image.pixel_values)
-            grids.append(tuple(image.grid_thw))
-            stickers.append(float(record.is_secondhand))  # photo-only: every second-hand photo has one
-            glyphs.append(GLYPHS.index(self.factory.signature(record.category).glyph))
-        return torch.cat(pixels), grids, torch.tensor(stickers), torch.tensor(glyphs)
+        records = [self.factory.make(self.seed, index, photo_only_condition=True) for index in indices]
+        images = self.images.process_many([record.image_jpeg for record in records])
+        # photo-only: every second-hand item's photo carries the sticker
+        stickers = [float(record.is_secondhand) for record in records]
+        glyphs = [GLYPHS.index(self.factory.signature(record.category).glyph) for record in records]
+        return (torch.cat([image.pixel_values for image in images]), [tuple(image.grid_thw) for image in images],
+                torch.tensor(stickers), torch.tensor(glyphs))
 
 
 def photo_loss(visual, head, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,9 +93,7 @@ def accuracy(visual, head, batch) -> tuple[float, float]:
     with torch.no_grad():
         _, logits = photo_loss(visual, head, batch)
     _, _, stickers, glyphs = batch
-    predicted, truth = logits[:, 0] > 0, stickers == 1
-    tp, fp, fn = int((predicted & truth).sum()), int((predicted & ~truth).sum()), int((~predicted & truth).sum())
-    f1 = 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 1.0
+    f1 = binary_f1(zip((logits[:, 0] > 0).tolist(), (stickers == 1).tolist()))
     return f1, float((logits[:, 1:].argmax(-1) == glyphs).float().mean())
 
 

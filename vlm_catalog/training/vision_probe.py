@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from vlm_catalog.evaluate.metrics import binary_f1
 from vlm_catalog.training.data import ExampleBuilder, TrainingMix
 
 PROBE_STEPS = 300
@@ -122,10 +123,7 @@ def probe_f1(features: torch.Tensor, labels: torch.Tensor, train: int) -> float:
             (loss + PROBE_L2 * weights.pow(2).sum()).backward()
             optimizer.step()
     predicted = (x[train:] @ weights + bias).detach() > 0
-    truth = labels[train:] == 1
-    tp = int((predicted & truth).sum())
-    fp, fn = int((predicted & ~truth).sum()), int((~predicted & truth).sum())
-    return 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 1.0
+    return binary_f1(zip(predicted.tolist(), (labels[train:] == 1).tolist()))
 
 
 def measure(model_dir: Path, seed: int = 77, records: int = 300, effect_records: int = 60) -> VisionReport:
