@@ -173,3 +173,69 @@ def test_index_of_rejects_unknown_ids(handmade_catalogue):
     for bad in ("3", -1, "x", "01"):
         with pytest.raises(KeyError):
             catalogue.index_of(bad)
+
+
+# ---------------------------------------------------------------- parquet slices
+def _numbered_parquet(path, rows: int, row_group_size: int):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"n": list(range(rows)), "payload": [bytes([i % 251]) * 10_000 for i in range(rows)]})
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return path
+
+
+def test_parquet_one_huge_row_group_is_read_in_slices(tmp_path):
+    """A file written as one row group (pandas' and pyarrow's default up to a million
+    rows) is streamed: reading it holds one 64-row slice (640 kB of payload), not the
+    group's 10 MB, as Python values."""
+    import tracemalloc
+
+    from vlm_catalog.data.loader import _ParquetRows
+
+    rows = _ParquetRows([_numbered_parquet(tmp_path / "one-group.parquet", 1000, row_group_size=1000)], rows_per_read=64)
+    assert rows._files[0].metadata.num_row_groups == 1
+    numbers = []
+    tracemalloc.start()
+    try:
+        for row in rows.rows(0, len(rows)):
+            assert row["payload"] == bytes([row["n"] % 251]) * 10_000
+            numbers.append(row["n"])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert numbers == list(range(1000))
+    assert peak < 3 * 2**20, f"reading held {peak / 2**20:.1f} MiB of Python values at once"
+
+
+def test_parquet_slices_serve_any_access_order(tmp_path):
+    """Backward jumps, forward skips, runs across row groups and files, and interleaved readers."""
+    from vlm_catalog.data.loader import _ParquetRows
+
+    files = [
+        _numbered_parquet(tmp_path / "a.parquet", 250, row_group_size=100),  # groups of 100, 100, 50
+        _numbered_parquet(tmp_path / "b.parquet", 70, row_group_size=70),
+    ]
+    rows = _ParquetRows(files, rows_per_read=16)
+    expected = list(range(250)) + list(range(70))  # each file numbers its rows from 0
+    assert len(rows) == 320
+    for start, stop in [(200, 205), (3, 40), (95, 130), (0, 1), (245, 260), (319, 320), (90, 320)]:
+        assert [row["n"] for row in rows.rows(start, stop)] == expected[start:stop], (start, stop)
+    first, second = rows.rows(0, 50), rows.rows(180, 230)
+    interleaved = [(next(first)["n"], next(second)["n"]) for _ in range(50)]
+    assert interleaved == list(zip(expected[0:50], expected[180:230]))
+
+
+def test_catalogue_from_one_row_group_matches_row_by_row(tmp_path):
+    """Through the public reader: a 150-record single-group file, items in a shuffled order."""
+    import random
+
+    source = handmade_rows()
+    records = [dict(source[i % 3], product_title=f"item {i}") for i in range(150)]
+    dataset = datasets.Dataset.from_list(records, features=CATALOGUE_FEATURES)
+    dataset.to_parquet(str(tmp_path / "one.parquet"), batch_size=1000)
+    catalogue = load_catalogue(tmp_path / "one.parquet")
+    order = list(range(150))
+    random.Random(5).shuffle(order)
+    assert [item.record.title for item in catalogue.items(order)] == [f"item {i}" for i in order]
+    assert [record.title for record in catalogue] == [f"item {i}" for i in range(150)]

@@ -76,6 +76,16 @@ def test_layout_and_manifest(catalogue: Path) -> None:
                         "seed": SEED, "image_size": "small", "split": "test"}  # fmt: skip
 
 
+def test_parquet_is_written_in_small_row_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vlm_catalog.data.synthetic import generator
+
+    monkeypatch.setattr(generator, "ROWS_PER_ROW_GROUP", 3)
+    out = make_catalog(tmp_path / "groups", n=7, seed=SEED)
+    metadata = pq.ParquetFile(parquet_path(out, "test")).metadata
+    assert [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)] == [3, 3, 1]
+    assert [row["product_title"] for row in _rows(out)] == [default_factory().make(SEED, i).title for i in range(7)]
+
+
 @pytest.mark.parametrize("how", ["data_dir", "folder", "data_files"])
 def test_loads_with_datasets(catalogue: Path, how: str) -> None:
     import datasets

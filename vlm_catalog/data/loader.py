@@ -15,9 +15,10 @@ Splits are concatenated in the benchmark's order (train, then test) unless one i
 chosen; a record's id is its row index in that concatenation, which is also the
 `qsl_idx` MLPerf LoadGen uses. Images stay encoded (bytes) until the preprocessor.
 
-Parquet is read with pyarrow one row group at a time and JSONL one line at a
-time, so iterating a catalogue holds one row group (or line) of raw data, never
-the whole dataset.
+Parquet is read with pyarrow in slices of 64 rows, streamed page by page even
+when one row group holds the whole file, and JSONL one line at a time, so
+iterating a catalogue holds one slice (or line) of raw data, never the whole
+dataset or a whole row group.
 
 Each row is validated against the column types with no coercion: a title that
 is the integer 0, candidates stored as one string, or `ground_truth_is_secondhand`
@@ -40,7 +41,7 @@ import json
 import re
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -73,6 +74,10 @@ SPLIT_ORDER = ("train", "validation", "test")
 _SPLIT_FROM_FILENAME = re.compile(r"^(?P<split>[A-Za-z0-9_]+?)-\d+-of-\d+\.parquet$")
 # An image file read from disk larger than this is refused before it is read.
 MAX_IMAGE_FILE_BYTES = 128 * 2**20
+# Parquet is read in slices of this many rows (64 realistic product photos are a few MB),
+# through a read buffer of this size, whatever the size of the file's row groups.
+PARQUET_ROWS_PER_READ = 64
+PARQUET_READ_BUFFER_BYTES = 2**20
 
 __all__ = [
     "Catalogue",
@@ -137,11 +142,21 @@ class _Rows(Protocol):
 
 
 class _ParquetRows:
-    """Parquet files read with pyarrow, one row group at a time (the last one cached)."""
+    """Parquet files read with pyarrow in slices of at most `rows_per_read` rows.
 
-    def __init__(self, files: Sequence[Path]) -> None:
+    A row group can hold a whole dataset (pandas and pyarrow write up to a
+    million rows per group by default), so a group is never read whole: one
+    batch iterator per row group streams it page by page (`buffer_size`), and
+    only the current slice is held as Python values. Reading forward continues
+    the iterator; reading backward, or another row group, starts a new one.
+    """
+
+    def __init__(self, files: Sequence[Path], rows_per_read: int = PARQUET_ROWS_PER_READ) -> None:
         import pyarrow.parquet as pq
 
+        if rows_per_read < 1:
+            raise ValueError(f"rows_per_read must be >= 1, got {rows_per_read}")
+        self.rows_per_read = rows_per_read
         self.input_files = [Path(file) for file in files]
         self._files = []
         self._starts: list[int] = []  # global index of each row group's first row
@@ -150,7 +165,8 @@ class _ParquetRows:
         names: list[str] | None = None
         for number, file in enumerate(self.input_files):
             try:
-                parquet = pq.ParquetFile(file)
+                # buffered: pages are read as they are decoded, not whole column chunks at once
+                parquet = pq.ParquetFile(file, buffer_size=PARQUET_READ_BUFFER_BYTES, pre_buffer=False)
             except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
                 raise CatalogueError(f"{file}: is not a readable parquet file ({exc})") from None
             self._files.append(parquet)
@@ -165,29 +181,36 @@ class _ParquetRows:
                 total += parquet.metadata.row_group(group).num_rows
         self._num_rows = total
         self.column_names = list(names or [])
-        self._cached: tuple[int, list[dict[str, Any]]] | None = None
+        self._cursor: _GroupCursor | None = None
 
     def __len__(self) -> int:
         return self._num_rows
 
-    def _group_rows(self, group: int) -> list[dict[str, Any]]:
-        if self._cached is None or self._cached[0] != group:
-            self._cached = None  # drop the old group before reading the next
-            file_number, group_number = self._groups[group]
-            table = self._files[file_number].read_row_group(group_number)
-            self._cached = (group, table.to_pylist())
-        return self._cached[1]
-
-    def rows(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
+    def _slice_containing(self, index: int) -> tuple[int, list[dict[str, Any]]]:
+        """(global index of its first row, rows) of the slice that holds row `index`."""
         import bisect
 
+        group = bisect.bisect_right(self._starts, index) - 1
+        cursor = self._cursor
+        if cursor is None or cursor.group != group or index < cursor.start:
+            self._cursor = None  # drop the old slice before reading anew
+            file_number, group_number = self._groups[group]
+            batches = self._files[file_number].iter_batches(
+                batch_size=self.rows_per_read, row_groups=[group_number]
+            )
+            cursor = self._cursor = _GroupCursor(group, self._starts[group], batches)
+        while index >= cursor.start + len(cursor.rows):
+            cursor.start += len(cursor.rows)
+            cursor.rows = []  # freed before the next slice is converted
+            cursor.rows = next(cursor.batches).to_pylist()
+        return cursor.start, cursor.rows
+
+    def rows(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
         index = start
         while index < stop:
-            group = bisect.bisect_right(self._starts, index) - 1
-            group_rows = self._group_rows(group)
-            offset = index - self._starts[group]
-            take = min(stop - index, len(group_rows) - offset)
-            yield from group_rows[offset:offset + take]
+            first, rows = self._slice_containing(index)
+            take = min(stop, first + len(rows)) - index
+            yield from rows[index - first:index - first + take]
             index += take
 
     def column(self, name: str) -> list[Any]:
@@ -195,6 +218,16 @@ class _ParquetRows:
         for parquet in self._files:
             values.extend(parquet.read(columns=[name]).column(name).to_pylist())
         return values
+
+
+@dataclass
+class _GroupCursor:
+    """Where `_ParquetRows` is in one row group: the slice in hand and the iterator past it."""
+
+    group: int
+    start: int  # global index of the first row of `rows`
+    batches: Iterator[Any]  # pyarrow RecordBatches of the rest of the group
+    rows: list[dict[str, Any]] = field(default_factory=list)
 
 
 class _DatasetRows:

@@ -74,6 +74,11 @@ def _prepare_output(out_dir: Path, overwrite: bool) -> None:
     (out_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
 
 
+# As the Hugging Face Hub writes image datasets: small row groups, so a reader can
+# stream the file (ours streams big groups too, other readers may not).
+ROWS_PER_ROW_GROUP = 100
+
+
 def _write_parquet(columns: dict[str, list], path: Path) -> None:
     import datasets
 
@@ -81,7 +86,7 @@ def _write_parquet(columns: dict[str, list], path: Path) -> None:
     datasets.disable_progress_bars()
     try:
         table = datasets.Dataset.from_dict(columns, features=catalogue_features())
-        table.to_parquet(str(path))
+        table.to_parquet(str(path), batch_size=ROWS_PER_ROW_GROUP)
     finally:
         if bars_were_enabled:
             datasets.enable_progress_bars()
