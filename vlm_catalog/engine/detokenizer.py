@@ -1,15 +1,24 @@
 """Incremental detokenisation with stop strings.
 
-The output so far is decoded as a whole each time (outputs are short: this
-workload caps them at 150 tokens). A trailing replacement character means a
-multi-byte character is still incomplete, so it is held back from streamed
-deltas until the next token completes it.
+Tokens go through a `tokenizers` `DecodeStream` as they come, so each token
+costs the same whatever the output's length (decoding the whole output again
+every step made a 150-token answer cost 150 decodes of up to 150 tokens). The
+stream holds a token back until the character it starts is complete, so a
+multi-byte character is never cut in a streamed delta. The final text is the
+whole output decoded once, exactly what `tokenizer.decode` gives (an unfinished
+character at the very end reads as U+FFFD there).
+
+Tokenizers without a `tokenizers` backend, or that clean up spaces after
+decoding (which a stream cannot do token by token), decode the whole output
+each time instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from tokenizers.decoders import DecodeStream
 
 
 class Detokenizer:
@@ -19,19 +28,41 @@ class Detokenizer:
         self.stop = list(stop)
         self.include_stop = include_stop
         self.text = ""
+        self.stopped = False  # a stop string was found; `text` ends there
         self._emitted = 0  # characters of `text` already returned as deltas
+        self._fed = 0  # output tokens seen so far
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        streams = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._backend = backend if streams else None
+        self._stream = DecodeStream(skip_special_tokens=True) if streams else None
 
     def update(self, output_token_ids: Sequence[int]) -> bool:
-        """Decode the output so far; True when a stop string appeared (text truncated there)."""
-        ids = [token for token in output_token_ids if token < self.vocab_size]
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        """Take the output so far (a longer list each call); True once a stop string appeared
+        (the text is then cut there, and later calls change nothing)."""
+        if self.stopped:
+            return True
+        searched_from = len(self.text)
+        if self._stream is None:
+            self.text = self._decode_all(output_token_ids)
+        else:
+            for token in output_token_ids[self._fed:]:
+                if token < self.vocab_size:
+                    chunk = self._stream.step(self._backend, token)
+                    if chunk:
+                        self.text += chunk
+        self._fed = len(output_token_ids)
         for stop in self.stop:
-            at = text.find(stop, max(0, len(self.text) - len(stop)))
+            at = self.text.find(stop, max(0, searched_from - len(stop)))
             if at != -1:
-                self.text = text[: at + len(stop)] if self.include_stop else text[:at]
+                self.text = self.text[: at + len(stop)] if self.include_stop else self.text[:at]
+                self.stopped = True
                 return True
-        self.text = text
         return False
+
+    def finish(self, output_token_ids: Sequence[int]) -> None:
+        """Settle the final text: the whole output decoded once, unless a stop string cut it."""
+        if not self.update(output_token_ids):
+            self.text = self._decode_all(output_token_ids)
 
     def delta(self, final: bool = False) -> str:
         """Text added since the last call (complete characters only, unless final)."""
@@ -42,3 +73,7 @@ class Detokenizer:
         new = self.text[self._emitted : end]
         self._emitted = end
         return new
+
+    def _decode_all(self, output_token_ids: Sequence[int]) -> str:
+        ids = [token for token in output_token_ids if token < self.vocab_size]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -406,12 +406,15 @@ class LLMEngine:
         """The request's output so far; a finished request's last one (and it is forgotten)."""
         finished = request.is_finished
         detokenizer = self.detokenizers[request.request_id]
-        if not request.params.stop:  # with stop strings the text is kept current (and cut) as tokens come
-            detokenizer.update(request.output_token_ids)
+        token_ids = request.output_token_ids  # a copy: the output keeps it
+        if finished:
+            detokenizer.finish(token_ids)
+        elif not request.params.stop:  # with stop strings the text is kept current (and cut) as tokens come
+            detokenizer.update(token_ids)
         output = RequestOutput(
             request_id=request.request_id,
             text=detokenizer.text,
-            token_ids=request.output_token_ids,
+            token_ids=token_ids,
             num_prompt_tokens=request.num_prompt_tokens,
             finished=finished,
             delta_text=detokenizer.delta(final=finished),

@@ -1,0 +1,98 @@
+"""The incremental detokenizer against its reference: `tokenizer.decode` of the whole output.
+
+Reference: after each token, the streamed text is the whole output decoded less any
+trailing incomplete character (U+FFFD), and the final text equals the whole decode
+exactly. Tolerance: none, the texts are compared character for character.
+"""
+
+import random
+
+import pytest
+
+from vlm_catalog.engine.detokenizer import Detokenizer
+from vlm_catalog.model.tiny_checkpoint import build_tokenizer
+
+TEXTS = [
+    "Pre-owned Zed Polo, size M",
+    "Café crème — 250 g, ½ price",
+    "日本製の陶器カップ",
+    "Emoji 🎉🚀 and ümlauts",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(1000)
+
+
+def _sequences(tokenizer, count: int = 40) -> list[list[int]]:
+    """Real texts, special tokens mixed in, ids past the tokenizer (padded vocabulary), and
+    random ids (byte-level pieces that need not form whole characters)."""
+    rng = random.Random(7)
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    sequences = [tokenizer.encode(text) for text in TEXTS]
+    sequences.append(tokenizer.encode(TEXTS[1]) + [special] + tokenizer.encode(TEXTS[3]) + [len(tokenizer) + 3])
+    for _ in range(count):
+        sequences.append([rng.randrange(len(tokenizer) + 8) for _ in range(rng.randrange(1, 40))])
+    return sequences
+
+
+def _reference(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode([t for t in ids if t < len(tokenizer)], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_streamed_text_is_the_whole_decode_without_an_unfinished_end(tokenizer, chunk):
+    for ids in _sequences(tokenizer):
+        detokenizer = Detokenizer(tokenizer)
+        assert detokenizer._stream is not None  # the incremental path is the one under test
+        streamed = ""
+        for end in list(range(chunk, len(ids), chunk)) + [len(ids)]:
+            detokenizer.update(ids[:end])
+            whole = _reference(tokenizer, ids[:end])
+            assert whole.startswith(detokenizer.text), (ids[:end], detokenizer.text, whole)
+            rest = whole[len(detokenizer.text):]  # held back: only while the decode ends unfinished
+            assert rest == "" or rest.endswith("\ufffd"), (ids[:end], rest)
+            streamed += detokenizer.delta()
+        detokenizer.finish(ids)
+        streamed += detokenizer.delta(final=True)
+        assert detokenizer.text == _reference(tokenizer, ids)
+        assert streamed == detokenizer.text
+
+
+def test_a_multibyte_character_is_held_back_until_complete(tokenizer):
+    piece_ids = [tokenizer.convert_tokens_to_ids(piece) for piece in tokenizer.convert_ids_to_tokens(tokenizer.encode("🎉"))]
+    by_byte = [tokenizer.convert_tokens_to_ids(ch) for ch in "".join(tokenizer.convert_ids_to_tokens(piece_ids))]
+    assert len(by_byte) == 4  # one byte-level token per UTF-8 byte of the emoji
+    detokenizer = Detokenizer(tokenizer)
+    for end in range(1, 4):
+        detokenizer.update(by_byte[:end])
+        assert detokenizer.text == "" and detokenizer.delta() == ""
+    detokenizer.update(by_byte)
+    assert detokenizer.delta() == "🎉"
+
+
+def test_stop_strings_cut_the_text_and_latch(tokenizer):
+    ids = tokenizer.encode("size M, colour red. END of listing")
+    detokenizer = Detokenizer(tokenizer, stop=["END"])
+    stopped_at = next(end for end in range(1, len(ids) + 1) if detokenizer.update(ids[:end]))
+    assert detokenizer.text == "size M, colour red. "
+    assert _reference(tokenizer, ids[:stopped_at]).startswith("size M, colour red. END")
+    assert detokenizer.update(ids) is True and detokenizer.text == "size M, colour red. "
+    detokenizer.finish(ids)
+    assert detokenizer.text == "size M, colour red. "
+    kept = Detokenizer(tokenizer, stop=["END"], include_stop=True)
+    kept.finish(ids)
+    assert kept.text == "size M, colour red. END"
+
+
+def test_tokenizers_that_clean_up_spaces_decode_the_whole_output(tokenizer):
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        ids = tokenizer.encode("a , b . c")
+        detokenizer = Detokenizer(tokenizer)
+        assert detokenizer._stream is None
+        detokenizer.update(ids)
+        assert detokenizer.text == tokenizer.decode(ids, skip_special_tokens=True)
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False
