@@ -13,7 +13,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_bench_grammar_smoke(tmp_path):
     out = tmp_path / "grammar.json"
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "bench_grammar.py"), "--records", "3", "--json", str(out)],
+        [sys.executable, str(REPO_ROOT / "scripts" / "bench_grammar.py"), "--records", "3", "--fill-batch", "8",
+         "--fill-repeats", "2", "--json", str(out)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stderr
@@ -22,3 +23,6 @@ def test_bench_grammar_smoke(tmp_path):
     assert report["records_where_both_accept_every_candidate"] == 3
     assert set(report["ms_per_record"]) == {"flat", "ours"}
     assert all(timing["median"] > 0 for timing in report["ms_per_record"].values())
+    fill = report["bitmask_fill"]
+    assert fill["batch"] == 8 and fill["rows_equal"] is True
+    assert fill["ms_row_by_row"] > 0 and fill["ms_batched"] > 0

@@ -182,3 +182,50 @@ def test_apply_bitmask_on_logits_masks_padding(catalogue_compiled):
     finite = torch.isfinite(logits[0]).nonzero().flatten().tolist()
     assert finite == state.allowed_token_ids()
     assert torch.isinf(logits[0, TOKENIZER_SIZE:]).all()
+
+
+def test_bitmask_filler_writes_what_each_state_would(catalogue_compiled, tokenizer):
+    """A batch of states at different points of their answers (some inside a forced span),
+    in scattered rows: the parallel fill equals row-by-row `fill_bitmask`, both modes."""
+    from vlm_catalog.structured import BitmaskFiller
+
+    states = []
+    for seed in range(12):
+        state = GrammarState(catalogue_compiled)
+        model = HistoryModel(tokenizer, MODEL_VOCAB_SIZE, seed=seed)
+        scratch = allocate_bitmask(1, MODEL_VOCAB_SIZE)
+        tokens: list[int] = []
+        for _ in range(seed * 3):  # seed 0 at the start, seed 11 deep into the answer
+            if state.is_finished():
+                break
+            logits = model.logits(tokens)
+            state.fill_bitmask(scratch, 0)
+            apply_bitmask(logits, scratch, [0])
+            tokens.append(int(logits.argmax()))
+            state.accept(tokens[-1:])
+        if not state.is_terminated():
+            states.append(state)
+    assert len(states) >= 8
+    assert any(state.forced_tokens() for state in states)  # the forced-span path is exercised
+    rows = [2 * i + 1 for i in range(len(states))]  # not 0..n-1: rows are passed through
+    filler = BitmaskFiller(max_threads=2)
+    for force_canonical in (False, True):
+        batched = allocate_bitmask(2 * len(states) + 1, MODEL_VOCAB_SIZE)
+        filler.fill(states, rows, batched, force_canonical=force_canonical)
+        one_by_one = allocate_bitmask(2 * len(states) + 1, MODEL_VOCAB_SIZE)
+        for state, row in zip(states, rows):
+            state.fill_bitmask(one_by_one, row, force_canonical=force_canonical)
+        assert torch.equal(batched, one_by_one)
+        assert (batched[0] == -1).all()  # rows not listed stay untouched (all allowed)
+    with pytest.raises(ValueError, match="2 grammar states for 1 rows"):
+        filler.fill(states[:2], rows[:1], batched)
+
+
+def test_bitmask_filler_refuses_a_terminated_grammar(service, tokenizer, stop_token_ids):
+    from vlm_catalog.structured import BitmaskFiller
+
+    state = GrammarState(service.compile(GrammarSpec.from_request(choice=("yes", "no"))))
+    state.accept(encode(tokenizer, "yes") + [stop_token_ids[0]])
+    assert state.is_terminated()
+    with pytest.raises(GrammarError, match="has terminated"):
+        BitmaskFiller().fill([state], [0], allocate_bitmask(1, MODEL_VOCAB_SIZE))

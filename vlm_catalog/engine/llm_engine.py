@@ -123,6 +123,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._grammar_service = None
         self._bitmasks = None  # BitmaskBuffer, made on the first constrained step
+        self._bitmask_filler = None  # BitmaskFiller, likewise
         self._ids = itertools.count()
 
     # ---------------------------------------------------------------- setup
@@ -340,17 +341,18 @@ class LLMEngine:
             return []
         constrained = [row for row, request in enumerate(requests) if request.grammar is not None]
         if constrained:
-            from vlm_catalog.structured import BitmaskBuffer, apply_bitmask
+            from vlm_catalog.structured import BitmaskBuffer, BitmaskFiller, apply_bitmask
 
-            if self._bitmasks is None:  # once: pinned host rows and their device copy
+            if self._bitmasks is None:  # once: pinned host rows and their device copy, the fill threads
                 self._bitmasks = BitmaskBuffer(self.config.max_num_seqs, logits.shape[-1], logits.device)
+                self._bitmask_filler = BitmaskFiller()
             # filled on the CPU while the device still runs this step's forward pass
-            # (the runner returns logits without waiting for them)
+            # (the runner returns logits without waiting for them), all rows in parallel threads;
+            # force_canonical: where the grammar forces a string, only its canonical
+            # tokens are allowed, so jump-forward on and off produce the same tokens
             bitmask = self._bitmasks.host(len(requests))
-            for row in constrained:
-                # force_canonical: where the grammar forces a string, only its canonical
-                # tokens are allowed, so jump-forward on and off produce the same tokens
-                requests[row].grammar.fill_bitmask(bitmask, row, force_canonical=True)
+            grammars = [requests[row].grammar for row in constrained]
+            self._bitmask_filler.fill(grammars, constrained, bitmask, force_canonical=True)
             apply_bitmask(logits, self._bitmasks.device(len(requests)), constrained)
         result = sample(
             logits,

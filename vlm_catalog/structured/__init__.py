@@ -8,8 +8,10 @@ The engine's view, one request's life:
 2. `future = service.submit(spec)` on a `GrammarCompilerService`; the request is
    scheduled once the future is done (`GrammarError` if it cannot compile).
 3. `state = GrammarState(future.result())`.
-4. Each step: `state.fill_bitmask(bitmask, row, force_canonical=True)` for the
-   grammar rows of a bitmask from `allocate_bitmask`, then
+4. Each step: `filler.fill(states, rows, bitmask, force_canonical=True)` (a
+   `BitmaskFiller`: every grammar row at once, in parallel threads; one row alone
+   is `state.fill_bitmask(bitmask, row, ...)`) on a bitmask from
+   `allocate_bitmask`, then
    `apply_bitmask(logits, bitmask, rows)`, sample, `state.accept([token])`.
    With jump-forward on, first append and `accept` `state.forced_tokens()`.
    `state.is_finished()` ends the request without spending a step on EOS.
@@ -28,7 +30,7 @@ from vlm_catalog.structured.compiler import (
 )
 from vlm_catalog.structured.errors import GrammarError
 from vlm_catalog.structured.spec import GrammarKind, GrammarSpec
-from vlm_catalog.structured.state import GrammarState
+from vlm_catalog.structured.state import BitmaskFiller, GrammarState
 from vlm_catalog.structured.vocabulary import GrammarVocabulary
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "GrammarState",
     "GrammarVocabulary",
     "BitmaskBuffer",
+    "BitmaskFiller",
     "allocate_bitmask",
     "apply_bitmask",
     "catalogue_schema",
