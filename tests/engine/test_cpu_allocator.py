@@ -24,3 +24,53 @@ def test_applied_once_per_process(monkeypatch):
 def test_other_c_libraries_are_left_alone(monkeypatch):
     monkeypatch.setattr(cpu_allocator.platform, "libc_ver", lambda: ("musl", "1.2"))
     assert cpu_allocator._set_glibc_thresholds() is False
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        return int(status.read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_release_gives_the_kept_free_heap_back():
+    """With the thresholds set, freed heap blocks stay resident; releasing hands them back."""
+    import torch
+
+    assert cpu_allocator._set_glibc_thresholds()
+    baseline = _rss_mib()
+    blocks = [torch.ones(2**20) for _ in range(64)]  # 64 blocks of 4 MiB, under the mmap threshold: heap
+    assert _rss_mib() > baseline + 200
+    del blocks
+    kept = _rss_mib()
+    assert kept > baseline + 200, "freed blocks were already returned: the thresholds did not apply"
+    assert cpu_allocator.release_free_memory() is True
+    assert _rss_mib() < kept - 200
+
+
+def test_no_release_where_the_c_library_is_not_glibc(monkeypatch):
+    monkeypatch.setattr(cpu_allocator.platform, "libc_ver", lambda: ("musl", "1.2"))
+    assert cpu_allocator.release_free_memory() is False
+
+
+def test_the_engine_releases_on_its_interval(engine_checkpoint, monkeypatch):
+    from vlm_catalog.engine import llm_engine
+    from vlm_catalog.engine.config import EngineConfigError
+    from vlm_catalog.engine.sampling_params import SamplingParams
+
+    calls = []
+    monkeypatch.setattr(llm_engine, "release_free_memory", lambda: calls.append(1) or True)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = [{"role": "user", "content": [{"type": "text", "text": "a lamp"}]}]
+    for interval, expected in ((1e-9, "every step"), (0.0, "never"), (3600.0, "not within the hour")):
+        engine = llm_engine.LLMEngine(model=engine_checkpoint, release_host_memory_every_s=interval)
+        engine.add_request(prompt, params)
+        steps = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        assert len(calls) == (steps if expected == "every step" else 0), expected
+        assert engine.stats.num_host_memory_releases == len(calls)
+        calls.clear()
+        engine.close()
+    with pytest.raises(EngineConfigError, match="release_host_memory_every_s must be >= 0"):
+        llm_engine.LLMEngine(model=engine_checkpoint, release_host_memory_every_s=-1)

@@ -43,6 +43,9 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are only used on CUDA)
     cuda_graph_max_batch: int = 256  # largest decode batch captured (capped at max_num_seqs)
     tune_cpu_allocator: bool = True  # on CPU, keep freed memory for reuse (see engine/cpu_allocator.py)
+    # hand the host heap's free pages back to the kernel this often (glibc; 0: never), so a
+    # fragmenting heap over a long job does not hold ever more idle memory
+    release_host_memory_every_s: float = 60.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -59,6 +62,10 @@ class EngineConfig:
                 raise EngineConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.release_host_memory_every_s >= 0:  # NaN fails too
+            raise EngineConfigError(
+                f"release_host_memory_every_s must be >= 0 (0: never), got {self.release_host_memory_every_s}"
+            )
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise EngineConfigError("kv_cache_memory_bytes must be positive")
 

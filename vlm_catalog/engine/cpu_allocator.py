@@ -10,10 +10,17 @@ decode attention swing between 12 and 50 ms per call for identical inputs
 
 `keep_freed_memory()` fixes both thresholds once per process: blocks up to
 `MMAP_THRESHOLD_BYTES` come from the heap, and freed heap memory is kept for
-reuse instead of trimmed. The cost is that the process keeps its peak heap
-size, which is what a serving process does anyway (as jemalloc or tcmalloc,
-the usual LD_PRELOAD remedy, would). It is a no-op where the C library is not
-glibc; `EngineConfig(tune_cpu_allocator=False)` skips it.
+reuse instead of trimmed. It is a no-op where the C library is not glibc;
+`EngineConfig(tune_cpu_allocator=False)` skips it.
+
+The cost: freed memory is kept even where nothing reuses it. Over a long
+batch job the heap fragments (images of every size are decoded and encoded),
+and its free part keeps growing: over 10,000 realistic records RSS rose from
+1.6 to 2.0 GiB while the memory in use stayed at 240 MiB. So the engine calls
+`release_free_memory()` (glibc's `malloc_trim(0)`, which hands every free page
+back to the kernel, also inside the heap) every
+`EngineConfig.release_host_memory_every_s`: about 50 ms for ~500 MiB, after
+which RSS is back to what is in use.
 """
 
 from __future__ import annotations
@@ -38,13 +45,23 @@ def keep_freed_memory() -> bool:
     return _applied
 
 
-def _set_glibc_thresholds() -> bool:
+def release_free_memory() -> bool:
+    """Return the heap's free pages to the kernel (glibc); True if any memory was released."""
+    libc = _glibc()
+    return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+def _glibc() -> ctypes.CDLL | None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
+        return None
     path = ctypes.util.find_library("c")
-    if path is None:
+    return ctypes.CDLL(path) if path is not None else None
+
+
+def _set_glibc_thresholds() -> bool:
+    libc = _glibc()
+    if libc is None:
         return False
-    libc = ctypes.CDLL(path)
     # mallopt returns 1 on success, 0 on error
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)

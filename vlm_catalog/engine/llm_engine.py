@@ -32,7 +32,7 @@ import torch
 
 from vlm_catalog.engine.block_manager import BlockManager
 from vlm_catalog.engine.config import EngineConfig, EngineConfigError
-from vlm_catalog.engine.cpu_allocator import keep_freed_memory
+from vlm_catalog.engine.cpu_allocator import keep_freed_memory, release_free_memory
 from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner
 from vlm_catalog.engine.detokenizer import Detokenizer
 from vlm_catalog.engine.encoder_cache import EncoderCache
@@ -76,6 +76,7 @@ class EngineStats:
     num_finished: int = 0
     seconds_in_prefill_steps: float = 0.0  # steps with at least one prefill chunk
     seconds_in_decode_steps: float = 0.0  # steps where every sequence computed one token
+    num_host_memory_releases: int = 0  # free heap pages handed back (release_host_memory_every_s)
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -125,6 +126,7 @@ class LLMEngine:
         self._bitmasks = None  # BitmaskBuffer, made on the first constrained step
         self._bitmask_filler = None  # BitmaskFiller, likewise
         self._ids = itertools.count()
+        self._next_memory_release = time.monotonic() + config.release_host_memory_every_s
 
     # ---------------------------------------------------------------- setup
     def _eos_token_ids(self) -> frozenset[int]:
@@ -296,7 +298,15 @@ class LLMEngine:
                 self.stats.seconds_in_decode_steps += elapsed
             else:
                 self.stats.seconds_in_prefill_steps += elapsed
+        self._release_host_memory_when_due()
         return self._collect_outputs(touched)
+
+    def _release_host_memory_when_due(self) -> None:
+        interval = self.config.release_host_memory_every_s
+        if interval > 0 and time.monotonic() >= self._next_memory_release:
+            release_free_memory()
+            self.stats.num_host_memory_releases += 1
+            self._next_memory_release = time.monotonic() + interval
 
     def _attach_grammars(self) -> None:
         from vlm_catalog.structured import GrammarError, GrammarState
