@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=int, default=64)
     parser.add_argument("--fill-batch", type=int, default=256, help="requests per bitmask fill (0: skip)")
     parser.add_argument("--fill-repeats", type=int, default=20)
+    parser.add_argument("--fill-threads", default="auto", help="BitmaskFiller threads (auto: half the CPUs)")
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
 
@@ -98,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     report["speedup_median"] = report["ms_per_record"]["flat"]["median"] / report["ms_per_record"]["ours"]["median"]
     fill_equal = True
     if args.fill_batch > 0:
+        threads = args.fill_threads if args.fill_threads == "auto" else int(args.fill_threads)
         report["bitmask_fill"] = measure_fill(tokenizer, vocabulary.vocab_size, stop_ids, records,
-                                              args.fill_batch, args.fill_repeats)
+                                              args.fill_batch, args.fill_repeats, threads)
         fill_equal = report["bitmask_fill"]["rows_equal"]
     for name in seconds:
         timing = report["ms_per_record"][name]
@@ -111,13 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         fill = report["bitmask_fill"]
         print(f"bitmask fill, {fill['batch']} requests x {fill['vocab_size']} ids: row by row "
               f"{fill['ms_row_by_row']:.2f} ms, BitmaskFiller {fill['ms_batched']:.2f} ms "
-              f"({fill['speedup']:.2f}x, {fill['cpu_count']} CPUs); rows equal: {fill['rows_equal']}")
+              f"({fill['speedup']:.2f}x; {fill['threads']} threads, {fill['cpu_count']} CPUs); "
+              f"rows equal: {fill['rows_equal']}")
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=2) + "\n")
     return 0 if accepted == len(records) and fill_equal else 1
 
 
-def measure_fill(tokenizer, vocab_size: int, stop_ids: list[int], records, batch: int, repeats: int) -> dict:
+def measure_fill(
+    tokenizer, vocab_size: int, stop_ids: list[int], records, batch: int, repeats: int, threads: int | str = "auto"
+) -> dict:
     """Median ms to fill one step's bitmask for `batch` requests, row by row and batched."""
     import os
 
@@ -134,7 +139,7 @@ def measure_fill(tokenizer, vocab_size: int, stop_ids: list[int], records, batch
         state.accept(tokens[: i % len(tokens)])  # each request at another point of its answer
         states.append(state)
     rows = list(range(batch))
-    filler = BitmaskFiller()
+    filler = BitmaskFiller(threads)
     one_by_one, batched = allocate_bitmask(batch, vocab_size), allocate_bitmask(batch, vocab_size)
     timings: dict[str, list[float]] = {"row_by_row": [], "batched": []}
     for _ in range(repeats):
@@ -146,7 +151,7 @@ def measure_fill(tokenizer, vocab_size: int, stop_ids: list[int], records, batch
         filler.fill(states, rows, batched, force_canonical=True)
         timings["batched"].append(time.perf_counter() - start)
     row_ms, batched_ms = (1e3 * statistics.median(timings[k]) for k in ("row_by_row", "batched"))
-    return {"batch": batch, "vocab_size": vocab_size, "cpu_count": os.cpu_count(),
+    return {"batch": batch, "vocab_size": vocab_size, "cpu_count": os.cpu_count(), "threads": threads,
             "ms_row_by_row": row_ms, "ms_batched": batched_ms, "speedup": row_ms / batched_ms,
             "rows_equal": bool((one_by_one == batched).all())}
 
