@@ -199,10 +199,14 @@ class _ParquetRows:
                 batch_size=self.rows_per_read, row_groups=[group_number]
             )
             cursor = self._cursor = _GroupCursor(group, self._starts[group], batches)
-        while index >= cursor.start + len(cursor.rows):
+        if index >= cursor.start + len(cursor.rows):
             cursor.start += len(cursor.rows)
             cursor.rows = []  # freed before the next slice is converted
-            cursor.rows = next(cursor.batches).to_pylist()
+            batch = next(cursor.batches)
+            while index >= cursor.start + batch.num_rows:  # skipped slices stay Arrow data
+                cursor.start += batch.num_rows
+                batch = next(cursor.batches)
+            cursor.rows = batch.to_pylist()
         return cursor.start, cursor.rows
 
     def rows(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
