@@ -21,8 +21,16 @@ def test_applied_once_per_process(monkeypatch):
     assert calls == [1]
 
 
-def test_other_c_libraries_are_left_alone(monkeypatch):
+@pytest.fixture
+def musl(monkeypatch):
+    """A C library that is not glibc (the cached lookup of the C library forgotten around it)."""
+    cpu_allocator._glibc.cache_clear()
     monkeypatch.setattr(cpu_allocator.platform, "libc_ver", lambda: ("musl", "1.2"))
+    yield
+    cpu_allocator._glibc.cache_clear()
+
+
+def test_other_c_libraries_are_left_alone(musl):
     assert cpu_allocator._set_glibc_thresholds() is False
 
 
@@ -47,8 +55,7 @@ def test_release_gives_the_kept_free_heap_back():
     assert _rss_mib() < kept - 200
 
 
-def test_no_release_where_the_c_library_is_not_glibc(monkeypatch):
-    monkeypatch.setattr(cpu_allocator.platform, "libc_ver", lambda: ("musl", "1.2"))
+def test_no_release_where_the_c_library_is_not_glibc(musl):
     assert cpu_allocator.release_free_memory() is False
 
 

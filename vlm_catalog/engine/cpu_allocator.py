@@ -19,14 +19,14 @@ and its free part keeps growing: over 10,000 realistic records RSS rose from
 1.6 to 2.0 GiB while the memory in use stayed at 240 MiB. So the engine calls
 `release_free_memory()` (glibc's `malloc_trim(0)`, which hands every free page
 back to the kernel, also inside the heap) every
-`EngineConfig.release_host_memory_every_s`: about 50 ms for ~500 MiB, after
-which RSS is back to what is in use.
+`EngineConfig.release_host_memory_every_s`: about 50 ms to hand back ~500 MiB.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import platform
 
 M_TRIM_THRESHOLD = -1  # from glibc's malloc.h
@@ -51,7 +51,9 @@ def release_free_memory() -> bool:
     return bool(libc.malloc_trim(0)) if libc is not None else False
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
+    """The C library if it is glibc (found once: `find_library` runs `ldconfig`)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     path = ctypes.util.find_library("c")
