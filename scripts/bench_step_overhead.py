@@ -11,7 +11,7 @@ then `--steps` steps are timed. The forward pass and the logits are timed
 separately (each includes its own tensor work), and the rest is the host
 overhead per step.
 
-    python scripts/bench_step_overhead.py [--batch 256] [--skip 120] [--steps 20] [--json out.json]
+    python scripts/bench_step_overhead.py [--batch 256] [--skip 120] [--steps 20] [--output-kind final_only] [--json out.json]
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ class Stopwatch:
             self.seconds += time.perf_counter() - start
 
 
-def measure(model: Path, batch: int, skip: int, steps: int) -> dict:
+def measure(model: Path, batch: int, skip: int, steps: int, output_kind: str = "cumulative") -> dict:
     engine = LLMEngine(model=model, max_num_seqs=batch)
-    params = SamplingParams(max_tokens=skip + steps + 2, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=skip + steps + 2, ignore_eos=True, temperature=0.0, output_kind=output_kind)
     for i in range(batch):
         engine.add_request([{"role": "user", "content": [{"type": "text", "text": f"Describe product {i}."}]}], params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
@@ -64,7 +64,7 @@ def measure(model: Path, batch: int, skip: int, steps: int) -> dict:
         raise SystemExit(f"only {running} of {batch} requests were still running: the timed steps were not full")
     per_step = lambda seconds: 1e3 * seconds / steps  # noqa: E731
     return {
-        "batch": batch, "output_tokens_before": skip, "steps": steps,
+        "batch": batch, "output_tokens_before": skip, "steps": steps, "output_kind": output_kind,
         "ms_per_step": per_step(total), "ms_forward": per_step(forward.seconds), "ms_logits": per_step(logits.seconds),
         "ms_host": per_step(total - forward.seconds - logits.seconds),
     }
@@ -76,10 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--skip", type=int, default=120, help="decode steps run before the timed ones")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--output-kind", default="cumulative", choices=["cumulative", "final_only"],
+                        help="cumulative: an output per request per step (streaming); final_only: offline")
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
-    report = measure(args.model, args.batch, args.skip, args.steps)
-    print(f"batch {report['batch']}, output tokens {report['output_tokens_before']}-"
+    report = measure(args.model, args.batch, args.skip, args.steps, args.output_kind)
+    print(f"{report['output_kind']} outputs, batch {report['batch']}, output tokens {report['output_tokens_before']}-"
           f"{report['output_tokens_before'] + report['steps']}: {report['ms_per_step']:.2f} ms/step = forward "
           f"{report['ms_forward']:.2f} + logits {report['ms_logits']:.2f} + host {report['ms_host']:.2f}")
     if args.json_out:

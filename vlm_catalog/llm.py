@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +149,10 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        # only finished outputs are returned, so the engine need not build one per step
+        # (one copy per distinct params object: a list often repeats one object)
+        final_only = {id(p): replace(p, output_kind="final_only") for p in params}
+        params = [final_only[id(p)] for p in params]
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         engine = self.engine

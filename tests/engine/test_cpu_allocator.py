@@ -45,6 +45,7 @@ def test_release_gives_the_kept_free_heap_back():
     import torch
 
     assert cpu_allocator._set_glibc_thresholds()
+    cpu_allocator.release_free_memory()  # earlier tests' kept free memory would be reused, not faulted in
     baseline = _rss_mib()
     blocks = [torch.ones(2**20) for _ in range(64)]  # 64 blocks of 4 MiB, under the mmap threshold: heap
     assert _rss_mib() > baseline + 200

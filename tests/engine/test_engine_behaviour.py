@@ -150,3 +150,25 @@ def test_no_leaks_after_thousands_of_requests_with_aborts(engine_checkpoint):
     assert engine.block_manager.num_free_blocks == engine.num_blocks
     assert set(engine.block_manager.ref_counts) == {0}
     assert engine.scheduler.num_unfinished == 0
+
+
+def test_final_only_outputs_come_once_and_match_cumulative(llm):
+    """`output_kind="final_only"`: no output until the request ends, then the same answer
+    (text, tokens, finish reason) as a streamed request gives."""
+    from vlm_catalog.engine.sampling_params import SamplingParamsError
+
+    engine = llm.engine
+    messages = conversation(4, images=1, words=5)
+    seen: dict[str, list] = {}
+    for kind in ("cumulative", "final_only"):
+        request_id = engine.add_request(messages, SamplingParams(max_tokens=12, ignore_eos=True, output_kind=kind))
+        seen[kind] = []
+        while engine.has_unfinished_requests():
+            seen[kind].extend(output for output in engine.step() if output.request_id == request_id)
+    assert len(seen["cumulative"]) == 12  # one per generated token
+    assert [output.finished for output in seen["final_only"]] == [True]
+    streamed, final = seen["cumulative"][-1], seen["final_only"][0]
+    assert (final.text, final.token_ids, final.finish_reason) == (streamed.text, streamed.token_ids, "length")
+    assert final.delta_text == final.text  # nothing was handed out before
+    with pytest.raises(SamplingParamsError, match="output_kind must be one of cumulative, final_only"):
+        SamplingParams(output_kind="delta")

@@ -80,7 +80,9 @@ class RequestBuilder:
         json_schema, budget, bounded = record_schema(
             record.candidate_categories, self.max_tokens, self.count_tokens, self.schema, bounded
         )
-        return messages, SamplingParams(max_tokens=budget, temperature=0.0, json_schema=json_schema), bounded
+        return messages, SamplingParams(
+            max_tokens=budget, temperature=0.0, json_schema=json_schema, output_kind="final_only"
+        ), bounded
 
     def result(self, record_id: str, output) -> ResultLine:
         """The line for a finished `RequestOutput`."""

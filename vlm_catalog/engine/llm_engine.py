@@ -410,7 +410,11 @@ class LLMEngine:
 
     # -------------------------------------------------------------- outputs
     def _collect_outputs(self, touched: list[Request]) -> list[RequestOutput]:
-        outputs = [self._output(request) for request in touched if not request.is_finished]
+        outputs = [
+            self._output(request)
+            for request in touched
+            if not request.is_finished and request.params.output_kind == "cumulative"
+        ]
         outputs.extend(self._output(request) for request in self.scheduler.drain_finished())
         return outputs
 

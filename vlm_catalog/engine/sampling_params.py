@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+OUTPUT_KINDS = ("cumulative", "final_only")
+
+
 class SamplingParamsError(ValueError):
     """Settings that make no sense; the message names the field."""
 
@@ -20,6 +23,11 @@ class SamplingParams:
     registered schema name, a pydantic model class or a JSON-schema dict),
     `regex` or `choice`; every finished output then parses against it unless
     `finish_reason == "length"`.
+
+    `output_kind`: "cumulative" (the default) gives an output every step the
+    request advances (text so far and the delta, for streaming); "final_only"
+    gives only the finished one, which spares the engine building an output per
+    request per step when nothing streams (offline and batch runs).
     """
 
     max_tokens: int = 150
@@ -36,6 +44,7 @@ class SamplingParams:
     json_schema: Any = None
     regex: str | None = None
     choice: list[str] | None = None
+    output_kind: str = "cumulative"  # or "final_only"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +67,8 @@ class SamplingParams:
             raise SamplingParamsError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError("stop_token_ids must be non-negative integers")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise SamplingParamsError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         constraints = [c for c in (self.json_schema, self.regex, self.choice) if c is not None]
         if len(constraints) > 1:
             raise SamplingParamsError("set at most one of json_schema, regex and choice")
