@@ -232,3 +232,25 @@ def test_every_input_layout_runs(tmp_path):
         assert extract(source, out, "--limit", "2") == 0
         assert sorted(line["id"] for line in read_lines(out)) == ["0", "1"]
     assert answers(tmp_path / "saved.jsonl") == answers(tmp_path / "shopify.jsonl")  # same records, same order
+
+
+def test_the_first_signal_stops_at_the_next_check_and_a_second_at_once():
+    """The handler raises nothing on the first signal (a raise could land inside a library's
+    lock and hang the exit); `check()` raises at the job's safe points; a second signal
+    raises where the run is."""
+    from vlm_catalog.batch.job import _interrupt_on_signals
+
+    previous = signal.getsignal(signal.SIGTERM)
+    with _interrupt_on_signals() as interrupt:
+        interrupt.check()  # nothing asked yet
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):  # bytecodes run: the handler has run by now, and raised nothing
+            pass
+        assert interrupt.requested
+        with pytest.raises(KeyboardInterrupt):
+            interrupt.check()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(100):
+                pass
+    assert signal.getsignal(signal.SIGTERM) is previous

@@ -224,20 +224,28 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
               + (f" ({summary.skipped} already in {settings.out})" if summary.skipped else ""),
               file=progress.stream, flush=True)
 
+        interrupt = _interrupt_on_signals()
+
         def emit(line: ResultLine) -> None:
             if int(line.id) in results.done:
                 return  # a Ray task retried after its first answer was written
             results.write(line.to_json())
             progress.update(line)
 
+        def emit_then_check(line: ResultLine) -> None:  # Ray: the driver's loop is over lines
+            emit(line)
+            interrupt.check()
+
         try:
-            with _interrupt_on_signals():
+            with interrupt:
                 if settings.ray_address is None:
-                    summary.engine_stats = _run_here(settings, catalogue.items(pending), emit, progress.restart)
+                    summary.engine_stats = _run_here(
+                        settings, catalogue.items(pending), emit, progress.restart, interrupt.check
+                    )
                 else:
                     from vlm_catalog.batch.ray_runner import run_on_ray
 
-                    run_on_ray(settings, list(pending), emit, progress.restart)
+                    run_on_ray(settings, list(pending), emit_then_check, progress.restart)
         except KeyboardInterrupt:
             summary.interrupted = True
         except OSError as exc:  # e.g. the disk is full: lines written so far stay valid
@@ -265,13 +273,15 @@ def _selected_done(catalogue, settings: BatchSettings, results: ResultsFile):
             yield results.done[index]
 
 
-def _run_here(settings: BatchSettings, items, emit, on_ready) -> dict[str, Any]:
+def _run_here(settings: BatchSettings, items, emit, on_ready, between_steps) -> dict[str, Any]:
     from vlm_catalog.batch.local import run_items
 
     engine = build_engine(settings)
+    between_steps()  # a signal while the model loaded
     on_ready()
     try:
-        run_items(engine, build_request_builder(settings, engine.tokenizer), items, emit, settings.window)
+        run_items(engine, build_request_builder(settings, engine.tokenizer), items, emit, settings.window,
+                  between_steps)
         return engine.stats.as_dict()
     finally:
         engine.close()
@@ -333,6 +343,15 @@ def evaluate_results(settings: BatchSettings, catalogue):
 class _interrupt_on_signals:
     """SIGINT (Ctrl-C) and SIGTERM end the run (finished lines stay; exit 130).
 
+    The first signal only records the request; `check()`, called between
+    engine steps (after the step's lines are written; on Ray after each line),
+    raises KeyboardInterrupt there.
+    Raising from the handler itself could land anywhere, also between a
+    library's lock acquire and its `try` (logging, futures): the lock then stays
+    held, a worker thread waits on it forever and the exit hangs joining that
+    worker (seen under load). A second signal raises at once, for a run that
+    is stuck where it never checks.
+
     SIGINT gets its handler explicitly: a process started in the background by
     a non-interactive shell inherits SIGINT ignored, and Python then installs
     no KeyboardInterrupt handler of its own, so Ctrl-C (or `kill -INT`) would
@@ -341,11 +360,14 @@ class _interrupt_on_signals:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+    def __init__(self) -> None:
+        self.requested = False
+
     def __enter__(self):
         self._previous = {}
         for signum in self.SIGNALS:
             try:
-                self._previous[signum] = signal.signal(signum, _raise_interrupt)
+                self._previous[signum] = signal.signal(signum, self._handle)
             except ValueError:  # not the main thread
                 pass
         return self
@@ -354,6 +376,12 @@ class _interrupt_on_signals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
 
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if a signal asked the run to stop."""
+        if self.requested:
+            raise KeyboardInterrupt

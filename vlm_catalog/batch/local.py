@@ -21,11 +21,14 @@ def run_items(
     items: Iterable[CatalogueItem],
     emit: Callable[[ResultLine], None],
     window: int = 64,
+    between_steps: Callable[[], None] | None = None,
 ) -> None:
     """Run every item; call `emit` with each record's line as soon as it is known.
 
     An answer cut by the token budget under the plain schema is run once more
     with the bounded one (see `RequestBuilder`); only that second answer is emitted.
+    `between_steps` is called after every engine step (the job's stop check: it
+    may raise to end the run there).
     """
     pending: dict[str, tuple[CatalogueItem, bool]] = {}  # engine request id -> (item, bounded schema)
     items = iter(items)
@@ -54,6 +57,8 @@ def run_items(
                     continue
                 line = failure
             emit(line)
+        if between_steps is not None:
+            between_steps()
 
 
 def _submit(
