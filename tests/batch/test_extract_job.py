@@ -238,15 +238,15 @@ def test_the_first_signal_stops_at_the_next_check_and_a_second_at_once():
     """The handler raises nothing on the first signal (a raise could land inside a library's
     lock and hang the exit); `check()` raises at the job's safe points; a second signal
     raises where the run is."""
-    from vlm_catalog.batch.job import _interrupt_on_signals
+    from vlm_catalog.signals import StopRequest
 
     previous = signal.getsignal(signal.SIGTERM)
-    with _interrupt_on_signals() as interrupt:
+    with StopRequest(second_signal_interrupts=True) as interrupt:
         interrupt.check()  # nothing asked yet
         os.kill(os.getpid(), signal.SIGTERM)
         for _ in range(100):  # bytecodes run: the handler has run by now, and raised nothing
             pass
-        assert interrupt.requested
+        assert interrupt.requested == "SIGTERM"
         with pytest.raises(KeyboardInterrupt):
             interrupt.check()
         with pytest.raises(KeyboardInterrupt):

@@ -17,7 +17,6 @@ Ctrl-C (or SIGTERM) stops the run with everything finished already on disk;
 from __future__ import annotations
 
 import os
-import signal
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from vlm_catalog.batch.progress import Progress
 from vlm_catalog.batch.requests import FAILURE_KINDS, ResultLine
 from vlm_catalog.batch.selection import WHOLE, Shard, count_selected, pending_indices
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
+from vlm_catalog.signals import StopRequest
 
 BATCH_GRAMMAR_CACHE_SIZE = 64
 
@@ -224,7 +224,7 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
               + (f" ({summary.skipped} already in {settings.out})" if summary.skipped else ""),
               file=progress.stream, flush=True)
 
-        interrupt = _interrupt_on_signals()
+        interrupt = StopRequest(second_signal_interrupts=True)  # stops between engine steps
 
         def emit(line: ResultLine) -> None:
             if int(line.id) in results.done:
@@ -338,50 +338,3 @@ def evaluate_results(settings: BatchSettings, catalogue):
     if not responses:
         return None
     return score(responses, labels, answer_schema=resolve_schema(settings.schema).model)
-
-
-class _interrupt_on_signals:
-    """SIGINT (Ctrl-C) and SIGTERM end the run (finished lines stay; exit 130).
-
-    The first signal only records the request; `check()`, called between
-    engine steps (after the step's lines are written; on Ray after each line),
-    raises KeyboardInterrupt there.
-    Raising from the handler itself could land anywhere, also between a
-    library's lock acquire and its `try` (logging, futures): the lock then stays
-    held, a worker thread waits on it forever and the exit hangs joining that
-    worker (seen under load). A second signal raises at once, for a run that
-    is stuck where it never checks.
-
-    SIGINT gets its handler explicitly: a process started in the background by
-    a non-interactive shell inherits SIGINT ignored, and Python then installs
-    no KeyboardInterrupt handler of its own, so Ctrl-C (or `kill -INT`) would
-    be ignored.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def __enter__(self):
-        self._previous = {}
-        for signum in self.SIGNALS:
-            try:
-                self._previous[signum] = signal.signal(signum, self._handle)
-            except ValueError:  # not the main thread
-                pass
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def check(self) -> None:
-        """Raise KeyboardInterrupt if a signal asked the run to stop."""
-        if self.requested:
-            raise KeyboardInterrupt

@@ -36,6 +36,7 @@ it is unusable (what the batch job wants: a bad record fails alone).
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import re
@@ -188,8 +189,6 @@ class _ParquetRows:
 
     def _slice_containing(self, index: int) -> tuple[int, list[dict[str, Any]]]:
         """(global index of its first row, rows) of the slice that holds row `index`."""
-        import bisect
-
         group = bisect.bisect_right(self._starts, index) - 1
         cursor = self._cursor
         if cursor is None or cursor.group != group or index < cursor.start:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import signal
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vlm_catalog.signals import StopRequest
 from vlm_catalog.training.checkpoint import (
     MODEL_DIR,
     export_model,
@@ -148,29 +148,6 @@ def _hidden_after_shared_prefix(model: torch.nn.Module, batch: Batch) -> torch.T
     ).last_hidden_state
 
 
-class _StopRequest:
-    """Remembers SIGINT/SIGTERM while installed, so the loop can save and stop between steps."""
-
-    def __init__(self) -> None:
-        self.requested: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopRequest:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: signals stay as they are
-                pass
-        return self
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        self.requested = signal.Signals(signum).name
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 class Trainer:
     """One training run in `config.run_dir`; `Trainer.resume(run_dir)` continues a saved one."""
 
@@ -235,7 +212,7 @@ class Trainer:
         target = min(until_step if until_step is not None else config.steps, config.steps)
         losses: list[float] = []
         started = time.time()
-        with _StopRequest() as stop:
+        with StopRequest() as stop:
             while self.step < target:
                 loss = self.train_step()
                 losses.append(loss)
