@@ -4,6 +4,12 @@ Layout (fixed): per layer, ``k_cache`` and ``v_cache`` of shape
 ``[num_blocks, block_size, Hkv, D]``. Token slot ``slot = block_id * block_size +
 offset``; sequence b's i-th token lives in block ``block_tables[b, i // block_size]``
 at offset ``i % block_size``. A negative slot marks a padding token (skipped).
+
+The cache holds the model's dtype, or FP8 e4m3 (`torch.float8_e4m3fn`) at half
+the bytes of bf16. FP8 is stored without a scale (scale 1.0, as vLLM's FP8
+cache does when the checkpoint brings no calibrated scales): new K/V are
+rounded to e4m3 and saturate at +-448, and readers convert back to the query's
+dtype. Qwen3's per-head q/k norms keep K well inside that range.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ import torch
 
 from kernels.checks import (
     FLOAT_DTYPES,
+    FP8_KV_DTYPE,
     INDEX_DTYPES,
+    KV_CACHE_DTYPES,
     check_dtype,
     check_same_device,
     check_shape,
@@ -25,13 +33,30 @@ def check_paged_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[
     """Validates a layer's cache pair; returns (num_blocks, block_size, Hkv, D)."""
     check_shape("k_cache", k_cache, (None, None, None, None))
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
-    check_dtype("k_cache", k_cache, FLOAT_DTYPES)
+    check_dtype("k_cache", k_cache, KV_CACHE_DTYPES)
     check_dtype("v_cache", v_cache, (k_cache.dtype,))
     check_unit_stride_last_dim("k_cache", k_cache)
     check_unit_stride_last_dim("v_cache", v_cache)
     check_same_device(k_cache=k_cache, v_cache=v_cache)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def check_query_matches_cache(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """Queries are in the model's dtype; the cache holds that dtype or FP8."""
+    allowed = (k_cache.dtype,) if k_cache.dtype != FP8_KV_DTYPE else FLOAT_DTYPES
+    check_dtype("q", q, allowed)
+
+
+FP8_MAX = torch.finfo(FP8_KV_DTYPE).max  # 448.0
+
+
+def to_cache_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`values` as stored in a cache of `dtype`; FP8 saturates at +-FP8_MAX instead of
+    relying on the cast's overflow behaviour."""
+    if dtype == FP8_KV_DTYPE:
+        values = values.clamp(-FP8_MAX, FP8_MAX)
+    return values.to(dtype)
 
 
 def gather_sequence_kv(
@@ -57,8 +82,8 @@ def reshape_and_cache_reference(
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+    k_cache[blocks, offsets] = to_cache_dtype(k[valid], k_cache.dtype)
+    v_cache[blocks, offsets] = to_cache_dtype(v[valid], v_cache.dtype)
 
 
 # --------------------------------------------------------------------------- triton
@@ -121,6 +146,7 @@ def reshape_and_cache_triton(
         HEAD_DIM=head_dim,
         BLOCK_HEADS=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        SATURATE_FP8=k_cache.dtype == FP8_KV_DTYPE,
         num_warps=4,
     )
 

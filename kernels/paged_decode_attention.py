@@ -17,6 +17,7 @@ import torch
 
 from kernels.attention_common import LOG2_E, dot_precision, multiprocessor_count
 from kernels.checks import (
+    FP8_KV_DTYPE,
     INDEX_DTYPES,
     check_dtype,
     check_same_device,
@@ -26,6 +27,7 @@ from kernels.checks import (
 from kernels.dispatch import use_triton
 from kernels.kv_cache import (
     check_paged_kv_cache,
+    check_query_matches_cache,
     check_reshape_and_cache_args,
     reshape_and_cache_reference,
 )
@@ -252,7 +254,7 @@ def _check_decode_args(
         raise ValueError(
             f"q: {num_q_heads} query heads is not a multiple of the cache's {num_kv_heads} KV heads"
         )
-    check_dtype("q", q, (k_cache.dtype,))
+    check_query_matches_cache(q, k_cache)
     check_unit_stride_last_dim("q", q)
     check_shape("block_tables", block_tables, (batch, None))
     check_shape("context_lens", context_lens, (batch,))
@@ -362,6 +364,7 @@ def _launch_decode(
         BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)),
         BLOCK_N=block_n,
         FUSE_CACHE_WRITE=new_kv is not None,
+        SATURATE_FP8=k_cache.dtype == FP8_KV_DTYPE,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,
         num_stages=2,

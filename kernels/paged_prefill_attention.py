@@ -27,7 +27,7 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton
-from kernels.kv_cache import check_paged_kv_cache, gather_sequence_kv
+from kernels.kv_cache import check_paged_kv_cache, check_query_matches_cache, gather_sequence_kv
 from kernels.paged_decode_attention import paged_attention_rows
 
 
@@ -63,8 +63,8 @@ def paged_prefill_attention_reference(
         query_len = end - begin
         if query_len == 0 or seq in short_set:
             continue
-        keys = gather_sequence_kv(k_cache, block_tables[seq], context_len)  # [L, Hkv, D]
-        values = gather_sequence_kv(v_cache, block_tables[seq], context_len)  # [L, Hkv, D]
+        keys = gather_sequence_kv(k_cache, block_tables[seq], context_len).to(q.dtype)  # [L, Hkv, D]
+        values = gather_sequence_kv(v_cache, block_tables[seq], context_len).to(q.dtype)  # [L, Hkv, D]
         if query_len == context_len:  # nothing cached before: plain causal attention (faster path)
             mask, causal = None, True
         else:
@@ -156,7 +156,7 @@ def paged_prefill_attention_triton(
     batch = context_lens.shape[0]
     check_shape("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
     check_shape("block_tables", block_tables, (batch, None))
-    check_dtype("q", q, (k_cache.dtype,))
+    check_query_matches_cache(q, k_cache)
     for name, tensor in (
         ("block_tables", block_tables),
         ("cu_seqlens_q", cu_seqlens_q),

@@ -16,6 +16,8 @@ call; `--json FILE` merges the phases' results into FILE.
                   and MFU against the matmul peak (target >= 35%)
 - engine          offline samples/s, prefill and decode tokens/s with 150 output tokens
                   (ignore_eos); the KV capacity in tokens and the memory profile
+- engine_fp8_kv   the same with an FP8 (e4m3) KV cache: twice the tokens in the same memory,
+                  so more records decode together
 - constrained     the per-record schema (real stop) against an unconstrained run that
                   generates the same number of tokens per record (both counts reported;
                   target >= 0.95x)
@@ -65,9 +67,10 @@ from vlm_catalog.paths import DEFAULT_MODEL_DIR, REPO_ROOT
 from vlm_catalog.preprocess.prompt import build_messages
 from vlm_catalog.structured import catalogue_schema
 
-PHASES = ("ceilings", "kernels", "roofline", "vision_encoder", "engine", "constrained", "transformers")
-NEEDS_RECORDS = {"vision_encoder", "engine", "constrained", "transformers"}
-NEEDS_MODEL = {"roofline", "engine", "constrained"}
+PHASES = ("ceilings", "kernels", "roofline", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
+          "transformers")
+NEEDS_RECORDS = {"vision_encoder", "engine", "engine_fp8_kv", "constrained", "transformers"}
+NEEDS_MODEL = {"roofline", "engine", "engine_fp8_kv", "constrained"}
 OUTPUT_TOKENS = 150
 
 
@@ -216,10 +219,10 @@ def engine_run_summary(engine: LLMEngine, conversations, params) -> tuple[dict, 
     return summary, outputs
 
 
-def make_engine(checkpoint: Path, model, device: torch.device) -> LLMEngine:
+def make_engine(checkpoint: Path, model, device: torch.device, kv_cache_dtype: str = "auto") -> LLMEngine:
     config = EngineConfig(model=checkpoint, device=str(device), dtype="bfloat16" if device.type == "cuda" else "float32",
                           max_num_seqs=256, max_num_batched_tokens=16384, enable_prefix_caching=False,
-                          scheduling_policy="shortest_prompt_first", max_model_len=32768)
+                          scheduling_policy="shortest_prompt_first", max_model_len=32768, kv_cache_dtype=kv_cache_dtype)
     return LLMEngine(config, prebuilt_model=model)
 
 
@@ -231,9 +234,11 @@ def memory_summary(engine: LLMEngine, device: torch.device) -> dict:
     return summary
 
 
-def measure_engine(checkpoint: Path, model, device: torch.device, records, output_tokens: int) -> dict:
-    """Offline throughput with `output_tokens` (150) output tokens per record (ignore_eos)."""
-    engine = make_engine(checkpoint, model, device)
+def measure_engine(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
+                   kv_cache_dtype: str = "auto") -> dict:
+    """Offline throughput with `output_tokens` (150) output tokens per record (ignore_eos);
+    `kv_cache_dtype="fp8"`: the same with an e4m3 KV cache (twice the tokens of bf16)."""
+    engine = make_engine(checkpoint, model, device, kv_cache_dtype)
     conversations = [build_messages(record) for record in records]
     fixed = [SamplingParams(max_tokens=output_tokens, ignore_eos=True)] * len(records)
     results = {"fixed_150_tokens": engine_run_summary(engine, conversations, fixed)[0]}
@@ -480,6 +485,11 @@ def main(argv: list[str] | None = None) -> int:
                 started = time.perf_counter()
                 record("engine", started, measure_engine(checkpoint, model, device, records[: args.records], args.output_tokens))
                 release_memory(device)  # the engine's KV pool, before the next engine profiles memory
+            if "engine_fp8_kv" in phases:
+                started = time.perf_counter()
+                record("engine_fp8_kv", started, measure_engine(
+                    checkpoint, model, device, records[: args.records], args.output_tokens, kv_cache_dtype="fp8"))
+                release_memory(device)
             if "constrained" in phases:
                 started = time.perf_counter()
                 record("constrained", started, measure_constrained(checkpoint, model, device, records[: args.records], args.output_tokens))

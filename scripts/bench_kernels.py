@@ -350,6 +350,21 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 target_speedup=1.0,
             )
         )
+        # the same cache in FP8 (e4m3): half the bytes to read, widened in the kernel
+        fp8_k, fp8_v = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        fp8_ms = timer(partial(paged_decode_attention_triton, q, fp8_k, fp8_v, block_tables, context_lens, scale,
+                               max_context_len=context))
+        rows.append(
+            Row(
+                "paged_decode_attention[fp8 kv]",
+                f"B={batch} ctx={context}",
+                fp8_ms,
+                "SDPA, gathered K/V",
+                sdpa_ms,
+                gigabytes_per_second(kv_bytes // element, fp8_ms),
+                target_speedup=1.0,
+            )
+        )
 
     for num_seqs, new_tokens, prefix in shapes.prefill_cases:
         context = prefix + new_tokens

@@ -1,4 +1,4 @@
-"""Work-arounds for two bfloat16 gaps of the Triton interpreter, and one scalar gap.
+"""Work-arounds for two bfloat16 gaps of the Triton interpreter, one scalar gap and one FP8 gap.
 
 The interpreter (``TRITON_INTERPRET=1``) runs kernels with numpy, which has no
 bfloat16: it stores bfloat16 values as their uint16 bit patterns. Two places
@@ -25,6 +25,12 @@ stand-in.
    with triton 3.6 (the GPU image's) every interpreter test and the
    ``bench_kernels.py --interpret`` smoke run did. We install the ``__index__``
    that Triton 3.9 has (the element of a one-element array).
+
+4. Casts to float8 e4m3 (``.to(tl.float8e4nv)``, the FP8 KV cache) round the
+   mantissa without carrying into the exponent: a value that rounds up to the
+   next power of two comes out at half of it (-124.5 -> -64, where the GPU's
+   ``cvt.rn.satfinite.e4m3x2.f32`` gives -128). We cast through torch's
+   ``float8_e4m3fn``, which rounds to nearest even and saturates like the GPU.
 
 Applied only under the interpreter, once; `kernels.jit` applies them on import.
 """
@@ -112,3 +118,31 @@ def patch_interpreter_scalar_index() -> None:
 
     setattr(patch_lang_tensor, _PATCHED_ATTRIBUTE, True)
     interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+def patch_interpreter_fp8() -> None:
+    """Item 4 of the module doc: casts to float8 e4m3 round and saturate as on the GPU."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder_class = getattr(interpreter, "InterpreterBuilder", None)
+    if builder_class is None or not hasattr(builder_class, "create_fp_to_fp") or not hasattr(interpreter, "_convert_float"):
+        return  # another layout: nothing we know how to fix
+    original = builder_class.create_fp_to_fp
+    if getattr(original, _PATCHED_ATTRIBUTE, False):
+        return
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar not in (tl.float32, tl.bfloat16, tl.float16):
+            return original(self, src, dst_type, rounding_mode)
+        if src.dtype.scalar == tl.bfloat16:  # stored as uint16 bit patterns
+            wide = interpreter._convert_float(src.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        else:
+            wide = np.asarray(src.data, dtype=np.float32)
+        rounded = torch.from_numpy(np.ascontiguousarray(wide)).to(torch.float8_e4m3fn)
+        return interpreter.TensorHandle(rounded.view(torch.uint8).numpy(), tl.float8e4nv)
+
+    setattr(create_fp_to_fp, _PATCHED_ATTRIBUTE, True)
+    builder_class.create_fp_to_fp = create_fp_to_fp

@@ -5,6 +5,12 @@ import triton.language as tl
 
 
 @triton.jit
+def saturate_fp8(x):
+    """x clamped to the float8 e4m3 range (+-448), in float32 (the cast then only rounds)."""
+    return tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+
+
+@triton.jit
 def reshape_and_cache_kernel(
     # pointers
     k_ptr,  # [T, Hkv, D]
@@ -30,6 +36,7 @@ def reshape_and_cache_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SATURATE_FP8: tl.constexpr,  # the cache is float8 e4m3: clamp to +-448 before rounding
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -44,6 +51,9 @@ def reshape_and_cache_kernel(
 
     key = tl.load(k_ptr + token * stride_k_token + heads * stride_k_head + dims, mask=mask)
     value = tl.load(v_ptr + token * stride_v_token + heads * stride_v_head + dims, mask=mask)
+    if SATURATE_FP8:
+        key = saturate_fp8(key)
+        value = saturate_fp8(value)
     k_slot = k_cache_ptr + block * stride_k_cache_block + offset * stride_k_cache_offset
     v_slot = v_cache_ptr + block * stride_v_cache_block + offset * stride_v_cache_offset
     tl.store(

@@ -19,10 +19,16 @@ token's slot after its loop. This is race-free because that slot is read by no
 other program: other splits cover other positions, and other sequences never
 map the last, partially filled block of this one (no prefix sharing of a block
 that is still being written).
+
+K/V tiles are converted to the query's dtype after loading, so the cache may
+hold FP8 (e4m3); the fused write rounds the new K/V as `reshape_and_cache` does
+and attends to the rounded values, exactly what later steps read back.
 """
 
 import triton
 import triton.language as tl
+
+from kernels.jit.kv_cache import saturate_fp8
 
 
 @triton.jit
@@ -69,6 +75,7 @@ def paged_decode_split_kernel(
     BLOCK_G: tl.constexpr,  # >= queries_per_kv, >= 16 for tl.dot
     BLOCK_N: tl.constexpr,  # cache positions per tile
     FUSE_CACHE_WRITE: tl.constexpr,
+    SATURATE_FP8: tl.constexpr,  # the cache is float8 e4m3: clamp the written K/V to +-448
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, "tf32" otherwise (ignored for 16-bit)
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -96,12 +103,19 @@ def paged_decode_split_kernel(
             new_k_ptr + seq * stride_new_k_seq + kv_head * stride_new_k_head + dims,
             mask=dim_mask,
             other=0.0,
-        ).to(k_cache_ptr.dtype.element_ty)
+        )
         new_v = tl.load(
             new_v_ptr + seq * stride_new_v_seq + kv_head * stride_new_v_head + dims,
             mask=dim_mask,
             other=0.0,
-        ).to(v_cache_ptr.dtype.element_ty)
+        )
+        if SATURATE_FP8:
+            new_k = saturate_fp8(new_k)
+            new_v = saturate_fp8(new_v)
+        new_k = new_k.to(k_cache_ptr.dtype.element_ty)  # as stored
+        new_v = new_v.to(v_cache_ptr.dtype.element_ty)
+        new_k_seen = new_k.to(q_ptr.dtype.element_ty)  # as later steps will read it back
+        new_v_seen = new_v.to(q_ptr.dtype.element_ty)
 
     running_max = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -123,10 +137,10 @@ def paged_decode_split_kernel(
             + kv_head * stride_k_cache_head
             + dims[None, :]
         )
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_D]
         if FUSE_CACHE_WRITE:
             is_current = (positions == context_len - 1)[:, None]
-            k = tl.where(is_current, new_k[None, :], k)
+            k = tl.where(is_current, new_k_seen[None, :], k)
         scores = (
             tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         )  # [BLOCK_G, BLOCK_N]
@@ -145,9 +159,9 @@ def paged_decode_split_kernel(
             + kv_head * stride_v_cache_head
             + dims[None, :]
         )
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_D]
         if FUSE_CACHE_WRITE:
-            v = tl.where(is_current, new_v[None, :], v)
+            v = tl.where(is_current, new_v_seen[None, :], v)
         acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
 
     out_ptrs = (

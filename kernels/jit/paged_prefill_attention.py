@@ -6,7 +6,8 @@ q_len new tokens and context_len cached tokens (prefix + this chunk, already in
 the cache) sits at absolute position ``context_len - q_len + j`` and attends to
 cached positions <= its own, so the program walks cache tiles from position 0 up
 to its last query's position, masking only by causality and the sequence end.
-Online softmax in float32, base-2 exponent domain.
+Online softmax in float32, base-2 exponent domain. K/V tiles are converted to
+the query's dtype after loading, so the cache may hold FP8 (e4m3).
 """
 
 import triton
@@ -94,7 +95,7 @@ def paged_prefill_attention_kernel(
             + dims[None, :],
             mask=kv_mask,
             other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
+        ).to(q_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_D]; an FP8 cache is widened here
         scores = (
             tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         )  # [BLOCK_M, BLOCK_N]
@@ -116,7 +117,7 @@ def paged_prefill_attention_kernel(
             + dims[None, :],
             mask=kv_mask,
             other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
+        ).to(q_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_D]
         acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
 
     out = acc / running_sum[:, None]

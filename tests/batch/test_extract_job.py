@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -14,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.batch.conftest import FAST, answers, read_lines, sample_rows, write_parquet
+from vlm_catalog.batch.output import JOB_SUFFIX
 from vlm_catalog.cli import main
 
 
@@ -40,6 +42,7 @@ def test_argument_and_output_problems_are_found_before_any_work(small_catalogue,
         "has no records": [empty, out],
         "catalogue not found": [tmp_path / "missing", out],
         "not a checkpoint directory": [small_catalogue, out, "--model", str(tmp_path)],
+        "gpu_memory_utilization must be in (0, 1], got 2.0": [small_catalogue, out, "--gpu-memory-utilization", "2"],
     }
     if os.geteuid() != 0:  # root writes anywhere
         cases["not writable"] = [small_catalogue, locked_dir / "p.jsonl"]
@@ -254,3 +257,21 @@ def test_the_first_signal_stops_at_the_next_check_and_a_second_at_once():
             for _ in range(100):
                 pass
     assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_an_fp8_kv_cache_run_is_its_own_job(small_catalogue, tmp_path, capsys):
+    """--kv-cache-dtype reaches the engine, and a results file of one cache dtype is not
+    resumed with another (the answers may differ); the default adds nothing to the job."""
+    out = tmp_path / "p.jsonl"
+    assert extract(small_catalogue, out, "--limit", "2", "--kv-cache-dtype", "fp8") == 0
+    assert json.loads(out.with_name(out.name + JOB_SUFFIX).read_text())["kv_cache_dtype"] == "fp8"
+    lines = read_lines(out)
+    assert len(lines) == 2 and all(line["response"] for line in lines)
+    capsys.readouterr()
+    assert extract(small_catalogue, out, "--limit", "3") == 1
+    assert "kv_cache_dtype: 'fp8' then, None now" in capsys.readouterr().err
+    assert extract(small_catalogue, out, "--limit", "3", "--kv-cache-dtype", "fp8") == 0
+    assert len(read_lines(out)) == 3
+    plain = tmp_path / "plain.jsonl"
+    assert extract(small_catalogue, plain, "--limit", "1") == 0
+    assert "kv_cache_dtype" not in json.loads(plain.with_name(plain.name + JOB_SUFFIX).read_text())

@@ -194,6 +194,7 @@ def free_port() -> int:
         (["--max-tokens", "0"], "error: --max-tokens must be at least 1"),
         (["--dataset", "/nonexistent/catalogue"], "error: "),
         (["--server-url", "ftp://x"], "error: --server-url must start with http:// or https://"),
+        (["--gpu-memory-utilization", "0"], "error: gpu_memory_utilization must be in (0, 1], got 0.0"),
         (["--server-url", "http://127.0.0.1:{port}"], "error: no OpenAI-compatible server at http://127.0.0.1:"),
     ],
 )

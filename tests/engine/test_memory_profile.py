@@ -118,3 +118,25 @@ def test_budget_breakdown_is_reported():
     assert budget.as_dict()["kv_cache_bytes"] == budget.kv_cache_bytes
     with pytest.raises(EngineConfigError, match="lower max_num_batched_tokens"):
         MemoryBudget(80 * 2**30, 0.8, 61 * 2**30, 4 * 2**30, 2**30, 0).check(1)
+
+
+def test_an_fp8_cache_fits_four_times_the_float32_tokens_in_the_same_budget(engine_checkpoint, monkeypatch):
+    text = ModelConfig.from_pretrained(engine_checkpoint).text
+    fp32_block = kv_bytes_per_block(text.num_layers, 16, text.num_kv_heads, text.head_dim, torch.float32)
+    fp8_block = kv_bytes_per_block(text.num_layers, 16, text.num_kv_heads, text.head_dim, torch.float8_e4m3fn)
+    assert fp32_block == 4 * fp8_block
+    weights, non_torch, activations = 40 * MiB, 30 * MiB, 25 * MiB
+    total = int((weights + non_torch + activations + CUDA_GRAPH_RESERVE_BYTES + 10 * fp32_block) / 0.9) + 1
+    blocks = {}
+    for kv_cache_dtype in ("auto", "fp8"):
+        memory = SimulatedMemory(total, weights, non_torch, activations, log=[])
+        engine = _engine_with_simulated_device(
+            monkeypatch, engine_checkpoint, memory, max_num_batched_tokens=512, kv_cache_dtype=kv_cache_dtype
+        )
+        try:
+            blocks[kv_cache_dtype] = engine.num_blocks
+            assert engine.kv_caches[0][0].dtype == (torch.float32 if kv_cache_dtype == "auto" else torch.float8_e4m3fn)
+            assert engine.cache_stats()["kv_cache_dtype"] == ("float32" if kv_cache_dtype == "auto" else "float8_e4m3fn")
+        finally:
+            engine.close()
+    assert blocks == {"auto": 10, "fp8": 40}

@@ -41,11 +41,17 @@ FLOAT32_POINTERS = ("inv_freq", "partial_", "topk_weights")
 FLOAT_SCALARS = ("eps", "scale_log2")
 
 
-def signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
-    """Argument types from argument names: pointers of `dtype` unless the name says otherwise."""
+FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}  # an FP8 (e4m3) paged KV cache
+
+
+def signature(kernel, dtype: str, constexprs: dict, pointer_types: dict | None = None) -> dict[str, str]:
+    """Argument types from argument names: pointers of `dtype` unless the name says otherwise
+    or `pointer_types` names the argument."""
     types = {}
     for name in kernel.arg_names:
-        if name in constexprs:
+        if pointer_types and name in pointer_types:
+            types[name] = pointer_types[name]
+        elif name in constexprs:
             types[name] = "constexpr"
         elif name.endswith("_ptr"):
             if any(part in name for part in INT32_POINTERS):
@@ -64,7 +70,8 @@ def signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
 
 
 def kernel_specs(include_float32: bool):
-    """(label, kernel, pointer dtype, constexprs, launch options) at Qwen3-VL-30B-A3B shapes.
+    """(label, kernel, pointer dtype, constexprs, launch options[, pointer types]) at
+    Qwen3-VL-30B-A3B shapes; the attention and cache-write kernels also with an FP8 cache.
     float32 attention (exact `tl.dot`, for float32 parity runs) compiles slowly: opt-in."""
     from kernels.jit.activation import silu_and_mul_kernel
     from kernels.jit.fused_moe import moe_down_kernel, moe_gate_up_silu_kernel
@@ -115,8 +122,16 @@ def kernel_specs(include_float32: bool):
             "reshape_and_cache",
             reshape_and_cache_kernel,
             "bf16",
-            {"HEAD_DIM": 128, "BLOCK_HEADS": 4, "BLOCK_D": 128},
+            {"HEAD_DIM": 128, "BLOCK_HEADS": 4, "BLOCK_D": 128, "SATURATE_FP8": False},
             {"num_warps": 4},
+        ),
+        (
+            "reshape_and_cache[fp8 cache]",
+            reshape_and_cache_kernel,
+            "bf16",
+            {"HEAD_DIM": 128, "BLOCK_HEADS": 4, "BLOCK_D": 128, "SATURATE_FP8": True},
+            {"num_warps": 4},
+            FP8_CACHE,
         ),
         (
             "route_topk",
@@ -143,38 +158,42 @@ def kernel_specs(include_float32: bool):
     ]
     attention_dtypes = [("bf16", "tf32")] + ([("fp32", "ieee")] if include_float32 else [])
     for dtype, precision in attention_dtypes:
-        for fuse in (False, True):
+        for cache, cache_types in (("", None), (",fp8 cache", FP8_CACHE)):
+            for fuse in (False, True):
+                specs.append(
+                    (
+                        f"paged_decode_split[{dtype}{cache},fuse={fuse}]",
+                        paged_decode_split_kernel,
+                        dtype,
+                        {
+                            "HEAD_DIM": 128,
+                            "BLOCK_D": 128,
+                            "BLOCK_G": 16,
+                            "BLOCK_N": 64,
+                            "FUSE_CACHE_WRITE": fuse,
+                            "SATURATE_FP8": cache_types is not None,
+                            "DOT_PRECISION": precision,
+                        },
+                        {"num_warps": 4, "num_stages": 2},
+                        cache_types,
+                    )
+                )
             specs.append(
                 (
-                    f"paged_decode_split[{dtype},fuse={fuse}]",
-                    paged_decode_split_kernel,
+                    f"paged_prefill[{dtype}{cache}]",
+                    paged_prefill_attention_kernel,
                     dtype,
                     {
                         "HEAD_DIM": 128,
                         "BLOCK_D": 128,
-                        "BLOCK_G": 16,
+                        "BLOCK_M": 64,
                         "BLOCK_N": 64,
-                        "FUSE_CACHE_WRITE": fuse,
                         "DOT_PRECISION": precision,
                     },
                     {"num_warps": 4, "num_stages": 2},
+                    cache_types,
                 )
             )
-        specs.append(
-            (
-                f"paged_prefill[{dtype}]",
-                paged_prefill_attention_kernel,
-                dtype,
-                {
-                    "HEAD_DIM": 128,
-                    "BLOCK_D": 128,
-                    "BLOCK_M": 64,
-                    "BLOCK_N": 64,
-                    "DOT_PRECISION": precision,
-                },
-                {"num_warps": 4, "num_stages": 2},
-            )
-        )
     specs.append(
         (
             "varlen_attention[bf16,D=72]",
@@ -205,12 +224,13 @@ def kernel_specs(include_float32: bool):
 
 def main(argv: list[str]) -> int:
     failures = 0
-    for label, kernel, dtype, constexprs, options in kernel_specs(
+    for label, kernel, dtype, constexprs, options, *pointer_types in kernel_specs(
         include_float32="--float32" in argv
     ):
         start = time.perf_counter()
         try:
-            source = ASTSource(kernel, signature(kernel, dtype, constexprs), constexprs=constexprs)
+            types = signature(kernel, dtype, constexprs, *pointer_types)
+            source = ASTSource(kernel, types, constexprs=constexprs)
             compiled = triton.compile(source, target=H100, options=options)
             status = f"ok ({len(compiled.asm['cubin'])} bytes of cubin)"
         except Exception:  # noqa: BLE001 - report every kernel, then fail

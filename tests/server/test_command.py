@@ -96,3 +96,10 @@ def test_serve_refuses_a_missing_model_with_exit_2(tmp_path):
     result = subprocess.run([sys.executable, "-m", "vlm_catalog.cli", "serve", "--model", str(tmp_path / "none")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "error:" in result.stderr
+
+
+def test_serve_refuses_a_bad_memory_setting_with_exit_2():
+    result = subprocess.run([sys.executable, "-m", "vlm_catalog.cli", "serve", "--gpu-memory-utilization", "1.5"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: gpu_memory_utilization must be in (0, 1], got 1.5"

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import torch
 
-from vlm_catalog.training.vision_probe import image_effect, load_model, measure, photo_only_builder, probe_f1
+from vlm_catalog.training.vision_probe import (
+    image_effect,
+    load_model,
+    measure,
+    photo_only_builder,
+    probe_f1,
+)
 
 
 def test_probe_finds_a_signal_that_is_there_and_not_one_that_is_not() -> None:

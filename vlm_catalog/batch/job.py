@@ -50,6 +50,8 @@ class BatchSettings:
     max_tokens: int = 150
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    kv_cache_dtype: str = "auto"  # "fp8": an e4m3 KV cache (EngineConfig.kv_cache_dtype)
+    gpu_memory_utilization: float = 0.9
     shard: Shard = WHOLE
     overwrite: bool = False
     ray_address: str | None = None  # None: this process; "": Ray (running cluster or local); else its address
@@ -71,6 +73,9 @@ class BatchSettings:
             "prompt_style": self.prompt_style,
             "max_tokens": self.max_tokens,
             "dtype": self.dtype,
+            # an FP8 cache changes answers too; "auto" stays unnamed so results files of
+            # earlier versions (which had no such key) can still be resumed
+            **({"kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype != "auto" else {}),
         }
 
 
@@ -159,6 +164,24 @@ def check_settings(settings: BatchSettings) -> None:
         raise BatchError(f"schema {settings.schema!r} has no category field to restrict")
     if not (Path(settings.model) / "config.json").is_file():
         raise BatchError(f"--model {settings.model}: not a checkpoint directory (no config.json)")
+    engine_config(settings)  # device, dtype and memory settings, checked before any work
+
+
+def engine_config(settings: BatchSettings):
+    """The EngineConfig of each engine the job builds (BatchError when a setting cannot work)."""
+    from vlm_catalog.engine.config import EngineConfig, EngineConfigError
+
+    try:
+        return EngineConfig(
+            model=settings.model, device=settings.device, dtype=settings.dtype,
+            enable_prefix_caching=settings.enable_prefix_caching, scheduling_policy=settings.scheduling_policy,
+            kv_cache_dtype=settings.kv_cache_dtype, gpu_memory_utilization=settings.gpu_memory_utilization,
+            # each record has its own candidate list, so its grammar is seldom seen again:
+            # a small cache keeps memory flat over millions of records
+            grammar_cache_size=BATCH_GRAMMAR_CACHE_SIZE,
+        )
+    except EngineConfigError as exc:
+        raise BatchError(str(exc)) from None
 
 
 def check_output_path(out: Path, catalogue) -> None:
@@ -288,19 +311,14 @@ def _run_here(settings: BatchSettings, items, emit, on_ready, between_steps) -> 
 
 
 def build_engine(settings: BatchSettings):
-    from vlm_catalog.engine.config import EngineConfig, EngineConfigError
+    from vlm_catalog.engine.config import EngineConfigError
     from vlm_catalog.engine.llm_engine import LLMEngine
     from vlm_catalog.model.config import ModelConfigError
     from vlm_catalog.model.loader import CheckpointError
 
+    config = engine_config(settings)
     try:
-        return LLMEngine(EngineConfig(
-            model=settings.model, device=settings.device, dtype=settings.dtype,
-            enable_prefix_caching=settings.enable_prefix_caching, scheduling_policy=settings.scheduling_policy,
-            # each record has its own candidate list, so its grammar is seldom seen again:
-            # a small cache keeps memory flat over millions of records
-            grammar_cache_size=BATCH_GRAMMAR_CACHE_SIZE,
-        ))
+        return LLMEngine(config)
     except (CheckpointError, ModelConfigError, EngineConfigError) as exc:
         raise BatchError(f"cannot load the model: {exc}") from None
 

@@ -10,6 +10,9 @@ import torch
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# what the paged KV cache stores: "auto" is the model's dtype; "fp8" (e4m3, as vLLM's
+# "fp8"/"fp8_e4m3") halves the bytes per token against bf16, so twice the tokens fit
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 class EngineConfigError(ValueError):
@@ -26,6 +29,7 @@ class EngineConfig:
     # `gpu_memory_utilization` x total device memory after the weights, the activations
     # of a profiled worst-case step and non-torch memory (engine/memory_profile.py)
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (e4m3, no scales; kernels/kv_cache.py)
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     # tokens per step (prefill chunks + decodes); on the offline benchmark (2 CPU cores)
@@ -56,6 +60,10 @@ class EngineConfig:
             self.dtype = "float32" if self.device == "cpu" else "bfloat16"
         if self.dtype not in DTYPES:
             raise EngineConfigError(f"dtype must be auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineConfigError(
+                f"kv_cache_dtype must be auto or {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
+            )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                      "encoder_cache_tokens", "max_images_per_prompt", "grammar_cache_size"):
             if int(getattr(self, name)) < 1:
@@ -72,6 +80,10 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def torch_kv_cache_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     @property
     def torch_device(self) -> torch.device:

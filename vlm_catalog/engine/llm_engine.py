@@ -107,7 +107,7 @@ class LLMEngine:
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = allocate_kv_caches(
             text.num_layers, self.num_blocks, config.block_size, text.num_kv_heads, text.head_dim,
-            config.torch_dtype, config.torch_device,
+            config.torch_kv_cache_dtype, config.torch_device,
         )
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -136,7 +136,9 @@ class LLMEngine:
         """Blocks in the KV pool: `kv_cache_memory_bytes` if set; on CUDA otherwise what the
         profiling pass leaves (engine/memory_profile.py); on CPU a fixed default."""
         config, text = self.config, self.model_config.text
-        per_block = kv_bytes_per_block(text.num_layers, config.block_size, text.num_kv_heads, text.head_dim, config.torch_dtype)
+        per_block = kv_bytes_per_block(
+            text.num_layers, config.block_size, text.num_kv_heads, text.head_dim, config.torch_kv_cache_dtype
+        )
         budget = config.kv_cache_memory_bytes
         if budget is None:
             memory = self._device_memory()
@@ -151,8 +153,9 @@ class LLMEngine:
         if num_blocks < 1:
             raise EngineConfigError(f"the KV-cache budget ({budget} bytes) is smaller than one block ({per_block} bytes)")
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB)",
+            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s)",
             num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * per_block / 2**30,
+            str(config.torch_kv_cache_dtype).removeprefix("torch."),
         )
         return int(num_blocks)
 
@@ -169,7 +172,10 @@ class LLMEngine:
             max_images=config.max_images_per_prompt * config.max_num_seqs,
         )
         reserve = 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
-        return profile_memory(self.model, step, memory, config.gpu_memory_utilization, config.block_size, reserve)
+        return profile_memory(
+            self.model, step, memory, config.gpu_memory_utilization, config.block_size, reserve,
+            kv_cache_dtype=config.torch_kv_cache_dtype,
+        )
 
     def _decode_graphs(self) -> DecodeGraphRunner | None:
         """Capture decode CUDA graphs (CUDA only, unless enforce_eager)."""
@@ -474,6 +480,7 @@ class LLMEngine:
             "prefix_cache_queried_blocks": manager.stats["queried_blocks"],
             "kv_blocks_total": self.num_blocks,
             "kv_capacity_tokens": self.num_blocks * self.config.block_size,
+            "kv_cache_dtype": str(self.config.torch_kv_cache_dtype).removeprefix("torch."),
             "kv_blocks_free": manager.num_free_blocks,
             "encoder_cache_hits": self.encoder_cache.hits,
             "encoder_cache_misses": self.encoder_cache.misses,

@@ -133,7 +133,9 @@ def worst_case_step(
 class _ProfileInputs:
     """Inputs and a temporary KV cache for one worst-case step (allocated before the peak is reset)."""
 
-    def __init__(self, model: Qwen3VLMoeModel, step: WorstCaseStep, block_size: int, seed: int) -> None:
+    def __init__(
+        self, model: Qwen3VLMoeModel, step: WorstCaseStep, block_size: int, seed: int, kv_cache_dtype: torch.dtype
+    ) -> None:
         config = model.config
         device, dtype = model.device, model.dtype
         generator = torch.Generator().manual_seed(seed)
@@ -148,7 +150,7 @@ class _ProfileInputs:
         num_blocks = -(-step.num_tokens // block_size)
         text = config.text
         self.kv_caches = allocate_kv_caches(
-            text.num_layers, num_blocks, block_size, text.num_kv_heads, text.head_dim, dtype, device
+            text.num_layers, num_blocks, block_size, text.num_kv_heads, text.head_dim, kv_cache_dtype, device
         )
         self.metadata = PagedAttentionMetadata(
             decode=None,
@@ -217,11 +219,13 @@ def profile_memory(
     gpu_memory_utilization: float,
     block_size: int,
     reserve_bytes: int = CUDA_GRAPH_RESERVE_BYTES,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> MemoryBudget:
-    """Run the worst-case step on `model` and measure what the KV pool may take."""
+    """Run the worst-case step on `model` and measure what the KV pool may take
+    (`kv_cache_dtype`: what the pool will hold; default the model's dtype)."""
     memory.release_cached()
     weights = memory.allocated()
-    inputs = _ProfileInputs(model, step, block_size, seed=0)
+    inputs = _ProfileInputs(model, step, block_size, seed=0, kv_cache_dtype=kv_cache_dtype or model.dtype)
     memory.release_cached()
     baseline = memory.allocated()  # weights + the step's inputs and temporary cache
     memory.reset_peak()

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
 OUTPUT_KINDS = ("cumulative", "final_only")
 
 

@@ -1,0 +1,79 @@
+"""The engine with an FP8 (e4m3) KV cache against the same engine with its float32 cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import kv_cache
+from schemas import ProductMetadata
+from tests.engine.conftest import mixed_conversations
+from vlm_catalog import LLM, SamplingParams
+from vlm_catalog.engine.config import EngineConfig, EngineConfigError
+from vlm_catalog.structured import catalogue_schema
+
+# small blocks and steps: prefix reuse, chunked prefill and decode all read the FP8 cache
+SMALL_STEPS = {"block_size": 4, "max_num_batched_tokens": 64}
+
+
+def _first_token_logprobs(llm, conversations):
+    outputs = llm.chat(conversations, SamplingParams(max_tokens=1, logprobs=5, ignore_eos=True))
+    return [output.logprobs[0] for output in outputs]
+
+
+def test_fp8_engine_equals_a_float32_engine_that_caches_rounded_kv(engine_checkpoint, monkeypatch):
+    """Reference: the float32 engine with every cached K/V rounded to e4m3 and widened back.
+    The FP8 engine must give the same top-5 logprobs (tolerance 1e-5; measured equal): the
+    only difference FP8 storage may make is that rounding, on every path that reads the cache."""
+    conversations = mixed_conversations(8)
+    fp8 = LLM(engine_checkpoint, kv_cache_dtype="fp8", **SMALL_STEPS)
+    assert fp8.engine.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert fp8.engine.kv_caches[0][0].element_size() == 1
+    got = _first_token_logprobs(fp8, conversations)
+    fp8.engine.close()
+    store = kv_cache.to_cache_dtype
+    monkeypatch.setattr(kv_cache, "to_cache_dtype", lambda values, dtype: store(values, torch.float8_e4m3fn).to(dtype))
+    emulated = LLM(engine_checkpoint, **SMALL_STEPS)
+    assert emulated.engine.kv_caches[0][0].dtype == torch.float32
+    expected = _first_token_logprobs(emulated, conversations)
+    emulated.engine.close()
+    for index, (want, have) in enumerate(zip(expected, got)):
+        assert want.keys() == have.keys(), f"conversation {index}: other top-5 tokens"
+        for token in want:
+            assert abs(want[token] - have[token]) < 1e-5, f"conversation {index}, token {token}"
+
+
+def test_constrained_answers_stay_valid_with_an_fp8_cache(engine_checkpoint):
+    llm = LLM(engine_checkpoint, kv_cache_dtype="fp8", **SMALL_STEPS)
+    candidates = ["Toys", "Tools > Drills", "Books"]
+    schema = catalogue_schema(candidates).json_schema
+    schema["properties"]["brand"]["maxLength"] = 8  # a random model seldom closes a free string
+    for answer in llm.chat(mixed_conversations(8), SamplingParams(max_tokens=80, json_schema=schema)):
+        assert answer.finish_reason == "stop", answer.error
+        assert ProductMetadata.model_validate_json(answer.text).category in candidates
+    llm.engine.close()
+
+
+def test_unknown_kv_cache_dtype_is_a_config_error():
+    with pytest.raises(EngineConfigError, match="kv_cache_dtype must be auto or fp8, fp8_e4m3; got 'int8'"):
+        EngineConfig(kv_cache_dtype="int8")
+    assert EngineConfig(kv_cache_dtype="fp8_e4m3").torch_kv_cache_dtype == torch.float8_e4m3fn
+    assert EngineConfig(device="cuda", kv_cache_dtype="auto").torch_kv_cache_dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+def test_fp8_engine_on_gpu_with_decode_graphs_answers_valid_json(engine_checkpoint):
+    """The compiled kernels' FP8 paths end to end: prefill, decode CUDA graphs with the fused
+    cache write, constrained sampling."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    llm = LLM(engine_checkpoint, device="cuda", kv_cache_dtype="fp8", **SMALL_STEPS)
+    assert llm.engine.kv_caches[0][0].dtype == torch.float8_e4m3fn and llm.engine.kv_caches[0][0].is_cuda
+    assert llm.engine.runner.graph_runner is not None and llm.engine.runner.graph_runner.graphs
+    candidates = ["Toys", "Tools > Drills", "Books"]
+    schema = catalogue_schema(candidates).json_schema
+    schema["properties"]["brand"]["maxLength"] = 8
+    for answer in llm.chat(mixed_conversations(8), SamplingParams(max_tokens=80, json_schema=schema)):
+        assert answer.finish_reason == "stop", answer.error
+        assert ProductMetadata.model_validate_json(answer.text).category in candidates
+    llm.engine.close()

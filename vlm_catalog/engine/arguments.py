@@ -1,0 +1,28 @@
+"""Command-line options for the engine's device-memory settings, shared by the front doors
+(`serve`, `extract`, `demo`, `bench`) so each spells and checks them the same way."""
+
+from __future__ import annotations
+
+import argparse
+
+from vlm_catalog.engine.config import KV_CACHE_DTYPES, EngineConfig
+
+MEMORY_OPTIONS = ("kv_cache_dtype", "gpu_memory_utilization")  # the EngineConfig fields these options set
+
+
+def add_memory_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument(
+        "--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, choices=("auto", *KV_CACHE_DTYPES),
+        help="what the KV cache stores: auto (the model's dtype) or fp8 (e4m3: twice the tokens of bf16 "
+             "in the same memory, answers may differ slightly)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization, metavar="FRACTION",
+        help="CUDA: fraction of the device's memory for weights, activations and the KV cache "
+             f"(default {EngineConfig.gpu_memory_utilization})",
+    )
+
+
+def memory_options(args: argparse.Namespace) -> dict:
+    """The EngineConfig keyword arguments the options above set."""
+    return {name: getattr(args, name) for name in MEMORY_OPTIONS}
