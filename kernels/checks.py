@@ -11,10 +11,12 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.fp8 import FP8_DTYPE
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 # the paged KV cache may also hold FP8 (e4m3): half the bytes of bf16 per token
-FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_DTYPE = FP8_DTYPE
 KV_CACHE_DTYPES = FLOAT_DTYPES + (FP8_KV_DTYPE,)
 
 

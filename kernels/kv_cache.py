@@ -27,6 +27,7 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton
+from kernels.fp8 import FP8_MAX
 
 
 def check_paged_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -46,9 +47,6 @@ def check_query_matches_cache(q: torch.Tensor, k_cache: torch.Tensor) -> None:
     """Queries are in the model's dtype; the cache holds that dtype or FP8."""
     allowed = (k_cache.dtype,) if k_cache.dtype != FP8_KV_DTYPE else FLOAT_DTYPES
     check_dtype("q", q, allowed)
-
-
-FP8_MAX = torch.finfo(FP8_KV_DTYPE).max  # 448.0
 
 
 def to_cache_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -419,6 +419,28 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
     return rows
 
 
+def _fp8_experts(inputs, shapes: Shapes):
+    """`inputs` with w13/w2 quantized to FP8 (block rows cut to divide the intermediate size),
+    or None when the shapes allow no block."""
+    import torch
+
+    from kernels.fp8 import quantize
+
+    rows = 128
+    while shapes.moe_intermediate % rows and rows > 16:
+        rows //= 2
+    if shapes.moe_intermediate % rows:
+        return None
+    block = (rows, 128)
+    hidden, w13, w2, weights, ids = inputs
+    quantized = []
+    for weights_3d in (w13, w2):
+        pairs = [quantize(expert, block) for expert in weights_3d]
+        quantized.append((torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])))
+    (q13, s13), (q2, s2) = quantized
+    return (hidden, q13, q2, weights, ids), {"w13_scale": s13, "w2_scale": s2, "block_shape": block}
+
+
 def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
     import torch
 
@@ -453,6 +475,20 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 target_speedup=target,
             )
         )
+        # the same experts in FP8 with 128 x 128 block scales (Qwen's -FP8): half the weight bytes
+        fp8 = _fp8_experts(inputs, shapes)
+        if fp8 is not None:
+            fp8_ms = timer(partial(fused_moe_triton, *fp8[0], **fp8[1]))
+            rows.append(
+                Row(
+                    "fused_moe[fp8 experts]",
+                    f"T={num_tokens}",
+                    fp8_ms,
+                    "bf16 experts (Triton)",
+                    ms,
+                    f"{teraflops(flops, fp8_ms)}, weights {gigabytes_per_second(weight_bytes // element, fp8_ms)}",
+                )
+            )
         align_args = (ids, shapes.num_experts, config.block_size_m)
         ms = timer(partial(moe_align_block_size_triton, *align_args))
         rows.append(

@@ -8,6 +8,12 @@ return at once past ``num_tokens_post_padded``.
 
 Rounding points follow the torch reference: each GEMM result is rounded to the
 activation dtype, silu's result too, then the products.
+
+FP8_WEIGHTS: the expert weights are float8 e4m3 with one float32 scale per
+QUANT_N x QUANT_K block. Each weight tile is widened to the activation dtype
+after its load (exact), each K step's partial product is multiplied by the
+scales of its columns (BLOCK_K divides QUANT_K, so a step lies in one scale
+block) and then accumulated.
 """
 
 import triton
@@ -31,6 +37,7 @@ def moe_gate_up_silu_kernel(
     # pointers
     hidden_ptr,  # [T, H]
     w13_ptr,  # [E, 2I, H]: rows 0..I-1 gate, I..2I-1 up
+    w13_scale_ptr,  # [E, 2I / QUANT_N, H / QUANT_K] float32 (FP8_WEIGHTS only)
     activated_ptr,  # [T*K, I] out: silu(gate) * up per pair
     sorted_token_ids_ptr,  # [num_m_blocks * BLOCK_M] int32
     expert_ids_ptr,  # [num_m_blocks] int32
@@ -45,6 +52,8 @@ def moe_gate_up_silu_kernel(
     stride_hidden_token,
     stride_w13_expert,
     stride_w13_row,
+    stride_w13_scale_expert,
+    stride_w13_scale_row,
     stride_activated_pair,
     # meta-parameters
     BLOCK_M: tl.constexpr,
@@ -52,6 +61,9 @@ def moe_gate_up_silu_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8_WEIGHTS: tl.constexpr,
+    QUANT_N: tl.constexpr,
+    QUANT_K: tl.constexpr,
 ):
     m_block, n_block = _grouped_tile(
         tl.program_id(0), num_m_blocks, tl.cdiv(intermediate, BLOCK_N), GROUP_M
@@ -73,6 +85,9 @@ def moe_gate_up_silu_kernel(
         w13_ptr + expert * stride_w13_expert + cols[None, :] * stride_w13_row + ks[:, None]
     )  # [BLOCK_K, BLOCK_N]
     up_ptrs = gate_ptrs + intermediate * stride_w13_row
+    # FP8: the scale rows of this tile's gate and up columns; the K block advances in the loop
+    gate_scale_ptrs = w13_scale_ptr + expert * stride_w13_scale_expert + (cols // QUANT_N) * stride_w13_scale_row
+    up_scale_ptrs = gate_scale_ptrs + (intermediate // QUANT_N) * stride_w13_scale_row
     gate_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k_start in range(0, hidden_size, BLOCK_K):
@@ -81,8 +96,17 @@ def moe_gate_up_silu_kernel(
         w_mask = k_mask[:, None] & col_mask[None, :]
         gate_w = tl.load(gate_ptrs, mask=w_mask, other=0.0)
         up_w = tl.load(up_ptrs, mask=w_mask, other=0.0)
-        gate_acc = tl.dot(a, gate_w, gate_acc, input_precision=DOT_PRECISION)
-        up_acc = tl.dot(a, up_w, up_acc, input_precision=DOT_PRECISION)
+        if FP8_WEIGHTS:
+            k_block = k_start // QUANT_K
+            gate_scale = tl.load(gate_scale_ptrs + k_block, mask=col_mask, other=0.0)  # [BLOCK_N]
+            up_scale = tl.load(up_scale_ptrs + k_block, mask=col_mask, other=0.0)
+            gate_part = tl.dot(a, gate_w.to(a.dtype), input_precision=DOT_PRECISION)
+            up_part = tl.dot(a, up_w.to(a.dtype), input_precision=DOT_PRECISION)
+            gate_acc += gate_part * gate_scale[None, :]
+            up_acc += up_part * up_scale[None, :]
+        else:
+            gate_acc = tl.dot(a, gate_w, gate_acc, input_precision=DOT_PRECISION)
+            up_acc = tl.dot(a, up_w, up_acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
@@ -101,6 +125,7 @@ def moe_down_kernel(
     # pointers
     activated_ptr,  # [T*K, I]
     w2_ptr,  # [E, H, I]
+    w2_scale_ptr,  # [E, H / QUANT_N, I / QUANT_K] float32 (FP8_WEIGHTS only)
     topk_weights_ptr,  # [T*K], any float dtype
     pair_out_ptr,  # [T*K, H] out: weighted expert output per pair
     sorted_token_ids_ptr,  # [num_m_blocks * BLOCK_M] int32
@@ -115,6 +140,8 @@ def moe_down_kernel(
     stride_activated_pair,
     stride_w2_expert,
     stride_w2_row,
+    stride_w2_scale_expert,
+    stride_w2_scale_row,
     stride_topk_weights,
     stride_pair_out_pair,
     # meta-parameters
@@ -123,6 +150,9 @@ def moe_down_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8_WEIGHTS: tl.constexpr,
+    QUANT_N: tl.constexpr,
+    QUANT_K: tl.constexpr,
 ):
     m_block, n_block = _grouped_tile(
         tl.program_id(0), num_m_blocks, tl.cdiv(hidden_size, BLOCK_N), GROUP_M
@@ -144,12 +174,17 @@ def moe_down_kernel(
     w_ptrs = (
         w2_ptr + expert * stride_w2_expert + cols[None, :] * stride_w2_row + ks[:, None]
     )  # [BLOCK_K, BLOCK_N]
+    scale_ptrs = w2_scale_ptr + expert * stride_w2_scale_expert + (cols // QUANT_N) * stride_w2_scale_row
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k_start in range(0, intermediate, BLOCK_K):
         k_mask = ks < intermediate - k_start
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if FP8_WEIGHTS:
+            scale = tl.load(scale_ptrs + k_start // QUANT_K, mask=col_mask, other=0.0)  # [BLOCK_N]
+            acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PRECISION) * scale[None, :]
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 

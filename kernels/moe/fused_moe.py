@@ -18,6 +18,14 @@ dtype, rounding after every add; the reference (like the Triton path) adds them
 in float32 and rounds once. In float32 the two are the same; in bfloat16 the
 per-add rounding alone moved the result ~1e-2 of max |out| at the 30B-A3B
 shapes (K=8), which is what failed the GPU test against the Triton kernel.
+
+FP8 experts (`w13_scale`, `w2_scale`, `block_shape` given): w13 and w2 are
+float8 e4m3 with one float32 scale per `block_shape` block (kernels/fp8.py).
+The reference widens each expert it uses to float32 (Q * scale), runs its two
+GEMMs in float32 and rounds each result to the hidden dtype, as the kernel does. The Triton path loads FP8 tiles
+(half the bytes), widens them to the hidden dtype in registers and applies the
+scale to each K step's partial product, before accumulating; the K step is cut
+to fit inside one scale block.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton
+from kernels.fp8 import FP8_DTYPE, dequantize
 from kernels.moe.configs import MoeKernelConfig, as_moe_config, get_moe_config
 
 MAX_TOKENS_PER_CHUNK = 16384  # bounds the [T*K, I] and [T*K, H] intermediates
@@ -50,6 +59,10 @@ def fused_moe_reference(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: MoeKernelConfig | Mapping[str, int] | None = None,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """hidden [T, H] -> [T, H]; `config` is ignored (kept for a uniform signature).
 
@@ -74,10 +87,18 @@ def fused_moe_reference(
     pair_out = hidden.new_empty((top_k * num_tokens, hidden.shape[1]))  # [K*T, H], row j*T + t
     for expert, pairs in zip(experts.tolist(), torch.split(order, counts.tolist())):
         tokens, slots = pairs % num_tokens, pairs // num_tokens
-        gate, up = F.linear(hidden[tokens], w13[expert]).chunk(2, dim=-1)  # [n, I] each
-        activated = F.silu(gate) * up  # [n, I]
+        if block_shape is None:
+            gate, up = F.linear(hidden[tokens], w13[expert]).chunk(2, dim=-1)  # [n, I] each
+            activated = F.silu(gate) * up  # [n, I]
+            down = F.linear(activated, w2[expert])  # [n, H]
+        else:  # FP8 experts: widen the ones used to float32, round each GEMM's result once
+            gate_up_weight = dequantize(w13[expert], w13_scale[expert], block_shape, torch.float32)
+            down_weight = dequantize(w2[expert], w2_scale[expert], block_shape, torch.float32)
+            gate, up = F.linear(hidden[tokens].float(), gate_up_weight).to(hidden.dtype).chunk(2, dim=-1)
+            activated = F.silu(gate) * up  # [n, I]
+            down = F.linear(activated.float(), down_weight).to(hidden.dtype)  # [n, H]
         rows = ascending[tokens, slots] * num_tokens + tokens
-        pair_out[rows] = F.linear(activated, w2[expert]) * weights[tokens, slots, None]  # [n, H]
+        pair_out[rows] = down * weights[tokens, slots, None]  # [n, H]
     per_rank = pair_out.view(top_k, num_tokens, -1)  # [K, T, H], experts in ascending id
     out = per_rank[0].float()  # [T, H] float32 accumulator
     for j in range(1, top_k):
@@ -86,7 +107,26 @@ def fused_moe_reference(
 
 
 # --------------------------------------------------------------------------- triton
-def _check_fused_moe_args(hidden, w13, w2, topk_weights, topk_ids) -> None:
+def check_fp8_scales(w13, w2, w13_scale, w2_scale, block_shape) -> None:
+    """The scales of FP8 experts: one float32 per block of each expert's weight."""
+    if w13_scale is None or w2_scale is None:
+        raise ValueError("block_shape is given (FP8 experts) but w13_scale or w2_scale is missing")
+    block_n, block_k = block_shape
+    if block_n < 1 or block_k < 1:
+        raise ValueError(f"block_shape must be two positive sizes, got {block_shape}")
+    for name, weight, scale in (("w13_scale", w13, w13_scale), ("w2_scale", w2, w2_scale)):
+        experts, rows, cols = weight.shape
+        check_shape(name, scale, (experts, -(-rows // block_n), -(-cols // block_k)))
+        check_dtype(name, scale, (torch.float32,))
+    if (w13.shape[1] // 2) % block_n:
+        raise ValueError(
+            f"w13: the intermediate size {w13.shape[1] // 2} must be a multiple of block_n {block_n} "
+            "(gate and up rows share the stacked scale rows)"
+        )
+
+
+def _check_fused_moe_args(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None,
+                          block_shape=None) -> None:
     check_shape("hidden", hidden, (None, None))
     num_tokens, hidden_size = hidden.shape
     check_shape("w13", w13, (None, None, hidden_size))
@@ -99,8 +139,11 @@ def _check_fused_moe_args(hidden, w13, w2, topk_weights, topk_ids) -> None:
     check_shape("topk_weights", topk_weights, (num_tokens, None))
     check_shape("topk_ids", topk_ids, tuple(topk_weights.shape))
     check_dtype("hidden", hidden, FLOAT_DTYPES)
-    check_dtype("w13", w13, (hidden.dtype,))
-    check_dtype("w2", w2, (hidden.dtype,))
+    weight_dtype = hidden.dtype if block_shape is None else FP8_DTYPE
+    check_dtype("w13", w13, (weight_dtype,))
+    check_dtype("w2", w2, (weight_dtype,))
+    if block_shape is not None:
+        check_fp8_scales(w13, w2, w13_scale, w2_scale, block_shape)
     check_dtype("topk_weights", topk_weights, FLOAT_DTYPES)
     check_dtype("topk_ids", topk_ids, INDEX_DTYPES)
     for name, tensor in (("hidden", hidden), ("w13", w13), ("w2", w2)):
@@ -115,8 +158,15 @@ def fused_moe_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: MoeKernelConfig | Mapping[str, int] | None = None,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    _check_fused_moe_args(hidden, w13, w2, topk_weights, topk_ids)
+    _check_fused_moe_args(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
+    if block_shape is not None:
+        check_same_device(hidden=hidden, w13_scale=w13_scale, w2_scale=w2_scale)
+    scales = None if block_shape is None else (w13_scale, w2_scale, tuple(block_shape))
     out = torch.empty_like(hidden)
     num_tokens = hidden.shape[0]
     for start in range(0, num_tokens, MAX_TOKENS_PER_CHUNK):
@@ -129,8 +179,20 @@ def fused_moe_triton(
             topk_ids[start:end],
             config,
             out[start:end],
+            scales,
         )
     return out
+
+
+def fp8_block_k(block_size_k: int, quant_block_k: int) -> int:
+    """The GEMMs' K step with FP8 weights: a power of two dividing the scale block (one scale
+    per step), at most the configured step and at least 16 (the tl.dot minimum)."""
+    step = min(block_size_k, 1 << (quant_block_k.bit_length() - 1))  # a power of two (tl.arange)
+    while quant_block_k % step and step > 16:
+        step //= 2
+    if quant_block_k % step:
+        raise ValueError(f"FP8 experts: the scale block's K size {quant_block_k} must be a multiple of 16")
+    return step
 
 
 def _fused_moe_chunk(
@@ -141,6 +203,7 @@ def _fused_moe_chunk(
     topk_ids: torch.Tensor,
     config: MoeKernelConfig | Mapping[str, int] | None,
     out: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None,
 ) -> None:
     import triton
 
@@ -157,6 +220,14 @@ def _fused_moe_chunk(
             num_tokens, num_experts, hidden_size, intermediate, hidden.dtype, top_k
         )
     config = as_moe_config(config)
+    block_k = config.block_size_k
+    if scales is None:  # placeholders, never read when FP8_WEIGHTS is False
+        w13_scale, w2_scale, (quant_n, quant_k) = hidden, hidden, (1, 1)
+        scale_strides = (0, 0, 0, 0)
+    else:
+        w13_scale, w2_scale, (quant_n, quant_k) = scales
+        block_k = fp8_block_k(block_k, quant_k)
+        scale_strides = (w13_scale.stride(0), w13_scale.stride(1), w2_scale.stride(0), w2_scale.stride(1))
 
     sorted_token_ids, expert_ids, num_tokens_post_padded = moe_align_block_size_triton(
         topk_ids, num_experts, config.block_size_m
@@ -168,9 +239,12 @@ def _fused_moe_chunk(
     meta = dict(
         BLOCK_M=config.block_size_m,
         BLOCK_N=config.block_size_n,
-        BLOCK_K=config.block_size_k,
+        BLOCK_K=block_k,
         GROUP_M=config.group_size_m,
         DOT_PRECISION=dot_precision(hidden.dtype),
+        FP8_WEIGHTS=scales is not None,
+        QUANT_N=quant_n,
+        QUANT_K=quant_k,
         **config.launch_options(),
     )
 
@@ -178,6 +252,7 @@ def _fused_moe_chunk(
         # pointers
         hidden,
         w13,
+        w13_scale,
         activated,
         sorted_token_ids,
         expert_ids,
@@ -192,6 +267,8 @@ def _fused_moe_chunk(
         hidden.stride(0),
         w13.stride(0),
         w13.stride(1),
+        scale_strides[0],
+        scale_strides[1],
         activated.stride(0),
         **meta,
     )
@@ -199,6 +276,7 @@ def _fused_moe_chunk(
         # pointers
         activated,
         w2,
+        w2_scale,
         weights,
         pair_out,
         sorted_token_ids,
@@ -213,6 +291,8 @@ def _fused_moe_chunk(
         activated.stride(0),
         w2.stride(0),
         w2.stride(1),
+        scale_strides[2],
+        scale_strides[3],
         weights.stride(0),
         pair_out.stride(0),
         **meta,
@@ -229,10 +309,17 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: MoeKernelConfig | Mapping[str, int] | None = None,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I],
     topk_weights / topk_ids [T, K] -> [T, H]. `config`: GEMM block sizes
-    (default: `kernels.moe.configs.get_moe_config`)."""
+    (default: `kernels.moe.configs.get_moe_config`). FP8 experts: w13/w2 in
+    float8 e4m3 with `w13_scale` [E, 2I/bn, H/bk] and `w2_scale` [E, H/bn, I/bk]
+    (float32), `block_shape` = (bn, bk)."""
+    scales = dict(w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape)
     if use_triton(hidden, w13, w2, topk_weights, topk_ids):
-        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, config)
-    return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids, config)
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, config, **scales)
+    return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids, config, **scales)

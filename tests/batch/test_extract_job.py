@@ -259,19 +259,20 @@ def test_the_first_signal_stops_at_the_next_check_and_a_second_at_once():
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
-def test_an_fp8_kv_cache_run_is_its_own_job(small_catalogue, tmp_path, capsys):
-    """--kv-cache-dtype reaches the engine, and a results file of one cache dtype is not
-    resumed with another (the answers may differ); the default adds nothing to the job."""
+def test_fp8_runs_are_their_own_jobs(small_catalogue, tmp_path, capsys):
+    """--kv-cache-dtype and --quantization reach the engine, and a results file written with
+    one value is not resumed with another (the answers may differ); the defaults add nothing."""
     out = tmp_path / "p.jsonl"
-    assert extract(small_catalogue, out, "--limit", "2", "--kv-cache-dtype", "fp8") == 0
-    assert json.loads(out.with_name(out.name + JOB_SUFFIX).read_text())["kv_cache_dtype"] == "fp8"
+    assert extract(small_catalogue, out, "--limit", "2", "--kv-cache-dtype", "fp8", "--quantization", "fp8") == 0
+    job = json.loads(out.with_name(out.name + JOB_SUFFIX).read_text())
+    assert job["kv_cache_dtype"] == "fp8" and job["quantization"] == "fp8"
     lines = read_lines(out)
     assert len(lines) == 2 and all(line["response"] for line in lines)
     capsys.readouterr()
-    assert extract(small_catalogue, out, "--limit", "3") == 1
-    assert "kv_cache_dtype: 'fp8' then, None now" in capsys.readouterr().err
-    assert extract(small_catalogue, out, "--limit", "3", "--kv-cache-dtype", "fp8") == 0
+    assert extract(small_catalogue, out, "--limit", "3", "--kv-cache-dtype", "fp8") == 1
+    assert "quantization: 'fp8' then, None now" in capsys.readouterr().err
+    assert extract(small_catalogue, out, "--limit", "3", "--kv-cache-dtype", "fp8", "--quantization", "fp8") == 0
     assert len(read_lines(out)) == 3
     plain = tmp_path / "plain.jsonl"
     assert extract(small_catalogue, plain, "--limit", "1") == 0
-    assert "kv_cache_dtype" not in json.loads(plain.with_name(plain.name + JOB_SUFFIX).read_text())
+    assert not {"kv_cache_dtype", "quantization"} & json.loads(plain.with_name(plain.name + JOB_SUFFIX).read_text()).keys()

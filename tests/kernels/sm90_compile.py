@@ -37,7 +37,7 @@ INT32_POINTERS = (
     "counts",
 )
 INT64_POINTERS = ("slot_mapping", "positions")
-FLOAT32_POINTERS = ("inv_freq", "partial_", "topk_weights")
+FLOAT32_POINTERS = ("inv_freq", "partial_", "topk_weights", "_scale")
 FLOAT_SCALARS = ("eps", "scale_log2")
 
 
@@ -87,6 +87,7 @@ def kernel_specs(include_float32: bool):
     from kernels.jit.rotary import qk_norm_mrope_kernel
     from kernels.jit.varlen_attention import varlen_attention_kernel
     from kernels.moe.configs import heuristic_moe_config
+    from kernels.moe.fused_moe import fp8_block_k
 
     specs = [
         (
@@ -205,20 +206,25 @@ def kernel_specs(include_float32: bool):
     )
     for num_tokens in (1, 256, 8192):
         config = heuristic_moe_config(num_tokens, 128, 8)
-        meta = {
-            "BLOCK_M": config.block_size_m,
-            "BLOCK_N": config.block_size_n,
-            "BLOCK_K": config.block_size_k,
-            "GROUP_M": config.group_size_m,
-            "DOT_PRECISION": "tf32",
-        }
-        for label, kernel in (
-            ("moe_gate_up_silu", moe_gate_up_silu_kernel),
-            ("moe_down", moe_down_kernel),
-        ):
-            specs.append(
-                (f"{label}[T={num_tokens}]", kernel, "bf16", meta, config.launch_options())
-            )
+        for fp8 in (False, True):  # bf16 experts; FP8 experts with 128 x 128 scale blocks
+            meta = {
+                "BLOCK_M": config.block_size_m,
+                "BLOCK_N": config.block_size_n,
+                "BLOCK_K": fp8_block_k(config.block_size_k, 128) if fp8 else config.block_size_k,
+                "GROUP_M": config.group_size_m,
+                "DOT_PRECISION": "tf32",
+                "FP8_WEIGHTS": fp8,
+                "QUANT_N": 128 if fp8 else 1,
+                "QUANT_K": 128 if fp8 else 1,
+            }
+            for label, kernel, weight in (
+                ("moe_gate_up_silu", moe_gate_up_silu_kernel, "w13_ptr"),
+                ("moe_down", moe_down_kernel, "w2_ptr"),
+            ):
+                specs.append((
+                    f"{label}[T={num_tokens}{',fp8 experts' if fp8 else ''}]", kernel, "bf16", meta,
+                    config.launch_options(), {weight: "*fp8e4nv"} if fp8 else None,
+                ))
     return specs
 
 

@@ -130,7 +130,8 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     out = tmp_path / "bench_gpu.json"
     result = run_script("--tiny", "--device", "cpu", "--records", "2", "--vision-images", "2", "--hf-records", "2",
                         "--image-size", "small", "--output-tokens", "4",
-                        "--phases", "vision_encoder,engine,engine_fp8_kv,constrained,transformers", "--json", str(out),
+                        "--phases", "vision_encoder,engine,engine_fp8_kv,constrained,engine_fp8,transformers",
+                        "--json", str(out),
                         script=REPO_ROOT / "scripts" / "bench_gpu.py")
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
@@ -146,11 +147,16 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     fp8 = report["engine_fp8_kv"]  # the CPU default pool holds float32: 4x the tokens in e4m3
     assert fp8["kv_cache_tokens"] == 4 * report["engine"]["kv_cache_tokens"]
     assert fp8["fixed_150_tokens"]["generated_tokens"] == 2 * 4 and fp8["fixed_150_tokens"]["errors"] == 0
+    fp8_experts = report["engine_fp8"]  # experts in one byte per weight instead of four (float32 on CPU)
+    before, after = fp8_experts["before"], fp8_experts["after"]
+    assert after["expert_weight_bytes"] < 0.3 * before["expert_weight_bytes"]
+    assert after["weight_bytes"] == before["weight_bytes"] - before["expert_weight_bytes"] + after["expert_weight_bytes"]
+    assert fp8_experts["fixed_150_tokens"]["errors"] == 0 and fp8_experts["kv_cache_tokens"] == fp8["kv_cache_tokens"]
     hf = report["transformers"]
     assert hf["batch_1_probe"]["samples_per_s"] > 0 and hf["batch_chosen"] >= 1 and hf["best_samples_per_s"] > 0
     # vision_encoder needs the matmul peak: ceilings are measured for it
     assert set(report["phase_seconds"]) == {"ceilings", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
-                                            "transformers"}
+                                            "engine_fp8", "transformers"}
 
 
 @pytest.mark.slow

@@ -51,6 +51,7 @@ class BatchSettings:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     kv_cache_dtype: str = "auto"  # "fp8": an e4m3 KV cache (EngineConfig.kv_cache_dtype)
+    quantization: str = "auto"  # MoE expert weights (EngineConfig.quantization)
     gpu_memory_utilization: float = 0.9
     shard: Shard = WHOLE
     overwrite: bool = False
@@ -73,9 +74,9 @@ class BatchSettings:
             "prompt_style": self.prompt_style,
             "max_tokens": self.max_tokens,
             "dtype": self.dtype,
-            # an FP8 cache changes answers too; "auto" stays unnamed so results files of
-            # earlier versions (which had no such key) can still be resumed
-            **({"kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype != "auto" else {}),
+            # an FP8 cache or FP8 experts change answers too; "auto" stays unnamed so results
+            # files of earlier versions (which had no such keys) can still be resumed
+            **{name: getattr(self, name) for name in ("kv_cache_dtype", "quantization") if getattr(self, name) != "auto"},
         }
 
 
@@ -176,6 +177,7 @@ def engine_config(settings: BatchSettings):
             model=settings.model, device=settings.device, dtype=settings.dtype,
             enable_prefix_caching=settings.enable_prefix_caching, scheduling_policy=settings.scheduling_policy,
             kv_cache_dtype=settings.kv_cache_dtype, gpu_memory_utilization=settings.gpu_memory_utilization,
+            quantization=settings.quantization,
             # each record has its own candidate list, so its grammar is seldom seen again:
             # a small cache keeps memory flat over millions of records
             grammar_cache_size=BATCH_GRAMMAR_CACHE_SIZE,

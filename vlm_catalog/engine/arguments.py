@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-from vlm_catalog.engine.config import KV_CACHE_DTYPES, EngineConfig
+from vlm_catalog.engine.config import KV_CACHE_DTYPES, QUANTIZATION_MODES, EngineConfig
 
-MEMORY_OPTIONS = ("kv_cache_dtype", "gpu_memory_utilization")  # the EngineConfig fields these options set
+# the EngineConfig fields these options set
+MEMORY_OPTIONS = ("kv_cache_dtype", "gpu_memory_utilization", "quantization")
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -15,6 +16,11 @@ def add_memory_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         "--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, choices=("auto", *KV_CACHE_DTYPES),
         help="what the KV cache stores: auto (the model's dtype) or fp8 (e4m3: twice the tokens of bf16 "
              "in the same memory, answers may differ slightly)",
+    )
+    parser.add_argument(
+        "--quantization", default=EngineConfig.quantization, choices=QUANTIZATION_MODES,
+        help="MoE expert weights: auto (an FP8 checkpoint's experts stay FP8 on CUDA), fp8 (FP8 experts "
+             "anywhere; an unquantized checkpoint is quantized at load: half the expert memory), none",
     )
     parser.add_argument(
         "--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization, metavar="FRACTION",

@@ -13,6 +13,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # what the paged KV cache stores: "auto" is the model's dtype; "fp8" (e4m3, as vLLM's
 # "fp8"/"fp8_e4m3") halves the bytes per token against bf16, so twice the tokens fit
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# how the MoE experts' weights are held (vlm_catalog/model/loader.py): "auto" keeps an FP8
+# checkpoint's experts in FP8 on CUDA; "fp8" holds them in FP8 anywhere, quantizing an
+# unquantized checkpoint at load; "none" widens everything to `dtype`
+QUANTIZATION_MODES = ("auto", "fp8", "none")
 
 
 class EngineConfigError(ValueError):
@@ -30,6 +34,7 @@ class EngineConfig:
     # of a profiled worst-case step and non-torch memory (engine/memory_profile.py)
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (e4m3, no scales; kernels/kv_cache.py)
+    quantization: str = "auto"  # MoE expert weights: "auto", "fp8" or "none" (QUANTIZATION_MODES above)
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     # tokens per step (prefill chunks + decodes); on the offline benchmark (2 CPU cores)
@@ -63,6 +68,10 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise EngineConfigError(
                 f"kv_cache_dtype must be auto or {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
+            )
+        if self.quantization not in QUANTIZATION_MODES:
+            raise EngineConfigError(
+                f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {self.quantization!r}"
             )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                      "encoder_cache_tokens", "max_images_per_prompt", "grammar_cache_size"):

@@ -95,7 +95,8 @@ class LLMEngine:
             keep_freed_memory()
         self.model_config = ModelConfig.from_pretrained(config.model)
         if prebuilt_model is None:
-            prebuilt_model = load_model(config.model, dtype=config.torch_dtype, device=config.torch_device)
+            prebuilt_model = load_model(config.model, dtype=config.torch_dtype, device=config.torch_device,
+                                        quantization=config.quantization)
         elif prebuilt_model.config != self.model_config:
             raise EngineConfigError("the prebuilt model does not match the config.json of config.model")
         self.model = prebuilt_model

@@ -8,10 +8,13 @@ dataclasses, so nothing downstream depends on transformers' config objects.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from vlm_catalog.model.fp8 import Fp8BlockQuantization
 
 SUPPORTED_MODEL_TYPES = ("qwen3_vl_moe",)
 
@@ -86,6 +89,7 @@ class ModelConfig:
     vision_start_token_id: int
     vision_end_token_id: int
     tie_word_embeddings: bool
+    quantization: Fp8BlockQuantization | None = None  # an FP8 block-quantized checkpoint
 
     @classmethod
     def from_pretrained(cls, checkpoint_dir: str | Path) -> ModelConfig:
@@ -108,8 +112,10 @@ class ModelConfig:
             )
         from transformers import Qwen3VLMoeConfig
 
-        hf = Qwen3VLMoeConfig(**{k: v for k, v in raw.items() if k != "model_type"})
-        return cls.from_hf(hf)
+        quantization = parse_quantization(raw.get("quantization_config"))
+        hf = Qwen3VLMoeConfig(**{k: v for k, v in raw.items() if k not in ("model_type", "quantization_config")})
+        config = cls.from_hf(hf)
+        return dataclasses.replace(config, quantization=quantization) if quantization else config
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -190,3 +196,29 @@ class ModelConfig:
             # transformers ties lm_head to the embeddings by the top-level flag only
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         )
+
+
+def parse_quantization(raw: Any) -> Fp8BlockQuantization | None:
+    """config.json's `quantization_config`: none, or block-wise FP8 (vlm_catalog/model/fp8.py)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"quantization_config must be an object, got {type(raw).__name__}")
+    method = raw.get("quant_method")
+    if method != "fp8":
+        raise ModelConfigError(
+            f"quantization_config: quant_method {method!r} is not supported (only block-wise 'fp8', "
+            "the format of Qwen's -FP8 checkpoints; or use the unquantized checkpoint)"
+        )
+    if raw.get("fmt", "e4m3") != "e4m3":
+        raise ModelConfigError(f"quantization_config: fmt {raw.get('fmt')!r} is not supported (only 'e4m3')")
+    block = raw.get("weight_block_size")
+    if (
+        not isinstance(block, list | tuple) or len(block) != 2
+        or not all(isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in block)
+    ):
+        raise ModelConfigError(
+            f"quantization_config: weight_block_size must be two positive integers (e.g. [128, 128]), got {block!r}; "
+            "per-tensor FP8 is not supported"
+        )
+    return Fp8BlockQuantization(block_n=block[0], block_k=block[1])

@@ -16,6 +16,19 @@ layouts, all mapped onto ours (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`)
 When a fused tensor's shape cannot tell the two fused layouts apart (H == 2I or
 H == I), the `transformers_version` in config.json decides.
 
+FP8 checkpoints (Qwen's "-FP8": float8 e4m3 weights, each with a float32
+`<name>_scale_inv` of block scales; vlm_catalog/model/fp8.py): `quantization`
+says what the model holds.
+- "auto": MoE experts stay FP8 on CUDA (half the bytes; the fused MoE widens
+  them tile by tile), everything else is widened to `dtype` as it is read.
+  On CPU all is widened. Unquantized checkpoints load as they are.
+- "fp8": MoE experts in FP8 on any device; an unquantized checkpoint's experts
+  are quantized as they are read (128 x 128 blocks, as Qwen's; fewer rows when
+  the expert intermediate size is not a multiple of 128).
+- "none": every weight in `dtype`.
+A float8 tensor without its scale, or a quantization method other than
+block-wise FP8, is a clear error, never a silently wrong model.
+
 Memory: the model is built on the meta device and allocated once in the target
 dtype and device; tensors are then streamed from memory-mapped safetensors in
 row chunks, reopening the file every `group_bytes` so mapped pages are released.
@@ -40,6 +53,7 @@ from safetensors import safe_open
 from torch import nn
 
 from vlm_catalog.model.config import ModelConfig, TextConfig
+from vlm_catalog.model.fp8 import FP8_DTYPE, Fp8BlockQuantization, dequantize, quantize
 from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel
 
 logger = logging.getLogger(__name__)
@@ -47,6 +61,9 @@ logger = logging.getLogger(__name__)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_GROUP_BYTES = 256 * 2**20
+QUANTIZATION_MODES = ("auto", "fp8", "none")
+SCALE_SUFFIX = "_scale_inv"  # `<weight name>_scale_inv`: the block scales of an FP8 weight
+FP8_SAFETENSORS_DTYPE = "F8_E4M3"
 
 
 class CheckpointError(ValueError):
@@ -58,8 +75,10 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     group_bytes: int = DEFAULT_GROUP_BYTES,
+    quantization: str = "auto",
 ) -> Qwen3VLMoeModel:
-    """Build the model for `checkpoint_dir` and stream its weights in."""
+    """Build the model for `checkpoint_dir` and stream its weights in (`quantization`: the
+    module doc's "auto", "fp8" or "none")."""
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {checkpoint_dir}")
@@ -68,18 +87,27 @@ def load_model(
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CheckpointError("device cuda was requested but no CUDA GPU is available")
+    if quantization not in QUANTIZATION_MODES:
+        raise CheckpointError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}; got {quantization!r}")
     config = ModelConfig.from_pretrained(checkpoint_dir)
     shards = checkpoint_shards(checkpoint_dir)
+    fp8_experts = _fp8_experts(config, quantization, device)
 
     with torch.device("meta"):
         model = Qwen3VLMoeModel(config)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    if fp8_experts is not None:
+        for experts in model.language_model.moe_experts():
+            experts.use_fp8(fp8_experts)
+    model = model.to_empty(device=device)
     model.visual.reset_rotary_buffers()
     model.language_model.reset_rotary_buffers()
     if config.tie_word_embeddings:
         model.lm_head.weight = model.language_model.embed_tokens.weight
 
-    plan = WeightPlan(model, config, _legacy_expert_layout(checkpoint_dir), chunk_bytes=max(1, group_bytes // 4))
+    locations = {name: shard for shard, names in shards.items() for name in names}
+    plan = WeightPlan(model, config, _legacy_expert_layout(checkpoint_dir), chunk_bytes=max(1, group_bytes // 4),
+                      locations=locations)
     for shard, names in shards.items():
         for group in _groups_by_size(shard, names, group_bytes):
             with safe_open(str(shard), framework="pt", device="cpu") as handle:
@@ -87,6 +115,34 @@ def load_model(
                     plan.copy(name, handle, shard)
     plan.check_complete()
     return model.requires_grad_(False).eval()
+
+
+def _fp8_experts(config: ModelConfig, quantization: str, device: torch.device) -> Fp8BlockQuantization | None:
+    """The block quantization the MoE experts are held in, or None (the model's dtype)."""
+    text = config.text
+    if quantization == "none" or text.num_experts == 0:
+        return None
+    if quantization == "auto" and (config.quantization is None or device.type != "cuda"):
+        return None
+    block = config.quantization or _online_block(text.moe_intermediate_size)
+    if text.moe_intermediate_size % block.block_n:
+        if quantization == "fp8":
+            raise CheckpointError(
+                f"quantization='fp8' needs moe_intermediate_size ({text.moe_intermediate_size}) to be a "
+                f"multiple of the block size {block.block_n}"
+            )
+        logger.info("FP8 experts need moe_intermediate_size %% %d == 0: widening them", block.block_n)
+        return None
+    return block
+
+
+def _online_block(intermediate: int) -> Fp8BlockQuantization:
+    """Blocks for quantizing an unquantized checkpoint's experts: 128 x 128 as Qwen's, with rows
+    cut to the largest power of two (>= 16) dividing the expert intermediate size."""
+    rows = 128
+    while intermediate % rows and rows > 16:
+        rows //= 2
+    return Fp8BlockQuantization(block_n=rows, block_k=128)
 
 
 def checkpoint_shards(checkpoint_dir: Path) -> dict[Path, list[str]]:
@@ -120,9 +176,15 @@ class _Target:
     view: Callable[[torch.Tensor], torch.Tensor]
     expected_shape: tuple[int, ...]
     transposed_experts: bool = False
+    # FP8 experts: the name of the parameter holding this target's block scales, and their slice
+    scale_name: str | None = None
+    scale_view: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 _PER_EXPERT = re.compile(r"^(language_model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_PER_EXPERT_SCALE = re.compile(
+    r"^(language_model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight" + SCALE_SUFFIX + "$"
+)
 _ATTENTION_PART = re.compile(r"^(language_model\.layers\.\d+\.self_attn)\.(q|k|v)_proj\.(weight|bias)$")
 _DENSE_MLP_PART = re.compile(r"^(language_model\.layers\.\d+\.mlp)\.(gate|up)_proj\.weight$")
 _FUSED_EXPERTS = re.compile(r"^language_model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
@@ -132,9 +194,15 @@ class WeightPlan:
     """Maps checkpoint tensor names onto (slices of) model parameters and copies them."""
 
     def __init__(
-        self, model: nn.Module, config: ModelConfig, legacy_expert_layout: bool, chunk_bytes: int
+        self, model: nn.Module, config: ModelConfig, legacy_expert_layout: bool, chunk_bytes: int,
+        locations: dict[str, Path] | None = None,
     ) -> None:
         self.chunk_bytes = chunk_bytes
+        self.locations = locations or {}  # tensor name -> shard, to find an FP8 weight's scales
+        self.quantization = config.quantization  # how the checkpoint's FP8 weights are blocked
+        self.expert_block = next(  # how FP8 experts are blocked in the model (None: not FP8)
+            (experts.fp8_block for experts in model.language_model.moe_experts() if experts.fp8_block), None
+        )
         self.parameters = dict(model.named_parameters(remove_duplicate=False))
         self.text: TextConfig = config.text
         self.tied = config.tie_word_embeddings
@@ -145,20 +213,61 @@ class WeightPlan:
         self.skipped: list[str] = []
 
     def copy(self, source_name: str, handle, shard: Path) -> None:
-        target = self.target(source_name, tuple(handle.get_slice(source_name).get_shape()))
+        source = handle.get_slice(source_name)
+        target = self.target(source_name, tuple(source.get_shape()))
         if target is None:
             self.skipped.append(source_name)
             return
-        source = handle.get_slice(source_name)
         destination = target.view(target.parameter)
+        fp8_source = source.get_dtype() == FP8_SAFETENSORS_DTYPE
         with torch.no_grad():
-            if target.transposed_experts:
+            if fp8_source and destination.dtype != FP8_DTYPE:
+                self._copy_widened(source_name, source, destination, target)
+            elif destination.dtype == FP8_DTYPE and not fp8_source:
+                self._copy_quantized(source, destination, target)
+            elif target.transposed_experts:
                 for expert in range(destination.shape[0]):
                     destination[expert].copy_(source[expert].transpose(0, 1))
             else:
                 for start, end in _row_chunks(destination, self.chunk_bytes):
                     destination[start:end].copy_(source[start:end])
         self.filled[target.name] += destination.numel()
+
+    def _copy_widened(self, source_name: str, source, destination: torch.Tensor, target: _Target) -> None:
+        """An FP8 weight into a parameter of the model's dtype: Q * scale, row chunk by row chunk."""
+        if self.quantization is None:
+            raise CheckpointError(f"{source_name} is float8 but config.json has no FP8 quantization_config")
+        if target.transposed_experts:
+            raise CheckpointError(f"{source_name}: FP8 experts in the transposed fused layout are not supported")
+        scale = self._read_scale(source_name)
+        block = self.quantization.block
+        if destination.dim() == 3:  # fused experts [E, rows, cols] with scales [E, row blocks, col blocks]
+            for expert in range(destination.shape[0]):
+                destination[expert].copy_(dequantize(source[expert], scale[expert], block, destination.dtype))
+            return
+        for start, end in _row_chunks(destination, self.chunk_bytes):
+            destination[start:end].copy_(dequantize(source[start:end], scale, block, destination.dtype, first_row=start))
+
+    def _copy_quantized(self, source, destination: torch.Tensor, target: _Target) -> None:
+        """An unquantized expert weight into an FP8 expert parameter: quantized here, scales too."""
+        scales = target.scale_view(self.parameters[target.scale_name])
+        weights = source[:]
+        if destination.dim() == 2:
+            weights, destination, scales = weights[None], destination[None], scales[None]
+        for expert in range(destination.shape[0]):
+            weight = weights[expert].transpose(0, 1) if target.transposed_experts else weights[expert]
+            quantized, scale = quantize(weight, self.expert_block)
+            destination[expert].copy_(quantized)
+            scales[expert].copy_(scale)
+        self.filled[target.scale_name] += scales.numel()
+
+    def _read_scale(self, source_name: str) -> torch.Tensor:
+        scale_name = source_name + SCALE_SUFFIX
+        shard = self.locations.get(scale_name)
+        if shard is None:
+            raise CheckpointError(f"{source_name} is float8 but the checkpoint has no {scale_name}")
+        with safe_open(str(shard), framework="pt", device="cpu") as handle:
+            return handle.get_tensor(scale_name).float()
 
     def target(self, source_name: str, shape: tuple[int, ...]) -> _Target | None:
         name = source_name.removeprefix("model.")
@@ -177,6 +286,8 @@ class WeightPlan:
             prefix, part = match.groups()
             size = text.intermediate_size
             return self._slice(source_name, f"{prefix}.gate_up_proj.weight", shape, 0 if part == "gate" else size, size)
+        if match := _PER_EXPERT_SCALE.match(name):
+            return self._expert_scale_slice(source_name, *match.groups(), shape)
         if match := _PER_EXPERT.match(name):
             prefix, expert, part = match.groups()
             expert = int(expert)
@@ -223,7 +334,29 @@ class WeightPlan:
         length = parameter.shape[1] if length is None else length
         expected = (length, parameter.shape[2])
         self._check_shape(source_name, shape, expected)
-        return _Target(parameter, name, lambda p: p[expert, start : start + length], expected)
+        target = _Target(parameter, name, lambda p: p[expert, start : start + length], expected)
+        if parameter.dtype == FP8_DTYPE:  # its scale rows, for quantizing an unquantized source
+            first, count = start // self.expert_block[0], -(-length // self.expert_block[0])
+            target.scale_name = f"{name}_scale"
+            target.scale_view = lambda p: p[expert, first : first + count]
+        return target
+
+    def _expert_scale_slice(self, source_name: str, prefix: str, expert: str, part: str, shape) -> _Target | None:
+        """The block scales of one expert's FP8 weight: into the scale parameter when the model
+        keeps FP8 experts; otherwise read when the weight itself is widened (None here)."""
+        name = f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}_scale"
+        if name not in self.parameters:
+            return None
+        parameter, expert = self.parameters[name], int(expert)
+        if not 0 <= expert < parameter.shape[0]:
+            raise CheckpointError(f"{source_name}: expert {expert} is out of range ({parameter.shape[0]} experts)")
+        if self.quantization is None or self.quantization.block != self.expert_block:
+            raise CheckpointError(f"{source_name}: block scales that config.json's quantization_config does not describe")
+        rows = parameter.shape[1] if part == "down" else parameter.shape[1] // 2
+        first = rows if part == "up" else 0
+        expected = (rows, parameter.shape[2])
+        self._check_shape(source_name, shape, expected)
+        return _Target(parameter, name, lambda p: p[expert, first : first + rows], expected)
 
     def _fused_experts(self, source_name: str, name: str, shape: tuple[int, ...]) -> _Target:
         parameter = self._parameter(source_name, name)
@@ -239,7 +372,10 @@ class WeightPlan:
                 f"transposed layout {list(transposed)}"
             )
         self._check_not_filled(source_name, name)
-        return _Target(parameter, name, lambda p: p, ours, transposed_experts=is_transposed)
+        target = _Target(parameter, name, lambda p: p, ours, transposed_experts=is_transposed)
+        if parameter.dtype == FP8_DTYPE:
+            target.scale_name, target.scale_view = f"{name}_scale", lambda p: p
+        return target
 
     def _parameter(self, source_name: str, name: str) -> torch.Tensor:
         if name not in self.parameters:
@@ -296,7 +432,8 @@ def _groups_by_size(shard: Path, names: list[str], group_bytes: int) -> Iterator
         yield group
 
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1,
+                FP8_SAFETENSORS_DTYPE: 1}
 
 
 def _legacy_expert_layout(checkpoint_dir: Path) -> bool:

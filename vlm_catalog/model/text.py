@@ -24,6 +24,7 @@ from torch import nn
 import kernels
 from vlm_catalog.model.attention import AttentionBackend
 from vlm_catalog.model.config import TextConfig
+from vlm_catalog.model.fp8 import FP8_DTYPE, Fp8BlockQuantization, quantize
 
 
 @dataclass
@@ -103,12 +104,54 @@ class DenseMLP(nn.Module):
 
 
 class MoEExperts(nn.Module):
-    """Expert weights in the fused 3-D layout: gate+up `[E, 2I, H]`, down `[E, H, I]`."""
+    """Expert weights in the fused 3-D layout: gate+up `[E, 2I, H]`, down `[E, H, I]`.
+
+    After `use_fp8` they are float8 e4m3 with float32 block scales
+    (`gate_up_proj_scale [E, 2I/bn, H/bk]`, `down_proj_scale [E, H/bn, I/bk]`;
+    vlm_catalog/model/fp8.py): half the bytes of bfloat16."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.fp8_block: tuple[int, int] | None = None
+        self.gate_up_proj_scale: nn.Parameter | None = None
+        self.down_proj_scale: nn.Parameter | None = None
+
+    def use_fp8(self, quantization: Fp8BlockQuantization) -> None:
+        """Hold the weights in FP8 (new, uninitialised tensors on the same device; the loader fills
+        them). The stacked gate/up scales need the intermediate size to be a multiple of block_n."""
+        num_experts, two_intermediate, hidden = self.gate_up_proj.shape
+        if (two_intermediate // 2) % quantization.block_n:
+            raise ValueError(
+                f"FP8 experts need the expert intermediate size ({two_intermediate // 2}) to be a multiple "
+                f"of the quantization block ({quantization.block_n})"
+            )
+        device = self.gate_up_proj.device
+
+        def frozen(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.gate_up_proj = frozen(num_experts, two_intermediate, hidden, dtype=FP8_DTYPE)
+        self.down_proj = frozen(num_experts, hidden, two_intermediate // 2, dtype=FP8_DTYPE)
+        self.gate_up_proj_scale = frozen(num_experts, *quantization.scale_shape(two_intermediate, hidden),
+                                         dtype=torch.float32)
+        self.down_proj_scale = frozen(num_experts, *quantization.scale_shape(hidden, two_intermediate // 2),
+                                      dtype=torch.float32)
+        self.fp8_block = quantization.block
+
+    @torch.no_grad()
+    def quantize_(self, quantization: Fp8BlockQuantization) -> None:
+        """Quantize the present weights to FP8 in place, one expert at a time (benchmarks with
+        random weights; the loader quantizes checkpoints as it reads them)."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        self.use_fp8(quantization)
+        for expert in range(gate_up.shape[0]):
+            for source, weight, scale in ((gate_up, self.gate_up_proj, self.gate_up_proj_scale),
+                                          (down, self.down_proj, self.down_proj_scale)):
+                quantized, block_scale = quantize(source[expert], quantization.block)
+                weight[expert].copy_(quantized)
+                scale[expert].copy_(block_scale)
 
 
 class SparseMoE(nn.Module):
@@ -124,12 +167,16 @@ class SparseMoE(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(hidden)  # [T, E]
         weights, expert_ids = kernels.route_topk(router_logits, self.top_k, self.renormalize)
+        experts = self.experts
         return kernels.fused_moe(
             hidden,
-            self.experts.gate_up_proj,
-            self.experts.down_proj,
+            experts.gate_up_proj,
+            experts.down_proj,
             weights.to(router_logits.dtype),
             expert_ids,
+            w13_scale=experts.gate_up_proj_scale,
+            w2_scale=experts.down_proj_scale,
+            block_shape=experts.fp8_block,
         )
 
 
@@ -157,6 +204,9 @@ class TextDecoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.register_buffer("inv_freq", torch.empty(config.head_dim // 2), persistent=False)
         self.reset_rotary_buffers()
+
+    def moe_experts(self) -> list[MoEExperts]:
+        return [layer.mlp.experts for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
 
     def reset_rotary_buffers(self) -> None:
         """(Re)compute the float32 rotary frequencies, e.g. after allocating on a device."""

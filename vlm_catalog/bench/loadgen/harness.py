@@ -60,6 +60,7 @@ class BenchConfig:
     scheduling_policy: str = "fcfs"
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
+    quantization: str = "auto"
 
 
 @dataclass
@@ -190,5 +191,6 @@ def _make_sut(config: BenchConfig, qsl: CatalogueQSL, sampling, sink: ResponseSi
         model=config.model, device=config.device, dtype=config.dtype,
         enable_prefix_caching=config.enable_prefix_caching, scheduling_policy=config.scheduling_policy,
         kv_cache_dtype=config.kv_cache_dtype, gpu_memory_utilization=config.gpu_memory_utilization,
+        quantization=config.quantization,
     ))
     return EngineSUT(engine, qsl, sampling, config.max_tokens, sink), engine

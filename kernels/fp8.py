@@ -1,0 +1,46 @@
+"""FP8 (e4m3) block quantization of weights: W [N, K] = Q * scale, one float32 scale per
+block of `block_n x block_k` elements (the layout of Qwen's -FP8 checkpoints; the
+checkpoint side is in vlm_catalog/model/fp8.py). The fused MoE widens such weights
+tile by tile; these are the torch definitions its reference and tests use."""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+
+
+def expanded_scale(scale: torch.Tensor, block: tuple[int, int], rows: range, cols: int) -> torch.Tensor:
+    """The per-element scale of weight rows `rows` (all `cols` columns): [len(rows), cols] float32."""
+    block_n, block_k = block
+    row_blocks = torch.arange(rows.start, rows.stop, device=scale.device) // block_n  # [R]
+    per_row = scale.float().index_select(0, row_blocks)  # [R, ceil(cols / block_k)]
+    return per_row.repeat_interleave(block_k, dim=1)[:, :cols]  # [R, cols]
+
+
+def dequantize(
+    quantized: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    dtype: torch.dtype,
+    first_row: int = 0,
+) -> torch.Tensor:
+    """W = Q * scale for Q [R, K] (rows `first_row`.. of the weight the scale belongs to),
+    computed in float32 and rounded once to `dtype`."""
+    rows = range(first_row, first_row + quantized.shape[0])
+    return (quantized.float() * expanded_scale(scale, block, rows, quantized.shape[1])).to(dtype)
+
+
+def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (Q [N, K] e4m3, scale [ceil(N/bn), ceil(K/bk)] float32), scale = max|W| / 448
+    per block, so the block's largest element maps to +-448 (an all-zero block gets scale 1)."""
+    block_n, block_k = block
+    rows, cols = weight.shape
+    padded = weight.float().new_zeros(-(-rows // block_n) * block_n, -(-cols // block_k) * block_k)
+    padded[:rows, :cols] = weight.float()
+    tiles = padded.view(padded.shape[0] // block_n, block_n, padded.shape[1] // block_k, block_k)  # [Nb, bn, Kb, bk]
+    amax = tiles.abs().amax(dim=(1, 3))  # [Nb, Kb]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    quantized = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized.view(padded.shape)[:rows, :cols].contiguous(), scale

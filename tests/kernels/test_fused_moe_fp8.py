@@ -1,0 +1,124 @@
+"""fused_moe with FP8 (e4m3) expert weights and block scales (kernels/fp8.py).
+
+References: the FP8 reference equals the plain reference on the widened weights
+bit for bit (that is its definition); the Triton path is checked against it at
+TOLERANCE[activation dtype]; the FP8 weights' own error against the unquantized
+experts is measured, with its bound written down.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize, quantize
+from kernels.moe.configs import MoeKernelConfig
+from kernels.moe.fused_moe import fp8_block_k, fused_moe_reference, fused_moe_triton
+from tests.kernels.helpers import TOLERANCE, assert_close
+from tests.kernels.test_fused_moe import moe_inputs
+
+
+def quantize_experts(weights: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> FP8 [E, N, K] and scales [E, N/bn, K/bk], expert by expert."""
+    pairs = [quantize(expert, block) for expert in weights]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+def widen(quantized: torch.Tensor, scales: torch.Tensor, block, dtype) -> torch.Tensor:
+    return torch.stack([dequantize(q, s, block, dtype) for q, s in zip(quantized, scales)])
+
+
+def fp8_inputs(num_tokens, hidden, intermediate, num_experts, top_k, dtype, device, block):
+    states, w13, w2, weights, ids = moe_inputs(num_tokens, hidden, intermediate, num_experts, top_k, dtype, device)
+    q13, s13 = quantize_experts(w13, block)
+    q2, s2 = quantize_experts(w2, block)
+    return (states, q13, q2, weights, ids), dict(w13_scale=s13, w2_scale=s2, block_shape=block), (w13, w2)
+
+
+# --------------------------------------------------------------------------- the format
+def test_quantize_round_trip_and_scale_layout():
+    weight = torch.randn(40, 72) * 3
+    weight[:16, :32] = 0  # an all-zero block gets scale 1
+    quantized, scale = quantize(weight, (16, 32))
+    assert quantized.dtype == FP8_DTYPE and scale.shape == (3, 3)  # ceil(40/16), ceil(72/32)
+    assert scale[0, 0] == 1 and quantized[:16, :32].float().abs().max() == 0
+    # each block's largest element maps to +-448; the rest round to e4m3 (3 mantissa bits)
+    assert quantized.float().abs().amax() == FP8_MAX
+    restored = dequantize(quantized, scale, (16, 32), torch.float32)
+    relative = (restored - weight).abs() / weight.abs().clamp_min(1e-6)
+    assert relative[weight.abs() > 0.05].max() <= 2**-4  # half a unit of the 3-bit mantissa
+    # rows taken from the middle of the weight use their own scale rows
+    torch.testing.assert_close(dequantize(quantized[20:35], scale, (16, 32), torch.float32, first_row=20),
+                               restored[20:35], rtol=0, atol=0)
+
+
+def test_k_step_fits_one_scale_block():
+    assert fp8_block_k(128, 128) == 128 and fp8_block_k(128, 64) == 64 and fp8_block_k(64, 128) == 64
+    assert fp8_block_k(128, 48) == 16
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fp8_block_k(64, 40)
+
+
+# --------------------------------------------------------------------------- reference
+def test_reference_is_the_plain_reference_on_widened_weights():
+    block = (16, 16)
+    args, scales, _ = fp8_inputs(9, 48, 32, 6, 2, torch.float32, torch.device("cpu"), block)
+    states, q13, q2, weights, ids = args
+    expected = fused_moe_reference(states, widen(q13, scales["w13_scale"], block, torch.float32),
+                                   widen(q2, scales["w2_scale"], block, torch.float32), weights, ids)
+    torch.testing.assert_close(kernels.fused_moe(*args, **scales), expected, rtol=0, atol=0)
+
+
+def test_fp8_weights_error_against_the_unquantized_experts():
+    """128 x 128 blocks at a small MoE: the output moves by 3-4% in relative L2 (bound 6%)."""
+    args, scales, (w13, w2) = fp8_inputs(64, 256, 256, 8, 2, torch.float32, torch.device("cpu"), (128, 128))
+    states, _, _, weights, ids = args
+    exact = fused_moe_reference(states, w13, w2, weights, ids)
+    error = ((kernels.fused_moe(*args, **scales) - exact).norm() / exact.norm()).item()
+    assert 0 < error < 6e-2
+
+
+# --------------------------------------------------------------------------- triton
+CASES = [
+    # (T, H, I, E, K, config, block)
+    (11, 48, 32, 6, 3, MoeKernelConfig(16, 16, 32, 2, 4, 2), (16, 32)),  # K step 32 = the scale block
+    (1, 64, 32, 16, 4, MoeKernelConfig(16, 32, 64, 1, 4, 2), (16, 16)),  # K step cut to the block: 16
+    (33, 40, 48, 4, 2, MoeKernelConfig(32, 32, 16, 1, 4, 2), (16, 32)),  # H not a multiple of the block
+    (6, 64, 32, 8, 2, None, (32, 32)),  # default config, block_n larger than BLOCK_N
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,hidden,intermediate,num_experts,top_k,config,block", CASES)
+def test_triton_fp8_experts(
+    triton_device, poison_allocations, dtype, num_tokens, hidden, intermediate, num_experts, top_k, config, block
+):
+    # tolerance: TOLERANCE[dtype] against the FP8 reference (float32 GEMMs on the widened
+    # weights, each result rounded to the activation dtype, as the kernel rounds them)
+    args, scales, _ = fp8_inputs(num_tokens, hidden, intermediate, num_experts, top_k, dtype, triton_device, block)
+    out = fused_moe_triton(*args, config, **scales)
+    assert out.dtype == dtype
+    assert_close(out, fused_moe_reference(*args, **scales), rel=TOLERANCE[dtype])
+
+
+def test_triton_rejects_bad_fp8_arguments(triton_device):
+    args, scales, _ = fp8_inputs(4, 32, 16, 4, 2, torch.float32, triton_device, (16, 16))
+    states, q13, q2, weights, ids = args
+    with pytest.raises(ValueError, match="w13_scale"):
+        fused_moe_triton(*args, w13_scale=scales["w13_scale"][:, :1], w2_scale=scales["w2_scale"], block_shape=(16, 16))
+    with pytest.raises(ValueError, match="w2_scale or w13_scale|missing"):
+        fused_moe_triton(*args, w13_scale=scales["w13_scale"], block_shape=(16, 16))
+    with pytest.raises(ValueError, match="w13: dtype"):
+        fused_moe_triton(states, q13.float(), q2, weights, ids, **scales)
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        fused_moe_triton(*args, w13_scale=scales["w13_scale"][:, :1], w2_scale=scales["w2_scale"][:, :1],
+                         block_shape=(32, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 256, 4096])
+def test_gpu_fp8_experts_model_shapes(cuda_device, num_tokens):
+    # tolerance: 1e-2 (bfloat16); Qwen3-VL-30B-A3B expert shapes, 128 x 128 scale blocks
+    args, scales, _ = fp8_inputs(num_tokens, 2048, 768, 128, 8, torch.bfloat16, cuda_device, (128, 128))
+    assert_close(kernels.fused_moe(*args, **scales), fused_moe_reference(*args, **scales), rel=1e-2)

@@ -1,0 +1,40 @@
+"""FP8 block-quantized weights: the format of Qwen's "-FP8" checkpoints.
+
+A weight W [N, K] is stored as float8 e4m3 values Q and one float32 scale per
+block of `block_n x block_k` elements, in `<name>.weight_scale_inv`
+[ceil(N / block_n), ceil(K / block_k)]. Despite the name the scale multiplies:
+W = Q * scale, each scale repeated over its block. config.json announces it:
+
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                            "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+                            "modules_to_not_convert": [...]}
+
+The loader either widens such weights to the model's dtype (exact: e4m3 x a
+float32 scale fits bfloat16's range, the product is rounded once), or keeps the
+MoE experts' weights in FP8 with their scales, which halves their memory and
+the bytes a decode step reads (`kernels.fused_moe` widens them tile by tile).
+Activations stay in the model's dtype (weight-only: "W8A16").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize, expanded_scale, quantize
+
+__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8BlockQuantization", "dequantize", "expanded_scale", "quantize"]
+
+
+@dataclass(frozen=True)
+class Fp8BlockQuantization:
+    """`quantization_config` of a block-quantized FP8 checkpoint (see the module doc)."""
+
+    block_n: int = 128
+    block_k: int = 128
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.block_n, self.block_k
+
+    def scale_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        return -(-rows // self.block_n), -(-cols // self.block_k)
