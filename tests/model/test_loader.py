@@ -62,6 +62,13 @@ def test_published_transposed_expert_layout(checkpoint, tmp_path):
     assert state(load_model(published)).keys() == state(load_model(checkpoint)).keys()
     for name, tensor in state(load_model(published)).items():
         assert torch.equal(tensor, state(load_model(checkpoint))[name]), name
+    # experts quantized to FP8 as they load: the same bytes and scales from either layout
+    quantized, expected = state(load_model(published, quantization="fp8")), state(load_model(checkpoint, quantization="fp8"))
+    assert any(t.dtype == torch.float8_e4m3fn for t in expected.values())
+    for name, tensor in quantized.items():
+        same_bits = tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
+        want = expected[name].view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else expected[name]
+        assert torch.equal(same_bits, want), name
 
 
 def test_per_expert_layout(checkpoint, tmp_path):

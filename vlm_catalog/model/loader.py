@@ -251,14 +251,15 @@ class WeightPlan:
     def _copy_quantized(self, source, destination: torch.Tensor, target: _Target) -> None:
         """An unquantized expert weight into an FP8 expert parameter: quantized here, scales too."""
         scales = target.scale_view(self.parameters[target.scale_name])
-        weights = source[:]
-        if destination.dim() == 2:
-            weights, destination, scales = weights[None], destination[None], scales[None]
-        for expert in range(destination.shape[0]):
-            weight = weights[expert].transpose(0, 1) if target.transposed_experts else weights[expert]
-            quantized, scale = quantize(weight, self.expert_block)
-            destination[expert].copy_(quantized)
-            scales[expert].copy_(scale)
+        if destination.dim() == 2:  # one expert's weight
+            parts = [(destination, scales, source[:])]
+        else:  # fused experts, read one expert at a time
+            parts = ((destination[e], scales[e], source[e]) for e in range(destination.shape[0]))
+        for weight_out, scale_out, weight in parts:
+            quantized, scale = quantize(weight.transpose(0, 1) if target.transposed_experts else weight,
+                                        self.expert_block)
+            weight_out.copy_(quantized)
+            scale_out.copy_(scale)
         self.filled[target.scale_name] += scales.numel()
 
     def _read_scale(self, source_name: str) -> torch.Tensor:
