@@ -12,7 +12,7 @@ attention at or above PyTorch SDPA on pre-gathered (contiguous) K/V.
 
     python scripts/bench_kernels.py                  # table
     python scripts/bench_kernels.py --json out.json  # + numbers as JSON
-    python scripts/bench_kernels.py --tune-moe       # best MoE block sizes per token bucket
+    python scripts/bench_kernels.py --tune-moe [--fp8]   # best MoE block sizes per token bucket
     python scripts/bench_kernels.py --interpret      # CPU smoke run: tiny shapes, interpreter
 
 Other scripts can call `run_kernel_benchmarks(device)` (returns the JSON dict)
@@ -579,11 +579,12 @@ def candidate_configs(rows_per_expert: float):
 
 
 def tune_moe(
-    device, shapes: Shapes = GPU_SHAPES, dtype=None, buckets=None, max_candidates: int | None = None
+    device, shapes: Shapes = GPU_SHAPES, dtype=None, buckets=None, max_candidates: int | None = None,
+    fp8: bool = False,
 ) -> dict[int, tuple]:
     """Times every candidate config per token bucket; prints and returns the best.
     All buckets at the model shape take a while (a few hundred compilations): pass
-    `buckets` to split the work over several runs."""
+    `buckets` to split the work over several runs. `fp8`: FP8 experts (their own entries)."""
     import torch
 
     from kernels.moe.configs import TOKEN_BUCKETS, format_config_entry
@@ -594,14 +595,16 @@ def tune_moe(
     timer = make_timer(device)
     best = {}
     for bucket in buckets or TOKEN_BUCKETS:
-        inputs = _moe_inputs(bucket, shapes, dtype, device)
+        inputs, scales = _moe_inputs(bucket, shapes, dtype, device), {}
+        if fp8:
+            inputs, scales = _fp8_experts(inputs, shapes)
         results = []
         candidates = list(candidate_configs(bucket * shapes.top_k / shapes.num_experts))[
             :max_candidates
         ]
         for config in candidates:
             try:
-                results.append((timer(partial(fused_moe_triton, *inputs, config=config)), config))
+                results.append((timer(partial(fused_moe_triton, *inputs, config=config, **scales)), config))
             except Exception as error:  # noqa: BLE001 - e.g. out of shared memory: skip the config
                 print(f"  T={bucket}: skipped {config}: {type(error).__name__}", file=sys.stderr)
         ms, config = min(results, key=lambda item: item[0])
@@ -609,7 +612,7 @@ def tune_moe(
         print(f"# T={bucket}: {ms:.4f} ms (of {len(results)} configs)")
         print(
             format_config_entry(
-                shapes.num_experts, shapes.hidden, shapes.moe_intermediate, dtype, bucket, config
+                shapes.num_experts, shapes.hidden, shapes.moe_intermediate, inputs[1].dtype, bucket, config
             ),
             flush=True,
         )
@@ -628,6 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--buckets", type=int, nargs="*", help="token buckets for --tune-moe (default: all)"
     )
+    parser.add_argument("--fp8", action="store_true", help="--tune-moe with FP8 experts (128 x 128 scales)")
     parser.add_argument(
         "--interpret",
         action="store_true",
@@ -658,10 +662,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.tune_moe:
         if args.interpret:  # the smoke run tries two configs per bucket
             tune_moe(
-                device, shapes, buckets=args.buckets or shapes.moe_token_counts, max_candidates=2
+                device, shapes, buckets=args.buckets or shapes.moe_token_counts, max_candidates=2, fp8=args.fp8
             )
         else:
-            tune_moe(device, shapes, buckets=args.buckets)
+            tune_moe(device, shapes, buckets=args.buckets, fp8=args.fp8)
         return 0
     report = run_kernel_benchmarks(device, shapes)
     print_table(report)

@@ -82,12 +82,15 @@ def _reasoned_table(
     }
 
 
-# (E, H, I, dtype, bucket) -> config. NOT YET TUNED: reasoned defaults only.
+# (E, H, I, expert weight dtype, bucket) -> config. NOT YET TUNED: reasoned defaults only.
 MOE_CONFIGS: dict[tuple[int, int, int, str, int], MoeKernelConfig] = {
     # Qwen3-VL-30B-A3B: 128 experts, top-8, hidden 2048, expert intermediate 768
     **_reasoned_table(128, 2048, 768, "bfloat16", top_k=8),
     # Qwen3-VL-235B-A22B: 128 experts, top-8, hidden 4096, expert intermediate 1536
     **_reasoned_table(128, 4096, 1536, "bfloat16", top_k=8),
+    # the same with FP8 experts (Qwen's -FP8 checkpoints, --quantization fp8)
+    **_reasoned_table(128, 2048, 768, "float8_e4m3fn", top_k=8),
+    **_reasoned_table(128, 4096, 1536, "float8_e4m3fn", top_k=8),
     # Paste measured entries from `scripts/bench_kernels.py --tune-moe` below this line.
 }
 

@@ -215,9 +215,9 @@ def _fused_moe_chunk(
     intermediate = two_intermediate // 2
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
-    if config is None:
+    if config is None:  # keyed by the weights' dtype: FP8 experts have entries of their own
         config = get_moe_config(
-            num_tokens, num_experts, hidden_size, intermediate, hidden.dtype, top_k
+            num_tokens, num_experts, hidden_size, intermediate, w13.dtype, top_k
         )
     config = as_moe_config(config)
     block_k = config.block_size_k

@@ -27,7 +27,19 @@ def test_token_bucket_is_the_smallest_bucket_at_or_above():
 def test_table_covers_the_model_shapes_and_is_marked_untuned():
     for bucket in TOKEN_BUCKETS:
         assert (128, 2048, 768, "bfloat16", bucket) in MOE_CONFIGS
+        assert (128, 2048, 768, "float8_e4m3fn", bucket) in MOE_CONFIGS  # FP8 experts: entries of their own
     assert not any(config.tuned for config in MOE_CONFIGS.values())
+
+
+def test_fp8_experts_look_up_their_own_entries():
+    key = (128, 2048, 768, "float8_e4m3fn", 256)
+    original, marker = MOE_CONFIGS[key], MoeKernelConfig(16, 64, 128, 1, 4, 2, tuned=True)
+    MOE_CONFIGS[key] = marker
+    try:
+        assert get_moe_config(200, 128, 2048, 768, torch.float8_e4m3fn) is marker
+        assert get_moe_config(200, 128, 2048, 768, torch.bfloat16) is not marker
+    finally:
+        MOE_CONFIGS[key] = original
 
 
 def test_lookup_uses_the_table_then_the_heuristic():
