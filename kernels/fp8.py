@@ -44,3 +44,49 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     quantized = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return quantized.view(padded.shape)[:rows, :cols].contiguous(), scale
+
+
+def quantize_activations(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8 activations: x [T, K] -> (Q [T, K] e4m3, scale [T, ceil(K/group)] float32),
+    one scale per token and `group` consecutive columns (max |x| / 448, 1 for an all-zero group),
+    as vLLM and SGLang quantize the inputs of block-FP8 GEMMs. The Triton kernel on CUDA
+    (`kernels/jit/fp8_quant.py`, a power-of-two group), this torch reference elsewhere."""
+    from kernels.dispatch import use_triton
+
+    if use_triton(values) and group & (group - 1) == 0 and values.stride(-1) == 1:
+        return quantize_activations_triton(values, group)
+    return quantize_activations_reference(values, group)
+
+
+def quantize_activations_triton(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    import triton
+
+    from kernels.jit.fp8_quant import quantize_activations_kernel
+
+    rows, cols = values.shape
+    quantized = torch.empty((rows, cols), dtype=FP8_DTYPE, device=values.device)
+    scale = torch.empty((rows, -(-cols // group)), dtype=torch.float32, device=values.device)
+    if rows == 0:
+        return quantized, scale
+    block_rows = max(1, min(32, 4096 // group))
+    quantize_activations_kernel[(triton.cdiv(rows, block_rows), scale.shape[1])](
+        values, quantized, scale, rows, cols, values.stride(0), quantized.stride(0), scale.stride(0),
+        GROUP=group, BLOCK_ROWS=block_rows, num_warps=4,
+    )
+    return quantized, scale
+
+
+def quantize_activations_reference(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = values.shape
+    padded = values.float().new_zeros(rows, -(-cols // group) * group)
+    padded[:, :cols] = values.float()
+    groups = padded.view(rows, -1, group)  # [T, K/group, group]
+    amax = groups.abs().amax(dim=2)  # [T, K/group]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    quantized = (groups / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized.view(rows, -1)[:, :cols].contiguous(), scale
+
+
+def dequantize_activations(quantized: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """Q * scale in float32, the inverse of `quantize_activations` up to its rounding."""
+    return quantized.float() * scale.repeat_interleave(group, dim=1)[:, : quantized.shape[1]]

@@ -21,6 +21,7 @@ call; `--json FILE` merges the phases' results into FILE.
 - engine_fp8      FP8 experts (128 x 128 block scales, as Qwen's -FP8 checkpoints; the random
                   experts are quantized in place, so this runs after the other model phases)
                   and an FP8 KV cache: ~30 GB of weights instead of ~61, the rest for the cache
+- engine_w8a8     engine_fp8 with the expert GEMMs' inputs in FP8 too (FP8 tensor cores)
 - constrained     the per-record schema (real stop) against an unconstrained run that
                   generates the same number of tokens per record (both counts reported;
                   target >= 0.95x)
@@ -66,15 +67,16 @@ from vlm_catalog.engine.paged_attention import (
     allocate_kv_caches,
 )
 from vlm_catalog.engine.sampling_params import SamplingParams
-from vlm_catalog.model.fp8 import Fp8BlockQuantization
+from vlm_catalog.model.fp8 import expert_block
 from vlm_catalog.paths import DEFAULT_MODEL_DIR, REPO_ROOT
 from vlm_catalog.preprocess.prompt import build_messages
 from vlm_catalog.structured import catalogue_schema
 
 PHASES = ("ceilings", "kernels", "roofline", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
-          "engine_fp8", "transformers")
-NEEDS_RECORDS = {"vision_encoder", "engine", "engine_fp8_kv", "constrained", "engine_fp8", "transformers"}
-NEEDS_MODEL = {"roofline", "engine", "engine_fp8_kv", "constrained", "engine_fp8"}
+          "engine_fp8", "engine_w8a8", "transformers")
+FP8_MODEL_PHASES = {"engine_fp8", "engine_w8a8"}  # they quantize the experts in place: after the others
+NEEDS_RECORDS = {"vision_encoder", "engine", "engine_fp8_kv", "constrained", "transformers", *FP8_MODEL_PHASES}
+NEEDS_MODEL = {"roofline", "engine", "engine_fp8_kv", "constrained", *FP8_MODEL_PHASES}
 OUTPUT_TOKENS = 150
 
 
@@ -251,18 +253,21 @@ def measure_engine(checkpoint: Path, model, device: torch.device, records, outpu
     return results
 
 
-def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, output_tokens: int) -> dict:
-    """`measure_engine` with FP8 experts (quantized in place, one layer at a time) and an FP8 KV cache."""
+def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
+                       fp8_activations: bool = False) -> dict:
+    """`measure_engine` with FP8 experts (quantized in place, one layer at a time, unless already
+    FP8) and an FP8 KV cache; `fp8_activations`: FP8 GEMM inputs too."""
     def weight_bytes(module) -> int:
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
     experts = model.language_model.moe_experts()
     before = {"weight_bytes": weight_bytes(model), "expert_weight_bytes": sum(map(weight_bytes, experts))}
-    block = Fp8BlockQuantization(128, 128) if model.config.text.moe_intermediate_size % 128 == 0 else \
-        Fp8BlockQuantization(16, 128)
+    block = expert_block(model.config.text.moe_intermediate_size)
     for layer_experts in experts:
-        layer_experts.quantize_(block)
-        release_memory(device)  # the layer's bf16 experts
+        if layer_experts.fp8_block is None:
+            layer_experts.quantize_(block)
+            release_memory(device)  # the layer's bf16 experts
+        layer_experts.fp8_activations = fp8_activations
     results = measure_engine(checkpoint, model, device, records, output_tokens, kv_cache_dtype="fp8")
     results["before"] = before
     results["after"] = {"weight_bytes": weight_bytes(model), "expert_weight_bytes": sum(map(weight_bytes, experts))}
@@ -515,10 +520,11 @@ def main(argv: list[str] | None = None) -> int:
             if "constrained" in phases:
                 started = time.perf_counter()
                 record("constrained", started, measure_constrained(checkpoint, model, device, records[: args.records], args.output_tokens))
-            if "engine_fp8" in phases:  # last: it quantizes the model's experts in place
+            for phase in (p for p in ("engine_fp8", "engine_w8a8") if p in phases):  # last: in-place FP8
                 started = time.perf_counter()
-                record("engine_fp8", started, measure_engine_fp8(
-                    checkpoint, model, device, records[: args.records], args.output_tokens))
+                record(phase, started, measure_engine_fp8(
+                    checkpoint, model, device, records[: args.records], args.output_tokens,
+                    fp8_activations=phase == "engine_w8a8"))
                 release_memory(device)
             del model
             release_memory(device)

@@ -425,13 +425,11 @@ def _fp8_experts(inputs, shapes: Shapes):
     import torch
 
     from kernels.fp8 import quantize
+    from vlm_catalog.model.fp8 import expert_block
 
-    rows = 128
-    while shapes.moe_intermediate % rows and rows > 16:
-        rows //= 2
-    if shapes.moe_intermediate % rows:
+    block = expert_block(shapes.moe_intermediate).block
+    if shapes.moe_intermediate % block[0]:
         return None
-    block = (rows, 128)
     hidden, w13, w2, weights, ids = inputs
     quantized = []
     for weights_3d in (w13, w2):
@@ -477,11 +475,13 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
         )
         # the same experts in FP8 with 128 x 128 block scales (Qwen's -FP8): half the weight bytes
         fp8 = _fp8_experts(inputs, shapes)
-        if fp8 is not None:
-            fp8_ms = timer(partial(fused_moe_triton, *fp8[0], **fp8[1]))
+        for name, activations in (("fused_moe[fp8 experts]", False), ("fused_moe[fp8 w8a8]", True)):
+            if fp8 is None:
+                break
+            fp8_ms = timer(partial(fused_moe_triton, *fp8[0], **fp8[1], fp8_activations=activations))
             rows.append(
                 Row(
-                    "fused_moe[fp8 experts]",
+                    name,
                     f"T={num_tokens}",
                     fp8_ms,
                     "bf16 experts (Triton)",

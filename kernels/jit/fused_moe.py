@@ -14,6 +14,10 @@ QUANT_N x QUANT_K block. Each weight tile is widened to the activation dtype
 after its load (exact), each K step's partial product is multiplied by the
 scales of its columns (BLOCK_K divides QUANT_K, so a step lies in one scale
 block) and then accumulated.
+
+FP8_ACTIVATIONS (with FP8_WEIGHTS): the A operand is FP8 too, quantized per row
+and QUANT_K columns with its own float32 scales; both operands go to the dot
+as FP8 and the K step's product is scaled by the rows' and the columns' scales.
 """
 
 import triton
@@ -35,7 +39,8 @@ def _grouped_tile(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
 @triton.jit
 def moe_gate_up_silu_kernel(
     # pointers
-    hidden_ptr,  # [T, H]
+    hidden_ptr,  # [T, H] (e4m3 with FP8_ACTIVATIONS)
+    hidden_scale_ptr,  # [T, H / QUANT_K] float32 (FP8_ACTIVATIONS only)
     w13_ptr,  # [E, 2I, H]: rows 0..I-1 gate, I..2I-1 up
     w13_scale_ptr,  # [E, 2I / QUANT_N, H / QUANT_K] float32 (FP8_WEIGHTS only)
     activated_ptr,  # [T*K, I] out: silu(gate) * up per pair
@@ -50,6 +55,7 @@ def moe_gate_up_silu_kernel(
     num_m_blocks,
     # strides
     stride_hidden_token,
+    stride_hidden_scale_token,
     stride_w13_expert,
     stride_w13_row,
     stride_w13_scale_expert,
@@ -62,6 +68,7 @@ def moe_gate_up_silu_kernel(
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8_WEIGHTS: tl.constexpr,
+    FP8_ACTIVATIONS: tl.constexpr,
     QUANT_N: tl.constexpr,
     QUANT_K: tl.constexpr,
 ):
@@ -96,7 +103,16 @@ def moe_gate_up_silu_kernel(
         w_mask = k_mask[:, None] & col_mask[None, :]
         gate_w = tl.load(gate_ptrs, mask=w_mask, other=0.0)
         up_w = tl.load(up_ptrs, mask=w_mask, other=0.0)
-        if FP8_WEIGHTS:
+        if FP8_ACTIVATIONS:
+            k_block = k_start // QUANT_K
+            gate_scale = tl.load(gate_scale_ptrs + k_block, mask=col_mask, other=0.0)  # [BLOCK_N]
+            up_scale = tl.load(up_scale_ptrs + k_block, mask=col_mask, other=0.0)
+            a_scale = tl.load(
+                hidden_scale_ptr + tokens * stride_hidden_scale_token + k_block, mask=pair_mask, other=0.0
+            )  # [BLOCK_M]
+            gate_acc += tl.dot(a, gate_w) * a_scale[:, None] * gate_scale[None, :]
+            up_acc += tl.dot(a, up_w) * a_scale[:, None] * up_scale[None, :]
+        elif FP8_WEIGHTS:
             k_block = k_start // QUANT_K
             gate_scale = tl.load(gate_scale_ptrs + k_block, mask=col_mask, other=0.0)  # [BLOCK_N]
             up_scale = tl.load(up_scale_ptrs + k_block, mask=col_mask, other=0.0)
@@ -123,7 +139,8 @@ def moe_gate_up_silu_kernel(
 @triton.jit
 def moe_down_kernel(
     # pointers
-    activated_ptr,  # [T*K, I]
+    activated_ptr,  # [T*K, I] (e4m3 with FP8_ACTIVATIONS)
+    activated_scale_ptr,  # [T*K, I / QUANT_K] float32 (FP8_ACTIVATIONS only)
     w2_ptr,  # [E, H, I]
     w2_scale_ptr,  # [E, H / QUANT_N, I / QUANT_K] float32 (FP8_WEIGHTS only)
     topk_weights_ptr,  # [T*K], any float dtype
@@ -138,6 +155,7 @@ def moe_down_kernel(
     num_m_blocks,
     # strides
     stride_activated_pair,
+    stride_activated_scale_pair,
     stride_w2_expert,
     stride_w2_row,
     stride_w2_scale_expert,
@@ -151,6 +169,7 @@ def moe_down_kernel(
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8_WEIGHTS: tl.constexpr,
+    FP8_ACTIVATIONS: tl.constexpr,
     QUANT_N: tl.constexpr,
     QUANT_K: tl.constexpr,
 ):
@@ -180,7 +199,14 @@ def moe_down_kernel(
         k_mask = ks < intermediate - k_start
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if FP8_WEIGHTS:
+        if FP8_ACTIVATIONS:
+            scale = tl.load(scale_ptrs + k_start // QUANT_K, mask=col_mask, other=0.0)  # [BLOCK_N]
+            a_scale = tl.load(
+                activated_scale_ptr + pairs * stride_activated_scale_pair + k_start // QUANT_K,
+                mask=pair_mask, other=0.0,
+            )  # [BLOCK_M]
+            acc += tl.dot(a, w) * a_scale[:, None] * scale[None, :]
+        elif FP8_WEIGHTS:
             scale = tl.load(scale_ptrs + k_start // QUANT_K, mask=col_mask, other=0.0)  # [BLOCK_N]
             acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PRECISION) * scale[None, :]
         else:

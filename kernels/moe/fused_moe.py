@@ -26,6 +26,14 @@ GEMMs in float32 and rounds each result to the hidden dtype, as the kernel does.
 (half the bytes), widens them to the hidden dtype in registers and applies the
 scale to each K step's partial product, before accumulating; the K step is cut
 to fit inside one scale block.
+
+FP8 activations too (`fp8_activations=True`, "W8A8"): each GEMM's input is
+quantized per token and per `block_shape[1]` columns (`quantize_activations`:
+dynamic scales, as vLLM and SGLang do for Qwen's -FP8 checkpoints), so both
+dot operands are FP8 (twice the tensor-core rate of bf16 on Hopper); each K
+step's product is scaled by its rows' activation scales and its columns'
+weight scales. The reference quantizes the same way, widens both to float32
+and continues as for FP8 weights.
 """
 
 from __future__ import annotations
@@ -45,7 +53,13 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton
-from kernels.fp8 import FP8_DTYPE, dequantize
+from kernels.fp8 import (
+    FP8_DTYPE,
+    dequantize,
+    dequantize_activations,
+    quantize_activations,
+    quantize_activations_reference,
+)
 from kernels.moe.configs import MoeKernelConfig, as_moe_config, get_moe_config
 
 MAX_TOKENS_PER_CHUNK = 16384  # bounds the [T*K, I] and [T*K, H] intermediates
@@ -63,6 +77,7 @@ def fused_moe_reference(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """hidden [T, H] -> [T, H]; `config` is ignored (kept for a uniform signature).
 
@@ -75,6 +90,8 @@ def fused_moe_reference(
     (module doc). Bit-exact with transformers in float32.
     """
     del config
+    if fp8_activations and block_shape is None:
+        raise ValueError("fp8_activations needs FP8 experts (block_shape and the weight scales)")
     num_tokens, top_k = topk_ids.shape
     ids = topk_ids.long()
     weights = topk_weights.to(hidden.dtype)
@@ -94,9 +111,10 @@ def fused_moe_reference(
         else:  # FP8 experts: widen the ones used to float32, round each GEMM's result once
             gate_up_weight = dequantize(w13[expert], w13_scale[expert], block_shape, torch.float32)
             down_weight = dequantize(w2[expert], w2_scale[expert], block_shape, torch.float32)
-            gate, up = F.linear(hidden[tokens].float(), gate_up_weight).to(hidden.dtype).chunk(2, dim=-1)
+            inputs = gemm_input(hidden[tokens], block_shape[1], fp8_activations)
+            gate, up = F.linear(inputs, gate_up_weight).to(hidden.dtype).chunk(2, dim=-1)
             activated = F.silu(gate) * up  # [n, I]
-            down = F.linear(activated.float(), down_weight).to(hidden.dtype)  # [n, H]
+            down = F.linear(gemm_input(activated, block_shape[1], fp8_activations), down_weight).to(hidden.dtype)
         rows = ascending[tokens, slots] * num_tokens + tokens
         pair_out[rows] = down * weights[tokens, slots, None]  # [n, H]
     per_rank = pair_out.view(top_k, num_tokens, -1)  # [K, T, H], experts in ascending id
@@ -104,6 +122,13 @@ def fused_moe_reference(
     for j in range(1, top_k):
         out += per_rank[j]
     return out.to(hidden.dtype)
+
+
+def gemm_input(values: torch.Tensor, group: int, fp8_activations: bool) -> torch.Tensor:
+    """A GEMM's input in float32: as it is, or as its FP8 quantization sees it."""
+    if not fp8_activations:
+        return values.float()
+    return dequantize_activations(*quantize_activations_reference(values, group), group)
 
 
 # --------------------------------------------------------------------------- triton
@@ -162,10 +187,13 @@ def fused_moe_triton(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     _check_fused_moe_args(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
     if block_shape is not None:
         check_same_device(hidden=hidden, w13_scale=w13_scale, w2_scale=w2_scale)
+    elif fp8_activations:
+        raise ValueError("fp8_activations needs FP8 experts (block_shape and the weight scales)")
     scales = None if block_shape is None else (w13_scale, w2_scale, tuple(block_shape))
     out = torch.empty_like(hidden)
     num_tokens = hidden.shape[0]
@@ -180,6 +208,7 @@ def fused_moe_triton(
             config,
             out[start:end],
             scales,
+            fp8_activations,
         )
     return out
 
@@ -204,6 +233,7 @@ def _fused_moe_chunk(
     config: MoeKernelConfig | Mapping[str, int] | None,
     out: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None,
+    fp8_activations: bool = False,
 ) -> None:
     import triton
 
@@ -235,6 +265,9 @@ def _fused_moe_chunk(
     num_m_blocks = expert_ids.shape[0]
     weights = topk_weights.reshape(-1)  # [T*K], flat pair index t * K + k
     activated = torch.empty((num_pairs, intermediate), dtype=hidden.dtype, device=hidden.device)
+    gemm1_input, gemm1_scale = hidden, hidden  # the scale is a placeholder unless FP8_ACTIVATIONS
+    if fp8_activations:
+        gemm1_input, gemm1_scale = quantize_activations(hidden, quant_k)  # [T, H] e4m3, [T, H/group]
     pair_out = torch.empty((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
     meta = dict(
         BLOCK_M=config.block_size_m,
@@ -243,6 +276,7 @@ def _fused_moe_chunk(
         GROUP_M=config.group_size_m,
         DOT_PRECISION=dot_precision(hidden.dtype),
         FP8_WEIGHTS=scales is not None,
+        FP8_ACTIVATIONS=fp8_activations,
         QUANT_N=quant_n,
         QUANT_K=quant_k,
         **config.launch_options(),
@@ -250,7 +284,8 @@ def _fused_moe_chunk(
 
     moe_gate_up_silu_kernel[(num_m_blocks * triton.cdiv(intermediate, config.block_size_n),)](
         # pointers
-        hidden,
+        gemm1_input,
+        gemm1_scale,
         w13,
         w13_scale,
         activated,
@@ -264,7 +299,8 @@ def _fused_moe_chunk(
         intermediate,
         num_m_blocks,
         # strides
-        hidden.stride(0),
+        gemm1_input.stride(0),
+        gemm1_scale.stride(0),
         w13.stride(0),
         w13.stride(1),
         scale_strides[0],
@@ -272,9 +308,13 @@ def _fused_moe_chunk(
         activated.stride(0),
         **meta,
     )
+    gemm2_input, gemm2_scale = activated, activated
+    if fp8_activations:
+        gemm2_input, gemm2_scale = quantize_activations(activated, quant_k)  # [T*K, I] e4m3, [T*K, I/group]
     moe_down_kernel[(num_m_blocks * triton.cdiv(hidden_size, config.block_size_n),)](
         # pointers
-        activated,
+        gemm2_input,
+        gemm2_scale,
         w2,
         w2_scale,
         weights,
@@ -288,7 +328,8 @@ def _fused_moe_chunk(
         hidden_size,
         num_m_blocks,
         # strides
-        activated.stride(0),
+        gemm2_input.stride(0),
+        gemm2_scale.stride(0),
         w2.stride(0),
         w2.stride(1),
         scale_strides[2],
@@ -313,13 +354,14 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I],
     topk_weights / topk_ids [T, K] -> [T, H]. `config`: GEMM block sizes
     (default: `kernels.moe.configs.get_moe_config`). FP8 experts: w13/w2 in
     float8 e4m3 with `w13_scale` [E, 2I/bn, H/bk] and `w2_scale` [E, H/bn, I/bk]
-    (float32), `block_shape` = (bn, bk)."""
-    scales = dict(w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape)
+    (float32), `block_shape` = (bn, bk); `fp8_activations`: the GEMM inputs in FP8 too."""
+    scales = dict(w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape, fp8_activations=fp8_activations)
     if use_triton(hidden, w13, w2, topk_weights, topk_ids):
         return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, config, **scales)
     return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids, config, **scales)

@@ -59,7 +59,7 @@ def test_unknown_kv_cache_dtype_is_a_config_error():
         EngineConfig(kv_cache_dtype="int8")
     assert EngineConfig(kv_cache_dtype="fp8_e4m3").torch_kv_cache_dtype == torch.float8_e4m3fn
     assert EngineConfig(device="cuda", kv_cache_dtype="auto").torch_kv_cache_dtype == torch.bfloat16
-    with pytest.raises(EngineConfigError, match="quantization must be one of auto, fp8, none; got 'int4'"):
+    with pytest.raises(EngineConfigError, match="quantization must be one of auto, fp8, fp8_w8a8, none; got 'int4'"):
         EngineConfig(quantization="int4")
 
 

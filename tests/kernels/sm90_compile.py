@@ -74,6 +74,7 @@ def kernel_specs(include_float32: bool):
     Qwen3-VL-30B-A3B shapes; the attention and cache-write kernels also with an FP8 cache.
     float32 attention (exact `tl.dot`, for float32 parity runs) compiles slowly: opt-in."""
     from kernels.jit.activation import silu_and_mul_kernel
+    from kernels.jit.fp8_quant import quantize_activations_kernel
     from kernels.jit.fused_moe import moe_down_kernel, moe_gate_up_silu_kernel
     from kernels.jit.kv_cache import reshape_and_cache_kernel
     from kernels.jit.moe_align import moe_count_kernel, moe_scatter_kernel
@@ -119,6 +120,14 @@ def kernel_specs(include_float32: bool):
             {"num_warps": 4},
         ),
         ("silu_and_mul", silu_and_mul_kernel, "bf16", {"BLOCK_SIZE": 1024}, {"num_warps": 4}),
+        (
+            "quantize_activations[fp8]",
+            quantize_activations_kernel,
+            "bf16",
+            {"GROUP": 128, "BLOCK_ROWS": 32},
+            {"num_warps": 4},
+            {"quantized_ptr": "*fp8e4nv"},
+        ),
         (
             "reshape_and_cache",
             reshape_and_cache_kernel,
@@ -206,7 +215,9 @@ def kernel_specs(include_float32: bool):
     )
     for num_tokens in (1, 256, 8192):
         config = heuristic_moe_config(num_tokens, 128, 8)
-        for fp8 in (False, True):  # bf16 experts; FP8 experts with 128 x 128 scale blocks
+        # bf16 experts; FP8 experts (128 x 128 scale blocks); FP8 experts and FP8 activations
+        for variant in ("", "fp8 experts", "w8a8"):
+            fp8 = variant != ""
             meta = {
                 "BLOCK_M": config.block_size_m,
                 "BLOCK_N": config.block_size_n,
@@ -214,16 +225,20 @@ def kernel_specs(include_float32: bool):
                 "GROUP_M": config.group_size_m,
                 "DOT_PRECISION": "tf32",
                 "FP8_WEIGHTS": fp8,
+                "FP8_ACTIVATIONS": variant == "w8a8",
                 "QUANT_N": 128 if fp8 else 1,
                 "QUANT_K": 128 if fp8 else 1,
             }
-            for label, kernel, weight in (
-                ("moe_gate_up_silu", moe_gate_up_silu_kernel, "w13_ptr"),
-                ("moe_down", moe_down_kernel, "w2_ptr"),
+            for label, kernel, weight, inputs in (
+                ("moe_gate_up_silu", moe_gate_up_silu_kernel, "w13_ptr", "hidden_ptr"),
+                ("moe_down", moe_down_kernel, "w2_ptr", "activated_ptr"),
             ):
+                pointer_types = {weight: "*fp8e4nv"} if fp8 else None
+                if variant == "w8a8":
+                    pointer_types[inputs] = "*fp8e4nv"
                 specs.append((
-                    f"{label}[T={num_tokens}{',fp8 experts' if fp8 else ''}]", kernel, "bf16", meta,
-                    config.launch_options(), {weight: "*fp8e4nv"} if fp8 else None,
+                    f"{label}[T={num_tokens}{',' + variant if variant else ''}]", kernel, "bf16", meta,
+                    config.launch_options(), pointer_types,
                 ))
     return specs
 

@@ -130,7 +130,7 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     out = tmp_path / "bench_gpu.json"
     result = run_script("--tiny", "--device", "cpu", "--records", "2", "--vision-images", "2", "--hf-records", "2",
                         "--image-size", "small", "--output-tokens", "4",
-                        "--phases", "vision_encoder,engine,engine_fp8_kv,constrained,engine_fp8,transformers",
+                        "--phases", "vision_encoder,engine,engine_fp8_kv,constrained,engine_fp8,engine_w8a8,transformers",
                         "--json", str(out),
                         script=REPO_ROOT / "scripts" / "bench_gpu.py")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -152,11 +152,13 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert after["expert_weight_bytes"] < 0.3 * before["expert_weight_bytes"]
     assert after["weight_bytes"] == before["weight_bytes"] - before["expert_weight_bytes"] + after["expert_weight_bytes"]
     assert fp8_experts["fixed_150_tokens"]["errors"] == 0 and fp8_experts["kv_cache_tokens"] == fp8["kv_cache_tokens"]
+    w8a8 = report["engine_w8a8"]  # the experts were already FP8: nothing more to quantize
+    assert w8a8["before"] == fp8_experts["after"] and w8a8["fixed_150_tokens"]["errors"] == 0
     hf = report["transformers"]
     assert hf["batch_1_probe"]["samples_per_s"] > 0 and hf["batch_chosen"] >= 1 and hf["best_samples_per_s"] > 0
     # vision_encoder needs the matmul peak: ceilings are measured for it
     assert set(report["phase_seconds"]) == {"ceilings", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
-                                            "engine_fp8", "transformers"}
+                                            "engine_fp8", "engine_w8a8", "transformers"}
 
 
 @pytest.mark.slow

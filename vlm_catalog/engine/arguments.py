@@ -20,7 +20,8 @@ def add_memory_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
     parser.add_argument(
         "--quantization", default=EngineConfig.quantization, choices=QUANTIZATION_MODES,
         help="MoE expert weights: auto (an FP8 checkpoint's experts stay FP8 on CUDA), fp8 (FP8 experts "
-             "anywhere; an unquantized checkpoint is quantized at load: half the expert memory), none",
+             "anywhere; an unquantized checkpoint is quantized at load: half the expert memory), "
+             "fp8_w8a8 (fp8, and the expert GEMMs' inputs in FP8 too), none",
     )
     parser.add_argument(
         "--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization, metavar="FRACTION",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize, expanded_scale, quantize
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8BlockQuantization", "dequantize", "expanded_scale", "quantize"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8BlockQuantization", "dequantize", "expanded_scale", "expert_block", "quantize"]
 
 
 @dataclass(frozen=True)
@@ -38,3 +38,13 @@ class Fp8BlockQuantization:
 
     def scale_shape(self, rows: int, cols: int) -> tuple[int, int]:
         return -(-rows // self.block_n), -(-cols // self.block_k)
+
+
+def expert_block(intermediate: int) -> Fp8BlockQuantization:
+    """Blocks for quantizing unquantized experts: 128 x 128 as Qwen's, with rows cut to the
+    largest power of two (>= 16) dividing the expert intermediate size (the stacked gate/up
+    scales need whole blocks per half)."""
+    rows = 128
+    while intermediate % rows and rows > 16:
+        rows //= 2
+    return Fp8BlockQuantization(block_n=rows, block_k=128)

@@ -25,6 +25,8 @@ says what the model holds.
 - "fp8": MoE experts in FP8 on any device; an unquantized checkpoint's experts
   are quantized as they are read (128 x 128 blocks, as Qwen's; fewer rows when
   the expert intermediate size is not a multiple of 128).
+- "fp8_w8a8": as "fp8", and the expert GEMMs quantize their inputs to FP8 too
+  (per token and 128 columns), for FP8 tensor-core GEMMs.
 - "none": every weight in `dtype`.
 A float8 tensor without its scale, or a quantization method other than
 block-wise FP8, is a clear error, never a silently wrong model.
@@ -53,7 +55,13 @@ from safetensors import safe_open
 from torch import nn
 
 from vlm_catalog.model.config import ModelConfig, TextConfig
-from vlm_catalog.model.fp8 import FP8_DTYPE, Fp8BlockQuantization, dequantize, quantize
+from vlm_catalog.model.fp8 import (
+    FP8_DTYPE,
+    Fp8BlockQuantization,
+    dequantize,
+    expert_block,
+    quantize,
+)
 from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel
 
 logger = logging.getLogger(__name__)
@@ -61,7 +69,7 @@ logger = logging.getLogger(__name__)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_GROUP_BYTES = 256 * 2**20
-QUANTIZATION_MODES = ("auto", "fp8", "none")
+QUANTIZATION_MODES = ("auto", "fp8", "fp8_w8a8", "none")
 SCALE_SUFFIX = "_scale_inv"  # `<weight name>_scale_inv`: the block scales of an FP8 weight
 FP8_SAFETENSORS_DTYPE = "F8_E4M3"
 
@@ -99,6 +107,7 @@ def load_model(
     if fp8_experts is not None:
         for experts in model.language_model.moe_experts():
             experts.use_fp8(fp8_experts)
+            experts.fp8_activations = quantization == "fp8_w8a8"
     model = model.to_empty(device=device)
     model.visual.reset_rotary_buffers()
     model.language_model.reset_rotary_buffers()
@@ -124,25 +133,16 @@ def _fp8_experts(config: ModelConfig, quantization: str, device: torch.device) -
         return None
     if quantization == "auto" and (config.quantization is None or device.type != "cuda"):
         return None
-    block = config.quantization or _online_block(text.moe_intermediate_size)
+    block = config.quantization or expert_block(text.moe_intermediate_size)
     if text.moe_intermediate_size % block.block_n:
-        if quantization == "fp8":
+        if quantization != "auto":
             raise CheckpointError(
-                f"quantization='fp8' needs moe_intermediate_size ({text.moe_intermediate_size}) to be a "
+                f"quantization={quantization!r} needs moe_intermediate_size ({text.moe_intermediate_size}) to be a "
                 f"multiple of the block size {block.block_n}"
             )
         logger.info("FP8 experts need moe_intermediate_size %% %d == 0: widening them", block.block_n)
         return None
     return block
-
-
-def _online_block(intermediate: int) -> Fp8BlockQuantization:
-    """Blocks for quantizing an unquantized checkpoint's experts: 128 x 128 as Qwen's, with rows
-    cut to the largest power of two (>= 16) dividing the expert intermediate size."""
-    rows = 128
-    while intermediate % rows and rows > 16:
-        rows //= 2
-    return Fp8BlockQuantization(block_n=rows, block_k=128)
 
 
 def checkpoint_shards(checkpoint_dir: Path) -> dict[Path, list[str]]:

@@ -108,13 +108,15 @@ class MoEExperts(nn.Module):
 
     After `use_fp8` they are float8 e4m3 with float32 block scales
     (`gate_up_proj_scale [E, 2I/bn, H/bk]`, `down_proj_scale [E, H/bn, I/bk]`;
-    vlm_catalog/model/fp8.py): half the bytes of bfloat16."""
+    vlm_catalog/model/fp8.py): half the bytes of bfloat16. With `fp8_activations`
+    the expert GEMMs quantize their inputs too (kernels/moe/fused_moe.py)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.fp8_block: tuple[int, int] | None = None
+        self.fp8_activations = False  # FP8 experts only: quantize the GEMM inputs too ("W8A8")
         self.gate_up_proj_scale: nn.Parameter | None = None
         self.down_proj_scale: nn.Parameter | None = None
 
@@ -177,6 +179,7 @@ class SparseMoE(nn.Module):
             w13_scale=experts.gate_up_proj_scale,
             w2_scale=experts.down_proj_scale,
             block_shape=experts.fp8_block,
+            fp8_activations=experts.fp8_activations,
         )
 
 

@@ -1,0 +1,46 @@
+"""Dynamic FP8 quantization of activations, one scale per row and GROUP columns.
+
+Grid (row blocks, column groups): a program loads a [BLOCK_ROWS, GROUP] tile,
+takes each row's max |x|, and writes x / scale rounded to e4m3 plus the scales
+(scale = max / 448, 1 for an all-zero group): one read of the activations and
+one write of a byte per element, where the torch reference makes several float32
+passes. Used between the two GEMMs of the fused MoE with FP8 activations.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def quantize_activations_kernel(
+    # pointers
+    x_ptr,  # [rows, cols]
+    quantized_ptr,  # [rows, cols] e4m3 out
+    scale_ptr,  # [rows, cols / GROUP] float32 out
+    # sizes
+    rows,
+    cols,
+    # strides
+    stride_x_row,
+    stride_quantized_row,
+    stride_scale_row,
+    # meta-parameters
+    GROUP: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
+    row_block = tl.program_id(0)
+    group = tl.program_id(1)
+    row = (row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)  # [BLOCK_ROWS]
+    col = group * GROUP + tl.arange(0, GROUP)  # [GROUP]
+    row_mask = row < rows
+    mask = row_mask[:, None] & (col < cols)[None, :]
+    x = tl.load(x_ptr + row[:, None] * stride_x_row + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_ROWS]
+    scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    quantized = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
+    tl.store(
+        quantized_ptr + row[:, None] * stride_quantized_row + col[None, :],
+        quantized.to(quantized_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(scale_ptr + row * stride_scale_row + group, scale, mask=row_mask)
