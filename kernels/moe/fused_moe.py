@@ -22,10 +22,10 @@ shapes (K=8), which is what failed the GPU test against the Triton kernel.
 FP8 experts (`w13_scale`, `w2_scale`, `block_shape` given): w13 and w2 are
 float8 e4m3 with one float32 scale per `block_shape` block (kernels/fp8.py).
 The reference widens each expert it uses to float32 (Q * scale), runs its two
-GEMMs in float32 and rounds each result to the hidden dtype, as the kernel does. The Triton path loads FP8 tiles
-(half the bytes), widens them to the hidden dtype in registers and applies the
-scale to each K step's partial product, before accumulating; the K step is cut
-to fit inside one scale block.
+GEMMs in float32 and rounds each result to the hidden dtype, as the kernel
+does. The Triton path loads FP8 tiles (half the bytes), widens them to the
+hidden dtype in registers and applies the scale to each K step's partial
+product, before accumulating; the K step is cut to fit inside one scale block.
 
 FP8 activations too (`fp8_activations=True`, "W8A8"): each GEMM's input is
 quantized per token and per `block_shape[1]` columns (`quantize_activations`:
@@ -90,8 +90,7 @@ def fused_moe_reference(
     (module doc). Bit-exact with transformers in float32.
     """
     del config
-    if fp8_activations and block_shape is None:
-        raise ValueError("fp8_activations needs FP8 experts (block_shape and the weight scales)")
+    _check_fp8_activations(block_shape, fp8_activations)
     num_tokens, top_k = topk_ids.shape
     ids = topk_ids.long()
     weights = topk_weights.to(hidden.dtype)
@@ -150,6 +149,11 @@ def check_fp8_scales(w13, w2, w13_scale, w2_scale, block_shape) -> None:
         )
 
 
+def _check_fp8_activations(block_shape, fp8_activations: bool) -> None:
+    if fp8_activations and block_shape is None:
+        raise ValueError("fp8_activations needs FP8 experts (block_shape and the weight scales)")
+
+
 def _check_fused_moe_args(hidden, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None,
                           block_shape=None) -> None:
     check_shape("hidden", hidden, (None, None))
@@ -190,10 +194,9 @@ def fused_moe_triton(
     fp8_activations: bool = False,
 ) -> torch.Tensor:
     _check_fused_moe_args(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
+    _check_fp8_activations(block_shape, fp8_activations)
     if block_shape is not None:
         check_same_device(hidden=hidden, w13_scale=w13_scale, w2_scale=w2_scale)
-    elif fp8_activations:
-        raise ValueError("fp8_activations needs FP8 experts (block_shape and the weight scales)")
     scales = None if block_shape is None else (w13_scale, w2_scale, tuple(block_shape))
     out = torch.empty_like(hidden)
     num_tokens = hidden.shape[0]
