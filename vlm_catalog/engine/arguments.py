@@ -1,5 +1,6 @@
-"""Command-line options for the engine's device-memory settings, shared by the front doors
-(`serve`, `extract`, `demo`, `bench`) so each spells and checks them the same way."""
+"""Command-line options for how the engine spends device memory (KV-cache dtype, FP8 experts,
+the memory fraction), shared by the front doors (`serve`, `extract`, `demo`, `bench`) so each
+spells and checks them the same way."""
 
 from __future__ import annotations
 
