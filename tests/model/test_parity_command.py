@@ -3,7 +3,7 @@
 import json
 
 import kernels
-from tests.model.helpers import build_checkpoint, noise_image
+from tests.model.helpers import build_checkpoint, noise_image, write_fp8_checkpoint
 from vlm_catalog.cli import main
 
 
@@ -28,3 +28,18 @@ def test_check_parity_command(tmp_path, tiny_tokenizer, capsys, monkeypatch):
 def test_check_parity_errors(tmp_path, capsys):
     assert main(["check-parity", str(tmp_path / "missing")]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_check_parity_on_an_fp8_checkpoint_transformers_cannot_load_is_a_clear_error(tmp_path, tiny_tokenizer, capsys):
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("accelerate") is not None:
+        pytest.skip("with accelerate, transformers may load FP8 checkpoints")
+    original = build_checkpoint(tmp_path / "original", tiny_tokenizer, seed=21, text_layers=1)
+    write_fp8_checkpoint(original, tmp_path / "fp8", tmp_path / "widened", (16, 32))
+    capsys.readouterr()  # the checkpoint writer's progress bars
+    assert main(["check-parity", str(tmp_path / "fp8"), "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: transformers cannot load") and "accelerate" in err and err.count("\n") == 1

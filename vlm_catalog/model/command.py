@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     from vlm_catalog.model.config import ModelConfigError
     from vlm_catalog.model.loader import CheckpointError
-    from vlm_catalog.model.parity import check_parity
+    from vlm_catalog.model.parity import ReferenceUnavailable, check_parity
     from vlm_catalog.preprocess.image_decode import ImageDecodeError
     from vlm_catalog.preprocess.processor import PromptError
 
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except (CheckpointError, ModelConfigError, PromptError, ImageDecodeError) as exc:
+    except (CheckpointError, ModelConfigError, PromptError, ImageDecodeError, ReferenceUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     verdict = "PASS" if report.passed(atol) else "FAIL"

@@ -58,12 +58,23 @@ class ParityReport:
         return self.our_error_vs_float32 <= LOW_PRECISION_SLACK * self.reference_error_vs_float32 + atol
 
 
+class ReferenceUnavailable(RuntimeError):
+    """transformers cannot load this checkpoint here (e.g. FP8 without accelerate or a GPU)."""
+
+
 def load_reference(checkpoint_dir: str | Path, dtype: torch.dtype, device: str = "cpu") -> Any:
     from transformers import Qwen3VLMoeForConditionalGeneration
 
-    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(
-        str(checkpoint_dir), dtype=dtype, attn_implementation="eager"
-    )
+    try:
+        model = Qwen3VLMoeForConditionalGeneration.from_pretrained(
+            str(checkpoint_dir), dtype=dtype, attn_implementation="eager"
+        )
+    except (ImportError, RuntimeError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ReferenceUnavailable(
+            f"transformers cannot load {checkpoint_dir} as the reference here ({first_line}); "
+            "for an FP8 checkpoint, check its unquantized original instead"
+        ) from None
     return model.to(device).eval()
 
 
