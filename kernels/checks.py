@@ -16,8 +16,7 @@ from kernels.fp8 import FP8_DTYPE
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 # the paged KV cache may also hold FP8 (e4m3): half the bytes of bf16 per token
-FP8_KV_DTYPE = FP8_DTYPE
-KV_CACHE_DTYPES = FLOAT_DTYPES + (FP8_KV_DTYPE,)
+KV_CACHE_DTYPES = FLOAT_DTYPES + (FP8_DTYPE,)
 
 
 def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int | None]) -> None:

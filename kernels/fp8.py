@@ -1,7 +1,8 @@
-"""FP8 (e4m3) block quantization of weights: W [N, K] = Q * scale, one float32 scale per
-block of `block_n x block_k` elements (the layout of Qwen's -FP8 checkpoints; the
-checkpoint side is in vlm_catalog/model/fp8.py). The fused MoE widens such weights
-tile by tile; these are the torch definitions its reference and tests use."""
+"""FP8 (e4m3) block quantization: W [N, K] = Q * scale, one float32 scale per block of
+`block_n x block_k` elements (the layout of Qwen's -FP8 checkpoints; the checkpoint side
+is in vlm_catalog/model/fp8.py). Activations are quantized the same way with blocks of
+one row (dynamic, per token and column group). The fused MoE widens such weights tile by
+tile; these are the torch definitions its reference and tests use."""
 
 from __future__ import annotations
 
@@ -46,6 +47,13 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     return quantized.view(padded.shape)[:rows, :cols].contiguous(), scale
 
 
+def quantize_experts(weights: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert weights [E, N, K] -> (Q [E, N, K] e4m3, scales [E, N/bn, K/bk]), one expert at a
+    time (the float32 temporaries stay one expert's size)."""
+    pairs = [quantize(expert, block) for expert in weights]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
 def quantize_activations(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic FP8 activations: x [T, K] -> (Q [T, K] e4m3, scale [T, ceil(K/group)] float32),
     one scale per token and `group` consecutive columns (max |x| / 448, 1 for an all-zero group),
@@ -77,16 +85,10 @@ def quantize_activations_triton(values: torch.Tensor, group: int) -> tuple[torch
 
 
 def quantize_activations_reference(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = values.shape
-    padded = values.float().new_zeros(rows, -(-cols // group) * group)
-    padded[:, :cols] = values.float()
-    groups = padded.view(rows, -1, group)  # [T, K/group, group]
-    amax = groups.abs().amax(dim=2)  # [T, K/group]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    quantized = (groups / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return quantized.view(rows, -1)[:, :cols].contiguous(), scale
+    """Block quantization with blocks of one row and `group` columns."""
+    return quantize(values, (1, group))
 
 
 def dequantize_activations(quantized: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """Q * scale in float32, the inverse of `quantize_activations` up to its rounding."""
-    return quantized.float() * scale.repeat_interleave(group, dim=1)[:, : quantized.shape[1]]
+    return dequantize(quantized, scale, (1, group), torch.float32)

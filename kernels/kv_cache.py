@@ -18,7 +18,6 @@ import torch
 
 from kernels.checks import (
     FLOAT_DTYPES,
-    FP8_KV_DTYPE,
     INDEX_DTYPES,
     KV_CACHE_DTYPES,
     check_dtype,
@@ -27,7 +26,7 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton
-from kernels.fp8 import FP8_MAX
+from kernels.fp8 import FP8_DTYPE, FP8_MAX
 
 
 def check_paged_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -45,14 +44,14 @@ def check_paged_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[
 
 def check_query_matches_cache(q: torch.Tensor, k_cache: torch.Tensor) -> None:
     """Queries are in the model's dtype; the cache holds that dtype or FP8."""
-    allowed = (k_cache.dtype,) if k_cache.dtype != FP8_KV_DTYPE else FLOAT_DTYPES
+    allowed = (k_cache.dtype,) if k_cache.dtype != FP8_DTYPE else FLOAT_DTYPES
     check_dtype("q", q, allowed)
 
 
 def to_cache_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`values` as stored in a cache of `dtype`; FP8 saturates at +-FP8_MAX instead of
     relying on the cast's overflow behaviour."""
-    if dtype == FP8_KV_DTYPE:
+    if dtype == FP8_DTYPE:
         values = values.clamp(-FP8_MAX, FP8_MAX)
     return values.to(dtype)
 
@@ -144,7 +143,7 @@ def reshape_and_cache_triton(
         HEAD_DIM=head_dim,
         BLOCK_HEADS=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        SATURATE_FP8=k_cache.dtype == FP8_KV_DTYPE,
+        SATURATE_FP8=k_cache.dtype == FP8_DTYPE,
         num_warps=4,
     )
 

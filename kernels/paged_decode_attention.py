@@ -17,7 +17,6 @@ import torch
 
 from kernels.attention_common import LOG2_E, dot_precision, multiprocessor_count
 from kernels.checks import (
-    FP8_KV_DTYPE,
     INDEX_DTYPES,
     check_dtype,
     check_same_device,
@@ -25,6 +24,7 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton
+from kernels.fp8 import FP8_DTYPE
 from kernels.kv_cache import (
     check_paged_kv_cache,
     check_query_matches_cache,
@@ -364,7 +364,7 @@ def _launch_decode(
         BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)),
         BLOCK_N=block_n,
         FUSE_CACHE_WRITE=new_kv is not None,
-        SATURATE_FP8=k_cache.dtype == FP8_KV_DTYPE,
+        SATURATE_FP8=k_cache.dtype == FP8_DTYPE,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,
         num_stages=2,

@@ -422,20 +422,14 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
 def _fp8_experts(inputs, shapes: Shapes):
     """`inputs` with w13/w2 quantized to FP8 (block rows cut to divide the intermediate size),
     or None when the shapes allow no block."""
-    import torch
-
-    from kernels.fp8 import quantize
+    from kernels.fp8 import quantize_experts
     from vlm_catalog.model.fp8 import expert_block
 
     block = expert_block(shapes.moe_intermediate).block
     if shapes.moe_intermediate % block[0]:
         return None
     hidden, w13, w2, weights, ids = inputs
-    quantized = []
-    for weights_3d in (w13, w2):
-        pairs = [quantize(expert, block) for expert in weights_3d]
-        quantized.append((torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])))
-    (q13, s13), (q2, s2) = quantized
+    (q13, s13), (q2, s2) = quantize_experts(w13, block), quantize_experts(w2, block)
     return (hidden, q13, q2, weights, ids), {"w13_scale": s13, "w2_scale": s2, "block_shape": block}
 
 
@@ -475,9 +469,8 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
         )
         # the same experts in FP8 with 128 x 128 block scales (Qwen's -FP8): half the weight bytes
         fp8 = _fp8_experts(inputs, shapes)
-        for name, activations in (("fused_moe[fp8 experts]", False), ("fused_moe[fp8 w8a8]", True)):
-            if fp8 is None:
-                break
+        fp8_variants = (("fused_moe[fp8 experts]", False), ("fused_moe[fp8 w8a8]", True)) if fp8 else ()
+        for name, activations in fp8_variants:
             fp8_ms = timer(partial(fused_moe_triton, *fp8[0], **fp8[1], fp8_activations=activations))
             rows.append(
                 Row(

@@ -1,4 +1,5 @@
-"""Dynamic FP8 quantization of activations, one scale per row and GROUP columns.
+"""FP8 helpers: `saturate_fp8` (for every kernel that writes e4m3) and the dynamic
+quantization of activations, one scale per row and GROUP columns.
 
 Grid (row blocks, column groups): a program loads a [BLOCK_ROWS, GROUP] tile,
 takes each row's max |x|, and writes x / scale rounded to e4m3 plus the scales
@@ -9,6 +10,12 @@ passes. Used between the two GEMMs of the fused MoE with FP8 activations.
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def saturate_fp8(x):
+    """x clamped to the float8 e4m3 range (+-448), in float32 (the cast then only rounds)."""
+    return tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
 
 
 @triton.jit
@@ -37,7 +44,7 @@ def quantize_activations_kernel(
     x = tl.load(x_ptr + row[:, None] * stride_x_row + col[None, :], mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_ROWS]
     scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
-    quantized = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
+    quantized = saturate_fp8(x / scale[:, None])
     tl.store(
         quantized_ptr + row[:, None] * stride_quantized_row + col[None, :],
         quantized.to(quantized_ptr.dtype.element_ty),

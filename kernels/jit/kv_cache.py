@@ -3,11 +3,7 @@
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def saturate_fp8(x):
-    """x clamped to the float8 e4m3 range (+-448), in float32 (the cast then only rounds)."""
-    return tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+from kernels.jit.fp8_quant import saturate_fp8
 
 
 @triton.jit

@@ -28,7 +28,7 @@ and attends to the rounded values, exactly what later steps read back.
 import triton
 import triton.language as tl
 
-from kernels.jit.kv_cache import saturate_fp8
+from kernels.jit.fp8_quant import saturate_fp8
 
 
 @triton.jit

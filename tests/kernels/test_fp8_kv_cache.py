@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kernels
-from kernels.checks import FP8_KV_DTYPE
+from kernels.fp8 import FP8_DTYPE
 from kernels.kv_cache import (
     FP8_MAX,
     reshape_and_cache_reference,
@@ -46,19 +46,19 @@ def _widened(paged, dtype):
 # --------------------------------------------------------------------------- writing
 def test_to_cache_dtype_saturates_instead_of_overflowing():
     values = torch.tensor([0.0, 1.0, -3.3, 447.0, 448.0, 500.0, -1e6, 1e-3])
-    stored = to_cache_dtype(values, FP8_KV_DTYPE).float()
+    stored = to_cache_dtype(values, FP8_DTYPE).float()
     assert stored.tolist()[:5] == [0.0, 1.0, -3.25, 448.0, 448.0]  # e4m3: 3 mantissa bits
     assert stored[5] == FP8_MAX and stored[6] == -FP8_MAX, "out-of-range values saturate"
     assert torch.isfinite(stored).all()
     # the rounding error of e4m3 in its normal range: at most half a unit of the 3-bit mantissa
     normal = torch.linspace(-400, 400, 1001)
     normal = normal[normal.abs() > 2**-6]
-    relative = ((to_cache_dtype(normal, FP8_KV_DTYPE).float() - normal).abs() / normal.abs()).max()
+    relative = ((to_cache_dtype(normal, FP8_DTYPE).float() - normal).abs() / normal.abs()).max()
     assert relative <= 2**-4
 
 
 def test_reference_write_stores_rounded_values():
-    k_cache = torch.zeros(3, 4, 2, 8, dtype=FP8_KV_DTYPE)
+    k_cache = torch.zeros(3, 4, 2, 8, dtype=FP8_DTYPE)
     v_cache = torch.zeros_like(k_cache)
     k, v = torch.randn(5, 2, 8) * 300, torch.randn(5, 2, 8)
     slots = torch.tensor([0, 5, -1, 11, 2])
@@ -66,7 +66,7 @@ def test_reference_write_stores_rounded_values():
     flat_k = k_cache.view(-1, 2, 8)  # [slots, Hkv, D]
     for token, slot in enumerate(slots.tolist()):
         if slot >= 0:
-            assert torch.equal(_bits(flat_k[slot]), _bits(to_cache_dtype(k[token], FP8_KV_DTYPE)))
+            assert torch.equal(_bits(flat_k[slot]), _bits(to_cache_dtype(k[token], FP8_DTYPE)))
 
 
 @pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
@@ -78,7 +78,7 @@ def test_triton_write_matches_reference_bit_for_bit(triton_device, input_dtype):
     slots[3] = -1
     slots = slots.to(triton_device)
     k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), device=triton_device)
-    k_cache = k_cache.to(FP8_KV_DTYPE)
+    k_cache = k_cache.to(FP8_DTYPE)
     v_cache = k_cache.clone()
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     reshape_and_cache_triton(k, v, k_cache, v_cache, slots)
@@ -101,7 +101,7 @@ def test_triton_decode_over_fp8_cache(
     triton_device, query_dtype, context_lens, block_size, num_q_heads, num_kv_heads, head_dim, num_splits
 ):
     # tolerance: TOLERANCE[query dtype] against the reference on the widened cache
-    paged = build_paged_kv(context_lens, block_size, num_kv_heads, head_dim, FP8_KV_DTYPE, triton_device)
+    paged = build_paged_kv(context_lens, block_size, num_kv_heads, head_dim, FP8_DTYPE, triton_device)
     q = torch.randn(len(context_lens), num_q_heads, head_dim).to(query_dtype).to(triton_device)
     scale = head_dim**-0.5
     out = paged_decode_attention_triton(
@@ -115,7 +115,7 @@ def test_triton_decode_over_fp8_cache(
 
 def test_reference_decode_over_fp8_cache_equals_the_widened_cache():
     # the CPU path widens to float32 itself: exactly the same numbers
-    paged = build_paged_kv([5, 33, 0], 4, 2, 16, FP8_KV_DTYPE, torch.device("cpu"))
+    paged = build_paged_kv([5, 33, 0], 4, 2, 16, FP8_DTYPE, torch.device("cpu"))
     q = torch.randn(3, 4, 16)
     args = (paged.block_tables, paged.context_lens, 0.25)
     torch.testing.assert_close(
@@ -129,7 +129,7 @@ def test_reference_decode_over_fp8_cache_equals_the_widened_cache():
 def test_triton_fused_write_rounds_like_the_separate_write(triton_device, num_splits):
     block_size, num_q_heads, num_kv_heads, head_dim = 4, 8, 2, 32
     context_lens = [9, 0, 30]
-    paged = build_paged_kv(context_lens, block_size, num_kv_heads, head_dim, FP8_KV_DTYPE, triton_device)
+    paged = build_paged_kv(context_lens, block_size, num_kv_heads, head_dim, FP8_DTYPE, triton_device)
     slots = []
     for seq, length in enumerate(context_lens):  # the current token is the last context position
         if length == 0:
@@ -159,7 +159,7 @@ def test_triton_prefill_over_fp8_cache(triton_device, query_dtype):
     # tolerance: TOLERANCE[query dtype] against the reference on the widened cache
     context_lens, query_lens = [40, 7, 70], [40, 3, 20]  # a whole prompt, two chunks after a cached prefix
     num_q_heads, num_kv_heads, head_dim = 8, 2, 32
-    paged = build_paged_kv(context_lens, 16, num_kv_heads, head_dim, FP8_KV_DTYPE, triton_device)
+    paged = build_paged_kv(context_lens, 16, num_kv_heads, head_dim, FP8_DTYPE, triton_device)
     q = torch.randn(sum(query_lens), num_q_heads, head_dim).to(query_dtype).to(triton_device)
     cu_seqlens = torch.tensor([0, 40, 43, 63], dtype=torch.int32, device=triton_device)
     args = (paged.block_tables, cu_seqlens, paged.context_lens, head_dim**-0.5)
@@ -183,7 +183,7 @@ def test_fp8_storage_error_against_a_bf16_cache():
     args = (paged.block_tables, paged.context_lens, head_dim**-0.5)
     bf16_out = paged_decode_attention_reference(q, paged.k_cache, paged.v_cache, *args)
     fp8_out = paged_decode_attention_reference(
-        q, to_cache_dtype(paged.k_cache, FP8_KV_DTYPE), to_cache_dtype(paged.v_cache, FP8_KV_DTYPE), *args
+        q, to_cache_dtype(paged.k_cache, FP8_DTYPE), to_cache_dtype(paged.v_cache, FP8_DTYPE), *args
     )
     relative_l2 = ((fp8_out.float() - bf16_out.float()).norm() / bf16_out.float().norm()).item()
     assert 0 < relative_l2 < 5e-2
@@ -200,7 +200,7 @@ def test_query_dtype_must_match_a_non_fp8_cache(triton_device):
 def test_gpu_fp8_decode_and_prefill_model_shapes(cuda_device):
     # tolerance: bf16 (1e-2) against the reference on the widened cache
     num_q_heads, num_kv_heads, head_dim = 32, 4, 128
-    paged = build_paged_kv([4000, 900, 27000], 16, num_kv_heads, head_dim, FP8_KV_DTYPE, cuda_device)
+    paged = build_paged_kv([4000, 900, 27000], 16, num_kv_heads, head_dim, FP8_DTYPE, cuda_device)
     scale = head_dim**-0.5
     k_wide, v_wide = _widened(paged, torch.bfloat16)
     q = torch.randn(3, num_q_heads, head_dim, device=cuda_device, dtype=torch.bfloat16)

@@ -21,17 +21,12 @@ from kernels.fp8 import (
     quantize_activations,
     quantize_activations_reference,
     quantize_activations_triton,
+    quantize_experts,
 )
 from kernels.moe.configs import MoeKernelConfig
 from kernels.moe.fused_moe import fp8_block_k, fused_moe_reference, fused_moe_triton
 from tests.kernels.helpers import TOLERANCE, assert_close
 from tests.kernels.test_fused_moe import moe_inputs
-
-
-def quantize_experts(weights: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] -> FP8 [E, N, K] and scales [E, N/bn, K/bk], expert by expert."""
-    pairs = [quantize(expert, block) for expert in weights]
-    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
 def widen(quantized: torch.Tensor, scales: torch.Tensor, block, dtype) -> torch.Tensor:

@@ -64,7 +64,7 @@ def write_fp8_checkpoint(source: Path, fp8_dir: Path, widened_dir: Path, block: 
 
     from safetensors.torch import load_file, save_file
 
-    from vlm_catalog.model.fp8 import dequantize, quantize
+    from kernels.fp8 import dequantize, quantize
 
     tensors = load_file(str(source / "model.safetensors"))
     quantized: dict[str, torch.Tensor] = {}

@@ -14,9 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels.fp8 import FP8_DTYPE, quantize
 from tests.model.helpers import build_checkpoint, write_fp8_checkpoint
 from vlm_catalog.model.config import ModelConfig, ModelConfigError
-from vlm_catalog.model.fp8 import FP8_DTYPE, Fp8BlockQuantization, quantize
+from vlm_catalog.model.fp8 import Fp8BlockQuantization
 from vlm_catalog.model.loader import CheckpointError, load_model
 
 BLOCK = (16, 32)  # tiny model: moe_intermediate 32, hidden 64; non-square on purpose

@@ -170,14 +170,14 @@ def check_settings(settings: BatchSettings) -> None:
 
 def engine_config(settings: BatchSettings):
     """The EngineConfig of each engine the job builds (BatchError when a setting cannot work)."""
+    from vlm_catalog.engine.arguments import MEMORY_OPTIONS
     from vlm_catalog.engine.config import EngineConfig, EngineConfigError
 
     try:
         return EngineConfig(
             model=settings.model, device=settings.device, dtype=settings.dtype,
             enable_prefix_caching=settings.enable_prefix_caching, scheduling_policy=settings.scheduling_policy,
-            kv_cache_dtype=settings.kv_cache_dtype, gpu_memory_utilization=settings.gpu_memory_utilization,
-            quantization=settings.quantization,
+            **{name: getattr(settings, name) for name in MEMORY_OPTIONS},
             # each record has its own candidate list, so its grammar is seldom seen again:
             # a small cache keeps memory flat over millions of records
             grammar_cache_size=BATCH_GRAMMAR_CACHE_SIZE,

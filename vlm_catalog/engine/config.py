@@ -7,12 +7,13 @@ from pathlib import Path
 
 import torch
 
+from kernels.fp8 import FP8_DTYPE
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # what the paged KV cache stores: "auto" is the model's dtype; "fp8" (e4m3, as vLLM's
 # "fp8"/"fp8_e4m3") halves the bytes per token against bf16, so twice the tokens fit
-KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = {"fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
 # how the MoE experts' weights are held (vlm_catalog/model/loader.py): "auto" keeps an FP8
 # checkpoint's experts in FP8 on CUDA; "fp8" holds them in FP8 anywhere, quantizing an
 # unquantized checkpoint at load; "fp8_w8a8" also quantizes the expert GEMMs' inputs

@@ -13,16 +13,14 @@ The loader either widens such weights to the model's dtype (exact: e4m3 x a
 float32 scale fits bfloat16's range, the product is rounded once), or keeps the
 MoE experts' weights in FP8 with their scales, which halves their memory and
 the bytes a decode step reads (`kernels.fused_moe` widens them tile by tile).
-Activations stay in the model's dtype (weight-only: "W8A16").
+Activations stay in the model's dtype ("W8A16") unless `--quantization
+fp8_w8a8` quantizes the expert GEMMs' inputs too. The quantization math is in
+kernels/fp8.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize, expanded_scale, quantize
-
-__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8BlockQuantization", "dequantize", "expanded_scale", "expert_block", "quantize"]
 
 
 @dataclass(frozen=True)

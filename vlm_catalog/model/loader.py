@@ -54,14 +54,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kernels.fp8 import FP8_DTYPE, dequantize, quantize
 from vlm_catalog.model.config import ModelConfig, TextConfig
-from vlm_catalog.model.fp8 import (
-    FP8_DTYPE,
-    Fp8BlockQuantization,
-    dequantize,
-    expert_block,
-    quantize,
-)
+from vlm_catalog.model.fp8 import Fp8BlockQuantization, expert_block
 from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel
 
 logger = logging.getLogger(__name__)

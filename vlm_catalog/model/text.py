@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.fp8 import FP8_DTYPE, quantize_experts
 from vlm_catalog.model.attention import AttentionBackend
 from vlm_catalog.model.config import TextConfig
-from vlm_catalog.model.fp8 import FP8_DTYPE, Fp8BlockQuantization, quantize
+from vlm_catalog.model.fp8 import Fp8BlockQuantization
 
 
 @dataclass
@@ -144,16 +145,15 @@ class MoEExperts(nn.Module):
 
     @torch.no_grad()
     def quantize_(self, quantization: Fp8BlockQuantization) -> None:
-        """Quantize the present weights to FP8 in place, one expert at a time (benchmarks with
-        random weights; the loader quantizes checkpoints as it reads them)."""
+        """Quantize the present weights to FP8 in place (benchmarks with random weights; the
+        loader quantizes checkpoints as it reads them)."""
         gate_up, down = self.gate_up_proj, self.down_proj
         self.use_fp8(quantization)
-        for expert in range(gate_up.shape[0]):
-            for source, weight, scale in ((gate_up, self.gate_up_proj, self.gate_up_proj_scale),
-                                          (down, self.down_proj, self.down_proj_scale)):
-                quantized, block_scale = quantize(source[expert], quantization.block)
-                weight[expert].copy_(quantized)
-                scale[expert].copy_(block_scale)
+        for source, weight, scale in ((gate_up, self.gate_up_proj, self.gate_up_proj_scale),
+                                      (down, self.down_proj, self.down_proj_scale)):
+            quantized, block_scales = quantize_experts(source, quantization.block)
+            weight.copy_(quantized)
+            scale.copy_(block_scales)
 
 
 class SparseMoE(nn.Module):
