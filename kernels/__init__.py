@@ -12,6 +12,7 @@ shadow the same-named submodules: import the variants with
 """
 
 from kernels.activation import silu_and_mul
+from kernels.fp8_linear import fp8_linear
 from kernels.kv_cache import reshape_and_cache
 from kernels.moe import fused_moe, moe_align_block_size, route_topk
 from kernels.paged_decode_attention import (
@@ -24,6 +25,7 @@ from kernels.rotary import mrope_cos_sin, qk_norm_mrope
 from kernels.varlen_attention import varlen_attention
 
 __all__ = [
+    "fp8_linear",
     "fused_add_rms_norm",
     "fused_moe",
     "moe_align_block_size",

@@ -92,3 +92,11 @@ def quantize_activations_reference(values: torch.Tensor, group: int) -> tuple[to
 def dequantize_activations(quantized: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """Q * scale in float32, the inverse of `quantize_activations` up to its rounding."""
     return dequantize(quantized, scale, (1, group), torch.float32)
+
+
+def gemm_input(values: torch.Tensor, group: int, fp8_activations: bool) -> torch.Tensor:
+    """A GEMM's input in float32 as the references see it: as it is, or after FP8 quantization
+    per row and `group` columns (what the W8A8 kernels multiply)."""
+    if not fp8_activations:
+        return values.float()
+    return dequantize_activations(*quantize_activations_reference(values, group), group)

@@ -25,8 +25,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _grouped_tile(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
-    """Program id -> (M block, N block), GROUP_M M blocks at a time."""
+def grouped_tile(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
+    """Program id -> (M block, N block), GROUP_M M blocks at a time (also the dense FP8 GEMM's order)."""
     programs_per_group = GROUP_M * num_n_blocks
     group = pid // programs_per_group
     first_m = group * GROUP_M
@@ -72,7 +72,7 @@ def moe_gate_up_silu_kernel(
     QUANT_N: tl.constexpr,
     QUANT_K: tl.constexpr,
 ):
-    m_block, n_block = _grouped_tile(
+    m_block, n_block = grouped_tile(
         tl.program_id(0), num_m_blocks, tl.cdiv(intermediate, BLOCK_N), GROUP_M
     )
     if m_block * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
@@ -173,7 +173,7 @@ def moe_down_kernel(
     QUANT_N: tl.constexpr,
     QUANT_K: tl.constexpr,
 ):
-    m_block, n_block = _grouped_tile(
+    m_block, n_block = grouped_tile(
         tl.program_id(0), num_m_blocks, tl.cdiv(hidden_size, BLOCK_N), GROUP_M
     )
     if m_block * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):

@@ -53,13 +53,7 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton
-from kernels.fp8 import (
-    FP8_DTYPE,
-    dequantize,
-    dequantize_activations,
-    quantize_activations,
-    quantize_activations_reference,
-)
+from kernels.fp8 import FP8_DTYPE, dequantize, gemm_input, quantize_activations
 from kernels.moe.configs import MoeKernelConfig, as_moe_config, get_moe_config
 
 MAX_TOKENS_PER_CHUNK = 16384  # bounds the [T*K, I] and [T*K, H] intermediates
@@ -121,13 +115,6 @@ def fused_moe_reference(
     for j in range(1, top_k):
         out += per_rank[j]
     return out.to(hidden.dtype)
-
-
-def gemm_input(values: torch.Tensor, group: int, fp8_activations: bool) -> torch.Tensor:
-    """A GEMM's input in float32: as it is, or as its FP8 quantization sees it."""
-    if not fp8_activations:
-        return values.float()
-    return dequantize_activations(*quantize_activations_reference(values, group), group)
 
 
 # --------------------------------------------------------------------------- triton

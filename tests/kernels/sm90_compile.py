@@ -73,7 +73,9 @@ def kernel_specs(include_float32: bool):
     """(label, kernel, pointer dtype, constexprs, launch options[, pointer types]) at
     Qwen3-VL-30B-A3B shapes; the attention and cache-write kernels also with an FP8 cache.
     float32 attention (exact `tl.dot`, for float32 parity runs) compiles slowly: opt-in."""
+    from kernels.fp8_linear import dense_fp8_config
     from kernels.jit.activation import silu_and_mul_kernel
+    from kernels.jit.fp8_linear import fp8_linear_kernel
     from kernels.jit.fp8_quant import quantize_activations_kernel
     from kernels.jit.fused_moe import moe_down_kernel, moe_gate_up_silu_kernel
     from kernels.jit.kv_cache import reshape_and_cache_kernel
@@ -240,6 +242,23 @@ def kernel_specs(include_float32: bool):
                     f"{label}[T={num_tokens}{',' + variant if variant else ''}]", kernel, "bf16", meta,
                     config.launch_options(), pointer_types,
                 ))
+    for num_tokens in (1, 256, 8192):  # the dense FP8 linear (qkv_proj / o_proj), W8A16 and W8A8
+        config = dense_fp8_config(num_tokens)
+        for variant in ("fp8 weights", "w8a8"):
+            pointer_types = {"w_ptr": "*fp8e4nv", "x_ptr": "*fp8e4nv" if variant == "w8a8" else "*bf16"}
+            meta = {
+                "BLOCK_M": config.block_size_m,
+                "BLOCK_N": config.block_size_n,
+                "BLOCK_K": fp8_block_k(config.block_size_k, 128),
+                "GROUP_M": config.group_size_m,
+                "DOT_PRECISION": "tf32",
+                "FP8_ACTIVATIONS": variant == "w8a8",
+                "HAS_BIAS": num_tokens == 256,  # once with a bias
+                "QUANT_N": 128,
+                "QUANT_K": 128,
+            }
+            specs.append((f"fp8_linear[T={num_tokens},{variant}]", fp8_linear_kernel, "bf16", meta,
+                          config.launch_options(), pointer_types))
     return specs
 
 

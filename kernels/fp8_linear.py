@@ -1,0 +1,150 @@
+"""A dense linear layer with block-FP8 weights: out = x @ W^T + bias.
+
+W [N, K] is float8 e4m3 with one float32 scale per `block = (block_n, block_k)`
+block (kernels/fp8.py). With `fp8_activations` ("W8A8", as vLLM and SGLang run
+Qwen's -FP8 checkpoints) x is quantized per row and block_k columns first, so
+both GEMM operands are FP8: twice the bf16 tensor-core rate on Hopper, for the
+decoder's attention projections (about a third of its prefill FLOPs at
+30B-A3B; the MoE experts are the rest, kernels/moe/fused_moe.py). Without it
+("W8A16") each weight tile is widened to x's dtype and only memory is saved.
+
+Reference: W widened to float32, x as the quantization sees it (`gemm_input`),
+one float32 GEMM, the bias added in float32 and the result rounded once to x's
+dtype. The Triton kernel (kernels/jit/fp8_linear.py) accumulates each K step in
+fp32 and rounds once too, so it matches within TOLERANCE[dtype] at any size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention_common import dot_precision
+from kernels.checks import FLOAT_DTYPES, check_dtype, check_same_device, check_shape, check_unit_stride_last_dim
+from kernels.dispatch import use_triton
+from kernels.fp8 import FP8_DTYPE, dequantize, gemm_input, quantize_activations
+from kernels.moe.configs import MoeKernelConfig, as_moe_config
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    fp8_activations: bool = False,
+) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype, for W [N, K] e4m3 and its block scales."""
+    if use_triton(x, weight):
+        return fp8_linear_triton(x, weight, weight_scale, block, bias, fp8_activations)
+    return fp8_linear_reference(x, weight, weight_scale, block, bias, fp8_activations)
+
+
+def fp8_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    fp8_activations: bool = False,
+) -> torch.Tensor:
+    _check_args(x, weight, weight_scale, block, bias)
+    flat = x.reshape(-1, x.shape[-1])  # [M, K]
+    widened = dequantize(weight, weight_scale, tuple(block), torch.float32)  # [N, K]
+    out = F.linear(gemm_input(flat, block[1], fp8_activations), widened, None if bias is None else bias.float())
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])  # [..., N]
+
+
+def dense_fp8_config(num_rows: int) -> MoeKernelConfig:
+    """Tiles for M rows (untuned, reasoned like the MoE table: up to 64 rows the GEMM streams the
+    weight once and is bandwidth bound, so narrow M and long K steps; above, square 128 tiles
+    that fit three pipeline stages of a bf16 x tile and an FP8 weight tile in shared memory)."""
+    if num_rows <= 16:
+        return MoeKernelConfig(16, 64, 128, 1, num_warps=4, num_stages=4)
+    if num_rows <= 64:
+        return MoeKernelConfig(32, 64, 128, 1, num_warps=4, num_stages=4)
+    if num_rows <= 256:
+        return MoeKernelConfig(64, 128, 128, 8, num_warps=4, num_stages=3)
+    return MoeKernelConfig(128, 128, 128, 8, num_warps=8, num_stages=3)
+
+
+def fp8_linear_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    fp8_activations: bool = False,
+    config: MoeKernelConfig | None = None,
+) -> torch.Tensor:
+    import triton
+
+    from kernels.jit.fp8_linear import fp8_linear_kernel
+    from kernels.moe.fused_moe import fp8_block_k
+
+    _check_args(x, weight, weight_scale, block, bias)
+    check_same_device(x=x, weight=weight, weight_scale=weight_scale)
+    quant_n, quant_k = block
+    out_features, in_features = weight.shape
+    flat = x.reshape(-1, in_features)  # [M, K]
+    if flat.shape[0] > 0 and flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    num_rows = flat.shape[0]
+    out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)  # [M, N]
+    if num_rows == 0:
+        return out.view(*x.shape[:-1], out_features)
+    config = as_moe_config(config or dense_fp8_config(num_rows))
+    inputs, input_scale = flat, flat  # the scale is a placeholder unless FP8_ACTIVATIONS
+    if fp8_activations:
+        inputs, input_scale = quantize_activations(flat, quant_k)  # [M, K] e4m3, [M, K / quant_k]
+    grid = (triton.cdiv(num_rows, config.block_size_m) * triton.cdiv(out_features, config.block_size_n),)
+    fp8_linear_kernel[grid](
+        # pointers
+        inputs,
+        input_scale,
+        weight,
+        weight_scale,
+        flat if bias is None else bias,
+        out,
+        # sizes
+        num_rows,
+        out_features,
+        in_features,
+        # strides
+        inputs.stride(0),
+        input_scale.stride(0),
+        weight.stride(0),
+        weight_scale.stride(0),
+        out.stride(0),
+        # meta-parameters
+        BLOCK_M=config.block_size_m,
+        BLOCK_N=config.block_size_n,
+        BLOCK_K=fp8_block_k(config.block_size_k, quant_k),
+        GROUP_M=config.group_size_m,
+        DOT_PRECISION=dot_precision(x.dtype),
+        FP8_ACTIVATIONS=fp8_activations,
+        HAS_BIAS=bias is not None,
+        QUANT_N=quant_n,
+        QUANT_K=quant_k,
+        **config.launch_options(),
+    )
+    return out.view(*x.shape[:-1], out_features)  # [..., N]
+
+
+def _check_args(x, weight, weight_scale, block, bias) -> None:
+    block_n, block_k = block
+    if block_n < 1 or block_k < 1:
+        raise ValueError(f"block must be two positive sizes, got {tuple(block)}")
+    check_shape("weight", weight, (None, None))
+    out_features, in_features = weight.shape
+    if x.dim() == 0 or x.shape[-1] != in_features:
+        raise ValueError(f"x: the last dimension must be the weight's in_features {in_features}, got {tuple(x.shape)}")
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_dtype("weight", weight, (FP8_DTYPE,))
+    check_shape("weight_scale", weight_scale, (-(-out_features // block_n), -(-in_features // block_k)))
+    check_dtype("weight_scale", weight_scale, (torch.float32,))
+    check_unit_stride_last_dim("weight", weight)
+    if bias is not None:
+        check_shape("bias", bias, (out_features,))
+        check_dtype("bias", bias, FLOAT_DTYPES)
+        check_unit_stride_last_dim("bias", bias)

@@ -1,0 +1,86 @@
+"""The dense block-FP8 GEMM: out [M, N] = x [M, K] @ W [N, K]^T (+ bias).
+
+W is float8 e4m3 with one float32 scale per QUANT_N x QUANT_K block (Qwen's
+-FP8 layout, kernels/fp8.py). Programs are ordered GROUP_M M blocks at a time
+(`grouped_tile`, the fused MoE's order) so neighbouring programs share W tiles
+in L2. BLOCK_K divides QUANT_K, so each K step lies in one scale block: its
+partial product is multiplied by its columns' scales and accumulated in fp32.
+
+FP8_ACTIVATIONS: x is e4m3 too, quantized per row and QUANT_K columns with its
+own float32 scales (`quantize_activations`); both dot operands are FP8 (the
+Hopper FP8 tensor cores) and each K step is scaled by the rows' and the
+columns' scales. Otherwise each W tile is widened to x's dtype after its load
+(exact) and the dot runs in x's dtype.
+
+The result is rounded once to the output dtype after the bias is added in
+fp32, as cuBLAS does in its epilogue.
+"""
+
+import triton
+import triton.language as tl
+
+from kernels.jit.fused_moe import grouped_tile
+
+
+@triton.jit
+def fp8_linear_kernel(
+    # pointers
+    x_ptr,  # [M, K] (e4m3 with FP8_ACTIVATIONS)
+    x_scale_ptr,  # [M, K / QUANT_K] float32 (FP8_ACTIVATIONS only)
+    w_ptr,  # [N, K] e4m3
+    w_scale_ptr,  # [N / QUANT_N, K / QUANT_K] float32
+    bias_ptr,  # [N] (HAS_BIAS only)
+    out_ptr,  # [M, N] out
+    # sizes
+    num_rows,  # M
+    out_features,  # N
+    in_features,  # K: the reduction
+    # strides
+    stride_x_row,
+    stride_x_scale_row,
+    stride_w_row,
+    stride_w_scale_row,
+    stride_out_row,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FP8_ACTIVATIONS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    QUANT_N: tl.constexpr,
+    QUANT_K: tl.constexpr,
+):
+    m_block, n_block = grouped_tile(
+        tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(out_features, BLOCK_N), GROUP_M
+    )
+    rows = (m_block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = rows < num_rows
+    cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < out_features
+    ks = tl.arange(0, BLOCK_K)
+
+    x_ptrs = x_ptr + rows[:, None] * stride_x_row + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_w_row + ks[:, None]  # [BLOCK_K, BLOCK_N]
+    w_scale_ptrs = w_scale_ptr + (cols // QUANT_N) * stride_w_scale_row  # [BLOCK_N]; K block added per step
+    x_scale_ptrs = x_scale_ptr + rows * stride_x_scale_row  # [BLOCK_M] (FP8_ACTIVATIONS)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, in_features, BLOCK_K):
+        k_mask = ks < in_features - k_start
+        x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        k_block = k_start // QUANT_K
+        w_scale = tl.load(w_scale_ptrs + k_block, mask=col_mask, other=0.0)  # [BLOCK_N]
+        if FP8_ACTIVATIONS:
+            x_scale = tl.load(x_scale_ptrs + k_block, mask=row_mask, other=0.0)  # [BLOCK_M]
+            acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
+        else:
+            acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION) * w_scale[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_out_row + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
