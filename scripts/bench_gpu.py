@@ -21,7 +21,8 @@ call; `--json FILE` merges the phases' results into FILE.
 - engine_fp8      FP8 experts (128 x 128 block scales, as Qwen's -FP8 checkpoints; the random
                   experts are quantized in place, so this runs after the other model phases)
                   and an FP8 KV cache: ~30 GB of weights instead of ~61, the rest for the cache
-- engine_w8a8     engine_fp8 with the expert GEMMs' inputs in FP8 too (FP8 tensor cores)
+- engine_w8a8     engine_fp8 with the decoder's dense projections in FP8 too and every FP8
+                  GEMM's input quantized (FP8 tensor cores; `--quantization fp8_w8a8`)
 - constrained     the per-record schema (real stop) against an unconstrained run that
                   generates the same number of tokens per record (both counts reported;
                   target >= 0.95x)
@@ -67,7 +68,8 @@ from vlm_catalog.engine.paged_attention import (
     allocate_kv_caches,
 )
 from vlm_catalog.engine.sampling_params import SamplingParams
-from vlm_catalog.model.fp8 import expert_block
+from vlm_catalog.model.fp8 import fitting_block
+from vlm_catalog.model.text import Fp8Linear, dense_row_counts
 from vlm_catalog.paths import DEFAULT_MODEL_DIR, REPO_ROOT
 from vlm_catalog.preprocess.prompt import build_messages
 from vlm_catalog.structured import catalogue_schema
@@ -256,21 +258,32 @@ def measure_engine(checkpoint: Path, model, device: torch.device, records, outpu
 def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
                        fp8_activations: bool = False) -> dict:
     """`measure_engine` with FP8 experts (quantized in place, one layer at a time, unless already
-    FP8) and an FP8 KV cache; `fp8_activations`: FP8 GEMM inputs too."""
+    FP8) and an FP8 KV cache; `fp8_activations`: what `--quantization fp8_w8a8` loads, the dense
+    projections in FP8 too (`Fp8Linear`) and every FP8 GEMM's input quantized."""
     def weight_bytes(module) -> int:
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
-    experts = model.language_model.moe_experts()
-    before = {"weight_bytes": weight_bytes(model), "expert_weight_bytes": sum(map(weight_bytes, experts))}
-    block = expert_block(model.config.text.moe_intermediate_size)
+    decoder = model.language_model
+    experts = decoder.moe_experts()
+
+    def sizes() -> dict:
+        dense = sum(weight_bytes(getattr(module, name)) for module, name in decoder.dense_projections())
+        return {"weight_bytes": weight_bytes(model), "expert_weight_bytes": sum(map(weight_bytes, experts)),
+                "dense_projection_bytes": dense}
+
+    before = sizes()
+    block = fitting_block(model.config.text.moe_intermediate_size)
     for layer_experts in experts:
         if layer_experts.fp8_block is None:
             layer_experts.quantize_(block)
             release_memory(device)  # the layer's bf16 experts
         layer_experts.fp8_activations = fp8_activations
+    if fp8_activations and not isinstance(decoder.layers[0].self_attn.qkv_proj, Fp8Linear):
+        decoder.use_fp8_linears(fitting_block(*dense_row_counts(decoder.config)), quantize_present=True)
+        release_memory(device)
     results = measure_engine(checkpoint, model, device, records, output_tokens, kv_cache_dtype="fp8")
     results["before"] = before
-    results["after"] = {"weight_bytes": weight_bytes(model), "expert_weight_bytes": sum(map(weight_bytes, experts))}
+    results["after"] = sizes()
     return results
 
 

@@ -423,9 +423,9 @@ def _fp8_experts(inputs, shapes: Shapes):
     """`inputs` with w13/w2 quantized to FP8 (block rows cut to divide the intermediate size),
     or None when the shapes allow no block."""
     from kernels.fp8 import quantize_experts
-    from vlm_catalog.model.fp8 import expert_block
+    from vlm_catalog.model.fp8 import fitting_block
 
-    block = expert_block(shapes.moe_intermediate).block
+    block = fitting_block(shapes.moe_intermediate).block
     if shapes.moe_intermediate % block[0]:
         return None
     hidden, w13, w2, weights, ids = inputs
@@ -497,6 +497,37 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
     return rows
 
 
+def bench_dense_fp8(shapes: Shapes, dtype, device, timer) -> list[Row]:
+    """The decoder's attention projections with FP8 weights (128-column blocks, rows cut to the
+    fused q/k/v parts), W8A16 and W8A8 (input quantization included), against bf16 cuBLAS."""
+    import torch
+    import torch.nn.functional as F
+
+    from kernels.fp8 import quantize
+    from kernels.fp8_linear import fp8_linear_triton
+    from vlm_catalog.model.fp8 import fitting_block
+
+    q_size, kv_size = shapes.num_q_heads * shapes.head_dim, shapes.num_kv_heads * shapes.head_dim
+    block = fitting_block(q_size, kv_size).block
+    rows = []
+    for label, in_features, out_features in (("qkv_proj", shapes.hidden, q_size + 2 * kv_size),
+                                             ("o_proj", q_size, shapes.hidden)):
+        weight = torch.randn(out_features, in_features, device=device, dtype=dtype) / in_features**0.5
+        quantized, scale = quantize(weight, block)
+        for num_tokens in sorted({1, shapes.moe_target_tokens, shapes.num_tokens}):
+            x = torch.randn(num_tokens, in_features, device=device, dtype=dtype)
+            baseline_ms = timer(partial(F.linear, x, weight))
+            flops = 2 * num_tokens * in_features * out_features
+            for variant, activations in (("w8a16", False), ("w8a8", True)):
+                ms = timer(partial(fp8_linear_triton, x, quantized, scale, block, None, activations))
+                rows.append(Row(
+                    f"fp8_linear[{variant}]", f"{label} T={num_tokens} ({in_features}->{out_features})", ms,
+                    "bf16 F.linear (cuBLAS)", baseline_ms,
+                    f"{teraflops(flops, ms)}, weights {gigabytes_per_second(weight.numel(), ms)}",
+                ))
+    return rows
+
+
 def run_kernel_benchmarks(device, shapes: Shapes = GPU_SHAPES, dtype=None) -> dict:
     """Runs every benchmark on `device`; returns {"device", "versions", "rows": [...]}."""
     import torch
@@ -509,6 +540,7 @@ def run_kernel_benchmarks(device, shapes: Shapes = GPU_SHAPES, dtype=None) -> di
     rows = bench_elementwise(shapes, dtype, device, timer)
     rows += bench_attention(shapes, dtype, device, timer)
     rows += bench_moe(shapes, dtype, device, timer)
+    rows += bench_dense_fp8(shapes, dtype, device, timer)
     return {
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"

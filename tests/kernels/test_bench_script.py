@@ -58,6 +58,8 @@ def test_interpret_smoke_run_writes_json(tmp_path):
         "paged_decode_attention",
         "paged_prefill_attention",
         "varlen_attention",
+        "fp8_linear[w8a16]",
+        "fp8_linear[w8a8]",
     } <= names
     assert all(row["triton_ms"] > 0 and row["baseline_ms"] > 0 for row in report["rows"])
 
@@ -152,8 +154,11 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert after["expert_weight_bytes"] < 0.3 * before["expert_weight_bytes"]
     assert after["weight_bytes"] == before["weight_bytes"] - before["expert_weight_bytes"] + after["expert_weight_bytes"]
     assert fp8_experts["fixed_150_tokens"]["errors"] == 0 and fp8_experts["kv_cache_tokens"] == fp8["kv_cache_tokens"]
-    w8a8 = report["engine_w8a8"]  # the experts were already FP8: nothing more to quantize
+    assert after["dense_projection_bytes"] == before["dense_projection_bytes"]  # W8A16 experts only
+    w8a8 = report["engine_w8a8"]  # the experts were already FP8; the dense projections become FP8 too
     assert w8a8["before"] == fp8_experts["after"] and w8a8["fixed_150_tokens"]["errors"] == 0
+    assert w8a8["after"]["dense_projection_bytes"] < 0.3 * w8a8["before"]["dense_projection_bytes"]
+    assert w8a8["after"]["expert_weight_bytes"] == w8a8["before"]["expert_weight_bytes"]
     hf = report["transformers"]
     assert hf["batch_1_probe"]["samples_per_s"] > 0 and hf["batch_chosen"] >= 1 and hf["best_samples_per_s"] > 0
     # vision_encoder needs the matmul peak: ceilings are measured for it

@@ -14,11 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.fp8 import FP8_DTYPE, quantize
+from kernels.fp8 import FP8_DTYPE, dequantize, quantize
 from tests.model.helpers import build_checkpoint, write_fp8_checkpoint
 from vlm_catalog.model.config import ModelConfig, ModelConfigError
 from vlm_catalog.model.fp8 import Fp8BlockQuantization
 from vlm_catalog.model.loader import CheckpointError, load_model
+from vlm_catalog.model.text import Fp8Linear
 
 BLOCK = (16, 32)  # tiny model: moe_intermediate 32, hidden 64; non-square on purpose
 
@@ -124,11 +125,67 @@ def test_bad_fp8_checkpoints_are_clear_errors(checkpoints, tmp_path):
 
 
 def test_fp8_activations_stay_close_to_fp8_weights_alone(checkpoints):
-    """fp8_w8a8 quantizes the expert GEMMs' inputs per token and column block: the logits move
-    by about 1% against FP8 weights alone (measured 1.0-1.1% over three inputs; bound 10%)."""
+    """fp8_w8a8 quantizes every GEMM's input per token and column block (and holds the dense
+    projections in FP8, here exactly the checkpoint's): this tiny random model's logits move by
+    6.0-8.5% over three inputs against FP8 expert weights alone (bound 15%); 1.0-1.1% of it
+    with the expert GEMMs' inputs alone. The shipped model's accuracy is in docs/benchmarks.md."""
     _, fp8, _ = checkpoints
     model = load_model(fp8, quantization="fp8_w8a8")
     assert all(experts.fp8_activations for experts in model.language_model.moe_experts())
-    weights_only = _logits(load_model(fp8, quantization="fp8"))
-    error = ((_logits(model) - weights_only).norm() / weights_only.norm()).item()
-    assert 0 < error < 0.1
+    weights_only = load_model(fp8, quantization="fp8")
+    for seed in range(3):
+        expected = _logits(weights_only, seed)
+        error = ((_logits(model, seed) - expected).norm() / expected.norm()).item()
+        assert 0 < error < 0.15
+
+
+def _fp8_linears(model) -> dict[str, Fp8Linear]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, Fp8Linear)}
+
+
+def test_w8a8_holds_an_fp8_checkpoints_dense_projections_as_they_are(tmp_path, tiny_tokenizer):
+    original = build_checkpoint(tmp_path / "original", tiny_tokenizer, seed=5, mlp_only_layers=(1,))
+    write_fp8_checkpoint(original, tmp_path / "fp8", tmp_path / "widened", BLOCK)
+    model = load_model(tmp_path / "fp8", quantization="fp8_w8a8")
+    linears = _fp8_linears(model)
+    # q/k/v and o in both layers, the dense MLP's gate/up and down in layer 1; the router, the
+    # embeddings, lm_head and the vision tower stay as they are
+    assert sorted(name.split(".", 3)[-1] for name in linears) == [
+        "mlp.down_proj", "mlp.gate_up_proj", "self_attn.o_proj", "self_attn.o_proj",
+        "self_attn.qkv_proj", "self_attn.qkv_proj"]
+    assert all(linear.weight.dtype == FP8_DTYPE and linear.block == BLOCK for linear in linears.values())
+    # each part of a fused projection holds its source tensor's bytes and scale rows
+    raw = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    qkv = linears["language_model.layers.0.self_attn.qkv_proj"]
+    source = "model.language_model.layers.0.self_attn.k_proj.weight"
+    assert torch.equal(qkv.weight[64:96].view(torch.uint8), raw[source].view(torch.uint8))  # q_size 64, kv 32
+    assert torch.equal(qkv.weight_scale[4:6], raw[source + "_scale_inv"])  # rows 64..95 in 16-row blocks
+    # widened, every FP8 projection is the widened checkpoint's weight bit for bit
+    widened = load_model(tmp_path / "widened").state_dict()
+    for name, linear in linears.items():
+        got = dequantize(linear.weight, linear.weight_scale, BLOCK, torch.float32)
+        assert torch.equal(got, widened[f"{name}.weight"]), name
+
+
+def test_w8a8_quantizes_an_unquantized_checkpoints_dense_projections_at_load(checkpoints):
+    original, _, _ = checkpoints
+    model, plain = load_model(original, quantization="fp8_w8a8"), load_model(original)
+    qkv = model.language_model.layers[1].self_attn.qkv_proj
+    assert qkv.block == (32, 128)  # rows cut to divide the k/v part (2 heads x 16)
+    quantized, scale = quantize(plain.language_model.layers[1].self_attn.qkv_proj.weight, qkv.block)
+    assert torch.equal(qkv.weight.view(torch.uint8), quantized.view(torch.uint8))
+    assert torch.equal(qkv.weight_scale, scale)
+    # everything in FP8 with FP8 GEMM inputs: the logits move by 8.4-9.8% over three inputs (bound 15%)
+    for seed in range(3):
+        exact = _logits(plain, seed)
+        error = ((_logits(model, seed) - exact).norm() / exact.norm()).item()
+        assert 0 < error < 0.15
+
+
+def test_w8a8_needs_whole_scale_blocks_per_fused_part(tmp_path, tiny_tokenizer):
+    original = build_checkpoint(tmp_path / "original", tiny_tokenizer, moe_intermediate_size=64)
+    write_fp8_checkpoint(original, tmp_path / "fp8", tmp_path / "widened", (64, 32))  # k/v parts: 32 rows
+    with pytest.raises(CheckpointError, match=r"fp8_w8a8.*row counts \[64, 32\].*block size 64"):
+        load_model(tmp_path / "fp8", quantization="fp8_w8a8")
+    model = load_model(tmp_path / "fp8", quantization="fp8")  # FP8 experts alone need no such thing
+    assert not _fp8_linears(model) and model.language_model.moe_experts()[0].fp8_block == (64, 32)

@@ -14,7 +14,8 @@ float32 scale fits bfloat16's range, the product is rounded once), or keeps the
 MoE experts' weights in FP8 with their scales, which halves their memory and
 the bytes a decode step reads (`kernels.fused_moe` widens them tile by tile).
 Activations stay in the model's dtype ("W8A16") unless `--quantization
-fp8_w8a8` quantizes the expert GEMMs' inputs too. The quantization math is in
+fp8_w8a8`, which also holds the decoder's dense projections in FP8 and
+quantizes every FP8 GEMM's input (`text.Fp8Linear`, kernels/fp8_linear.py). The quantization math is in
 kernels/fp8.py.
 """
 
@@ -38,11 +39,11 @@ class Fp8BlockQuantization:
         return -(-rows // self.block_n), -(-cols // self.block_k)
 
 
-def expert_block(intermediate: int) -> Fp8BlockQuantization:
-    """Blocks for quantizing unquantized experts: 128 x 128 as Qwen's, with rows cut to the
-    largest power of two (>= 16) dividing the expert intermediate size (the stacked gate/up
-    scales need whole blocks per half)."""
+def fitting_block(*row_counts: int) -> Fp8BlockQuantization:
+    """Blocks for quantizing unquantized weights: 128 x 128 as Qwen's, with rows cut to the
+    largest power of two (>= 16) dividing every count in `row_counts` (fused weights, e.g. the
+    stacked expert gate/up or the q/k/v projections, need whole blocks per part)."""
     rows = 128
-    while intermediate % rows and rows > 16:
+    while any(count % rows for count in row_counts) and rows > 16:
         rows //= 2
     return Fp8BlockQuantization(block_n=rows, block_k=128)

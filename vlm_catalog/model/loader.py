@@ -25,11 +25,14 @@ says what the model holds.
 - "fp8": MoE experts in FP8 on any device; an unquantized checkpoint's experts
   are quantized as they are read (128 x 128 blocks, as Qwen's; fewer rows when
   the expert intermediate size is not a multiple of 128).
-- "fp8_w8a8": as "fp8", and the expert GEMMs quantize their inputs to FP8 too
-  (per token and 128 columns), for FP8 tensor-core GEMMs.
+- "fp8_w8a8": as "fp8", and the decoder's dense projections (attention q/k/v
+  and o, dense MLPs) are FP8 too (`Fp8Linear`; an FP8 checkpoint's as they
+  are, others quantized as they are read); every FP8 GEMM quantizes its input
+  (per token and 128 columns), for Hopper's FP8 tensor cores.
 - "none": every weight in `dtype`.
 A float8 tensor without its scale, or a quantization method other than
-block-wise FP8, is a clear error, never a silently wrong model.
+block-wise FP8, is a clear error, never a silently wrong model. Scales
+(`<name>_scale_inv`) are read with their weight, from a per-shard cache.
 
 Memory: the model is built on the meta device and allocated once in the target
 dtype and device; tensors are then streamed from memory-mapped safetensors in
@@ -56,8 +59,9 @@ from torch import nn
 
 from kernels.fp8 import FP8_DTYPE, dequantize, quantize
 from vlm_catalog.model.config import ModelConfig, TextConfig
-from vlm_catalog.model.fp8 import Fp8BlockQuantization, expert_block
+from vlm_catalog.model.fp8 import Fp8BlockQuantization, fitting_block
 from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel
+from vlm_catalog.model.text import Fp8Linear, MoEExperts, dense_row_counts
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +85,7 @@ def load_model(
     quantization: str = "auto",
 ) -> Qwen3VLMoeModel:
     """Build the model for `checkpoint_dir` and stream its weights in (`quantization`: the
-    module doc's "auto", "fp8" or "none")."""
+    module doc's "auto", "fp8", "fp8_w8a8" or "none")."""
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {checkpoint_dir}")
@@ -95,6 +99,7 @@ def load_model(
     config = ModelConfig.from_pretrained(checkpoint_dir)
     shards = checkpoint_shards(checkpoint_dir)
     fp8_experts = _fp8_experts(config, quantization, device)
+    fp8_dense = _fp8_dense(config) if quantization == "fp8_w8a8" else None
 
     with torch.device("meta"):
         model = Qwen3VLMoeModel(config)
@@ -103,6 +108,8 @@ def load_model(
         for experts in model.language_model.moe_experts():
             experts.use_fp8(fp8_experts)
             experts.fp8_activations = quantization == "fp8_w8a8"
+    if fp8_dense is not None:
+        model.language_model.use_fp8_linears(fp8_dense)
     model = model.to_empty(device=device)
     model.visual.reset_rotary_buffers()
     model.language_model.reset_rotary_buffers()
@@ -128,7 +135,7 @@ def _fp8_experts(config: ModelConfig, quantization: str, device: torch.device) -
         return None
     if quantization == "auto" and (config.quantization is None or device.type != "cuda"):
         return None
-    block = config.quantization or expert_block(text.moe_intermediate_size)
+    block = config.quantization or fitting_block(text.moe_intermediate_size)
     if text.moe_intermediate_size % block.block_n:
         if quantization != "auto":
             raise CheckpointError(
@@ -137,6 +144,19 @@ def _fp8_experts(config: ModelConfig, quantization: str, device: torch.device) -
             )
         logger.info("FP8 experts need moe_intermediate_size %% %d == 0: widening them", block.block_n)
         return None
+    return block
+
+
+def _fp8_dense(config: ModelConfig) -> Fp8BlockQuantization:
+    """The block quantization of the dense projections under "fp8_w8a8": the checkpoint's, or
+    128 x 128 with rows cut to divide the fused parts (q, k/v, the dense MLP's gate/up)."""
+    row_counts = dense_row_counts(config.text)
+    block = config.quantization or fitting_block(*row_counts)
+    if any(count % block.block_n for count in row_counts):
+        raise CheckpointError(
+            f"quantization='fp8_w8a8' needs the fused projections' row counts {row_counts} to be multiples "
+            f"of the block size {block.block_n}"
+        )
     return block
 
 
@@ -171,15 +191,13 @@ class _Target:
     view: Callable[[torch.Tensor], torch.Tensor]
     expected_shape: tuple[int, ...]
     transposed_experts: bool = False
-    # FP8 experts: the name of the parameter holding this target's block scales, and their slice
+    # an FP8 parameter: the parameter holding its block scales, their slice, and the block
     scale_name: str | None = None
     scale_view: Callable[[torch.Tensor], torch.Tensor] | None = None
+    scale_block: tuple[int, int] | None = None
 
 
 _PER_EXPERT = re.compile(r"^(language_model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-_PER_EXPERT_SCALE = re.compile(
-    r"^(language_model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight" + SCALE_SUFFIX + "$"
-)
 _ATTENTION_PART = re.compile(r"^(language_model\.layers\.\d+\.self_attn)\.(q|k|v)_proj\.(weight|bias)$")
 _DENSE_MLP_PART = re.compile(r"^(language_model\.layers\.\d+\.mlp)\.(gate|up)_proj\.weight$")
 _FUSED_EXPERTS = re.compile(r"^language_model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
@@ -194,10 +212,9 @@ class WeightPlan:
     ) -> None:
         self.chunk_bytes = chunk_bytes
         self.locations = locations or {}  # tensor name -> shard, to find an FP8 weight's scales
+        self._shard_scales: dict[Path, dict[str, torch.Tensor]] = {}  # the scales read so far, per shard
         self.quantization = config.quantization  # how the checkpoint's FP8 weights are blocked
-        self.expert_block = next(  # how FP8 experts are blocked in the model (None: not FP8)
-            (experts.fp8_block for experts in model.language_model.moe_experts() if experts.fp8_block), None
-        )
+        self.fp8_blocks = _fp8_blocks(model)  # FP8 parameter name -> its block (the model's layout)
         self.parameters = dict(model.named_parameters(remove_duplicate=False))
         self.text: TextConfig = config.text
         self.tied = config.tie_word_embeddings
@@ -208,6 +225,8 @@ class WeightPlan:
         self.skipped: list[str] = []
 
     def copy(self, source_name: str, handle, shard: Path) -> None:
+        if source_name.endswith(SCALE_SUFFIX):
+            return  # read with its weight (`_scale_of`)
         source = handle.get_slice(source_name)
         target = self.target(source_name, tuple(source.get_shape()))
         if target is None:
@@ -218,8 +237,8 @@ class WeightPlan:
         with torch.no_grad():
             if fp8_source and destination.dtype != FP8_DTYPE:
                 self._copy_widened(source_name, source, destination, target)
-            elif destination.dtype == FP8_DTYPE and not fp8_source:
-                self._copy_quantized(source, destination, target)
+            elif destination.dtype == FP8_DTYPE:
+                self._copy_fp8(source_name, source, destination, target, fp8_source)
             elif target.transposed_experts:
                 for expert in range(destination.shape[0]):
                     destination[expert].copy_(source[expert].transpose(0, 1))
@@ -234,7 +253,7 @@ class WeightPlan:
             raise CheckpointError(f"{source_name} is float8 but config.json has no FP8 quantization_config")
         if target.transposed_experts:
             raise CheckpointError(f"{source_name}: FP8 experts in the transposed fused layout are not supported")
-        scale = self._read_scale(source_name)
+        scale = self._scale_of(source_name)
         block = self.quantization.block
         if destination.dim() == 3:  # fused experts [E, rows, cols] with scales [E, row blocks, col blocks]
             for expert in range(destination.shape[0]):
@@ -243,27 +262,45 @@ class WeightPlan:
         for start, end in _row_chunks(destination, self.chunk_bytes):
             destination[start:end].copy_(dequantize(source[start:end], scale, block, destination.dtype, first_row=start))
 
-    def _copy_quantized(self, source, destination: torch.Tensor, target: _Target) -> None:
-        """An unquantized expert weight into an FP8 expert parameter: quantized here, scales too."""
+    def _copy_fp8(self, source_name: str, source, destination: torch.Tensor, target: _Target, fp8_source: bool) -> None:
+        """Into an FP8 parameter and its scale rows: an FP8 source's bytes and scales as they are,
+        an unquantized source quantized here (one expert at a time)."""
         scales = target.scale_view(self.parameters[target.scale_name])
-        if destination.dim() == 2:  # one expert's weight
-            parts = [(destination, scales, source[:])]
-        else:  # fused experts, read one expert at a time
-            parts = ((destination[e], scales[e], source[e]) for e in range(destination.shape[0]))
-        for weight_out, scale_out, weight in parts:
-            quantized, scale = quantize(weight.transpose(0, 1) if target.transposed_experts else weight,
-                                        self.expert_block)
-            weight_out.copy_(quantized)
-            scale_out.copy_(scale)
+        if fp8_source:
+            if target.transposed_experts:
+                raise CheckpointError(f"{source_name}: FP8 experts in the transposed fused layout are not supported")
+            if self.quantization is None or self.quantization.block != target.scale_block:
+                raise CheckpointError(f"{source_name}: block scales that config.json's quantization_config "
+                                      "does not describe")
+            scale = self._scale_of(source_name)
+            self._check_shape(source_name + SCALE_SUFFIX, tuple(scale.shape), tuple(scales.shape))
+            for start, end in _row_chunks(destination, self.chunk_bytes):
+                destination[start:end].copy_(source[start:end])
+            scales.copy_(scale)
+        else:
+            if destination.dim() == 2:  # one weight (or one expert's)
+                parts = [(destination, scales, source[:])]
+            else:  # fused experts, read one expert at a time
+                parts = ((destination[e], scales[e], source[e]) for e in range(destination.shape[0]))
+            for weight_out, scale_out, weight in parts:
+                quantized, scale = quantize(weight.transpose(0, 1) if target.transposed_experts else weight,
+                                            target.scale_block)
+                weight_out.copy_(quantized)
+                scale_out.copy_(scale)
         self.filled[target.scale_name] += scales.numel()
 
-    def _read_scale(self, source_name: str) -> torch.Tensor:
+    def _scale_of(self, source_name: str) -> torch.Tensor:
+        """The float32 block scales of FP8 weight `source_name`. The first call for a shard reads
+        all of that shard's scales (a few MB for a 30B model) so the file opens once."""
         scale_name = source_name + SCALE_SUFFIX
         shard = self.locations.get(scale_name)
         if shard is None:
             raise CheckpointError(f"{source_name} is float8 but the checkpoint has no {scale_name}")
-        with safe_open(str(shard), framework="pt", device="cpu") as handle:
-            return handle.get_tensor(scale_name).float()
+        if shard not in self._shard_scales:
+            names = [name for name, where in self.locations.items() if where == shard and name.endswith(SCALE_SUFFIX)]
+            with safe_open(str(shard), framework="pt", device="cpu") as handle:
+                self._shard_scales[shard] = {name: handle.get_tensor(name).float() for name in names}
+        return self._shard_scales[shard][scale_name]
 
     def target(self, source_name: str, shape: tuple[int, ...]) -> _Target | None:
         name = source_name.removeprefix("model.")
@@ -282,8 +319,6 @@ class WeightPlan:
             prefix, part = match.groups()
             size = text.intermediate_size
             return self._slice(source_name, f"{prefix}.gate_up_proj.weight", shape, 0 if part == "gate" else size, size)
-        if match := _PER_EXPERT_SCALE.match(name):
-            return self._expert_scale_slice(source_name, *match.groups(), shape)
         if match := _PER_EXPERT.match(name):
             prefix, expert, part = match.groups()
             expert = int(expert)
@@ -313,13 +348,13 @@ class WeightPlan:
         parameter = self.parameters[name]
         self._check_shape(source_name, shape, tuple(parameter.shape))
         self._check_not_filled(source_name, name)
-        return _Target(parameter, name, lambda p: p, tuple(parameter.shape))
+        return self._with_scales(_Target(parameter, name, lambda p: p, tuple(parameter.shape)))
 
     def _slice(self, source_name: str, name: str, shape: tuple[int, ...], start: int, length: int) -> _Target:
         parameter = self._parameter(source_name, name)
         expected = (length, *parameter.shape[1:])
         self._check_shape(source_name, shape, expected)
-        return _Target(parameter, name, lambda p: p[start : start + length], expected)
+        return self._with_scales(_Target(parameter, name, lambda p: p[start : start + length], expected), start, length)
 
     def _expert_slice(
         self, source_name: str, name: str, shape: tuple[int, ...], expert: int, start: int, length: int | None
@@ -331,28 +366,7 @@ class WeightPlan:
         expected = (length, parameter.shape[2])
         self._check_shape(source_name, shape, expected)
         target = _Target(parameter, name, lambda p: p[expert, start : start + length], expected)
-        if parameter.dtype == FP8_DTYPE:  # its scale rows, for quantizing an unquantized source
-            first, count = start // self.expert_block[0], -(-length // self.expert_block[0])
-            target.scale_name = f"{name}_scale"
-            target.scale_view = lambda p: p[expert, first : first + count]
-        return target
-
-    def _expert_scale_slice(self, source_name: str, prefix: str, expert: str, part: str, shape) -> _Target | None:
-        """The block scales of one expert's FP8 weight: into the scale parameter when the model
-        keeps FP8 experts; otherwise read when the weight itself is widened (None here)."""
-        name = f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}_scale"
-        if name not in self.parameters:
-            return None
-        parameter, expert = self.parameters[name], int(expert)
-        if not 0 <= expert < parameter.shape[0]:
-            raise CheckpointError(f"{source_name}: expert {expert} is out of range ({parameter.shape[0]} experts)")
-        if self.quantization is None or self.quantization.block != self.expert_block:
-            raise CheckpointError(f"{source_name}: block scales that config.json's quantization_config does not describe")
-        rows = parameter.shape[1] if part == "down" else parameter.shape[1] // 2
-        first = rows if part == "up" else 0
-        expected = (rows, parameter.shape[2])
-        self._check_shape(source_name, shape, expected)
-        return _Target(parameter, name, lambda p: p[expert, first : first + rows], expected)
+        return self._with_scales(target, start, length, expert)
 
     def _fused_experts(self, source_name: str, name: str, shape: tuple[int, ...]) -> _Target:
         parameter = self._parameter(source_name, name)
@@ -368,9 +382,21 @@ class WeightPlan:
                 f"transposed layout {list(transposed)}"
             )
         self._check_not_filled(source_name, name)
-        target = _Target(parameter, name, lambda p: p, ours, transposed_experts=is_transposed)
-        if parameter.dtype == FP8_DTYPE:
-            target.scale_name, target.scale_view = f"{name}_scale", lambda p: p
+        return self._with_scales(_Target(parameter, name, lambda p: p, ours, transposed_experts=is_transposed))
+
+    def _with_scales(self, target: _Target, start: int = 0, length: int | None = None,
+                     expert: int | None = None) -> _Target:
+        """For an FP8 parameter: where the target's block scales go (`<name>_scale`; rows
+        start..start+length of the weight, or all, of one expert or all)."""
+        block = self.fp8_blocks.get(target.name)
+        if block is None:
+            return target
+        target.scale_name, target.scale_block = f"{target.name}_scale", block
+        if length is None:
+            target.scale_view = lambda p: p
+            return target
+        rows = slice(start // block[0], start // block[0] + -(-length // block[0]))
+        target.scale_view = (lambda p: p[rows]) if expert is None else (lambda p: p[expert, rows])
         return target
 
     def _parameter(self, source_name: str, name: str) -> torch.Tensor:
@@ -388,6 +414,17 @@ class WeightPlan:
             raise CheckpointError(
                 f"tensor {source_name} has shape {list(shape)}, expected {list(expected)}"
             )
+
+
+def _fp8_blocks(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Name -> block of every FP8 weight the model holds (its scales are `<name>_scale`)."""
+    blocks = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, MoEExperts) and module.fp8_block is not None:
+            blocks[f"{prefix}.gate_up_proj"] = blocks[f"{prefix}.down_proj"] = module.fp8_block
+        elif isinstance(module, Fp8Linear):
+            blocks[f"{prefix}.weight"] = module.block
+    return blocks
 
 
 def _row_chunks(tensor: torch.Tensor, chunk_bytes: int) -> Iterator[tuple[int, int]]:

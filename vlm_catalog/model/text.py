@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import kernels
-from kernels.fp8 import FP8_DTYPE, quantize_experts
+from kernels.fp8 import FP8_DTYPE, quantize, quantize_experts
 from vlm_catalog.model.attention import AttentionBackend
 from vlm_catalog.model.config import TextConfig
 from vlm_catalog.model.fp8 import Fp8BlockQuantization
@@ -92,6 +92,43 @@ class TextAttention(nn.Module):
         )
         out = attention.attend(self.layer_index, q, k, v, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, H]
+
+
+class Fp8Linear(nn.Module):
+    """A bias-optional linear layer whose weight [out, in] is float8 e4m3 with float32 block
+    scales `weight_scale [out/bn, in/bk]` (vlm_catalog/model/fp8.py), and whose GEMM quantizes
+    its input per token and bk columns too ("W8A8", kernels/fp8_linear.py): the decoder's dense
+    projections under `quantization="fp8_w8a8"`. Built in place of an `nn.Linear`, on its
+    device, with uninitialised tensors the loader fills."""
+
+    def __init__(self, linear: nn.Linear, quantization: Fp8BlockQuantization) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.block = quantization.block
+        device = linear.weight.device
+
+        def frozen(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.weight = frozen(self.out_features, self.in_features, dtype=FP8_DTYPE)
+        self.weight_scale = frozen(*quantization.scale_shape(self.out_features, self.in_features), dtype=torch.float32)
+        self.bias = None if linear.bias is None else frozen(self.out_features, dtype=linear.bias.dtype)
+
+    @classmethod
+    @torch.no_grad()
+    def quantized(cls, linear: nn.Linear, quantization: Fp8BlockQuantization) -> Fp8Linear:
+        """`linear`'s present weights quantized (benchmarks with random weights; the loader
+        quantizes checkpoints as it reads them)."""
+        fp8 = cls(linear, quantization)
+        weight, scale = quantize(linear.weight, quantization.block)
+        fp8.weight.copy_(weight)
+        fp8.weight_scale.copy_(scale)
+        if linear.bias is not None:
+            fp8.bias.copy_(linear.bias)
+        return fp8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias, fp8_activations=True)
 
 
 class DenseMLP(nn.Module):
@@ -183,6 +220,15 @@ class SparseMoE(nn.Module):
         )
 
 
+def dense_row_counts(config: TextConfig) -> list[int]:
+    """Row counts of the parts fused into the dense projections: q and k/v (of `qkv_proj`), and
+    with dense MLP layers the gate/up halves. An FP8 block must divide each (whole scale rows)."""
+    counts = [config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim]
+    if any(not config.is_moe_layer(index) for index in range(config.num_layers)):
+        counts.append(config.intermediate_size)
+    return counts
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: TextConfig, layer_index: int) -> None:
         super().__init__()
@@ -210,6 +256,28 @@ class TextDecoder(nn.Module):
 
     def moe_experts(self) -> list[MoEExperts]:
         return [layer.mlp.experts for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+
+    def dense_projections(self) -> list[tuple[nn.Module, str]]:
+        """(module, attribute) of every dense projection a W8A8 model holds in FP8: attention
+        q/k/v and o, dense MLPs' gate/up and down (not the router, embeddings or lm_head)."""
+        found = []
+        for layer in self.layers:
+            found += [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj")]
+            if isinstance(layer.mlp, DenseMLP):
+                found += [(layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
+        return found
+
+    def use_fp8_linears(self, quantization: Fp8BlockQuantization, quantize_present: bool = False) -> None:
+        """Replace the dense projections by `Fp8Linear`s: uninitialised (the loader fills them),
+        or with `quantize_present` the present weights quantized. Fused projections need each
+        part's rows to be whole scale blocks."""
+        counts = dense_row_counts(self.config)
+        if any(count % quantization.block_n for count in counts):
+            raise ValueError(f"FP8 dense projections need their fused parts' row counts {counts} to be "
+                             f"multiples of the quantization block ({quantization.block_n} rows)")
+        build = Fp8Linear.quantized if quantize_present else Fp8Linear
+        for module, name in self.dense_projections():
+            setattr(module, name, build(getattr(module, name), quantization))
 
     def reset_rotary_buffers(self) -> None:
         """(Re)compute the float32 rotary frequencies, e.g. after allocating on a device."""
