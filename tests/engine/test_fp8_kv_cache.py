@@ -64,16 +64,19 @@ def test_unknown_kv_cache_dtype_is_a_config_error():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quantization", ["auto", "fp8"])
+@pytest.mark.parametrize("quantization", ["auto", "fp8", "fp8_w8a8"])
 def test_fp8_engine_on_gpu_with_decode_graphs_answers_valid_json(engine_checkpoint, quantization):
     """The compiled kernels' FP8 paths end to end: prefill, decode CUDA graphs with the fused
-    cache write, constrained sampling; with FP8 experts too."""
+    cache write, constrained sampling; with FP8 experts too, and with FP8 dense projections and
+    FP8 GEMM inputs (`fp8_w8a8`)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     llm = LLM(engine_checkpoint, device="cuda", kv_cache_dtype="fp8", quantization=quantization, **SMALL_STEPS)
     assert llm.engine.kv_caches[0][0].dtype == torch.float8_e4m3fn and llm.engine.kv_caches[0][0].is_cuda
     experts = llm.engine.model.language_model.moe_experts()[0]
-    assert (experts.gate_up_proj.dtype == torch.float8_e4m3fn) == (quantization == "fp8")
+    assert (experts.gate_up_proj.dtype == torch.float8_e4m3fn) == (quantization != "auto")
+    qkv = llm.engine.model.language_model.layers[0].self_attn.qkv_proj
+    assert (qkv.weight.dtype == torch.float8_e4m3fn) == (quantization == "fp8_w8a8")
     assert llm.engine.runner.graph_runner is not None and llm.engine.runner.graph_runner.graphs
     candidates = ["Toys", "Tools > Drills", "Books"]
     schema = catalogue_schema(candidates).json_schema
