@@ -20,9 +20,10 @@ def add_memory_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
     )
     parser.add_argument(
         "--quantization", default=EngineConfig.quantization, choices=QUANTIZATION_MODES,
-        help="MoE expert weights: auto (an FP8 checkpoint's experts stay FP8 on CUDA), fp8 (FP8 experts "
+        help="FP8 weights: auto (an FP8 checkpoint's experts stay FP8 on CUDA), fp8 (FP8 experts "
              "anywhere; an unquantized checkpoint is quantized at load: half the expert memory), "
-             "fp8_w8a8 (fp8, and the expert GEMMs' inputs in FP8 too), none",
+             "fp8_w8a8 (fp8, plus FP8 attention/dense projections and FP8 GEMM inputs: Hopper's FP8 "
+             "tensor cores), none",
     )
     parser.add_argument(
         "--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization, metavar="FRACTION",

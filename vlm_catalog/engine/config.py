@@ -16,8 +16,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 KV_CACHE_DTYPES = {"fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
 # how the MoE experts' weights are held (vlm_catalog/model/loader.py): "auto" keeps an FP8
 # checkpoint's experts in FP8 on CUDA; "fp8" holds them in FP8 anywhere, quantizing an
-# unquantized checkpoint at load; "fp8_w8a8" also quantizes the expert GEMMs' inputs
-# (FP8 tensor cores); "none" widens everything to `dtype`
+# unquantized checkpoint at load; "fp8_w8a8" also holds the dense projections in FP8 and
+# quantizes every FP8 GEMM's input (FP8 tensor cores); "none" widens everything to `dtype`
 QUANTIZATION_MODES = ("auto", "fp8", "fp8_w8a8", "none")
 
 
@@ -36,7 +36,7 @@ class EngineConfig:
     # of a profiled worst-case step and non-torch memory (engine/memory_profile.py)
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (e4m3, no scales; kernels/kv_cache.py)
-    quantization: str = "auto"  # MoE experts: "auto", "fp8", "fp8_w8a8" or "none" (QUANTIZATION_MODES above)
+    quantization: str = "auto"  # FP8 weights: "auto", "fp8", "fp8_w8a8" or "none" (QUANTIZATION_MODES above)
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     # tokens per step (prefill chunks + decodes); on the offline benchmark (2 CPU cores)
