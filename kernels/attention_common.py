@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
 LOG2_E = math.log2(math.e)
+
+
+def forced_attention_backend(env_var: str) -> str | None:
+    """ "triton" or "sdpa" when `env_var` forces one backend for every sequence of a CUDA call,
+    None when it is unset or ``auto`` (choose by length); anything else is a clear error."""
+    choice = os.environ.get(env_var, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "triton", "sdpa"):
+        raise ValueError(f"{env_var}={choice!r} is not one of auto, triton, sdpa")
+    return None if choice == "auto" else choice
 
 
 def dot_precision(dtype: torch.dtype) -> str:

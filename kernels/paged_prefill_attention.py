@@ -11,14 +11,28 @@ tile of a sequence reads the whole chunk before the diagonal), and Triton has no
 grid-wide barrier, so fusing the write would be a race. Write with
 `reshape_and_cache` first (one cheap launch), then call this. Decode is different
 (see `paged_decode_attention_with_kv_write`).
+
+Backends on CUDA, chosen per sequence when the caller passes the chunk's own
+k/v and the lengths on the host (the engine does): a chunk with nothing cached
+before it (a whole prompt, the usual prefill here: no prefix caching in the
+benchmark) of at least `SDPA_MIN_PREFILL_LEN` tokens runs causal SDPA
+(FlashAttention on CUDA) on its own k/v, as the cache holds them; every other
+chunk goes through one Triton launch, which skips those. On the vision
+tower's similar kernel SDPA was 8x faster on long segments in the first H100
+run; the threshold is a placeholder until `scripts/bench_kernels.py` measures
+the crossover (rows `paged_prefill_attention[fresh]`).
+`VLM_CATALOG_PREFILL_ATTENTION` (``auto`` | ``triton`` | ``sdpa``) forces one
+backend for the fresh chunks; `VLM_CATALOG_KERNELS=triton` forces the kernel.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_common import LOG2_E, dot_precision
+from kernels.attention_common import LOG2_E, dot_precision, forced_attention_backend
 from kernels.checks import (
     INDEX_DTYPES,
     check_dtype,
@@ -26,9 +40,13 @@ from kernels.checks import (
     check_shape,
     check_unit_stride_last_dim,
 )
-from kernels.dispatch import use_triton
-from kernels.kv_cache import check_paged_kv_cache, check_query_matches_cache, gather_sequence_kv
+from kernels.dispatch import kernel_backend, use_triton
+from kernels.kv_cache import check_paged_kv_cache, check_query_matches_cache, gather_sequence_kv, to_cache_dtype
 from kernels.paged_decode_attention import paged_attention_rows
+
+PREFILL_BACKEND_ENV_VAR = "VLM_CATALOG_PREFILL_ATTENTION"
+SDPA_MIN_PREFILL_LEN = 1024  # NOT YET MEASURED on a GPU: placeholder, see the module docstring
+NEVER = 2**31 - 1  # a chunk length no step reaches: the kernel skips nothing
 
 
 # --------------------------------------------------------------------------- reference
@@ -138,9 +156,12 @@ def paged_prefill_attention_triton(
     scale: float,
     *,
     max_query_len: int | None = None,
+    skip_fresh_from: int = NEVER,
 ) -> torch.Tensor:
     """`max_query_len`: optional host-side max of the per-sequence query lengths
-    (otherwise computed here, which costs a device sync)."""
+    (otherwise computed here, which costs a device sync). `skip_fresh_from`: chunks with
+    nothing cached before them and at least this many tokens are not computed (their
+    output rows are left unwritten, for SDPA)."""
     import triton
 
     from kernels.jit.paged_prefill_attention import paged_prefill_attention_kernel
@@ -193,6 +214,7 @@ def paged_prefill_attention_triton(
         scale * LOG2_E,
         block_size,
         num_q_heads // num_kv_heads,
+        skip_fresh_from,
         # strides
         q.stride(0),
         q.stride(1),
@@ -218,6 +240,64 @@ def paged_prefill_attention_triton(
 
 
 # --------------------------------------------------------------------------- dispatch
+def sdpa_min_prefill_len() -> int:
+    """The shortest fresh chunk (nothing cached before it) that runs SDPA on CUDA: the
+    placeholder constant, 1 when the environment forces SDPA, never when it forces Triton."""
+    forced = forced_attention_backend(PREFILL_BACKEND_ENV_VAR)
+    if forced is None:
+        return SDPA_MIN_PREFILL_LEN
+    return 1 if forced == "sdpa" else NEVER
+
+
+def paged_prefill_attention_per_sequence(
+    q: torch.Tensor,
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    query_lens: list[int],
+    kv_lens: list[int],
+    threshold: int | None = None,
+) -> torch.Tensor:
+    """Fresh chunks of at least `threshold` (default `sdpa_min_prefill_len()`) tokens through
+    causal SDPA on their own k/v (new_k/new_v [T, Hkv, D], rounded as the cache stores them), the
+    rest in one Triton launch that skips those. `query_lens`/`kv_lens`: cu_seqlens_q's lengths
+    and context_lens on the host."""
+    threshold = sdpa_min_prefill_len() if threshold is None else threshold
+    starts = list(itertools.accumulate([0] + query_lens[:-1]))
+    by_sdpa = [n == total and n >= threshold for n, total in zip(query_lens, kv_lens)]  # the kernel's skip rule
+    fresh = [(start, start + n) for start, n, sdpa in zip(starts, query_lens, by_sdpa) if sdpa]
+    rest = [n for n, sdpa in zip(query_lens, by_sdpa) if n and not sdpa]
+    if not fresh:
+        return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                                              max_query_len=max(rest, default=0))
+    out = torch.empty_like(q)
+    if rest:
+        out = paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                                             max_query_len=max(rest), skip_fresh_from=threshold)
+    for begin, end in fresh:
+        keys, values = (_as_cached(x[begin:end], k_cache.dtype, q.dtype) for x in (new_k, new_v))  # [n, Hkv, D]
+        context = F.scaled_dot_product_attention(
+            q[begin:end].transpose(0, 1).unsqueeze(0),  # [1, Hq, n, D]
+            keys.transpose(0, 1).unsqueeze(0),  # [1, Hkv, n, D]
+            values.transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )  # [1, Hq, n, D]
+        out[begin:end] = context[0].transpose(0, 1)  # [n, Hq, D]
+    return out
+
+
+def _as_cached(values: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """The chunk's own k or v as the cache holds them (an FP8 cache rounds), in the query's dtype."""
+    return values if cache_dtype == dtype else to_cache_dtype(values, cache_dtype).to(dtype)
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -228,19 +308,16 @@ def paged_prefill_attention(
     scale: float,
     *,
     max_query_len: int | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    host_lens: tuple[list[int], list[int]] | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D] (sequences packed by cu_seqlens_q [B+1]) -> [T, Hq, D]."""
-    if use_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
-        return paged_prefill_attention_triton(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            cu_seqlens_q,
-            context_lens,
-            scale,
-            max_query_len=max_query_len,
-        )
-    return paged_prefill_attention_reference(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
-    )
+    """q [T, Hq, D] (sequences packed by cu_seqlens_q [B+1]) -> [T, Hq, D]. With the chunks'
+    own `new_kv` (k, v [T, Hkv, D], already written to the cache) and `host_lens` (the query
+    lengths and context_lens on the host), CUDA calls choose a backend per sequence (module doc)."""
+    if not use_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
+        return paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+    if new_kv is None or host_lens is None or kernel_backend() == "triton":
+        return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                                              max_query_len=max_query_len)
+    return paged_prefill_attention_per_sequence(q, *new_kv, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                                context_lens, scale, *host_lens)

@@ -20,12 +20,11 @@ per-segment choice otherwise reads `cu_seqlens` back from the device (a sync).
 from __future__ import annotations
 
 import itertools
-import os
 
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_common import LOG2_E, dot_precision
+from kernels.attention_common import LOG2_E, dot_precision, forced_attention_backend
 from kernels.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -124,17 +123,9 @@ def varlen_attention_triton(
 
 
 # --------------------------------------------------------------------------- dispatch
-def forced_varlen_backend() -> str | None:
-    """ "triton" or "sdpa" when `VLM_CATALOG_VARLEN_ATTENTION` forces one, else None (auto)."""
-    choice = os.environ.get(VARLEN_BACKEND_ENV_VAR, "auto").strip().lower() or "auto"
-    if choice not in ("auto", "triton", "sdpa"):
-        raise ValueError(f"{VARLEN_BACKEND_ENV_VAR}={choice!r} is not one of auto, triton, sdpa")
-    return None if choice == "auto" else choice
-
-
 def varlen_backend(segment_len: int) -> str:
     """ "triton" or "sdpa" for one segment of a CUDA call."""
-    forced = forced_varlen_backend()
+    forced = forced_attention_backend(VARLEN_BACKEND_ENV_VAR)
     if forced is not None:
         return forced
     return "sdpa" if segment_len >= SDPA_MIN_SEGMENT_LEN else "triton"

@@ -62,6 +62,13 @@ class Shapes:
         (4, 2048, 0),
         (1, 2048, 6144),
     )  # (seqs, new, prefix)
+    fresh_prefill_cases: tuple[tuple[int, int], ...] = (
+        (16, 256),
+        (8, 512),
+        (4, 1024),
+        (2, 2048),
+        (1, 8192),
+    )  # (prompts, tokens each): the crossover between Triton and SDPA sets SDPA_MIN_PREFILL_LEN
     vision_cases: tuple[tuple[int, int], ...] = (
         (1, 15625),
         (4, 4096),
@@ -89,6 +96,7 @@ TINY_SHAPES = Shapes(  # --interpret smoke run: every code path, seconds on a CP
     moe_target_tokens=16,
     decode_cases=((2, 40),),
     prefill_cases=((2, 16, 8),),
+    fresh_prefill_cases=((2, 24),),
     vision_cases=((2, 20),),
 )
 
@@ -316,6 +324,7 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
 
     from kernels.paged_decode_attention import paged_decode_attention_triton
     from kernels.paged_prefill_attention import (
+        paged_prefill_attention_per_sequence,
         paged_prefill_attention_reference,
         paged_prefill_attention_triton,
     )
@@ -389,6 +398,29 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 "SDPA per sequence (reference)",
                 timer(partial(paged_prefill_attention_reference, *args)),
                 teraflops(flops, ms),
+            )
+        )
+
+    for num_seqs, new_tokens in shapes.fresh_prefill_cases:  # whole prompts: Triton or SDPA on their k/v
+        k_cache, v_cache, block_tables, context_lens = _paged_cache(num_seqs, new_tokens, shapes, dtype, device)
+        q = torch.randn(num_seqs * new_tokens, shapes.num_q_heads, shapes.head_dim, dtype=dtype, device=device)
+        new_k, new_v = (torch.randn(num_seqs * new_tokens, shapes.num_kv_heads, shapes.head_dim, dtype=dtype,
+                                    device=device) for _ in range(2))
+        cu_seqlens = (torch.arange(num_seqs + 1, device=device) * new_tokens).to(torch.int32)
+        args = (q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, scale)
+        ms = timer(partial(paged_prefill_attention_triton, *args, max_query_len=new_tokens))
+        lengths = [new_tokens] * num_seqs
+        sdpa = partial(paged_prefill_attention_per_sequence, q, new_k, new_v, *args[1:], lengths, lengths, threshold=1)
+        flops = 4 * num_seqs * new_tokens * (new_tokens + 1) / 2 * shapes.num_q_heads * shapes.head_dim
+        rows.append(
+            Row(
+                "paged_prefill_attention[fresh]",
+                f"{num_seqs}x{new_tokens} whole prompts",
+                ms,
+                "SDPA per prompt on its own k/v",
+                timer(sdpa),
+                teraflops(flops, ms),
+                note="sets SDPA_MIN_PREFILL_LEN (crossover by prompt length)",
             )
         )
 

@@ -8,6 +8,10 @@ cached positions <= its own, so the program walks cache tiles from position 0 up
 to its last query's position, masking only by causality and the sequence end.
 Online softmax in float32, base-2 exponent domain. K/V tiles are converted to
 the query's dtype after loading, so the cache may hold FP8 (e4m3).
+
+Sequences with nothing cached before their chunk and at least `skip_fresh_from`
+new tokens are skipped (their output rows are left for SDPA, see
+kernels/paged_prefill_attention.py); pass a length no chunk reaches to compute all.
 """
 
 import triton
@@ -28,6 +32,7 @@ def paged_prefill_attention_kernel(
     scale_log2,  # softmax scale * log2(e)
     block_size,
     queries_per_kv,  # Hq // Hkv
+    skip_fresh_from,  # fresh chunks (no cached prefix) of at least this many tokens are skipped
     # strides
     stride_q_token,
     stride_q_head,
@@ -57,6 +62,8 @@ def paged_prefill_attention_kernel(
         return
     context_len = tl.load(context_lens_ptr + seq)
     prefix_len = context_len - query_len
+    if (prefix_len == 0) & (query_len >= skip_fresh_from):
+        return
     kv_head = head // queries_per_kv
 
     rows = query_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence

@@ -10,9 +10,16 @@ import torch
 
 import kernels
 from kernels.paged_decode_attention import paged_decode_attention_reference
+from kernels.fp8 import FP8_DTYPE
+from kernels.kv_cache import to_cache_dtype
 from kernels.paged_prefill_attention import (
+    NEVER,
+    PREFILL_BACKEND_ENV_VAR,
+    SDPA_MIN_PREFILL_LEN,
+    paged_prefill_attention_per_sequence,
     paged_prefill_attention_reference,
     paged_prefill_attention_triton,
+    sdpa_min_prefill_len,
 )
 from tests.kernels.helpers import TOLERANCE, assert_close
 from tests.kernels.paged import build_paged_kv, dense_attention_float64
@@ -173,10 +180,60 @@ def test_triton_rejects_bad_arguments(triton_device):
         )
 
 
+def chunk_kv(paged, query_lens: list[int], context_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k/v of each sequence's new tokens (its last query_len positions), packed [T, Hkv, D]."""
+    keys = [k[length - n :] for k, n, length in zip(paged.dense_k, query_lens, context_lens)]
+    values = [v[length - n :] for v, n, length in zip(paged.dense_v, query_lens, context_lens)]
+    return torch.cat(keys), torch.cat(values)
+
+
+def test_prefill_backend_threshold_follows_the_environment(monkeypatch):
+    monkeypatch.delenv(PREFILL_BACKEND_ENV_VAR, raising=False)
+    assert sdpa_min_prefill_len() == SDPA_MIN_PREFILL_LEN
+    monkeypatch.setenv(PREFILL_BACKEND_ENV_VAR, "sdpa")
+    assert sdpa_min_prefill_len() == 1
+    monkeypatch.setenv(PREFILL_BACKEND_ENV_VAR, "triton")
+    assert sdpa_min_prefill_len() == NEVER
+    monkeypatch.setenv(PREFILL_BACKEND_ENV_VAR, "flash")
+    with pytest.raises(ValueError, match="VLM_CATALOG_PREFILL_ATTENTION='flash' is not one of auto, triton, sdpa"):
+        sdpa_min_prefill_len()
+
+
+@pytest.mark.parametrize("cache", ["same", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prompts_through_sdpa_the_rest_through_one_launch(
+    triton_device, poison_allocations, monkeypatch, dtype, cache
+):
+    """Whole prompts of at least the threshold (here 6) run SDPA on their own k/v, rounded as
+    the cache holds them; chunks after a prefix, short prompts and empty chunks run in one
+    Triton launch that skips the former. Together: the reference over the cache, at
+    TOLERANCE[dtype] (poisoned allocations show a row nobody wrote)."""
+    monkeypatch.delenv(PREFILL_BACKEND_ENV_VAR, raising=False)
+    monkeypatch.setattr(prefill_module, "SDPA_MIN_PREFILL_LEN", 6)
+    query_lens, context_lens = [8, 3, 0, 7, 10, 5], [8, 20, 5, 7, 30, 5]  # SDPA: sequences 0 and 3
+    paged = build_paged_kv(context_lens, 4, 2, 16, dtype, triton_device)
+    if cache == "fp8":
+        paged.k_cache, paged.v_cache = to_cache_dtype(paged.k_cache, FP8_DTYPE), to_cache_dtype(paged.v_cache, FP8_DTYPE)
+    q, cu_seqlens = packed_queries(query_lens, 8, 16, dtype, triton_device)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, cu_seqlens, paged.context_lens, 0.25)
+    new_k, new_v = chunk_kv(paged, query_lens, context_lens)
+    out = paged_prefill_attention_per_sequence(
+        q, new_k, new_v, *args[1:], query_lens=query_lens, kv_lens=context_lens
+    )
+    assert_close(out, paged_prefill_attention_reference(*args), rel=TOLERANCE[dtype])
+    # the Triton launch alone leaves exactly the SDPA sequences' rows unwritten
+    skipped = paged_prefill_attention_triton(*args, skip_fresh_from=6)
+    assert torch.isnan(skipped[:8]).all() and torch.isnan(skipped[11:18]).all()
+    assert not torch.isnan(skipped[8:11]).any() and not torch.isnan(skipped[18:]).any()
+
+
 @pytest.mark.gpu
-def test_gpu_paged_prefill_model_shapes(cuda_device):
-    # tolerance: 1e-2 (bfloat16); a 2k-token chunk after a 6k prefix plus two fresh prompts
-    query_lens, context_lens = [2048, 700, 1], [8192, 700, 3000]
+@pytest.mark.parametrize("backend", ["triton", "sdpa", "auto"])
+def test_gpu_paged_prefill_model_shapes(cuda_device, monkeypatch, backend):
+    # tolerance: 1e-2 (bfloat16); a 2k-token chunk after a 6k prefix, two fresh prompts (one past
+    # the SDPA threshold) and a one-token chunk, with the engine's per-sequence backend choice
+    monkeypatch.setenv(PREFILL_BACKEND_ENV_VAR, backend)
+    query_lens, context_lens = [2048, 700, 1, 1800], [8192, 700, 3000, 1800]
     paged = build_paged_kv(context_lens, 16, 4, 128, torch.bfloat16, cuda_device)
     q, cu_seqlens = packed_queries(query_lens, 32, 128, torch.bfloat16, cuda_device)
     args = (
@@ -188,9 +245,11 @@ def test_gpu_paged_prefill_model_shapes(cuda_device):
         paged.context_lens,
         128**-0.5,
     )
-    assert_close(
-        kernels.paged_prefill_attention(*args), paged_prefill_attention_reference(*args), rel=1e-2
-    )
+    expected = paged_prefill_attention_reference(*args)
+    assert_close(kernels.paged_prefill_attention(*args), expected, rel=1e-2)
+    out = kernels.paged_prefill_attention(*args, new_kv=chunk_kv(paged, query_lens, context_lens),
+                                          host_lens=(query_lens, context_lens))
+    assert_close(out, expected, rel=1e-2)
 
 
 def test_short_extends_after_a_shared_prefix_match_per_sequence_attention(monkeypatch):

@@ -160,6 +160,7 @@ class _ProfileInputs:
                 cu_seqlens_q=torch.tensor([0, step.num_tokens], dtype=torch.int32, device=device),
                 context_lens=torch.tensor([step.num_tokens], dtype=torch.int32, device=device),
                 max_query_len=step.num_tokens,
+                host_lens=([step.num_tokens], [step.num_tokens]),  # a whole prompt: the engine's backend choice
             ),
         )
 

@@ -136,6 +136,7 @@ class ModelRunner:
                 cu_seqlens_q=torch.tensor([c - num_decodes for c in cu_seqlens[num_decodes:]], dtype=torch.int32, device=device),
                 context_lens=torch.tensor(context_lens[num_decodes:], dtype=torch.int32, device=device),
                 max_query_len=max(chunk.num_tokens for chunk in rest),
+                host_lens=([chunk.num_tokens for chunk in rest], context_lens[num_decodes:]),
             )
         return PagedAttentionMetadata(decode, prefill)
 

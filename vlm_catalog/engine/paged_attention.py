@@ -4,8 +4,9 @@ Per layer, `k_cache` and `v_cache` are `[num_blocks, block_size, Hkv, D]`.
 A step's flat batch puts its decode sequences (one new token each) first and
 its prefill chunks after; `PagedAttentionMetadata` describes both parts. The
 decode part goes through the decode kernel (with the cache write fused in),
-the prefill part through the varlen prefill kernel. On CPU both kernels are
-the torch references from `kernels`.
+the prefill part through the varlen prefill kernel (or, for whole prompts on
+CUDA, FlashAttention through SDPA on the chunk's own k/v). On CPU both kernels
+are the torch references from `kernels`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class PrefillBatch:
     cu_seqlens_q: torch.Tensor  # [Bp + 1] int32, offsets within the prefill part
     context_lens: torch.Tensor  # [Bp] int32, cached tokens after this step
     max_query_len: int
+    # the query lengths and context_lens on the host, to choose an attention backend per
+    # sequence without a device sync (kernels/paged_prefill_attention.py); None: not known
+    host_lens: tuple[list[int], list[int]] | None = None
 
 
 @dataclass
@@ -71,6 +75,7 @@ class PagedAttention(AttentionBackend):
             outputs.append(kernels.paged_prefill_attention(
                 q[split:], k_cache, v_cache, prefill.block_tables, prefill.cu_seqlens_q,
                 prefill.context_lens, scale, max_query_len=prefill.max_query_len,
+                new_kv=(k[split:], v[split:]), host_lens=prefill.host_lens,
             ))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
