@@ -65,3 +65,15 @@ def check_unit_stride_last_dim(name: str, tensor: torch.Tensor) -> None:
 def check_contiguous(name: str, tensor: torch.Tensor) -> None:
     if not tensor.is_contiguous():
         raise ValueError(f"{name}: must be contiguous, got strides {tensor.stride()}")
+
+
+def check_block_scales(name: str, scale: torch.Tensor, weight_shape: tuple[int, int], block: tuple[int, int],
+                       leading: tuple[int, ...] = ()) -> None:
+    """`scale` holds one float32 per `block` of a [rows, cols] weight (after `leading` dims,
+    e.g. the experts); the message names the argument."""
+    block_n, block_k = block
+    if block_n < 1 or block_k < 1:
+        raise ValueError(f"block must be two positive sizes, got {tuple(block)}")
+    rows, cols = weight_shape
+    check_shape(name, scale, (*leading, -(-rows // block_n), -(-cols // block_k)))
+    check_dtype(name, scale, (torch.float32,))

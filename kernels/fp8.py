@@ -100,3 +100,15 @@ def gemm_input(values: torch.Tensor, group: int, fp8_activations: bool) -> torch
     if not fp8_activations:
         return values.float()
     return dequantize_activations(*quantize_activations_reference(values, group), group)
+
+
+def fp8_block_k(block_size_k: int, quant_block_k: int) -> int:
+    """The K step of a GEMM over FP8 weights (fused MoE, dense linear): a power of two dividing
+    the scale block (one scale per step), at most the configured step and at least 16 (the
+    tl.dot minimum)."""
+    step = min(block_size_k, 1 << (quant_block_k.bit_length() - 1))  # a power of two (tl.arange)
+    while quant_block_k % step and step > 16:
+        step //= 2
+    if quant_block_k % step:
+        raise ValueError(f"FP8 weights: the scale block's K size {quant_block_k} must be a multiple of 16")
+    return step

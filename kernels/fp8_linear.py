@@ -20,9 +20,16 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_common import dot_precision
-from kernels.checks import FLOAT_DTYPES, check_dtype, check_same_device, check_shape, check_unit_stride_last_dim
+from kernels.checks import (
+    FLOAT_DTYPES,
+    check_block_scales,
+    check_dtype,
+    check_same_device,
+    check_shape,
+    check_unit_stride_last_dim,
+)
 from kernels.dispatch import use_triton
-from kernels.fp8 import FP8_DTYPE, dequantize, gemm_input, quantize_activations
+from kernels.fp8 import FP8_DTYPE, dequantize, fp8_block_k, gemm_input, quantize_activations
 from kernels.moe.configs import MoeKernelConfig, as_moe_config
 
 
@@ -80,7 +87,6 @@ def fp8_linear_triton(
     import triton
 
     from kernels.jit.fp8_linear import fp8_linear_kernel
-    from kernels.moe.fused_moe import fp8_block_k
 
     _check_args(x, weight, weight_scale, block, bias)
     check_same_device(x=x, weight=weight, weight_scale=weight_scale)
@@ -132,17 +138,13 @@ def fp8_linear_triton(
 
 
 def _check_args(x, weight, weight_scale, block, bias) -> None:
-    block_n, block_k = block
-    if block_n < 1 or block_k < 1:
-        raise ValueError(f"block must be two positive sizes, got {tuple(block)}")
     check_shape("weight", weight, (None, None))
     out_features, in_features = weight.shape
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"x: the last dimension must be the weight's in_features {in_features}, got {tuple(x.shape)}")
     check_dtype("x", x, FLOAT_DTYPES)
     check_dtype("weight", weight, (FP8_DTYPE,))
-    check_shape("weight_scale", weight_scale, (-(-out_features // block_n), -(-in_features // block_k)))
-    check_dtype("weight_scale", weight_scale, (torch.float32,))
+    check_block_scales("weight_scale", weight_scale, (out_features, in_features), block)
     check_unit_stride_last_dim("weight", weight)
     if bias is not None:
         check_shape("bias", bias, (out_features,))

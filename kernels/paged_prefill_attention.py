@@ -41,7 +41,12 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import kernel_backend, use_triton
-from kernels.kv_cache import check_paged_kv_cache, check_query_matches_cache, gather_sequence_kv, to_cache_dtype
+from kernels.kv_cache import (
+    check_paged_kv_cache,
+    check_query_matches_cache,
+    gather_sequence_kv,
+    to_cache_dtype,
+)
 from kernels.paged_decode_attention import paged_attention_rows
 
 PREFILL_BACKEND_ENV_VAR = "VLM_CATALOG_PREFILL_ATTENTION"

@@ -47,13 +47,14 @@ from kernels.attention_common import dot_precision
 from kernels.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_block_scales,
     check_dtype,
     check_same_device,
     check_shape,
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton
-from kernels.fp8 import FP8_DTYPE, dequantize, gemm_input, quantize_activations
+from kernels.fp8 import FP8_DTYPE, dequantize, fp8_block_k, gemm_input, quantize_activations
 from kernels.moe.configs import MoeKernelConfig, as_moe_config, get_moe_config
 
 MAX_TOKENS_PER_CHUNK = 16384  # bounds the [T*K, I] and [T*K, H] intermediates
@@ -122,16 +123,12 @@ def check_fp8_scales(w13, w2, w13_scale, w2_scale, block_shape) -> None:
     """The scales of FP8 experts: one float32 per block of each expert's weight."""
     if w13_scale is None or w2_scale is None:
         raise ValueError("block_shape is given (FP8 experts) but w13_scale or w2_scale is missing")
-    block_n, block_k = block_shape
-    if block_n < 1 or block_k < 1:
-        raise ValueError(f"block_shape must be two positive sizes, got {block_shape}")
     for name, weight, scale in (("w13_scale", w13, w13_scale), ("w2_scale", w2, w2_scale)):
         experts, rows, cols = weight.shape
-        check_shape(name, scale, (experts, -(-rows // block_n), -(-cols // block_k)))
-        check_dtype(name, scale, (torch.float32,))
-    if (w13.shape[1] // 2) % block_n:
+        check_block_scales(name, scale, (rows, cols), block_shape, leading=(experts,))
+    if (w13.shape[1] // 2) % block_shape[0]:
         raise ValueError(
-            f"w13: the intermediate size {w13.shape[1] // 2} must be a multiple of block_n {block_n} "
+            f"w13: the intermediate size {w13.shape[1] // 2} must be a multiple of block_n {block_shape[0]} "
             "(gate and up rows share the stacked scale rows)"
         )
 
@@ -201,17 +198,6 @@ def fused_moe_triton(
             fp8_activations,
         )
     return out
-
-
-def fp8_block_k(block_size_k: int, quant_block_k: int) -> int:
-    """The GEMMs' K step with FP8 weights: a power of two dividing the scale block (one scale
-    per step), at most the configured step and at least 16 (the tl.dot minimum)."""
-    step = min(block_size_k, 1 << (quant_block_k.bit_length() - 1))  # a power of two (tl.arange)
-    while quant_block_k % step and step > 16:
-        step //= 2
-    if quant_block_k % step:
-        raise ValueError(f"FP8 experts: the scale block's K size {quant_block_k} must be a multiple of 16")
-    return step
 
 
 def _fused_moe_chunk(

@@ -73,6 +73,7 @@ def kernel_specs(include_float32: bool):
     """(label, kernel, pointer dtype, constexprs, launch options[, pointer types]) at
     Qwen3-VL-30B-A3B shapes; the attention and cache-write kernels also with an FP8 cache.
     float32 attention (exact `tl.dot`, for float32 parity runs) compiles slowly: opt-in."""
+    from kernels.fp8 import fp8_block_k
     from kernels.fp8_linear import dense_fp8_config
     from kernels.jit.activation import silu_and_mul_kernel
     from kernels.jit.fp8_linear import fp8_linear_kernel
@@ -90,7 +91,6 @@ def kernel_specs(include_float32: bool):
     from kernels.jit.rotary import qk_norm_mrope_kernel
     from kernels.jit.varlen_attention import varlen_attention_kernel
     from kernels.moe.configs import heuristic_moe_config
-    from kernels.moe.fused_moe import fp8_block_k
 
     specs = [
         (

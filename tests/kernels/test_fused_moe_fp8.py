@@ -17,6 +17,7 @@ from kernels.fp8 import (
     FP8_MAX,
     dequantize,
     dequantize_activations,
+    fp8_block_k,
     quantize,
     quantize_activations,
     quantize_activations_reference,
@@ -24,7 +25,7 @@ from kernels.fp8 import (
     quantize_experts,
 )
 from kernels.moe.configs import MoeKernelConfig
-from kernels.moe.fused_moe import fp8_block_k, fused_moe_reference, fused_moe_triton
+from kernels.moe.fused_moe import fused_moe_reference, fused_moe_triton
 from tests.kernels.helpers import TOLERANCE, assert_close
 from tests.kernels.test_fused_moe import moe_inputs
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import kernels
-from kernels.paged_decode_attention import paged_decode_attention_reference
 from kernels.fp8 import FP8_DTYPE
 from kernels.kv_cache import to_cache_dtype
+from kernels.paged_decode_attention import paged_decode_attention_reference
 from kernels.paged_prefill_attention import (
     NEVER,
     PREFILL_BACKEND_ENV_VAR,

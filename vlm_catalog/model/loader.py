@@ -109,7 +109,10 @@ def load_model(
             experts.use_fp8(fp8_experts)
             experts.fp8_activations = quantization == "fp8_w8a8"
     if fp8_dense is not None:
-        model.language_model.use_fp8_linears(fp8_dense)
+        try:
+            model.language_model.use_fp8_linears(fp8_dense)
+        except ValueError as exc:  # the block does not divide the fused parts
+            raise CheckpointError(f"quantization='fp8_w8a8': {exc}") from None
     model = model.to_empty(device=device)
     model.visual.reset_rotary_buffers()
     model.language_model.reset_rotary_buffers()
@@ -149,15 +152,9 @@ def _fp8_experts(config: ModelConfig, quantization: str, device: torch.device) -
 
 def _fp8_dense(config: ModelConfig) -> Fp8BlockQuantization:
     """The block quantization of the dense projections under "fp8_w8a8": the checkpoint's, or
-    128 x 128 with rows cut to divide the fused parts (q, k/v, the dense MLP's gate/up)."""
-    row_counts = dense_row_counts(config.text)
-    block = config.quantization or fitting_block(*row_counts)
-    if any(count % block.block_n for count in row_counts):
-        raise CheckpointError(
-            f"quantization='fp8_w8a8' needs the fused projections' row counts {row_counts} to be multiples "
-            f"of the block size {block.block_n}"
-        )
-    return block
+    128 x 128 with rows cut to divide the fused parts (q, k/v, the dense MLP's gate/up; the
+    model checks that the block divides them)."""
+    return config.quantization or fitting_block(*dense_row_counts(config.text))
 
 
 def checkpoint_shards(checkpoint_dir: Path) -> dict[Path, list[str]]:

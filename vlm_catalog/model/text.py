@@ -94,6 +94,11 @@ class TextAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, H]
 
 
+def _frozen(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """An uninitialised parameter that takes no gradient (FP8 weights and their scales)."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
 class Fp8Linear(nn.Module):
     """A bias-optional linear layer whose weight [out, in] is float8 e4m3 with float32 block
     scales `weight_scale [out/bn, in/bk]` (vlm_catalog/model/fp8.py), and whose GEMM quantizes
@@ -106,13 +111,10 @@ class Fp8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.block = quantization.block
         device = linear.weight.device
-
-        def frozen(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-        self.weight = frozen(self.out_features, self.in_features, dtype=FP8_DTYPE)
-        self.weight_scale = frozen(*quantization.scale_shape(self.out_features, self.in_features), dtype=torch.float32)
-        self.bias = None if linear.bias is None else frozen(self.out_features, dtype=linear.bias.dtype)
+        self.weight = _frozen(self.out_features, self.in_features, dtype=FP8_DTYPE, device=device)
+        self.weight_scale = _frozen(*quantization.scale_shape(self.out_features, self.in_features),
+                                    dtype=torch.float32, device=device)
+        self.bias = None if linear.bias is None else _frozen(self.out_features, dtype=linear.bias.dtype, device=device)
 
     @classmethod
     @torch.no_grad()
@@ -170,7 +172,7 @@ class MoEExperts(nn.Module):
         device = self.gate_up_proj.device
 
         def frozen(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+            return _frozen(*shape, dtype=dtype, device=device)
 
         self.gate_up_proj = frozen(num_experts, two_intermediate, hidden, dtype=FP8_DTYPE)
         self.down_proj = frozen(num_experts, hidden, two_intermediate // 2, dtype=FP8_DTYPE)
@@ -274,7 +276,7 @@ class TextDecoder(nn.Module):
         counts = dense_row_counts(self.config)
         if any(count % quantization.block_n for count in counts):
             raise ValueError(f"FP8 dense projections need their fused parts' row counts {counts} to be "
-                             f"multiples of the quantization block ({quantization.block_n} rows)")
+                             f"multiples of the block size {quantization.block_n}")
         build = Fp8Linear.quantized if quantize_present else Fp8Linear
         for module, name in self.dense_projections():
             setattr(module, name, build(getattr(module, name), quantization))
