@@ -4,6 +4,7 @@ from vlm_catalog.engine.block_manager import BlockManager
 from vlm_catalog.engine.request import FinishReason, Request, RequestStatus
 from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.engine.scheduler import Scheduler
+from vlm_catalog.preprocess.image import ImageProbe
 from vlm_catalog.preprocess.processor import ProcessedPrompt
 
 
@@ -162,3 +163,30 @@ def test_finish_releases_waiting_and_running_requests():
     scheduler.finish(running, FinishReason.ABORT)
     assert not scheduler.has_unfinished() and scheduler.block_manager.num_free_blocks == 8
     assert running.finish_reason is FinishReason.ABORT
+
+
+def image_request(request_id, images_at, num_tokens=40):
+    """A request whose images (4 tokens each, grid 1x4x4) start at the token indices `images_at`."""
+    probes = [ImageProbe(source=b"", grid_thw=(1, 4, 4), num_tokens=4, content_hash=f"{request_id}-{start}")
+              for start in images_at]
+    prompt = ProcessedPrompt([1] * num_tokens, probes, [(start, 4) for start in images_at])
+    return Request(request_id, prompt, SamplingParams(max_tokens=4), max_model_len=4096)
+
+
+def test_upcoming_images_are_the_uncomputed_images_of_running_then_waiting_requests():
+    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=24, policy="shortest_prompt_first")
+    first = image_request("first", [2, 30])  # 40 tokens: prefilled over two steps
+    scheduler.add(first)
+    scheduler.add(image_request("later", [0], num_tokens=50))
+    scheduler.add(image_request("sooner", [10, 12], num_tokens=45))  # shorter: admitted before "later"
+
+    def upcoming():
+        return [image.content_hash for image in scheduler.upcoming_images()]
+
+    assert upcoming() == ["first-2", "first-30", "later-0", "sooner-10", "sooner-12"]  # queue order
+    run_step(scheduler)  # "first" computes tokens 0-23: its first image is done
+    assert upcoming() == ["first-30", "sooner-10", "sooner-12", "later-0"]  # the queue is in policy order now
+    run_step(scheduler)  # "first" ends its prompt (24-39); "sooner" computes 0-7, before its images
+    assert upcoming() == ["sooner-10", "sooner-12", "later-0"]
+    run_step(scheduler)  # "first" decodes; "sooner" computes 8-30: both its images
+    assert upcoming() == ["later-0"]

@@ -51,6 +51,9 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 30.0
     grammar_cache_size: int = 512
     image_workers: int | None = None  # threads decoding images; None: one per CPU
+    # host memory for the pixels of images decoded ahead, while the device runs a step
+    # (engine/image_prefetch.py); 0: decode each image when a step first needs it
+    image_prefetch_bytes: int = 512 * 2**20
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are only used on CUDA)
     cuda_graph_max_batch: int = 256  # largest decode batch captured (capped at max_num_seqs)
     tune_cpu_allocator: bool = True  # on CPU, keep freed memory for reuse (see engine/cpu_allocator.py)
@@ -85,6 +88,8 @@ class EngineConfig:
             raise EngineConfigError(
                 f"release_host_memory_every_s must be >= 0 (0: never), got {self.release_host_memory_every_s}"
             )
+        if self.image_prefetch_bytes < 0:
+            raise EngineConfigError(f"image_prefetch_bytes must be >= 0 (0: off), got {self.image_prefetch_bytes}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise EngineConfigError("kv_cache_memory_bytes must be positive")
 

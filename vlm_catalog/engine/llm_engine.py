@@ -77,6 +77,8 @@ class EngineStats:
     seconds_in_prefill_steps: float = 0.0  # steps with at least one prefill chunk
     seconds_in_decode_steps: float = 0.0  # steps where every sequence computed one token
     num_host_memory_releases: int = 0  # free heap pages handed back (release_host_memory_every_s)
+    num_images_prefetched: int = 0  # images whose pixels were decoded ahead (engine/image_prefetch.py)
+    seconds_waiting_for_images: float = 0.0  # steps waiting for image pixels to be decoded
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -117,7 +119,7 @@ class LLMEngine:
         self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
         self.runner = ModelRunner(
             self.model, self.processor.image_processor, self.kv_caches, config.block_size,
-            self.encoder_cache, config.image_workers, self._decode_graphs(),
+            self.encoder_cache, config.image_workers, self._decode_graphs(), config.image_prefetch_bytes,
         )
         self.generator = torch.Generator(device=config.torch_device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
@@ -295,6 +297,9 @@ class LLMEngine:
             started = time.perf_counter()
             images, failures = self.runner.encode_images(output.chunks)
             chunks = order_chunks(self._drop_failed_image_chunks(output, failures))
+            self.runner.prefetch_images(self.scheduler.upcoming_images())  # decoded while this step runs
+            self.stats.num_images_prefetched = self.runner.images.num_prefetch_hits
+            self.stats.seconds_waiting_for_images = self.runner.images.seconds_waiting
             if chunks:
                 logits = self.runner.execute(chunks, images)
                 self._count_computed(chunks)

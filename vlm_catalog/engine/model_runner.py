@@ -3,8 +3,9 @@
 For the chunks of one step the runner builds a flat batch: token ids, MRoPE
 positions [3, T], each token's KV slot, padded block tables and per-sequence
 lengths. Image placeholder tokens get their features from the encoder cache;
-images the step needs that are not cached are decoded and encoded together in
-one vision-tower call first (`encode_images`). A chunk may cover part of an
+images the step needs that are not cached are decoded (most of them already,
+in the background: `prefetch_images`, engine/image_prefetch.py) and encoded
+together in one vision-tower call first (`encode_images`). A chunk may cover part of an
 image: it takes the matching rows of that image's features, so prefill chunks
 may split an image anywhere. Only the last token of a chunk that completes a
 request's tokens produces logits.
@@ -15,12 +16,14 @@ allocator.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import math
+from collections.abc import Iterable
 
 import torch
 
 from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner
 from vlm_catalog.engine.encoder_cache import EncoderCache
+from vlm_catalog.engine.image_prefetch import ImagePrefetcher
 from vlm_catalog.engine.paged_attention import (
     DecodeBatch,
     PagedAttention,
@@ -57,6 +60,7 @@ class ModelRunner:
         encoder_cache: EncoderCache,
         image_workers: int | None = None,
         graph_runner: DecodeGraphRunner | None = None,
+        image_prefetch_bytes: int = 0,
     ) -> None:
         self.model = model
         self.graph_runner = graph_runner
@@ -66,18 +70,19 @@ class ModelRunner:
         self.encoder_cache = encoder_cache
         self.device = model.device
         self.image_token_id = model.config.image_token_id
-        self._image_pool = ThreadPoolExecutor(image_workers, thread_name_prefix="image-decode")
+        self.pixel_dtype = model.visual.patch_embed.pixel_dtype
+        self.images = ImagePrefetcher(self._decode, self._staged_bytes, image_prefetch_bytes, image_workers)
         self.num_images_encoded = 0
 
     def close(self) -> None:
-        self._image_pool.shutdown(wait=False, cancel_futures=True)
+        self.images.close()
 
     # ------------------------------------------------------------ vision
     def encode_images(self, chunks: list[ScheduledChunk]) -> tuple[dict[str, ImageEmbedding], dict[str, str]]:
         """Features of every image the chunks touch ({content hash: embedding}), and failures.
 
-        Images not in the encoder cache are decoded in a thread pool and encoded
-        in one batch. An image that fails to decode is reported (hash -> error)
+        Images not in the encoder cache are decoded (or taken from a prefetch) and
+        encoded in one batch. An image that fails to decode is reported (hash -> error)
         so the engine can fail the requests showing it; the others go on.
         """
         needed: dict[str, ImageProbe] = {}
@@ -95,19 +100,24 @@ class ModelRunner:
                 found[content_hash] = embedding
         failures: dict[str, str] = {}
         if missing:
-            decoded = list(self._image_pool.map(self._decode, missing))
+            decoded = self.images.take(missing)
             ready = [(image, pixels) for image, pixels in zip(missing, decoded) if not isinstance(pixels, str)]
             for image, pixels in zip(missing, decoded):
                 if isinstance(pixels, str):
                     failures[image.content_hash] = pixels
             if ready:
-                pixel_values = torch.cat([pixels for _, pixels in ready]).to(self.device)
-                grids = torch.tensor([image.grid_thw for image, _ in ready], device=self.device)
+                # pinned rows copy without blocking the host; grids stay on the host (the tower reads them as ints)
+                pixel_values = torch.cat([pixels.to(self.device, non_blocking=True) for _, pixels in ready])
+                grids = torch.tensor([image.grid_thw for image, _ in ready])  # [images, 3]
                 for (image, _), embedding in zip(ready, self.model.encode_images(pixel_values, grids)):
                     self.encoder_cache.put(image.content_hash, embedding)
                     found[image.content_hash] = embedding
                     self.num_images_encoded += 1
         return found, failures
+
+    def prefetch_images(self, upcoming: Iterable[ImageProbe]) -> None:
+        """Decode, in the background, the images of `upcoming` (soonest first) not in the encoder cache."""
+        self.images.prefetch(image for image in upcoming if image.content_hash not in self.encoder_cache)
 
     def _attention_metadata(
         self, chunks: list[ScheduledChunk], slots: torch.Tensor, cu_seqlens: list[int], context_lens: list[int]
@@ -147,7 +157,20 @@ class ModelRunner:
             return f"image could not be decoded: {exc}"
         if tuple(processed.grid_thw) != tuple(image.grid_thw):
             return f"image decoded to grid {processed.grid_thw}, its header said {image.grid_thw}"
-        return processed.pixel_values
+        return self._staged(processed.pixel_values)
+
+    def _staged(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixel rows as the device takes them: in the patch embedding's dtype (it casts to it
+        anyway, so the numbers are the same and half the bytes cross in bf16), and on CUDA in
+        pinned memory, so the copy to the device does not block the host."""
+        if self.device.type != "cuda":
+            return pixels.to(self.pixel_dtype)
+        return torch.empty(pixels.shape, dtype=self.pixel_dtype, pin_memory=True).copy_(pixels)
+
+    def _staged_bytes(self, image: ImageProbe) -> int:
+        """What `_staged` will hold for an image, from its header's grid."""
+        patch_dim = self.model.config.vision.patch_dim
+        return math.prod(image.grid_thw) * patch_dim * self.pixel_dtype.itemsize
 
     # -------------------------------------------------------------- text
     @torch.inference_mode()

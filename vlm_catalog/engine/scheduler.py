@@ -20,13 +20,15 @@ never touches the allocator.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from vlm_catalog.engine.block_manager import BlockManager
 from vlm_catalog.engine.request import FinishReason, Request, RequestStatus
+from vlm_catalog.preprocess.image import ImageProbe
 
 POLICIES = ("fcfs", "shortest_prompt_first")
 
@@ -234,6 +236,14 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.metrics.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def upcoming_images(self) -> Iterator[ImageProbe]:
+        """Images the next steps will likely need, soonest first (for prefetching their pixels):
+        those of running requests not yet fully computed, then the waiting queue's, in its order."""
+        for request in itertools.chain(self.running, self.waiting):
+            for image, (start, length) in zip(request.prompt.images, request.prompt.image_spans):
+                if start + length > request.num_computed_tokens:
+                    yield image
 
     # --------------------------------------------------------- after a step
     def update_after_step(self, output: SchedulerOutput) -> None:

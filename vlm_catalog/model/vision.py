@@ -58,6 +58,11 @@ class PatchEmbed(nn.Module):
             bias=True,
         )
 
+    @property
+    def pixel_dtype(self) -> torch.dtype:
+        """The dtype pixel rows are cast to before the GEMM: rows already in it give the same output."""
+        return self.proj.weight.dtype
+
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight.view(self.proj.out_channels, -1)  # [hidden, C*T*P*P]
         return F.linear(pixel_values.to(weight.dtype), weight, self.proj.bias)  # [N, hidden]
