@@ -2,8 +2,12 @@
 prefetched image is decoded once, that images needed now never queue behind prefetches, and
 that an engine with prefetching gives the same answers as one without."""
 
+import json
+import subprocess
+import sys
 import threading
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,8 @@ from tests.model.helpers import noise_image
 from vlm_catalog import LLM, SamplingParams
 from vlm_catalog.engine.image_prefetch import ImagePrefetcher
 from vlm_catalog.preprocess.image import ImageProbe
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def probe(name: str, patches: int = 4) -> ImageProbe:
@@ -183,8 +189,26 @@ def test_a_prefetched_image_that_fails_to_decode_fails_only_its_request(engine_c
     assert images.held_hashes == []  # nothing left held once every request is done
 
 
-def test_the_engine_refuses_a_negative_prefetch_budget(engine_checkpoint):
-    from vlm_catalog.engine.config import EngineConfig, EngineConfigError
+def test_prefetching_is_on_by_default_on_cuda_only_and_a_negative_budget_is_refused(engine_checkpoint):
+    from vlm_catalog.engine.config import CUDA_IMAGE_PREFETCH_BYTES, EngineConfig, EngineConfigError
 
+    assert EngineConfig(model=engine_checkpoint, device="cpu").image_prefetch_bytes == 0
+    assert EngineConfig(model=engine_checkpoint, device="cuda:0").image_prefetch_bytes == CUDA_IMAGE_PREFETCH_BYTES
+    assert EngineConfig(model=engine_checkpoint, image_prefetch_bytes=7).image_prefetch_bytes == 7
     with pytest.raises(EngineConfigError, match="image_prefetch_bytes must be >= 0"):
         EngineConfig(model=engine_checkpoint, image_prefetch_bytes=-1)
+
+
+def test_bench_script_compares_both_settings(tmp_path):
+    out = tmp_path / "prefetch.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "bench_image_prefetch.py"), "--records", "12",
+         "--image-size", "small", "--max-tokens", "2", "--rounds", "1", "--json", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["same_tokens"] is True and report["records"] == 12
+    off, on = report["runs"]
+    assert off["image_prefetch_bytes"] == 0 and off["images_prefetched"] == 0
+    assert on["image_prefetch_bytes"] > 0 and on["images_prefetched"] > 0

@@ -21,6 +21,11 @@ KV_CACHE_DTYPES = {"fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
 QUANTIZATION_MODES = ("auto", "fp8", "fp8_w8a8", "none")
 
 
+# the default image prefetch budget on CUDA: a 16k-token step of benchmark-sized images
+# holds ~80 MB of bf16 pixels, so this covers several steps ahead
+CUDA_IMAGE_PREFETCH_BYTES = 512 * 2**20
+
+
 class EngineConfigError(ValueError):
     """An engine setting that cannot work; the message names it."""
 
@@ -52,8 +57,10 @@ class EngineConfig:
     grammar_cache_size: int = 512
     image_workers: int | None = None  # threads decoding images; None: one per CPU
     # host memory for the pixels of images decoded ahead, while the device runs a step
-    # (engine/image_prefetch.py); 0: decode each image when a step first needs it
-    image_prefetch_bytes: int = 512 * 2**20
+    # (engine/image_prefetch.py); 0: decode each image when a step first needs it. None:
+    # CUDA_IMAGE_PREFETCH_BYTES on CUDA, 0 on CPU (where the forward pass needs the same
+    # cores: scripts/bench_image_prefetch.py measured no gain there)
+    image_prefetch_bytes: int | None = None
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are only used on CUDA)
     cuda_graph_max_batch: int = 256  # largest decode batch captured (capped at max_num_seqs)
     tune_cpu_allocator: bool = True  # on CPU, keep freed memory for reuse (see engine/cpu_allocator.py)
@@ -88,6 +95,8 @@ class EngineConfig:
             raise EngineConfigError(
                 f"release_host_memory_every_s must be >= 0 (0: never), got {self.release_host_memory_every_s}"
             )
+        if self.image_prefetch_bytes is None:
+            self.image_prefetch_bytes = 0 if self.device == "cpu" else CUDA_IMAGE_PREFETCH_BYTES
         if self.image_prefetch_bytes < 0:
             raise EngineConfigError(f"image_prefetch_bytes must be >= 0 (0: off), got {self.image_prefetch_bytes}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
