@@ -178,6 +178,22 @@ def test_pixels_staged_in_the_patch_embedding_dtype_encode_exactly_as_float32_pi
     llm.engine.close()
 
 
+def test_staging_falls_back_to_pageable_memory_when_pinning_fails(engine_checkpoint, monkeypatch):
+    llm = LLM(engine_checkpoint, dtype="bfloat16")
+    runner = llm.engine.runner
+    monkeypatch.setattr(runner, "device", torch.device("cuda"))  # stage as for CUDA ...
+
+    def no_pinned_memory(*args, **kwargs):
+        raise RuntimeError("cudaHostAlloc failed")  # ... where pinned memory has run out
+
+    monkeypatch.setattr(torch, "empty", no_pinned_memory)
+    pixels = torch.randn(8, runner.model.config.vision.patch_dim)
+    staged = runner._staged(pixels)
+    assert staged.dtype == torch.bfloat16 and torch.equal(staged, pixels.to(torch.bfloat16))
+    monkeypatch.undo()
+    llm.engine.close()
+
+
 def test_a_prefetched_image_that_fails_to_decode_fails_only_its_request(engine_checkpoint):
     whole = noise_image(64, 64, seed=9, fmt="JPEG")
     conversations = image_conversations(8)

@@ -163,9 +163,12 @@ class ModelRunner:
         """Pixel rows as the device takes them: in the patch embedding's dtype (it casts to it
         anyway, so the numbers are the same and half the bytes cross in bf16), and on CUDA in
         pinned memory, so the copy to the device does not block the host."""
-        if self.device.type != "cuda":
-            return pixels.to(self.pixel_dtype)
-        return torch.empty(pixels.shape, dtype=self.pixel_dtype, pin_memory=True).copy_(pixels)
+        if self.device.type == "cuda":
+            try:
+                return torch.empty(pixels.shape, dtype=self.pixel_dtype, pin_memory=True).copy_(pixels)
+            except RuntimeError:  # no pinned memory to be had: a pageable copy works, it only blocks
+                pass
+        return pixels.to(self.pixel_dtype)
 
     def _staged_bytes(self, image: ImageProbe) -> int:
         """What `_staged` will hold for an image, from its header's grid."""
