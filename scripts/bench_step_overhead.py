@@ -9,9 +9,12 @@ measures that host part on the CPU engine with the shipped model:
 steps run (so the outputs have the length the step sees late in an answer),
 then `--steps` steps are timed. The forward pass and the logits are timed
 separately (each includes its own tensor work), and the rest is the host
-overhead per step.
+overhead per step. `--queued N` adds N more requests (half of them
+constrained) that wait behind the full batch all along, as the offline
+benchmark queues its whole sample set; `--policy` picks the scheduling policy.
 
-    python scripts/bench_step_overhead.py [--batch 256] [--skip 120] [--steps 20] [--output-kind final_only] [--json out.json]
+    python scripts/bench_step_overhead.py [--batch 256] [--skip 120] [--steps 20] [--output-kind final_only]
+        [--queued 48000] [--policy shortest_prompt_first] [--json out.json]
 """
 
 from __future__ import annotations
@@ -42,12 +45,19 @@ class Stopwatch:
             self.seconds += time.perf_counter() - start
 
 
-def measure(model: Path, batch: int, skip: int, steps: int, output_kind: str = "cumulative") -> dict:
-    engine = LLMEngine(model=model, max_num_seqs=batch)
+def text_request(index: int) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": f"Describe product {index}."}]}]
+
+
+def measure(model: Path, batch: int, skip: int, steps: int, output_kind: str = "cumulative", queued: int = 0,
+            policy: str = "fcfs") -> dict:
+    engine = LLMEngine(model=model, max_num_seqs=batch, scheduling_policy=policy)
     params = SamplingParams(max_tokens=skip + steps + 2, ignore_eos=True, temperature=0.0, output_kind=output_kind)
-    for i in range(batch):
-        engine.add_request([{"role": "user", "content": [{"type": "text", "text": f"Describe product {i}."}]}], params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+    timed = [engine.add_request(text_request(i), params) for i in range(batch)]
+    for i in range(batch, batch + queued):  # behind the batch all along: never admitted while it runs
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}} if i % 2 else None
+        engine.add_request(text_request(i), SamplingParams(max_tokens=4, json_schema=schema))
+    while any(engine.requests[i].num_computed_tokens < engine.requests[i].num_prompt_tokens for i in timed):
         engine.step()
     for _ in range(skip):
         engine.step()
@@ -65,6 +75,7 @@ def measure(model: Path, batch: int, skip: int, steps: int, output_kind: str = "
     per_step = lambda seconds: 1e3 * seconds / steps  # noqa: E731
     return {
         "batch": batch, "output_tokens_before": skip, "steps": steps, "output_kind": output_kind,
+        "queued": queued, "policy": policy,
         "ms_per_step": per_step(total), "ms_forward": per_step(forward.seconds), "ms_logits": per_step(logits.seconds),
         "ms_host": per_step(total - forward.seconds - logits.seconds),
     }
@@ -78,10 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--output-kind", default="cumulative", choices=["cumulative", "final_only"],
                         help="cumulative: an output per request per step (streaming); final_only: offline")
+    parser.add_argument("--queued", type=int, default=0, help="requests waiting behind the batch")
+    parser.add_argument("--policy", default="fcfs", choices=["fcfs", "shortest_prompt_first"])
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
-    report = measure(args.model, args.batch, args.skip, args.steps, args.output_kind)
-    print(f"{report['output_kind']} outputs, batch {report['batch']}, output tokens {report['output_tokens_before']}-"
+    report = measure(args.model, args.batch, args.skip, args.steps, args.output_kind, args.queued, args.policy)
+    print(f"{report['output_kind']} outputs, batch {report['batch']}, {report['queued']} queued ({report['policy']}), output tokens {report['output_tokens_before']}-"
           f"{report['output_tokens_before'] + report['steps']}: {report['ms_per_step']:.2f} ms/step = forward "
           f"{report['ms_forward']:.2f} + logits {report['ms_logits']:.2f} + host {report['ms_host']:.2f}")
     if args.json_out:

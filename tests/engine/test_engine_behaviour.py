@@ -172,3 +172,30 @@ def test_final_only_outputs_come_once_and_match_cumulative(llm):
     assert final.delta_text == final.text  # nothing was handed out before
     with pytest.raises(SamplingParamsError, match="output_kind must be one of cumulative, final_only"):
         SamplingParams(output_kind="delta")
+
+
+def test_grammars_compiling_too_long_time_out_and_aborted_ones_are_forgotten(engine_checkpoint, monkeypatch):
+    """Each step looks only at compiles that ended and at the oldest still running; a request
+    whose compile outlives grammar_compile_timeout_s fails alone."""
+    from concurrent.futures import Future
+
+    from vlm_catalog.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(model=engine_checkpoint, grammar_compile_timeout_s=0.2)
+    stuck, controlled = Future(), Future()
+    futures = iter([stuck, controlled])
+    monkeypatch.setattr(engine, "_submit_grammar", lambda params: next(futures))
+    constrained = SamplingParams(max_tokens=3, json_schema={"type": "object"})
+    slow = engine.add_request(conversation(1), constrained)
+    aborted = engine.add_request(conversation(2), constrained)
+    plain = engine.add_request(conversation(3), SamplingParams(max_tokens=3, ignore_eos=True))
+    assert engine.abort(aborted)
+    controlled.set_exception(RuntimeError("never read: the request was aborted"))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert finished[slow].finish_reason == "error" and "timed out" in finished[slow].error
+    assert finished[aborted].finish_reason == "abort"
+    assert finished[plain].finish_reason == "length"
+    assert engine._awaiting_grammar == {} and not engine._grammars_compiled
+    engine.close()

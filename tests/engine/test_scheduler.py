@@ -183,9 +183,9 @@ def test_upcoming_images_are_the_uncomputed_images_of_running_then_waiting_reque
     def upcoming():
         return [image.content_hash for image in scheduler.upcoming_images()]
 
-    assert upcoming() == ["first-2", "first-30", "later-0", "sooner-10", "sooner-12"]  # queue order
+    assert upcoming() == ["first-2", "first-30", "sooner-10", "sooner-12", "later-0"]  # the queue's policy order
     run_step(scheduler)  # "first" computes tokens 0-23: its first image is done
-    assert upcoming() == ["first-30", "sooner-10", "sooner-12", "later-0"]  # the queue is in policy order now
+    assert upcoming() == ["first-30", "sooner-10", "sooner-12", "later-0"]
     run_step(scheduler)  # "first" ends its prompt (24-39); "sooner" computes 0-7, before its images
     assert upcoming() == ["sooner-10", "sooner-12", "later-0"]
     run_step(scheduler)  # "first" decodes; "sooner" computes 8-30: both its images

@@ -24,6 +24,7 @@ import itertools
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,10 @@ class LLMEngine:
         self._bitmasks = None  # BitmaskBuffer, made on the first constrained step
         self._bitmask_filler = None  # BitmaskFiller, likewise
         self._ids = itertools.count()
+        # constrained requests whose grammar is compiling, in arrival order, and those whose compile
+        # ended (appended by the compiler's threads): each step looks at these, not at the whole queue
+        self._awaiting_grammar: dict[str, Request] = {}
+        self._grammars_compiled: deque[Request] = deque()
         self._next_memory_release = time.monotonic() + config.release_host_memory_every_s
 
     # ---------------------------------------------------------------- setup
@@ -229,6 +234,8 @@ class LLMEngine:
         request = Request(request_id, prompt, params, self.config.max_model_len, self.eos_token_ids)
         if params.constrained:
             request.grammar_future = self._submit_grammar(params)
+            self._awaiting_grammar[request_id] = request
+            request.grammar_future.add_done_callback(lambda _, request=request: self._grammars_compiled.append(request))
         self.requests[request_id] = request
         self.detokenizers[request_id] = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         self.scheduler.add(request)
@@ -323,18 +330,22 @@ class LLMEngine:
     def _attach_grammars(self) -> None:
         from vlm_catalog.structured import GrammarError, GrammarState
 
-        now = time.perf_counter()
-        for request in list(self.scheduler.waiting):
-            future = request.grammar_future
-            if future is None or request.grammar is not None:
+        while self._grammars_compiled:  # filled by the compiler's threads
+            request = self._grammars_compiled.popleft()
+            if self._awaiting_grammar.pop(request.request_id, None) is None or request.is_finished:
                 continue
-            if future.done():
-                try:
-                    request.grammar = GrammarState(future.result())
-                except GrammarError as exc:
-                    self.scheduler.finish(request, FinishReason.ERROR, f"invalid output constraint: {exc}")
-            elif now - request.metrics.arrival_time > self.config.grammar_compile_timeout_s:
-                self.scheduler.finish(request, FinishReason.ERROR, "compiling the output constraint timed out")
+            try:
+                request.grammar = GrammarState(request.grammar_future.result())
+            except GrammarError as exc:
+                self.scheduler.finish(request, FinishReason.ERROR, f"invalid output constraint: {exc}")
+        # the rest still compile; the oldest come first (arrival order), so only expired ones are looked at
+        deadline = time.perf_counter() - self.config.grammar_compile_timeout_s
+        while self._awaiting_grammar:
+            request = next(iter(self._awaiting_grammar.values()))
+            if not request.is_finished and request.metrics.arrival_time >= deadline:
+                break
+            del self._awaiting_grammar[request.request_id]
+            self.scheduler.finish(request, FinishReason.ERROR, "compiling the output constraint timed out")
 
     def _drop_failed_image_chunks(self, output: SchedulerOutput, failures: dict[str, str]):
         if not failures:

@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from vlm_catalog.engine.block_manager import BlockManager
 from vlm_catalog.engine.request import FinishReason, Request, RequestStatus
+from vlm_catalog.engine.waiting_queue import WaitingQueue
 from vlm_catalog.preprocess.image import ImageProbe
-
-POLICIES = ("fcfs", "shortest_prompt_first")
 
 
 @dataclass
@@ -75,21 +73,19 @@ class Scheduler:
         max_num_batched_tokens: int,
         policy: str = "fcfs",
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown scheduling policy {policy!r}; choose one of {', '.join(POLICIES)}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(policy)  # in policy order (engine/waiting_queue.py)
         self.running: list[Request] = []
         self.finished: list[Request] = []  # finished since the last `drain_finished`
 
     # ------------------------------------------------------------- admission
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     @property
     def num_unfinished(self) -> int:
@@ -146,14 +142,13 @@ class Scheduler:
         hit. It keeps its place in the queue, and the wait ends once the block
         is computed (or its producer leaves the running set).
         """
-        skipped: list[Request] = []
+        skipped: list[tuple[Request, tuple]] = []  # taken from the queue, not admitted: put back after
         in_flight = self._blocks_in_flight() if self.waiting and self.block_manager.enable_prefix_caching else set()
-        for request in self._waiting_in_policy_order():
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                skipped.append(request)
-                continue
+        # only the front of the queue is looked at: the walk ends when nothing more can be admitted
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request, key = self.waiting.pop()
             if request.waiting_for_grammar:
-                skipped.append(request)
+                skipped.append((request, key))
                 continue
             if self.block_manager.blocks_needed(request.num_tokens) > self.block_manager.num_blocks:
                 self._fail_too_large(request, request.num_tokens)
@@ -163,14 +158,13 @@ class Scheduler:
                 reusable = self._reusable_hashes(request)
                 hits = self._prefix_hits(reusable)
                 if len(hits) < len(reusable) and reusable[len(hits)] in in_flight:
-                    skipped.append(request)  # its next block is being computed: reuse it next step
+                    skipped.append((request, key))  # its next block is being computed: reuse it next step
                     continue
             computed = len(hits) * self.block_manager.block_size
             num_tokens = min(request.num_tokens - computed, budget)
             if not self.block_manager.allocate(request.request_id, computed + num_tokens, hits):
-                skipped.append(request)
-                budget = 0  # the pool is full: admit nothing else this step (keeps FCFS fair)
-                continue
+                skipped.append((request, key))
+                break  # the pool is full: admit nothing else this step (keeps FCFS fair)
             request.num_computed_tokens = computed
             request.metrics.num_cached_tokens = max(request.metrics.num_cached_tokens, computed)
             if request.metrics.first_scheduled_time is None:
@@ -181,7 +175,8 @@ class Scheduler:
             budget -= num_tokens
             if self.block_manager.enable_prefix_caching:
                 in_flight.update(request.block_hashes(self.block_manager.block_size)[len(hits):])
-        self.waiting = deque(skipped) if self.policy == "fcfs" else deque(sorted(skipped, key=self._policy_key))
+        for request, key in skipped:
+            self.waiting.put_back(request, key)
 
     def _blocks_in_flight(self) -> set[bytes]:
         """Hashes of the full blocks running requests have yet to compute."""
@@ -191,15 +186,6 @@ class Scheduler:
             if request.num_uncomputed_tokens >= block_size:
                 in_flight.update(request.block_hashes(block_size)[request.num_computed_tokens // block_size:])
         return in_flight
-
-    def _waiting_in_policy_order(self) -> Iterable[Request]:
-        if self.policy == "shortest_prompt_first":
-            return sorted(self.waiting, key=self._policy_key)
-        return list(self.waiting)
-
-    @staticmethod
-    def _policy_key(request: Request) -> tuple[int, float]:
-        return (request.num_tokens - request.num_computed_tokens, request.metrics.arrival_time)
 
     def _reusable_hashes(self, request: Request) -> list[bytes]:
         """Hashes of the full blocks a new request could take from the prefix cache: all but a
@@ -235,7 +221,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.metrics.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.add_front(request)
 
     def upcoming_images(self) -> Iterator[ImageProbe]:
         """Images the next steps will likely need, soonest first (for prefetching their pixels):
@@ -265,7 +251,7 @@ class Scheduler:
             return
         if request in self.running:
             self.running.remove(request)
-        elif request in self.waiting:
+        else:
             self.waiting.remove(request)
         self.block_manager.free(request.request_id)
         request.finish(reason, error)
