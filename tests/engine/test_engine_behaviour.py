@@ -199,3 +199,32 @@ def test_grammars_compiling_too_long_time_out_and_aborted_ones_are_forgotten(eng
     assert finished[plain].finish_reason == "length"
     assert engine._awaiting_grammar == {} and not engine._grammars_compiled
     engine.close()
+
+
+def test_a_constrained_request_is_queued_for_scheduling_once_its_grammar_is_compiled(engine_checkpoint, monkeypatch):
+    from concurrent.futures import Future
+
+    from vlm_catalog.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(model=engine_checkpoint)
+    compile_for_real, gate = engine._submit_grammar, Future()
+
+    def held_back(params):  # the real compile, handed over only when the gate opens
+        compiled, handed = compile_for_real(params), Future()
+        gate.add_done_callback(lambda _: handed.set_result(compiled.result()))
+        return handed
+
+    monkeypatch.setattr(engine, "_submit_grammar", held_back)
+    request_id = engine.add_request(conversation(4), SamplingParams(max_tokens=40, json_schema=ProductMetadata.model_json_schema()))
+    request = engine.requests[request_id]
+    for _ in range(3):
+        assert engine.step() == []
+        assert request not in engine.scheduler.waiting and request not in engine.scheduler.running
+        assert engine.has_unfinished_requests() and engine.load_stats()["requests_waiting"] == 1
+    gate.set_result(None)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outputs] == [request_id] and outputs[0].finish_reason in ("stop", "length")
+    assert request.grammar is not None and engine.load_stats()["requests_waiting"] == 0
+    engine.close()

@@ -130,8 +130,8 @@ class LLMEngine:
         self._bitmasks = None  # BitmaskBuffer, made on the first constrained step
         self._bitmask_filler = None  # BitmaskFiller, likewise
         self._ids = itertools.count()
-        # constrained requests whose grammar is compiling, in arrival order, and those whose compile
-        # ended (appended by the compiler's threads): each step looks at these, not at the whole queue
+        # constrained requests whose grammar is compiling (not yet in the scheduler's queue), in
+        # arrival order, and those whose compile ended (appended by the compiler's threads)
         self._awaiting_grammar: dict[str, Request] = {}
         self._grammars_compiled: deque[Request] = deque()
         self._next_memory_release = time.monotonic() + config.release_host_memory_every_s
@@ -232,13 +232,14 @@ class LLMEngine:
                 raise EngineRequestError(str(exc)) from None
         self._check_prompt(prompt, params)
         request = Request(request_id, prompt, params, self.config.max_model_len, self.eos_token_ids)
-        if params.constrained:
+        if params.constrained:  # queued for scheduling once its grammar is compiled (_attach_grammars)
             request.grammar_future = self._submit_grammar(params)
             self._awaiting_grammar[request_id] = request
             request.grammar_future.add_done_callback(lambda _, request=request: self._grammars_compiled.append(request))
+        else:
+            self.scheduler.add(request)
         self.requests[request_id] = request
         self.detokenizers[request_id] = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
-        self.scheduler.add(request)
         return request_id
 
     def _check_prompt(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
@@ -285,12 +286,13 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return False
+        self._awaiting_grammar.pop(request_id, None)
         self.scheduler.finish(request, FinishReason.ABORT)
         return True
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued, running, or finished with its output not yet returned."""
-        return self.scheduler.has_unfinished() or bool(self.scheduler.finished)
+        return self.scheduler.has_unfinished() or bool(self.scheduler.finished) or bool(self._awaiting_grammar)
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -338,6 +340,8 @@ class LLMEngine:
                 request.grammar = GrammarState(request.grammar_future.result())
             except GrammarError as exc:
                 self.scheduler.finish(request, FinishReason.ERROR, f"invalid output constraint: {exc}")
+            else:
+                self.scheduler.add(request)
         # the rest still compile; the oldest come first (arrival order), so only expired ones are looked at
         deadline = time.perf_counter() - self.config.grammar_compile_timeout_s
         while self._awaiting_grammar:
@@ -482,7 +486,7 @@ class LLMEngine:
         used = self.num_blocks - manager.num_free_blocks  # blocks with a reference count > 0
         return {
             "requests_running": len(self.scheduler.running),
-            "requests_waiting": len(self.scheduler.waiting),
+            "requests_waiting": len(self.scheduler.waiting) + len(self._awaiting_grammar),
             "kv_blocks_used": used,
             "kv_blocks_total": self.num_blocks,
             "kv_capacity_tokens": self.num_blocks * self.config.block_size,

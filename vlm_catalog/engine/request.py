@@ -115,10 +115,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    @property
-    def waiting_for_grammar(self) -> bool:
-        return self.grammar_future is not None and self.grammar is None
-
     # -------------------------------------------------------------- contents
     def positions(self, start: int, end: int) -> torch.Tensor:
         """MRoPE positions [3, end - start] of tokens start..end-1 (prompt, then decode)."""

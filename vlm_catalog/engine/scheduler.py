@@ -147,9 +147,6 @@ class Scheduler:
         # only the front of the queue is looked at: the walk ends when nothing more can be admitted
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request, key = self.waiting.pop()
-            if request.waiting_for_grammar:
-                skipped.append((request, key))
-                continue
             if self.block_manager.blocks_needed(request.num_tokens) > self.block_manager.num_blocks:
                 self._fail_too_large(request, request.num_tokens)
                 continue
