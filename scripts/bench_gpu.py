@@ -227,6 +227,7 @@ def engine_run_summary(engine: LLMEngine, conversations, params) -> tuple[dict, 
         "jump_forward_tokens": delta["num_jump_forward_tokens"],
         "images_prefetched": delta["num_images_prefetched"],  # decoded while an earlier step ran
         "image_wait_seconds": delta["seconds_waiting_for_images"],  # steps waiting for image decodes
+        "vision_encoder_seconds": delta["seconds_in_vision_encoder"],  # device time, within prefill steps
         "errors": sum(o.finish_reason == "error" for o in outputs.values()),
     }
     return summary, outputs

@@ -143,6 +143,7 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     engine = report["engine"]["fixed_150_tokens"]
     assert engine["generated_tokens"] == 2 * 4 and engine["errors"] == 0
     assert engine["queue_seconds"] > 0 and engine["image_wait_seconds"] >= 0 and engine["images_prefetched"] >= 0
+    assert 0 < engine["vision_encoder_seconds"] < engine["seconds"]
     constrained = report["constrained"]
     # equal generated tokens by construction, both reported
     assert constrained["constrained_real_stop"]["generated_tokens"] == constrained["unconstrained_same_tokens"]["generated_tokens"]

@@ -80,6 +80,7 @@ class EngineStats:
     num_host_memory_releases: int = 0  # free heap pages handed back (release_host_memory_every_s)
     num_images_prefetched: int = 0  # images whose pixels were decoded ahead (engine/image_prefetch.py)
     seconds_waiting_for_images: float = 0.0  # steps waiting for image pixels to be decoded
+    seconds_in_vision_encoder: float = 0.0  # the vision tower's device time (CUDA events on GPU)
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -315,6 +316,7 @@ class LLMEngine:
                 self.scheduler.update_after_step(SchedulerOutput(chunks))
                 touched = self._sample_and_append(chunks, logits)
             elapsed = time.perf_counter() - started
+            self.stats.seconds_in_vision_encoder = self.runner.vision_timer.seconds  # the step has synced
             if all(chunk.is_decode for chunk in chunks):
                 self.stats.seconds_in_decode_steps += elapsed
             else:

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner
+from vlm_catalog.engine.device_timer import DeviceTimer
 from vlm_catalog.engine.encoder_cache import EncoderCache
 from vlm_catalog.engine.image_prefetch import ImagePrefetcher
 from vlm_catalog.engine.paged_attention import (
@@ -73,6 +74,7 @@ class ModelRunner:
         self.pixel_dtype = model.visual.patch_embed.pixel_dtype
         self.images = ImagePrefetcher(self._decode, self._staged_bytes, image_prefetch_bytes, image_workers)
         self.num_images_encoded = 0
+        self.vision_timer = DeviceTimer(self.device)  # the vision tower's device time
 
     def close(self) -> None:
         self.images.close()
@@ -109,7 +111,9 @@ class ModelRunner:
                 # pinned rows copy without blocking the host; grids stay on the host (the tower reads them as ints)
                 pixel_values = torch.cat([pixels.to(self.device, non_blocking=True) for _, pixels in ready])
                 grids = torch.tensor([image.grid_thw for image, _ in ready])  # [images, 3]
-                for (image, _), embedding in zip(ready, self.model.encode_images(pixel_values, grids)):
+                with self.vision_timer:
+                    embeddings = self.model.encode_images(pixel_values, grids)
+                for (image, _), embedding in zip(ready, embeddings):
                     self.encoder_cache.put(image.content_hash, embedding)
                     found[image.content_hash] = embedding
                     self.num_images_encoded += 1

@@ -1,0 +1,49 @@
+"""Time spent by one part of a step on the device, without synchronizing it.
+
+On CUDA the host only queues kernels, so a host clock around a call measures
+the launches, not the work. `DeviceTimer` records a pair of CUDA events around
+each timed call and adds up their elapsed times once the device has passed
+them (`seconds` never waits: a pair still in flight is counted on a later
+read; after the step's sampling has synchronized, every pair is done). On CPU
+the work is synchronous and a host clock measures it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+
+class DeviceTimer:
+    def __init__(self, device: torch.device) -> None:
+        self.on_cuda = device.type == "cuda"
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._done_seconds = 0.0
+        self._started: torch.cuda.Event | float | None = None
+
+    def __enter__(self) -> DeviceTimer:
+        if self.on_cuda:
+            self._started = torch.cuda.Event(enable_timing=True)
+            self._started.record()
+        else:
+            self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.on_cuda:
+            ended = torch.cuda.Event(enable_timing=True)
+            ended.record()
+            self._pending.append((self._started, ended))
+        else:
+            self._done_seconds += time.perf_counter() - self._started
+        self._started = None
+
+    @property
+    def seconds(self) -> float:
+        """Total time of the timed calls the device has finished."""
+        while self._pending and self._pending[0][1].query():
+            started, ended = self._pending.popleft()
+            self._done_seconds += started.elapsed_time(ended) / 1e3  # elapsed_time is in ms
+        return self._done_seconds
