@@ -179,6 +179,42 @@ def test_a_record_that_cannot_be_prepared_fails_alone(tmp_path):
     assert "cannot" in sink.tally.errors[0] and "sample 1" in sink.tally.errors[0]
 
 
+def test_prompts_are_prepared_off_the_engine_thread_and_a_crash_there_fails_its_sample_alone(tmp_path, monkeypatch):
+    """The SUT's pool prepares prompts (the engine thread only adds them); an unexpected error
+    while preparing one (here a TypeError) answers that sample with an empty response."""
+    import threading
+
+    from vlm_catalog.bench.loadgen.sut_engine import EngineSUT
+    from vlm_catalog.engine.config import EngineConfig
+    from vlm_catalog.engine.llm_engine import LLMEngine
+
+    crashing = ProductRecord(id="1", title="CRASH", description="", image=jpeg(), candidate_categories=CANDIDATES)
+    records = [record(), crashing, record(jpeg(quality=60, exif=False))]
+    settings = build_test_settings(RunOptions("offline", "accuracy", count=3), 3)
+    sink = ResponseSink(report_first_tokens=False)
+    engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL_DIR))
+    process, threads = engine.processor.process, set()
+
+    def watched_process(messages, *args, **kwargs):
+        threads.add(threading.current_thread().name)
+        if "CRASH" in json.dumps(messages):
+            raise TypeError("an unexpected bug while preparing")
+        return process(messages, *args, **kwargs)
+
+    monkeypatch.setattr(engine.processor, "process", watched_process)
+    with CatalogueQSL(records, 3, 3, lambda product: prepare_request(product, "ours")) as qsl:
+        with EngineSUT(engine, qsl, GREEDY, 40, sink, prepare_workers=2) as sut:
+            lg.StartTestWithLogSettings(sut.handle, qsl.handle, settings, build_log_settings(tmp_path))
+    engine.close()
+    assert threads and all(name.startswith("bench-prepare") for name in threads)
+    entries = {e["qsl_idx"]: bytes.fromhex(e["data"]).decode() for e in json.loads((tmp_path / ACCURACY_LOG_FILE).read_text())}
+    assert entries[1] == ""
+    for index in (0, 2):
+        assert ProductMetadata.model_validate_json(entries[index]).category in CANDIDATES
+    assert sink.tally.completed == 2 and sink.tally.failed == 1
+    assert "sample 1: an unexpected bug while preparing" in sink.tally.errors[0]
+
+
 # ---------------------------------------------------------------- CLI errors
 def free_port() -> int:
     with socket.socket() as probe:
