@@ -308,21 +308,26 @@ class LLMEngine:
             images, failures = self.runner.encode_images(output.chunks)
             chunks = order_chunks(self._drop_failed_image_chunks(output, failures))
             self.runner.prefetch_images(self.scheduler.upcoming_images())  # decoded while this step runs
-            self.stats.num_images_prefetched = self.runner.images.num_prefetch_hits
-            self.stats.seconds_waiting_for_images = self.runner.images.seconds_waiting
             if chunks:
                 logits = self.runner.execute(chunks, images)
                 self._count_computed(chunks)
                 self.scheduler.update_after_step(SchedulerOutput(chunks))
                 touched = self._sample_and_append(chunks, logits)
             elapsed = time.perf_counter() - started
-            self.stats.seconds_in_vision_encoder = self.runner.vision_timer.seconds  # the step has synced
+            self._copy_runner_stats()
             if all(chunk.is_decode for chunk in chunks):
                 self.stats.seconds_in_decode_steps += elapsed
             else:
                 self.stats.seconds_in_prefill_steps += elapsed
         self._release_host_memory_when_due()
         return self._collect_outputs(touched)
+
+    def _copy_runner_stats(self) -> None:
+        """The runner's image counters, as of this step (its sampling synced the device)."""
+        images = self.runner.images
+        self.stats.num_images_prefetched = images.num_prefetch_hits
+        self.stats.seconds_waiting_for_images = images.seconds_waiting
+        self.stats.seconds_in_vision_encoder = self.runner.vision_timer.seconds
 
     def _release_host_memory_when_due(self) -> None:
         interval = self.config.release_host_memory_every_s

@@ -78,7 +78,6 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.policy = policy
         self.waiting = WaitingQueue(policy)  # in policy order (engine/waiting_queue.py)
         self.running: list[Request] = []
         self.finished: list[Request] = []  # finished since the last `drain_finished`

@@ -40,27 +40,25 @@ class WaitingQueue:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def __bool__(self) -> bool:
-        return bool(self._keys)
-
     def __contains__(self, request: Request) -> bool:
         return request.request_id in self._keys
 
     def add(self, request: Request) -> None:
         """Queue a new request (FCFS: at the back)."""
-        self._push(request, next(self._back))
+        self._push(request, self._key(request, next(self._back)))
 
     def add_front(self, request: Request) -> None:
         """Queue a request ahead of every FCFS arrival (a preempted request; policy order for SPF)."""
-        self._push(request, next(self._front))
+        self._push(request, self._key(request, next(self._front)))
 
-    def _push(self, request: Request, sequence: int) -> None:
+    def _key(self, request: Request, sequence: int) -> tuple:
+        if self.policy == "fcfs":
+            return (sequence,)
+        return (request.num_tokens - request.num_computed_tokens, request.metrics.arrival_time, sequence)
+
+    def _push(self, request: Request, key: tuple) -> None:
         if request.request_id in self._keys:
             raise ValueError(f"request {request.request_id!r} is already waiting")
-        if self.policy == "fcfs":
-            key = (sequence,)
-        else:
-            key = (request.num_tokens - request.num_computed_tokens, request.metrics.arrival_time, sequence)
         self._keys[request.request_id] = key
         heapq.heappush(self._heap, (key, request))
 
@@ -76,18 +74,16 @@ class WaitingQueue:
     def pop(self) -> tuple[Request, tuple]:
         """Take the request at the front, with the key `put_back` needs to return it to its place."""
         while self._heap:
-            key, request = heapq.heappop(self._heap)
-            if self._keys.get(request.request_id) == key:
+            entry = heapq.heappop(self._heap)
+            if self._is_live(entry):
+                key, request = entry
                 del self._keys[request.request_id]
                 return request, key
         raise IndexError("pop from an empty waiting queue")
 
     def put_back(self, request: Request, key: tuple) -> None:
         """Return a request taken with `pop` (and not admitted) to its place."""
-        if request.request_id in self._keys:
-            raise ValueError(f"request {request.request_id!r} is already waiting")
-        self._keys[request.request_id] = key
-        heapq.heappush(self._heap, (key, request))
+        self._push(request, key)
 
     def __iter__(self) -> Iterator[Request]:
         """The waiting requests in policy order, lazily: the first k cost O(k log k)."""

@@ -59,7 +59,7 @@ class EngineSUT:
         self.sampling = sampling
         self.max_tokens = max_tokens
         self.sink = sink
-        self._inbox: queue.Queue = queue.Queue()  # lists of (response id, sample index, prepared prompt)
+        self._inbox: queue.Queue = queue.Queue()  # (response id, sample index, prepared prompt); None: stop
         self._prepare = ThreadPoolExecutor(prepare_workers, thread_name_prefix="bench-prepare")
         self._in_flight: dict[str, int] = {}  # engine request id -> LoadGen response id
         self._stop = threading.Event()
@@ -86,7 +86,7 @@ class EngineSUT:
             self.sink.issued(sample.id)
             future = self._prepare.submit(self._prepared, sample.index)
             future.add_done_callback(
-                lambda done, response_id=sample.id, index=sample.index: self._inbox.put([(response_id, index, done)])
+                lambda done, response_id=sample.id, index=sample.index: self._inbox.put((response_id, index, done))
             )
 
     def flush_queries(self) -> None:
@@ -121,17 +121,17 @@ class EngineSUT:
                         self.sink.complete(response_id, output.text, len(output.token_ids))
 
     def _take_inbox(self, block: bool) -> None:
+        """Add every prepared sample that has landed (waiting up to _IDLE_WAIT_S for one if `block`)."""
         try:
-            batch = self._inbox.get(block=block, timeout=_IDLE_WAIT_S if block else None)
+            entry = self._inbox.get(block=block, timeout=_IDLE_WAIT_S if block else None)
         except queue.Empty:
             return
-        while batch is not None:
-            for response_id, index, prepared in batch:
-                self._add(response_id, index, prepared)
+        while entry is not None:
+            self._add(*entry)
             try:
-                batch = self._inbox.get_nowait()
+                entry = self._inbox.get_nowait()
             except queue.Empty:
-                batch = None
+                entry = None
 
     def _prepared(self, index: int) -> tuple[ProcessedPrompt, SamplingParams]:
         """A sample's prompt and sampling parameters, ready for `add_request` (in the pool)."""
