@@ -58,6 +58,7 @@ class BatchSettings:
     ray_address: str | None = None  # None: this process; "": Ray (running cluster or local); else its address
     replicas: int | None = None  # Ray engine replicas (default: one per GPU, or per node on CPU)
     window: int | None = None  # requests in the engine at once (None: 64 on CPU, 512 on GPUs)
+    read_ahead: int = 64  # records prepared ahead in background threads (0: on the engine thread)
     evaluate: bool = False
     log_every_s: float = 30.0
     terminal: bool | None = None  # progress bar (None: when stderr is a terminal)
@@ -137,6 +138,7 @@ class BatchSummary:
             "model_steps": self.engine_stats.get("num_sampled_tokens", 0),
             "jump_forward_tokens": self.engine_stats.get("num_jump_forward_tokens", 0),
             "prompt_tokens_computed": self.engine_stats.get("num_prompt_tokens_computed", 0),
+            "seconds_waiting_for_records": self.engine_stats.get("seconds_waiting_for_records", 0.0),
         }
 
 
@@ -153,6 +155,8 @@ def check_settings(settings: BatchSettings) -> None:
         settings.window = 64 if settings.device == "cpu" else 512
     if settings.window < 1:
         raise BatchError(f"--window must be at least 1, got {settings.window}")
+    if settings.read_ahead < 0:
+        raise BatchError(f"--read-ahead must be 0 or more, got {settings.read_ahead}")
     if settings.replicas is not None and settings.replicas < 1:
         raise BatchError(f"--replicas must be at least 1, got {settings.replicas}")
     if settings.prompt_style not in PROMPT_STYLES:
@@ -299,15 +303,17 @@ def _selected_done(catalogue, settings: BatchSettings, results: ResultsFile):
 
 
 def _run_here(settings: BatchSettings, items, emit, on_ready, between_steps) -> dict[str, Any]:
+    from dataclasses import asdict
+
     from vlm_catalog.batch.local import run_items
 
     engine = build_engine(settings)
     between_steps()  # a signal while the model loaded
     on_ready()
     try:
-        run_items(engine, build_request_builder(settings, engine.tokenizer), items, emit, settings.window,
-                  between_steps)
-        return engine.stats.as_dict()
+        feed = run_items(engine, build_request_builder(settings, engine.tokenizer), items, emit, settings.window,
+                         between_steps, settings.read_ahead)
+        return {**engine.stats.as_dict(), **asdict(feed)}
     finally:
         engine.close()
 

@@ -144,5 +144,6 @@ class ExtractReplica:
             )
             items.append(CatalogueItem(row["index"], record=record))
         lines: list[ResultLine] = []
-        run_items(self.engine, self.builder, items, lines.append, self.settings.window)
+        run_items(self.engine, self.builder, items, lines.append, self.settings.window,
+                  read_ahead=self.settings.read_ahead)
         return {"line": [json.dumps({**line.to_json(), "num_tokens": line.num_tokens}) for line in lines]}

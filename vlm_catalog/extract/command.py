@@ -42,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="score the results with the benchmark's metric (needs ground truth)")
     parser.add_argument("--window", type=int, default=None,
                         help="records in the engine at once: bounds memory (default 64 on CPU, 512 on GPUs)")
+    parser.add_argument("--read-ahead", type=int, default=64, metavar="N",
+                        help="records read and prepared ahead of the window in background threads, so the "
+                             "engine thread only adds them (default 64; 0: prepare each on the engine thread)")
     parser.add_argument("--log-every", type=float, default=30.0, metavar="SECONDS",
                         help="progress log interval when stderr is not a terminal")
     parser.set_defaults(handler=run)
@@ -76,7 +79,7 @@ def settings_from_args(args: argparse.Namespace, out: Path, **overrides):
         max_tokens=args.max_tokens, enable_prefix_caching=not args.no_prefix_caching,
         scheduling_policy=args.policy, **memory_options(args), shard=shard, overwrite=getattr(args, "overwrite", False),
         ray_address=getattr(args, "ray", None), replicas=getattr(args, "replicas", None),
-        window=getattr(args, "window", None), evaluate=getattr(args, "eval", False),
+        window=getattr(args, "window", None), read_ahead=getattr(args, "read_ahead", 64), evaluate=getattr(args, "eval", False),
         log_every_s=getattr(args, "log_every", 30.0),
     )
     values.update(overrides)
