@@ -172,9 +172,8 @@ class _ProfileInputs:
             torch.cat([image.deepstack[j] for image in images])[: step.num_image_tokens]
             for j in range(len(images[0].deepstack))
         ]
-        mask = torch.zeros(step.num_tokens, dtype=torch.bool, device=self.input_ids.device)
-        mask[: step.num_image_tokens] = True
-        multimodal = MultimodalEmbeddings(mask=mask, embeddings=embeddings, deepstack=deepstack)
+        rows = torch.arange(step.num_image_tokens, device=self.input_ids.device)  # the image tokens come first
+        multimodal = MultimodalEmbeddings(rows=rows, embeddings=embeddings, deepstack=deepstack)
         hidden = model(self.input_ids, self.positions, PagedAttention(self.kv_caches, self.metadata), multimodal)
         logits = model.compute_logits(hidden[-step.num_sampled :]).float()  # [S, V], as the runner returns them
         torch.softmax(logits, dim=-1)  # the sampler's probabilities: one more [S, V] float32

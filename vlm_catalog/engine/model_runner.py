@@ -229,10 +229,8 @@ class ModelRunner:
         metadata = self._attention_metadata(chunks, torch.cat(slots), cu_seqlens, context_lens)
         multimodal = None
         if multimodal_parts:
-            mask = torch.zeros(offset, dtype=torch.bool)
-            mask[torch.cat(multimodal_rows)] = True
             multimodal = MultimodalEmbeddings(
-                mask=mask.to(device),
+                rows=torch.cat(multimodal_rows).to(device),  # [M] ascending, in the order of the parts
                 embeddings=torch.cat([part.embeddings for part in multimodal_parts]),
                 deepstack=[
                     torch.cat([part.deepstack[j] for part in multimodal_parts])

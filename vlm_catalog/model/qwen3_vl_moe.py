@@ -102,7 +102,7 @@ def multimodal_inputs(
     if count != provided:
         raise ValueError(f"{count} image placeholder tokens but {provided} image feature rows")
     return MultimodalEmbeddings(
-        mask=mask,
+        rows=mask.nonzero().flatten(),
         embeddings=torch.cat([image.embeddings for image in images]),
         deepstack=[
             torch.cat([image.deepstack[j] for image in images])

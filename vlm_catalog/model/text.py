@@ -32,12 +32,14 @@ from vlm_catalog.model.fp8 import Fp8BlockQuantization
 class MultimodalEmbeddings:
     """Image features for the image-placeholder tokens of a flat batch.
 
-    `mask [T]` marks placeholder positions; `embeddings [M, H]` replace their
-    token embeddings in order (M = mask.sum()); `deepstack[j] [M, H]` is added
-    to those positions after decoder layer j.
+    `rows [M]` (int64, on the model's device) are the placeholder tokens' rows in
+    the flat batch, ascending; `embeddings [M, H]` replace their token
+    embeddings in that order; `deepstack[j] [M, H]` is added to those rows
+    after decoder layer j. Row indices known on the host, not a boolean mask:
+    indexing by a mask on the device waits for the device to count it.
     """
 
-    mask: torch.Tensor
+    rows: torch.Tensor
     embeddings: torch.Tensor
     deepstack: list[torch.Tensor] = field(default_factory=list)
 
@@ -297,8 +299,7 @@ class TextDecoder(nn.Module):
         """Final-normed hidden states [T, H] for input_ids [T] at positions [3, T]."""
         residual = self.embed_tokens(input_ids)  # [T, H]
         if multimodal is not None and multimodal.embeddings.shape[0]:
-            residual = residual.clone()
-            residual[multimodal.mask] = multimodal.embeddings.to(residual.dtype)
+            residual = residual.index_copy(0, multimodal.rows, multimodal.embeddings.to(residual.dtype))
         deepstack = multimodal.deepstack if multimodal is not None else []
 
         normed = self.layers[0].input_layernorm(residual)
@@ -308,8 +309,7 @@ class TextDecoder(nn.Module):
             mlp_out = layer.mlp(normed)
             next_norm = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
             if index < len(deepstack) and deepstack[index].shape[0]:
-                residual = residual + mlp_out
-                residual[multimodal.mask] += deepstack[index].to(residual.dtype)
+                residual = (residual + mlp_out).index_add_(0, multimodal.rows, deepstack[index].to(residual.dtype))
                 normed = next_norm(residual)
             else:
                 normed, residual = next_norm.add_and_norm(mlp_out, residual)
