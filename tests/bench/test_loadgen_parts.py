@@ -215,6 +215,35 @@ def test_prompts_are_prepared_off_the_engine_thread_and_a_crash_there_fails_its_
     assert "sample 1: an unexpected bug while preparing" in sink.tally.errors[0]
 
 
+def test_an_offline_burst_is_prepared_only_as_far_ahead_as_prepare_ahead(tmp_path):
+    """All 24 samples come in one call; at most `prepare_ahead` of them are ever being prepared or
+    queued in the engine (the rest wait as bare indices), and every one is answered."""
+    from vlm_catalog.bench.loadgen.sut_engine import EngineSUT
+    from vlm_catalog.engine.config import EngineConfig
+    from vlm_catalog.engine.llm_engine import LLMEngine
+
+    records = [record(jpeg(quality=50 + i)) for i in range(24)]
+    settings = build_test_settings(RunOptions("offline", "accuracy", count=24), 24)
+    sink = ResponseSink(report_first_tokens=False)
+    engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL_DIR, max_num_seqs=4))
+    seen = {"ahead": 0, "held_back": 0}
+    with CatalogueQSL(records, 24, 24, lambda product: prepare_request(product, "ours")) as qsl:
+        with EngineSUT(engine, qsl, GREEDY, 12, sink, prepare_ahead=5) as sut:
+            step = engine.step
+
+            def watched_step():  # on the engine thread, which alone moves samples along
+                seen["ahead"] = max(seen["ahead"], sut._num_preparing + engine.num_waiting_requests)
+                seen["held_back"] = max(seen["held_back"], len(sut._issued))
+                return step()
+
+            engine.step = watched_step
+            lg.StartTestWithLogSettings(sut.handle, qsl.handle, settings, build_log_settings(tmp_path))
+    engine.close()
+    assert sink.tally.completed == 24 and sink.tally.failed == 0
+    assert 1 <= seen["ahead"] <= 5
+    assert seen["held_back"] >= 24 - 5 - 4  # most of the burst waited unprepared at first
+
+
 # ---------------------------------------------------------------- CLI errors
 def free_port() -> int:
     with socket.socket() as probe:

@@ -291,6 +291,11 @@ class LLMEngine:
         self.scheduler.finish(request, FinishReason.ABORT)
         return True
 
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests queued and not yet running: in the waiting queue, or waiting for their grammar."""
+        return len(self.scheduler.waiting) + len(self._awaiting_grammar)
+
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued, running, or finished with its output not yet returned."""
         return self.scheduler.has_unfinished() or bool(self.scheduler.finished) or bool(self._awaiting_grammar)

@@ -1,16 +1,21 @@
 """A LoadGen SUT that drives the in-process engine (`LLMEngine`).
 
 One engine thread owns the engine (it is not thread-safe). LoadGen's
-`issue_query` only hands the query samples to a pool of prompt-preparing
-threads (chat template, tokens, image headers: `PromptProcessor.process`),
-so it never blocks LoadGen; each prepared prompt lands in the engine
+`issue_query` only queues the query samples, so it never blocks LoadGen.
+Before each step the engine thread hands issued samples to a pool of
+prompt-preparing threads (chat template, tokens, image headers:
+`PromptProcessor.process`) while fewer than `prepare_ahead` are being
+prepared or wait in the engine; each prepared prompt lands in the engine
 thread's inbox, and the engine thread adds whatever has landed before each
-step. In the Offline scenario all samples arrive in one call, and the engine
-starts on the first prepared ones while the pool prepares the rest (at the
-1.2-2.4 ms per prompt measured on the CPU machine, preparing 48k samples on
-the engine thread first kept the device idle for one to two minutes); in the
-Server scenario they arrive one by one at Poisson times and join the running
-batch at the next step. Each step's outputs are streamed: the first generated text
+step. In the Offline scenario all samples arrive in one call: the engine
+starts on the first prepared ones, and the pool stays at most `prepare_ahead`
+samples ahead of what runs. Preparing all of a 48k-sample burst at once
+would hold every prepared prompt in memory (about 40 KiB each: token lists,
+request state; some 2 GB) for no gain, since the engine runs at most
+`max_num_seqs` of them, and would keep both threads busy for about a minute,
+which stretched a model engine thread's steps by 6% on the CPU machine
+(`scripts/bench_gil_contention.py`). In the Server scenario samples arrive
+one by one at Poisson times and join the running batch at the next step. Each step's outputs are streamed: the first generated text
 of a sample is reported as its first token (Server), and a finished request
 completes its sample at once, so LoadGen sees each latency as it happens.
 The time spent inside the engine (`add_request`, `step`) is added up in
@@ -24,6 +29,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import mlperf_loadgen as lg
@@ -38,6 +44,7 @@ from vlm_catalog.preprocess.processor import ProcessedPrompt
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5
+_WAKE = object()  # an inbox entry: samples were issued
 
 
 class EngineSUT:
@@ -51,16 +58,25 @@ class EngineSUT:
         max_tokens: int,
         sink: ResponseSink,
         prepare_workers: int = 2,
+        prepare_ahead: int | None = None,
     ) -> None:
         """`prepare_workers`: threads preparing prompts. Two keep far ahead of the engine (a prompt
-        takes 1-2 ms) without many threads taking the GIL from the engine thread's host work."""
+        takes 1-2 ms) without many threads taking the GIL from the engine thread's host work.
+        `prepare_ahead`: at most this many issued samples are being prepared or wait in the engine's
+        queue (None: the engine's `max_num_seqs`, at least 64); the rest wait as bare sample indices."""
         self.engine = engine
         self.qsl = qsl
         self.sampling = sampling
         self.max_tokens = max_tokens
         self.sink = sink
-        self._inbox: queue.Queue = queue.Queue()  # (response id, sample index, prepared prompt); None: stop
+        self.prepare_ahead = prepare_ahead if prepare_ahead is not None else max(64, engine.config.max_num_seqs)
+        if self.prepare_ahead < 1:
+            raise ValueError(f"prepare_ahead must be at least 1, got {self.prepare_ahead}")
+        self._issued: deque[tuple[int, int]] = deque()  # (response id, sample index), not yet handed to the pool
+        # (response id, sample index, Future of the prepared prompt); _WAKE: samples were issued; None: stop
+        self._inbox: queue.Queue = queue.Queue()
         self._prepare = ThreadPoolExecutor(prepare_workers, thread_name_prefix="bench-prepare")
+        self._num_preparing = 0  # handed to the pool and not yet added (engine thread only)
         self._in_flight: dict[str, int] = {}  # engine request id -> LoadGen response id
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-engine", daemon=True)
@@ -84,17 +100,17 @@ class EngineSUT:
     def issue_queries(self, query_samples: list) -> None:
         for sample in query_samples:
             self.sink.issued(sample.id)
-            future = self._prepare.submit(self._prepared, sample.index)
-            future.add_done_callback(
-                lambda done, response_id=sample.id, index=sample.index: self._inbox.put((response_id, index, done))
-            )
+            self._issued.append((sample.id, sample.index))
+        self._inbox.put(_WAKE)
 
     def flush_queries(self) -> None:
-        """Nothing is held back: every issued sample goes to the engine as soon as it is prepared."""
+        """Nothing is held back longer than `prepare_ahead` requires: samples go on being prepared
+        as the engine's queue drains, and each is added as soon as it is prepared."""
 
     # -------------------------------------------------------- engine thread
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._prepare_more()
             self._take_inbox(block=not self.engine.has_unfinished_requests())
             if not self.engine.has_unfinished_requests():
                 continue
@@ -120,6 +136,18 @@ class EngineSUT:
                     else:
                         self.sink.complete(response_id, output.text, len(output.token_ids))
 
+    def _prepare_more(self) -> None:
+        """Hand issued samples to the pool while fewer than `prepare_ahead` are being prepared or queued."""
+        room = self.prepare_ahead - self._num_preparing - self.engine.num_waiting_requests
+        while room > 0 and self._issued:
+            response_id, index = self._issued.popleft()
+            future = self._prepare.submit(self._prepared, index)
+            future.add_done_callback(
+                lambda done, response_id=response_id, index=index: self._inbox.put((response_id, index, done))
+            )
+            self._num_preparing += 1
+            room -= 1
+
     def _take_inbox(self, block: bool) -> None:
         """Add every prepared sample that has landed (waiting up to _IDLE_WAIT_S for one if `block`)."""
         try:
@@ -127,7 +155,9 @@ class EngineSUT:
         except queue.Empty:
             return
         while entry is not None:
-            self._add(*entry)
+            if entry is not _WAKE:
+                self._num_preparing -= 1
+                self._add(*entry)
             try:
                 entry = self._inbox.get_nowait()
             except queue.Empty:
