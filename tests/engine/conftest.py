@@ -36,7 +36,7 @@ def mixed_conversations(count: int = 8) -> list[list[dict]]:
 def transformers_generate(reference, processor, messages, max_new_tokens: int) -> list[int]:
     """Greedy tokens from transformers' `generate`, never stopping early."""
     prompt = processor.process(messages)
-    input_ids = torch.tensor([prompt.token_ids])
+    input_ids = torch.tensor([prompt.token_ids.tolist()])
     kwargs = {"attention_mask": torch.ones_like(input_ids)}
     if prompt.images:
         pixel_values, grids = processor.load_pixels(prompt.images)

@@ -141,7 +141,7 @@ def test_a_waiting_twin_is_admitted_once_a_chunked_producer_passes_the_shared_bl
     # the producer's 40-token prompt is chunked 16 tokens a step; the twin shares its first 8 blocks of 4
     scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=16)
     producer = make_request("producer", 40, max_tokens=1)
-    twin = Request("twin", ProcessedPrompt(producer.prompt.token_ids[:32] + [99] * 8, [], []),
+    twin = Request("twin", ProcessedPrompt(producer.prompt.token_ids[:32].tolist() + [99] * 8, [], []),
                    SamplingParams(max_tokens=1), max_model_len=4096)
     scheduler.add(producer)
     scheduler.add(twin)

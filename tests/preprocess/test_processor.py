@@ -48,7 +48,8 @@ def test_same_tokens_pixels_grids_and_positions_as_transformers(processor, check
     pil_images = [Image.open(__import__("io").BytesIO(b)).convert("RGB") for b in images]
     expected = transformers_processor(processor.image_processor, processor.tokenizer)(text=[text], images=pil_images, return_tensors="pt")
 
-    assert prompt.token_ids == expected["input_ids"][0].tolist()
+    assert prompt.token_ids.tolist() == expected["input_ids"][0].tolist()
+    assert prompt.token_ids.itemsize == 4  # held compactly: 4 bytes per token, not a list of ints
     assert [list(image.grid_thw) for image in prompt.images] == expected["image_grid_thw"].tolist()
     pixels, grids = processor.load_pixels(prompt.images)
     assert grids.tolist() == expected["image_grid_thw"].tolist()

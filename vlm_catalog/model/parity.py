@@ -90,7 +90,7 @@ def reference_greedy(
 ) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and per-step logits [V] (prompt positions first) from transformers, with its KV cache."""
     device = next(reference.parameters()).device
-    input_ids = torch.tensor([prompt.token_ids], device=device)
+    input_ids = torch.tensor([prompt.token_ids.tolist()], device=device)
     kwargs: dict[str, Any] = {}
     if pixels is not None:
         kwargs["pixel_values"] = pixels[0].to(device)
@@ -121,7 +121,7 @@ def our_greedy(
     """Greedy tokens and per-step logits from our model, with the unpaged KV cache."""
     device = model.device
     cache = ContiguousKVCache(model.config.text.num_layers)
-    input_ids = torch.tensor(prompt.token_ids, device=device)
+    input_ids = torch.tensor(prompt.token_ids.tolist(), device=device)
     images = []
     if pixels is not None:
         images = model.encode_images(pixels[0].to(device), pixels[1].to(device))

@@ -10,8 +10,8 @@ thread's inbox, and the engine thread adds whatever has landed before each
 step. In the Offline scenario all samples arrive in one call: the engine
 starts on the first prepared ones, and the pool stays at most `prepare_ahead`
 samples ahead of what runs. Preparing all of a 48k-sample burst at once
-would hold every prepared prompt in memory (about 40 KiB each: token lists,
-request state; some 2 GB) for no gain, since the engine runs at most
+would hold every prepared prompt in memory (about 12 KiB each with the
+shipped model, some 0.6 GB) for no gain, since the engine runs at most
 `max_num_seqs` of them, and would keep both threads busy for about a minute,
 which stretched a model engine thread's steps by 6% on the CPU machine
 (`scripts/bench_gil_contention.py`). In the Server scenario samples arrive
