@@ -12,9 +12,13 @@ separately (each includes its own tensor work), and the rest is the host
 overhead per step. `--queued N` adds N more requests (half of them
 constrained) that wait behind the full batch all along, as the offline
 benchmark queues its whole sample set; `--policy` picks the scheduling policy.
+`--prompt-words N` pads each prompt with N words, for the benchmark's context
+lengths (a prompt with its image is 1,000-5,000 tokens): the per-step cost
+of the block tables grows with them. Give the KV pool room for them
+(`--kv-cache-gib`; 700 words make 2,740 tokens, and 256 such requests need 1.4 GiB).
 
     python scripts/bench_step_overhead.py [--batch 256] [--skip 120] [--steps 20] [--output-kind final_only]
-        [--queued 48000] [--policy shortest_prompt_first] [--json out.json]
+        [--queued 48000] [--policy shortest_prompt_first] [--prompt-words 2000] [--json out.json]
 """
 
 from __future__ import annotations
@@ -45,15 +49,22 @@ class Stopwatch:
             self.seconds += time.perf_counter() - start
 
 
-def text_request(index: int) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "text", "text": f"Describe product {index}."}]}]
+def text_request(index: int, padding_words: int = 0) -> list[dict]:
+    padding = " ".join(f"part{(index + word) % 97}" for word in range(padding_words))
+    return [{"role": "user", "content": [{"type": "text", "text": f"Describe product {index}. {padding}".strip()}]}]
 
 
 def measure(model: Path, batch: int, skip: int, steps: int, output_kind: str = "cumulative", queued: int = 0,
-            policy: str = "fcfs") -> dict:
-    engine = LLMEngine(model=model, max_num_seqs=batch, scheduling_policy=policy)
-    params = SamplingParams(max_tokens=skip + steps + 2, ignore_eos=True, temperature=0.0, output_kind=output_kind)
-    timed = [engine.add_request(text_request(i), params) for i in range(batch)]
+            policy: str = "fcfs", prompt_words: int = 0, kv_cache_gib: float | None = None) -> dict:
+    kv_bytes = int(kv_cache_gib * 2**30) if kv_cache_gib else None
+    engine = LLMEngine(model=model, max_num_seqs=batch, scheduling_policy=policy, kv_cache_memory_bytes=kv_bytes)
+    prompts = [engine.processor.process(text_request(i, prompt_words)) for i in range(batch)]
+    prompt_tokens = sum(prompt.num_tokens for prompt in prompts) / batch
+    # the first requests decode while the last prefill: none may finish before the timed steps
+    prefill_steps = -(-sum(prompt.num_tokens for prompt in prompts) // engine.config.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=skip + steps + 2 + prefill_steps, ignore_eos=True, temperature=0.0,
+                            output_kind=output_kind)
+    timed = [engine.add_request(prompt, params) for prompt in prompts]
     for i in range(batch, batch + queued):  # behind the batch all along: never admitted while it runs
         schema = {"type": "object", "properties": {"n": {"type": "integer"}}} if i % 2 else None
         engine.add_request(text_request(i), SamplingParams(max_tokens=4, json_schema=schema))
@@ -75,7 +86,7 @@ def measure(model: Path, batch: int, skip: int, steps: int, output_kind: str = "
     per_step = lambda seconds: 1e3 * seconds / steps  # noqa: E731
     return {
         "batch": batch, "output_tokens_before": skip, "steps": steps, "output_kind": output_kind,
-        "queued": queued, "policy": policy,
+        "queued": queued, "policy": policy, "prompt_tokens": round(prompt_tokens),
         "ms_per_step": per_step(total), "ms_forward": per_step(forward.seconds), "ms_logits": per_step(logits.seconds),
         "ms_host": per_step(total - forward.seconds - logits.seconds),
     }
@@ -91,10 +102,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="cumulative: an output per request per step (streaming); final_only: offline")
     parser.add_argument("--queued", type=int, default=0, help="requests waiting behind the batch")
     parser.add_argument("--policy", default="fcfs", choices=["fcfs", "shortest_prompt_first"])
+    parser.add_argument("--prompt-words", type=int, default=0, help="padding words per prompt (longer contexts)")
+    parser.add_argument("--kv-cache-gib", type=float, help="KV pool size (the shipped model takes 2 KiB per token; "
+                        "the CPU default of 0.25 GiB holds 256 requests of about 500 tokens)")
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
-    report = measure(args.model, args.batch, args.skip, args.steps, args.output_kind, args.queued, args.policy)
-    print(f"{report['output_kind']} outputs, batch {report['batch']}, {report['queued']} queued ({report['policy']}), output tokens {report['output_tokens_before']}-"
+    report = measure(args.model, args.batch, args.skip, args.steps, args.output_kind, args.queued, args.policy,
+                     args.prompt_words, args.kv_cache_gib)
+    print(f"{report['output_kind']} outputs, batch {report['batch']}, {report['prompt_tokens']}-token prompts, "
+          f"{report['queued']} queued ({report['policy']}), output tokens {report['output_tokens_before']}-"
           f"{report['output_tokens_before'] + report['steps']}: {report['ms_per_step']:.2f} ms/step = forward "
           f"{report['ms_forward']:.2f} + logits {report['ms_logits']:.2f} + host {report['ms_host']:.2f}")
     if args.json_out:

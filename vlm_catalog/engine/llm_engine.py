@@ -122,6 +122,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.processor.image_processor, self.kv_caches, config.block_size,
             self.encoder_cache, config.image_workers, self._decode_graphs(), config.image_prefetch_bytes,
+            config.max_num_seqs, config.max_model_len,
         )
         self.generator = torch.Generator(device=config.torch_device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}

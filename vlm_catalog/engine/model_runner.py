@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
+from vlm_catalog.engine.block_table_rows import BlockTableRows
 from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner
 from vlm_catalog.engine.device_timer import DeviceTimer
 from vlm_catalog.engine.encoder_cache import EncoderCache
@@ -62,12 +63,16 @@ class ModelRunner:
         image_workers: int | None = None,
         graph_runner: DecodeGraphRunner | None = None,
         image_prefetch_bytes: int = 0,
+        max_num_seqs: int = 256,
+        max_model_len: int = 32768,
     ) -> None:
         self.model = model
         self.graph_runner = graph_runner
         self.image_processor = image_processor
         self.kv_caches = kv_caches
         self.block_size = block_size
+        # a row per running request (and some spare rows, so a preempted one keeps its row for a while)
+        self.block_tables = BlockTableRows(max_num_seqs + max_num_seqs // 4, -(-max_model_len // block_size))
         self.encoder_cache = encoder_cache
         self.device = model.device
         self.image_token_id = model.config.image_token_id
@@ -129,10 +134,8 @@ class ModelRunner:
         device = self.device
         num_decodes = _count_leading_decodes(chunks)
 
-        def tables(part: list[ScheduledChunk]) -> torch.Tensor:
-            width = max(len(chunk.block_table) for chunk in part)
-            padded = [chunk.block_table + [0] * (width - len(chunk.block_table)) for chunk in part]
-            return torch.tensor(padded, dtype=torch.int32, device=device)  # [B, max_blocks]
+        def tables(part: list[ScheduledChunk]) -> torch.Tensor:  # [B, max blocks in part] int32
+            return self.block_tables.gather([(chunk.request.request_id, chunk.block_table) for chunk in part]).to(device)
 
         decode = prefill = None
         if num_decodes:

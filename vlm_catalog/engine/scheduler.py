@@ -38,7 +38,9 @@ class ScheduledChunk:
     request: Request
     start: int
     num_tokens: int
-    block_table: list[int]  # the request's blocks, covering start + num_tokens tokens
+    # the request's blocks, covering start + num_tokens tokens: the block manager's own list
+    # (no per-step copy; `BlockTableRows` knows a request's rows by it), valid for this step
+    block_table: list[int]
     samples: bool  # the chunk reaches the request's last token: a new token is sampled
 
     @property
@@ -199,7 +201,7 @@ class Scheduler:
             request=request,
             start=request.num_computed_tokens,
             num_tokens=num_tokens,
-            block_table=list(self.block_manager.block_table(request.request_id)),
+            block_table=self.block_manager.block_table(request.request_id),  # its own list, not a copy
             samples=request.num_computed_tokens + num_tokens == request.num_tokens,
         )
 
