@@ -67,7 +67,8 @@ def measure(model: Path, batch: int, skip: int, steps: int, output_kind: str = "
     timed = [engine.add_request(prompt, params) for prompt in prompts]
     for i in range(batch, batch + queued):  # behind the batch all along: never admitted while it runs
         schema = {"type": "object", "properties": {"n": {"type": "integer"}}} if i % 2 else None
-        engine.add_request(text_request(i), SamplingParams(max_tokens=4, json_schema=schema))
+        # longer than the timed prompts, so shortest-prompt-first keeps them behind too
+        engine.add_request(text_request(i, prompt_words + 8), SamplingParams(max_tokens=4, json_schema=schema))
     while any(engine.requests[i].num_computed_tokens < engine.requests[i].num_prompt_tokens for i in timed):
         engine.step()
     for _ in range(skip):
