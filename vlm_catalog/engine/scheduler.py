@@ -238,7 +238,8 @@ class Scheduler:
             if request.is_finished or request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens = chunk.end
-            if self.block_manager.enable_prefix_caching:
+            # only a chunk that fills a block has one to register (a decode does every block_size steps)
+            if self.block_manager.enable_prefix_caching and chunk.end // block_size > chunk.start // block_size:
                 self.block_manager.cache_full_blocks(
                     request.request_id, request.block_hashes(block_size), request.num_computed_tokens
                 )
