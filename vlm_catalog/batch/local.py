@@ -132,7 +132,8 @@ def run_items(
                     between_steps()
         finally:
             stats.seconds_waiting_for_records = records.seconds_waiting
-            stats.records_prepared_on_engine_thread += getattr(records, "num_prepared", 0)
+            if isinstance(records, _PrepareInline):
+                stats.records_prepared_on_engine_thread += records.num_prepared
 
 
 def prepare_item(

@@ -71,7 +71,7 @@ class ModelRunner:
         self.image_processor = image_processor
         self.kv_caches = kv_caches
         self.block_size = block_size
-        # a row per running request (and some spare rows, so a preempted one keeps its row for a while)
+        # a row per running request, and spare rows so that those of requests left out of a step are kept
         self.block_tables = BlockTableRows(max_num_seqs + max_num_seqs // 4, -(-max_model_len // block_size))
         self.encoder_cache = encoder_cache
         self.device = model.device

@@ -15,9 +15,10 @@ shipped model, some 0.6 GB) for no gain, since the engine runs at most
 `max_num_seqs` of them, and would keep both threads busy for about a minute,
 which stretched a model engine thread's steps by 6% on the CPU machine
 (`scripts/bench_gil_contention.py`). In the Server scenario samples arrive
-one by one at Poisson times and join the running batch at the next step. Each step's outputs are streamed: the first generated text
-of a sample is reported as its first token (Server), and a finished request
-completes its sample at once, so LoadGen sees each latency as it happens.
+one by one at Poisson times and join the running batch at the next step.
+Each step's outputs are streamed: the first generated text of a sample is
+reported as its first token (Server), and a finished request completes its
+sample at once, so LoadGen sees each latency as it happens.
 The time spent inside the engine (`add_request`, `step`) is added up in
 `sink.tally.engine_busy_s`: against LoadGen's measured duration it gives
 the harness's own overhead.
