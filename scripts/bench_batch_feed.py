@@ -29,6 +29,7 @@ from pathlib import Path
 
 from vlm_catalog.batch.job import BatchSettings, build_engine, build_request_builder
 from vlm_catalog.batch.local import DEFAULT_READ_AHEAD, run_items
+from vlm_catalog.bench.interleaved import interleaved_rounds
 from vlm_catalog.data.loader import load_catalogue
 from vlm_catalog.data.synthetic.generator import make_catalog
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
@@ -83,12 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         depths = (0, args.read_ahead)
         for depth in depths:  # warm-up: thread pools, allocator, grammar compiler, first-call costs
             timed_run(settings, depth, limit=4)
-        runs, answers = [], {}
-        for _ in range(args.rounds):
-            for depth in depths:
-                run, answers[depth] = timed_run(settings, depth, limit=args.records)
-                runs.append(run)
-                print(json.dumps(run), flush=True)
+        runs, answers = interleaved_rounds(depths, args.rounds, lambda depth: timed_run(settings, depth, args.records))
     report = {"records": runs[0]["records"], "image_size": args.image_size, "max_tokens": args.max_tokens,
               "window": args.window, "runs": runs, "same_answers": answers[depths[0]] == answers[depths[1]]}
     print(f"same answers with and without read-ahead: {report['same_answers']}")

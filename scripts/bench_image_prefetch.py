@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from vlm_catalog import LLM, SamplingParams
+from vlm_catalog.bench.interleaved import interleaved_rounds
 from vlm_catalog.data.loader import load_catalogue
 from vlm_catalog.data.synthetic.generator import make_catalog
 from vlm_catalog.engine.config import CUDA_IMAGE_PREFETCH_BYTES
@@ -77,12 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = (0, args.prefetch_bytes)
     for budget in settings:  # warm-up: thread pools, allocator, first-call costs
         timed_run(args.model, conversations[:4], params, budget)
-    runs, tokens = [], {}
-    for _ in range(args.rounds):
-        for budget in settings:
-            run, tokens[budget] = timed_run(args.model, conversations, params, budget)
-            runs.append(run)
-            print(json.dumps(run), flush=True)
+    runs, tokens = interleaved_rounds(
+        settings, args.rounds, lambda budget: timed_run(args.model, conversations, params, budget)
+    )
     report = {"records": len(records), "image_size": args.image_size, "max_tokens": args.max_tokens, "runs": runs,
               "same_tokens": tokens[settings[0]] == tokens[settings[1]]}
     print(f"same tokens with and without prefetching: {report['same_tokens']}")
