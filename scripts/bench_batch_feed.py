@@ -9,9 +9,12 @@ default read-ahead. Each run starts from a fresh engine, after one untimed
 warm-up run per setting.
 
 Reports per run: seconds, records/s, and the engine thread's time spent
-getting records ready, split into the first window (before the first step)
-and the rest (per record): on a GPU host that time is device idle time. Also
-whether both settings wrote the same answers. On the 2-core CPU machine the
+getting records ready, split into what the first step waited for and the
+rest (per record). With the read-ahead a step takes at most `--read-ahead`
+new records, so the first step waits for that many and the window fills over
+the next steps; without it the first step waits for the whole window. On a
+GPU host that time is device idle time. Also whether both settings wrote the
+same answers. On the 2-core CPU machine the
 preparing threads share the cores with the forward pass, so the total time
 changes less than the waiting does.
 
@@ -48,7 +51,8 @@ def timed_run(settings: BatchSettings, read_ahead: int, limit: int | None = None
         seconds = time.perf_counter() - start
     finally:
         engine.close()
-    after_first = len(lines) - min(settings.window, len(lines))
+    first_step_records = min(read_ahead or settings.window, settings.window, len(lines))  # what the first step took
+    after_first = len(lines) - first_step_records
     waiting_after_first = feed.seconds_waiting_for_records - feed.seconds_waiting_before_first_step
     run = {
         "read_ahead": read_ahead,
@@ -57,7 +61,7 @@ def timed_run(settings: BatchSettings, read_ahead: int, limit: int | None = None
         "records_per_s": round(len(lines) / seconds, 2),
         "seconds_waiting_for_records": round(feed.seconds_waiting_for_records, 3),
         "seconds_waiting_before_first_step": round(feed.seconds_waiting_before_first_step, 3),
-        "ms_waiting_per_record_after_first_window": round(1e3 * waiting_after_first / after_first, 3) if after_first else None,
+        "ms_waiting_per_record_after_first_step": round(1e3 * waiting_after_first / after_first, 3) if after_first else None,
         "failed": sum(line.failure is not None for line in lines),
     }
     return run, {line.id: line.response for line in lines}

@@ -162,3 +162,39 @@ def test_the_batch_runner_prepares_records_off_the_engine_thread(tmp_path: Path,
         engine.close()
     assert sorted(line.id for line in lines) == sorted(direct)
     assert {line.id: line.response for line in lines} == {record_id: texts[direct[record_id]] for record_id in direct}
+
+
+def test_records_join_at_most_read_ahead_per_step_and_failures_alone_do_not_end_the_run(tmp_path: Path):
+    """With read_ahead=2 the engine gains at most 2 records per step while the window (8) fills;
+    a run of unusable records longer than that (here the first 5) does not stop the rest."""
+    from tests.batch.conftest import sample_rows
+    from vlm_catalog.batch.job import BatchSettings, build_engine, build_request_builder
+    from vlm_catalog.batch.local import run_items
+    from vlm_catalog.data.loader import CatalogueItem, load_catalogue
+
+    dataset = write_parquet(tmp_path / "catalogue", sample_rows(10))
+    settings = BatchSettings(dataset=dataset, out=tmp_path / "p.jsonl", max_tokens=80)
+    engine = build_engine(settings)
+    builder = build_request_builder(settings, engine.tokenizer)
+    broken = [CatalogueItem(100 + i, error=f"broken record {i}", kind="record") for i in range(5)]
+    items = broken + list(load_catalogue(dataset).items())
+    in_engine_before_step = []
+    step = engine.step
+
+    def watched_step():
+        in_engine_before_step.append(len(engine.scheduler.running) + engine.num_waiting_requests)
+        return step()
+
+    engine.step = watched_step
+    lines = []
+    try:
+        run_items(engine, builder, items, lines.append, window=8, read_ahead=2)
+    finally:
+        engine.close()
+    assert len(lines) == 15
+    assert sorted(line.error for line in lines if line.failure == "record") == [f"broken record {i}" for i in range(5)]
+    assert sum(line.failure is None for line in lines) == 10
+    gains = [after - before for before, after in zip([0, *in_engine_before_step], in_engine_before_step)]
+    assert max(gains) <= 2
+    # the first steps: the fifth broken record and the first good one, then two more each step
+    assert in_engine_before_step[:4] == [1, 3, 5, 7]

@@ -90,10 +90,11 @@ def run_items(
     An answer cut by the token budget under the plain schema is run once more
     with the bounded one (see `RequestBuilder`); only that second answer is emitted.
     `between_steps` is called after every engine step (the job's stop check: it
-    may raise to end the run there). The window is refilled before every step
-    (waiting for the read-ahead if need be), so which records share a step
-    does not depend on timing. `read_ahead`: records prepared ahead by `prepare_workers`
-    threads (0: each is prepared on this thread when its turn comes).
+    may raise to end the run there). Before every step the window is refilled,
+    by at most `read_ahead` records (waiting for the read-ahead if need be), so
+    which records share a step does not depend on timing. `read_ahead`: records
+    prepared ahead by `prepare_workers` threads (0: each is prepared on this
+    thread when its turn comes, and the window is refilled whole).
     """
     stats = FeedStats()
     pending: dict[str, tuple[CatalogueItem, bool]] = {}  # engine request id -> (item, bounded schema)
@@ -103,7 +104,10 @@ def run_items(
         exhausted, stepped = False, False
         try:
             while True:
-                while not exhausted and len(pending) < window:
+                # at most `read_ahead` records join per step, so the first step waits for that many
+                # preparations, not a whole window's (a step admits far fewer than that anyway)
+                limit = 0 if exhausted else min(window - len(pending), read_ahead or window)
+                for _ in range(limit):
                     prepared = records.next()
                     if prepared is None:
                         exhausted = True
@@ -112,7 +116,9 @@ def run_items(
                     if failure is not None:
                         emit(failure)
                 if not pending:
-                    return stats
+                    if exhausted:
+                        return stats
+                    continue  # every record taken so far failed before reaching the engine
                 if not stepped:
                     stats.seconds_waiting_before_first_step = records.seconds_waiting
                     stepped = True
