@@ -118,6 +118,8 @@ def run_items(
                 if not pending:
                     if exhausted:
                         return stats
+                    if between_steps is not None:  # a stop request is honoured during a run of bad records too
+                        between_steps()
                     continue  # every record taken so far failed before reaching the engine
                 if not stepped:
                     stats.seconds_waiting_before_first_step = records.seconds_waiting
