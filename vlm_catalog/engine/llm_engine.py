@@ -378,10 +378,10 @@ class LLMEngine:
 
     def _count_computed(self, chunks) -> None:
         for chunk in chunks:
-            prompt_end = chunk.request.num_prompt_tokens
-            if chunk.start >= prompt_end:  # a decode (its positions were released when its prompt ended)
+            if chunk.past_prompt:  # its positions were released when its prompt ended
                 self.stats.num_output_tokens_computed += chunk.num_tokens
                 continue
+            prompt_end = chunk.request.num_prompt_tokens
             prompt_part = min(chunk.end, prompt_end) - chunk.start
             self.stats.num_prompt_tokens_computed += prompt_part
             self.stats.num_output_tokens_computed += chunk.num_tokens - prompt_part

@@ -94,7 +94,7 @@ class ModelRunner:
         """
         needed: dict[str, ImageProbe] = {}
         for chunk in chunks:
-            if chunk.start >= chunk.request.num_prompt_tokens:  # generated tokens: no image in reach
+            if chunk.past_prompt:
                 continue
             for image, (span_start, span_length) in zip(chunk.request.prompt.images, chunk.request.prompt.image_spans):
                 if span_start < chunk.end and chunk.start < span_start + span_length:

@@ -48,9 +48,15 @@ class ScheduledChunk:
         return self.start + self.num_tokens
 
     @property
+    def past_prompt(self) -> bool:
+        """Only generated tokens (a decode, or outputs recomputed after a preemption): no prompt
+        position or image in reach."""
+        return self.start >= self.request.num_prompt_tokens
+
+    @property
     def is_decode(self) -> bool:
         """One generated token (a one-token chunk of the prompt is a prefill chunk)."""
-        return self.num_tokens == 1 and self.start >= self.request.num_prompt_tokens
+        return self.num_tokens == 1 and self.past_prompt
 
 
 @dataclass
