@@ -1,14 +1,17 @@
 """Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 All rows are processed together; only the random draws of seeded requests are
-made per row. Sampling uses the exponential race (argmax of p / E with
-E ~ Exp(1)), which draws from p exactly and lets each row use its own
-generator. A seeded request's noise is drawn from a generator seeded by
-(seed, output position), so its tokens depend only on its seed and history:
-the same whatever it is batched with, and the same whether jump-forward
-appended the forced tokens or the model sampled them one by one.
-"""
+made per row. A sampled row is filtered (`filtered_distributions`) and then
+drawn by inverting its cumulative distribution with one uniform number, which
+draws from it exactly. Neither step sorts the vocabulary as a rule: top-k
+takes the best tokens by `topk`, top-p first tries a window of the best
+tokens, and rows with neither filter are drawn in token order.
 
+A seeded request's uniform comes from a generator seeded by (seed, output
+position), so its tokens depend only on its seed and history: the same
+whatever it is batched with, and the same whether jump-forward appended the
+forced tokens or the model sampled them one by one.
+"""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -33,17 +36,20 @@ def sample(
 ) -> SamplingResult:
     """Pick one token per row of `logits` [R, V] (float32; grammar masks already applied)."""
     num_rows, vocab = logits.shape
-    tokens = logits.argmax(dim=-1)
     sampled_rows = [row for row, p in enumerate(params) if not p.greedy]
-    if sampled_rows:
-        index = torch.tensor(sampled_rows, device=logits.device)
-        chosen = _sample_rows(
-            logits.index_select(0, index),
-            [params[row] for row in sampled_rows],
-            [output_positions[row] for row in sampled_rows],
-            generator,
-        )
-        tokens.index_copy_(0, index, chosen)
+    if len(sampled_rows) == num_rows:  # nothing greedy: no argmax pass over the vocabulary
+        tokens = _sample_rows(logits, params, output_positions, generator)
+    else:
+        tokens = logits.argmax(dim=-1)
+        if sampled_rows:
+            index = torch.tensor(sampled_rows, device=logits.device)
+            chosen = _sample_rows(
+                logits.index_select(0, index),
+                [params[row] for row in sampled_rows],
+                [output_positions[row] for row in sampled_rows],
+                generator,
+            )
+            tokens.index_copy_(0, index, chosen)
     token_list = tokens.tolist()
     logprobs: list[dict[int, float] | None] = [None] * num_rows
     wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
@@ -59,36 +65,144 @@ def sample(
     return SamplingResult(token_list, logprobs)
 
 
+NUCLEUS_WINDOW = 1024  # best tokens tried first for top-p without top-k (a full sort if they hold too little mass)
+
+
+@dataclass
+class FilteredRows:
+    """Some rows' filtered distributions: `probs` [r, W] over `ids` [r, W] (token ids;
+    None: W is the vocabulary in token order), for the rows `rows` of the batch."""
+
+    rows: list[int]
+    probs: torch.Tensor
+    ids: torch.Tensor | None
+
+
+def filtered_distributions(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[FilteredRows]:
+    """What `sample` draws from for each row of `logits` [R, V] (none greedy), in three groups.
+
+    - top-k: the `max(top_k)` best tokens of each row, by `topk`;
+    - top-p without top-k: the `NUCLEUS_WINDOW` best, with their probabilities
+      under the whole vocabulary's softmax; when those hold no more than top-p of
+      the mass (a flat distribution), the group falls back to a full sort;
+    - neither (temperature and min-p only): the whole vocabulary, in token order.
+    Top-p and min-p measure the probabilities left after top-k. A temperature
+    keeps the order of a row, so ranked groups scale only the columns they keep.
+    """
+    device = logits.device
+    num_rows, vocab = logits.shape
+    groups: dict[str, list[int]] = {"top_k": [], "nucleus": [], "whole": []}
+    for row, p in enumerate(params):
+        groups["top_k" if p.top_k else "nucleus" if p.top_p < 1.0 else "whole"].append(row)
+    filtered = []
+    for kind, rows in groups.items():
+        if not rows:
+            continue
+        part = logits if len(rows) == num_rows else logits.index_select(0, torch.tensor(rows, device=device))  # [r, V]
+        part_params = [params[row] for row in rows]
+        temperatures = torch.tensor([p.temperature for p in part_params], device=device, dtype=logits.dtype)[:, None]
+        if kind == "whole":
+            filtered.append(FilteredRows(rows, _filter(part / temperatures, None, part_params), None))
+            continue
+        log_normalizer = None
+        width = min(vocab, max(p.top_k for p in part_params) if kind == "top_k" else NUCLEUS_WINDOW)
+        if kind == "nucleus" and width < vocab:
+            log_normalizer = torch.logsumexp(part / temperatures, dim=-1)  # [r]
+        values, ids = part.topk(width, dim=-1)  # [r, width] best first, and their token ids
+        values = values / temperatures
+        if log_normalizer is not None:
+            top_p = torch.tensor([p.top_p for p in part_params], device=device, dtype=values.dtype)
+            window_mass = torch.exp(torch.logsumexp(values, dim=-1) - log_normalizer)  # [r]
+            if not bool((window_mass > top_p).all()):  # the nucleus may reach past the window
+                log_normalizer = None
+                values, ids = (part / temperatures).sort(dim=-1, descending=True)  # [r, V]
+        filtered.append(FilteredRows(rows, _filter(values, ids, part_params, log_normalizer), ids))
+    return filtered
+
+
+def _filter(
+    values: torch.Tensor,
+    ids: torch.Tensor | None,
+    params: Sequence[SamplingParams],
+    log_normalizer: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Probabilities [R, W] of the columns of `values` [R, W] (tempered logits) after the filters.
+
+    With `ids`, the columns are each row's best tokens, best first, and top-k and
+    top-p apply; without, they are the whole vocabulary in token order (top-k and
+    top-p off). min-p applies to both. `log_normalizer` [R] (top-k off, the
+    columns a window of the vocabulary) is the whole row's log-sum-exp, to
+    measure top-p and min-p with.
+    """
+    device = values.device
+    width = values.shape[1]
+    remove = None
+    kept = values
+    if ids is not None:
+        top_k = torch.tensor([p.top_k or width for p in params], device=device)
+        remove = torch.arange(width, device=device)[None, :] >= top_k[:, None]  # [R, W]
+        kept = values.masked_fill(remove, float("-inf"))
+    if log_normalizer is None:
+        probs = torch.softmax(kept, dim=-1)  # [R, W]
+    else:
+        probs = torch.exp(kept - log_normalizer[:, None])  # [R, W], of the whole vocabulary's mass
+    if ids is not None and any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=probs.dtype)
+        before = probs.cumsum(dim=-1) - probs  # mass of the better tokens
+        remove |= before > top_p[:, None]
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
+        too_unlikely = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # the best token always stays
+        remove = too_unlikely if remove is None else remove | too_unlikely
+    if remove is None:
+        return probs
+    if ids is not None:
+        remove[:, 0] = False  # the best token always stays
+    return torch.softmax(values.masked_fill(remove, float("-inf")), dim=-1)
+
+
 def _sample_rows(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     output_positions: Sequence[int],
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    device = logits.device
-    temperatures = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
-    scaled = logits / temperatures[:, None]  # [R, V]
-    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # [R, V]
-    vocab = logits.shape[-1]
-    rank = torch.arange(vocab, device=device)[None, :]
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
-    remove = rank >= top_k[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=probs.dtype)
-    before = probs.cumsum(dim=-1) - probs  # mass of the better tokens
-    remove |= before > top_p[:, None]
-    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
-    remove |= probs < min_p[:, None] * probs[:, :1]
-    remove[:, 0] = False  # the best token always stays
-    probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-    noise = torch.empty_like(probs)
+    """A token id per row of `logits` [R, V], drawn from its filtered, tempered distribution."""
+    num_rows = logits.shape[0]
+    chosen = None
+    for group in filtered_distributions(logits, params):
+        uniforms = _uniforms([params[row] for row in group.rows], [output_positions[row] for row in group.rows],
+                             generator, logits.device)
+        cumulative = group.probs.cumsum(dim=-1)  # [r, W]
+        total = cumulative[:, -1:]  # [r, 1]
+        # u * total, kept below the total when rounding would reach it (columns past the last
+        # kept token have the total too, and must not be found)
+        target = torch.minimum((uniforms[:, None] * total).to(total.dtype), torch.nextafter(total, torch.zeros_like(total)))
+        # the first column whose cumulative mass passes the target: column c with probability probs[c]
+        column = torch.searchsorted(cumulative, target, right=True)  # [r, 1]
+        picked = column.squeeze(1) if group.ids is None else group.ids.gather(1, column).squeeze(1)
+        if len(group.rows) == num_rows:
+            return picked
+        if chosen is None:
+            chosen = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+        chosen.index_copy_(0, torch.tensor(group.rows, device=logits.device), picked)
+    return chosen
+
+
+def _uniforms(
+    params: Sequence[SamplingParams],
+    output_positions: Sequence[int],
+    generator: torch.Generator | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """U[0, 1) [R] in float64: one draw for the unseeded rows, and for a seeded row one from
+    (seed, position), so its token depends on nothing else in the batch."""
+    uniforms = torch.rand(len(params), device=device, dtype=torch.float64, generator=generator)
     for row, (p, position) in enumerate(zip(params, output_positions)):
-        row_generator = generator
         if p.seed is not None:
             row_generator = torch.Generator(device=device).manual_seed(_position_seed(p.seed, position))
-        noise[row].exponential_(generator=row_generator)
-    choice = (probs / noise).argmax(dim=-1)  # [R], index into the sorted order
-    return sorted_ids.gather(1, choice[:, None]).squeeze(1)
+            uniforms[row] = torch.rand((), device=device, dtype=torch.float64, generator=row_generator)
+    return uniforms
 
 
 def _position_seed(seed: int, position: int) -> int:
