@@ -15,7 +15,9 @@ call; `--json FILE` merges the phases' results into FILE.
 - vision_encoder  the vision tower alone on realistic images: seconds, patches, FLOPs
                   and MFU against the matmul peak (target >= 35%)
 - engine          offline samples/s, prefill and decode tokens/s with 150 output tokens
-                  (ignore_eos); the KV capacity in tokens and the memory profile
+                  (ignore_eos), sampled as the benchmark samples (temperature 0.7, top-p 0.8,
+                  top-k 20; `--engine-sampling greedy` for argmax, as the first H100 run);
+                  the KV capacity in tokens and the memory profile
 - engine_fp8_kv   the same with an FP8 (e4m3) KV cache: twice the tokens in the same memory,
                   so more records decode together
 - engine_fp8      FP8 experts (128 x 128 block scales, as Qwen's -FP8 checkpoints; the random
@@ -46,6 +48,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -60,6 +63,7 @@ from vlm_catalog.bench.random_model import (
 from vlm_catalog.data.loader import load_catalogue
 from vlm_catalog.data.synthetic.generator import make_catalog
 from vlm_catalog.engine.config import EngineConfig
+from vlm_catalog.engine.generation_config import GREEDY, QWEN3_VL_SAMPLING, Sampling
 from vlm_catalog.engine.llm_engine import LLMEngine
 from vlm_catalog.engine.paged_attention import (
     PagedAttention,
@@ -249,20 +253,21 @@ def memory_summary(engine: LLMEngine, device: torch.device) -> dict:
 
 
 def measure_engine(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
-                   kv_cache_dtype: str = "auto") -> dict:
-    """Offline throughput with `output_tokens` (150) output tokens per record (ignore_eos);
-    `kv_cache_dtype="fp8"`: the same with an e4m3 KV cache (twice the tokens of bf16)."""
+                   kv_cache_dtype: str = "auto", sampling: Sampling = QWEN3_VL_SAMPLING) -> dict:
+    """Offline throughput with `output_tokens` (150) output tokens per record (ignore_eos), drawn
+    with `sampling`; `kv_cache_dtype="fp8"`: the same with an e4m3 KV cache (twice the tokens of bf16)."""
     engine = make_engine(checkpoint, model, device, kv_cache_dtype)
     conversations = [build_messages(record) for record in records]
-    fixed = [SamplingParams(max_tokens=output_tokens, ignore_eos=True)] * len(records)
-    results = {"fixed_150_tokens": engine_run_summary(engine, conversations, fixed)[0]}
+    fixed = [SamplingParams(max_tokens=output_tokens, ignore_eos=True, temperature=sampling.temperature,
+                            top_p=sampling.top_p, top_k=sampling.top_k)] * len(records)
+    results = {"fixed_150_tokens": engine_run_summary(engine, conversations, fixed)[0], "sampling": asdict(sampling)}
     results.update(memory_summary(engine, device))
     engine.close()
     return results
 
 
 def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
-                       fp8_activations: bool = False) -> dict:
+                       fp8_activations: bool = False, sampling: Sampling = QWEN3_VL_SAMPLING) -> dict:
     """`measure_engine` with FP8 experts (quantized in place, one layer at a time, unless already
     FP8) and an FP8 KV cache; `fp8_activations`: what `--quantization fp8_w8a8` loads, the dense
     projections in FP8 too (`Fp8Linear`) and every FP8 GEMM's input quantized."""
@@ -287,7 +292,7 @@ def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, o
     if fp8_activations and not isinstance(decoder.layers[0].self_attn.qkv_proj, Fp8Linear):
         decoder.use_fp8_linears(fitting_block(*dense_row_counts(decoder.config)), quantize_present=True)
         release_memory(device)
-    results = measure_engine(checkpoint, model, device, records, output_tokens, kv_cache_dtype="fp8")
+    results = measure_engine(checkpoint, model, device, records, output_tokens, kv_cache_dtype="fp8", sampling=sampling)
     results["before"] = before
     results["after"] = sizes()
     return results
@@ -471,8 +476,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="the default model's shapes (smoke test)")
     parser.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS, help="answer length cap (smoke tests: fewer)")
     parser.add_argument("--image-size", default="realistic", help="synthetic catalogue images: realistic or small")
+    parser.add_argument("--engine-sampling", choices=("benchmark", "greedy"), default="benchmark",
+                        help="the engine phases' sampling: the benchmark's (Qwen3-VL generation_config) or argmax")
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
+    engine_sampling = QWEN3_VL_SAMPLING if args.engine_sampling == "benchmark" else GREEDY
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA GPU here: run on a GPU machine, or --tiny --device cpu for a smoke test")
@@ -529,12 +537,14 @@ def main(argv: list[str] | None = None) -> int:
                 record("roofline", started, measure_roofline(model, device, results["ceilings"]))
             if "engine" in phases:
                 started = time.perf_counter()
-                record("engine", started, measure_engine(checkpoint, model, device, records[: args.records], args.output_tokens))
+                record("engine", started, measure_engine(
+                    checkpoint, model, device, records[: args.records], args.output_tokens, sampling=engine_sampling))
                 release_memory(device)  # the engine's KV pool, before the next engine profiles memory
             if "engine_fp8_kv" in phases:
                 started = time.perf_counter()
                 record("engine_fp8_kv", started, measure_engine(
-                    checkpoint, model, device, records[: args.records], args.output_tokens, kv_cache_dtype="fp8"))
+                    checkpoint, model, device, records[: args.records], args.output_tokens, kv_cache_dtype="fp8",
+                    sampling=engine_sampling))
                 release_memory(device)
             if "constrained" in phases:
                 started = time.perf_counter()
@@ -543,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
                 started = time.perf_counter()
                 record(phase, started, measure_engine_fp8(
                     checkpoint, model, device, records[: args.records], args.output_tokens,
-                    fp8_activations=phase == "engine_w8a8"))
+                    fp8_activations=phase == "engine_w8a8", sampling=engine_sampling))
                 release_memory(device)
             del model
             release_memory(device)

@@ -27,12 +27,15 @@ import time
 
 import torch
 
+from vlm_catalog.engine.generation_config import QWEN3_VL_SAMPLING
 from vlm_catalog.engine.sampler import sample
 from vlm_catalog.engine.sampling_params import SamplingParams
 
 SETTINGS = {
     "greedy": SamplingParams(),
-    "generation_config": SamplingParams(temperature=0.7, top_p=0.8, top_k=20),
+    "generation_config": SamplingParams(
+        temperature=QWEN3_VL_SAMPLING.temperature, top_p=QWEN3_VL_SAMPLING.top_p, top_k=QWEN3_VL_SAMPLING.top_k
+    ),
     "top_p": SamplingParams(temperature=0.7, top_p=0.8),
     "temperature": SamplingParams(temperature=0.7),
 }

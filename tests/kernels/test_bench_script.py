@@ -149,6 +149,9 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert constrained["constrained_real_stop"]["generated_tokens"] == constrained["unconstrained_same_tokens"]["generated_tokens"]
     assert constrained["constrained_over_unconstrained"] > 0
     assert report["engine"]["kv_cache_tokens"] > 0
+    # the engine phases sample as the benchmark does (the checkpoint's generation_config)
+    assert report["engine"]["sampling"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    assert report["engine_w8a8"]["sampling"] == report["engine"]["sampling"]
     fp8 = report["engine_fp8_kv"]  # the CPU default pool holds float32: 4x the tokens in e4m3
     assert fp8["kv_cache_tokens"] == 4 * report["engine"]["kv_cache_tokens"]
     assert fp8["fixed_150_tokens"]["generated_tokens"] == 2 * 4 and fp8["fixed_150_tokens"]["errors"] == 0
@@ -180,3 +183,14 @@ def test_bench_gpu_single_phases_on_cpu(tmp_path):
     report = json.loads(out.read_text())
     assert report["ceilings"]["bf16_matmul_flops_per_s"] > 0
     assert report["roofline"]["prefill_tokens_per_s"] > 0
+
+
+def test_bench_gpu_engine_sampling_greedy_is_recorded(tmp_path):
+    out = tmp_path / "bench_gpu.json"
+    result = run_script("--tiny", "--device", "cpu", "--records", "1", "--image-size", "small", "--output-tokens", "2",
+                        "--phase", "engine", "--engine-sampling", "greedy", "--json", str(out),
+                        script=REPO_ROOT / "scripts" / "bench_gpu.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+    engine = json.loads(out.read_text())["engine"]
+    assert engine["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    assert engine["fixed_150_tokens"]["generated_tokens"] == 2

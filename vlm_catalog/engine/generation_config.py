@@ -35,6 +35,8 @@ class Sampling:
 
 
 GREEDY = Sampling()
+# the Qwen3-VL checkpoints' generation_config.json: what the benchmark's requests sample with
+QWEN3_VL_SAMPLING = Sampling(temperature=0.7, top_p=0.8, top_k=20)
 
 
 def generation_config_sampling(model_dir: str | Path) -> Sampling:
