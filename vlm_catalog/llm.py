@@ -14,7 +14,7 @@ the others are unaffected.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from schemas import ProductMetadata, ProductRecord
+from vlm_catalog.read_ahead import ReadAhead
 from vlm_catalog.engine.config import EngineConfig
 from vlm_catalog.engine.llm_engine import EngineRequestError, LLMEngine
 from vlm_catalog.engine.outputs import RequestOutput
@@ -30,6 +31,7 @@ from vlm_catalog.paths import DEFAULT_MODEL_DIR
 from vlm_catalog.preprocess.processor import ProcessedPrompt
 
 Messages = list[dict[str, Any]]
+JOIN_PER_STEP = 64  # prompts queued before a step at most (the queue holds max(64, max_num_seqs))
 
 
 @dataclass
@@ -66,7 +68,7 @@ class LLM:
         """Generate for one conversation or a list of them; outputs in input order."""
         if messages and isinstance(messages[0], dict):
             messages = [messages]  # a single conversation
-        return self._run(list(messages), sampling_params, use_tqdm)
+        return self._run_prompts(list(messages), sampling_params, use_tqdm)
 
     def generate(
         self,
@@ -75,7 +77,7 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for already processed prompts (see `PromptProcessor`)."""
-        return self._run(list(prompts), sampling_params, use_tqdm)
+        return self._run_prompts(list(prompts), sampling_params, use_tqdm)
 
     def extract(
         self,
@@ -120,29 +122,28 @@ class LLM:
         from vlm_catalog.preprocess.prompt import build_messages
         from vlm_catalog.structured.catalogue import record_schema
 
-        conversations: list[Messages | None] = []
-        params: list[SamplingParams] = []
-        prompt_errors: dict[int, str] = {}
-        bounded = list(bounded)
-        for index, record in enumerate(records):
+        bounded = list(bounded)  # written by the preparing threads, each at its own index
+
+        def prepare(index: int) -> _Prepared:
+            record = records[index]
             json_schema, budget = schema, base.max_tokens
             try:
-                conversations.append(build_messages(record, style=prompt_style, schema=schema))
+                messages = build_messages(record, style=prompt_style, schema=schema)
                 if restrict_categories:
                     json_schema, budget, bounded[index] = record_schema(
                         record.candidate_categories, base.max_tokens, self._count_tokens, schema, bounded[index]
                     )
             except ValueError as exc:  # PromptError, ImageDecodeError (a decompression bomb too), GrammarError
-                del conversations[index:]  # the messages, if they were built
-                conversations.append(None)
-                prompt_errors[index] = str(exc)
-            params.append(_with_schema(base, json_schema, budget))
-        return self._run(conversations, params, use_tqdm, prompt_errors), bounded
+                return _Prepared(None, base, str(exc))
+            params = _with_schema(base, json_schema, budget)
+            return self._processed(messages, replace(params, output_kind="final_only"))
+
+        return self._run(len(records), prepare, use_tqdm), bounded
 
     def _count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _run(self, prompts: list, sampling_params, use_tqdm: bool, known_errors: dict[int, str] | None = None) -> list[RequestOutput]:
+    def _run_prompts(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -153,28 +154,74 @@ class LLM:
         # (one copy per distinct params object: a list often repeats one object)
         final_only = {id(p): replace(p, output_kind="final_only") for p in params}
         params = [final_only[id(p)] for p in params]
-        results: dict[str, RequestOutput] = {}
-        order: list[str] = []
+        return self._run(len(prompts), lambda index: self._processed(prompts[index], params[index]), use_tqdm)
+
+    def _processed(self, prompt: Messages | ProcessedPrompt, params: SamplingParams) -> _Prepared:
+        """The prompt processed as the engine takes it (chat template, tokens, image headers), or why not."""
+        if isinstance(prompt, ProcessedPrompt):
+            return _Prepared(prompt, params)
+        try:
+            return _Prepared(self.engine.processor.process(prompt), params)
+        except ValueError as exc:  # PromptError, ImageDecodeError, template errors: as add_request reports them
+            return _Prepared(None, params, str(exc))
+
+    def _run(self, count: int, prepare: Callable[[int], _Prepared], use_tqdm: bool) -> list[RequestOutput]:
+        """Run `prepare(0) ... prepare(count - 1)` through the engine; outputs in that order.
+
+        Prompts are prepared in background threads (`ReadAhead`) while the engine
+        steps, and queued only while fewer than `max(64, max_num_seqs)` requests
+        wait in the engine, at most 64 of them before each step: the device does
+        not idle while a long list is prepared (the first step waits for 64
+        preparations), and a step can still fill every free sequence slot once
+        the queue has grown. Which requests share a step does not depend on timing.
+        """
         engine = self.engine
-        for index, (prompt, param) in enumerate(zip(prompts, params)):
-            request_id = f"llm-{next(self._request_counter)}"
-            order.append(request_id)
-            error = (known_errors or {}).get(index)
-            if error is None:
-                try:
-                    engine.add_request(prompt, param, request_id=request_id)
-                    continue
-                except EngineRequestError as exc:
-                    error = str(exc)
-            results[request_id] = RequestOutput(request_id, "", [], 0, True, "error", error)
-        progress = _progress(len(order) - len(results), use_tqdm)
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    results[output.request_id] = output
-                    progress.update(1)
-        progress.close()
-        return [results[request_id] for request_id in order]
+        ahead = max(JOIN_PER_STEP, engine.config.max_num_seqs)
+        request_ids = [f"llm-{next(self._request_counter)}" for _ in range(count)]
+        results: dict[str, RequestOutput] = {}
+        progress = _progress(count, use_tqdm)
+        queued = 0
+        try:
+            with ReadAhead(range(count), prepare, depth=ahead) as prepared_prompts:
+                while True:
+                    for _ in range(JOIN_PER_STEP):
+                        if queued == count or engine.num_waiting_requests >= ahead:
+                            break
+                        request_id = request_ids[queued]
+                        prepared = prepared_prompts.next()
+                        queued += 1
+                        error = prepared.error
+                        if error is None:
+                            try:
+                                engine.add_request(prepared.prompt, prepared.params, request_id=request_id)
+                                continue
+                            except EngineRequestError as exc:
+                                error = str(exc)
+                        results[request_id] = RequestOutput(request_id, "", [], 0, True, "error", error)
+                        progress.update(1)
+                    if not engine.has_unfinished_requests():
+                        if queued == count:
+                            break
+                        continue  # everything queued so far failed before reaching the engine
+                    for output in engine.step():
+                        if output.finished:
+                            results[output.request_id] = output
+                            progress.update(1)
+        finally:
+            progress.close()
+            for request_id in request_ids[:queued]:  # an interrupted run leaves nothing running
+                if request_id not in results:
+                    engine.abort(request_id)
+        return [results[request_id] for request_id in request_ids]
+
+
+@dataclass
+class _Prepared:
+    """A prompt ready for `LLMEngine.add_request`, or the error that keeps it out."""
+
+    prompt: ProcessedPrompt | None
+    params: SamplingParams
+    error: str | None = None
 
 
 def _with_schema(params: SamplingParams, json_schema: Any, max_tokens: int) -> SamplingParams:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 
-from vlm_catalog.batch.read_ahead import ReadAhead
+from vlm_catalog.read_ahead import ReadAhead
 from vlm_catalog.batch.requests import RequestBuilder, ResultLine, failure_kind_of_error
 from vlm_catalog.data.loader import CatalogueItem
 from vlm_catalog.engine.llm_engine import EngineRequestError, LLMEngine

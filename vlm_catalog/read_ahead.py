@@ -1,12 +1,14 @@
 """Items read and prepared ahead of their consumer, in background threads, in their order.
 
-The batch job's engine thread is the device's only driver: whatever it does
-between steps leaves the GPU idle. Reading a record, building its messages
-and schema and preparing its prompt (chat template, tokens, image headers)
-took 3.2-3.6 ms per record on that thread on the 2-core CPU machine, 5-7% of
-a run's wall time (`scripts/bench_batch_feed.py`). With `ReadAhead`, a reader thread pulls the items and a
-small pool prepares them, at most `depth` ahead of the consumer, which takes
-them already prepared, in the order the items came.
+An engine thread is the device's only driver: whatever it does between steps
+leaves the GPU idle. Reading a record, building its messages and schema and
+preparing its prompt (chat template, tokens, image headers) took 3.2-3.6 ms
+per record on the batch job's engine thread on the 2-core CPU machine, 5-7%
+of a run's wall time (`scripts/bench_batch_feed.py`). With `ReadAhead`, a
+reader thread pulls the items and a small pool prepares them, at most
+`depth` ahead of the consumer, which takes them already prepared, in the
+order the items came. The batch job (`batch/local.py`) and `LLM` (`llm.py`)
+feed their engines this way.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.batch.conftest import write_parquet
-from vlm_catalog.batch.read_ahead import ReadAhead
+from vlm_catalog.read_ahead import ReadAhead
 
 
 class CountingItems:
