@@ -12,13 +12,16 @@ separately (each includes its own tensor work), and the rest is the host
 overhead per step. `--queued N` adds N more requests (half of them
 constrained) that wait behind the full batch all along, as the offline
 benchmark queues its whole sample set; `--policy` picks the scheduling policy.
+`--sampling benchmark` draws as the benchmark's requests do (temperature
+0.7, top-p 0.8, top-k 20) instead of greedy.
 `--prompt-words N` pads each prompt with N words, for the benchmark's context
 lengths (a prompt with its image is 1,000-5,000 tokens): the per-step cost
 of the block tables grows with them. Give the KV pool room for them
 (`--kv-cache-gib`; 700 words make 2,740 tokens, and 256 such requests need 1.4 GiB).
 
     python scripts/bench_step_overhead.py [--batch 256] [--skip 120] [--steps 20] [--output-kind final_only]
-        [--queued 48000] [--policy shortest_prompt_first] [--prompt-words 2000] [--json out.json]
+        [--queued 48000] [--policy shortest_prompt_first] [--prompt-words 2000] [--sampling benchmark]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from vlm_catalog.engine.generation_config import GREEDY, QWEN3_VL_SAMPLING
 from vlm_catalog.engine.llm_engine import LLMEngine
 from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
@@ -55,15 +59,17 @@ def text_request(index: int, padding_words: int = 0) -> list[dict]:
 
 
 def measure(model: Path, batch: int, skip: int, steps: int, output_kind: str = "cumulative", queued: int = 0,
-            policy: str = "fcfs", prompt_words: int = 0, kv_cache_gib: float | None = None) -> dict:
+            policy: str = "fcfs", prompt_words: int = 0, kv_cache_gib: float | None = None,
+            sampling: str = "greedy") -> dict:
     kv_bytes = int(kv_cache_gib * 2**30) if kv_cache_gib else None
     engine = LLMEngine(model=model, max_num_seqs=batch, scheduling_policy=policy, kv_cache_memory_bytes=kv_bytes)
     prompts = [engine.processor.process(text_request(i, prompt_words)) for i in range(batch)]
     prompt_tokens = sum(prompt.num_tokens for prompt in prompts) / batch
     # the first requests decode while the last prefill: none may finish before the timed steps
     prefill_steps = -(-sum(prompt.num_tokens for prompt in prompts) // engine.config.max_num_batched_tokens)
-    params = SamplingParams(max_tokens=skip + steps + 2 + prefill_steps, ignore_eos=True, temperature=0.0,
-                            output_kind=output_kind)
+    draw = QWEN3_VL_SAMPLING if sampling == "benchmark" else GREEDY
+    params = SamplingParams(max_tokens=skip + steps + 2 + prefill_steps, ignore_eos=True, output_kind=output_kind,
+                            temperature=draw.temperature, top_p=draw.top_p, top_k=draw.top_k)
     timed = [engine.add_request(prompt, params) for prompt in prompts]
     for i in range(batch, batch + queued):  # behind the batch all along: never admitted while it runs
         schema = {"type": "object", "properties": {"n": {"type": "integer"}}} if i % 2 else None
@@ -87,7 +93,7 @@ def measure(model: Path, batch: int, skip: int, steps: int, output_kind: str = "
     per_step = lambda seconds: 1e3 * seconds / steps  # noqa: E731
     return {
         "batch": batch, "output_tokens_before": skip, "steps": steps, "output_kind": output_kind,
-        "queued": queued, "policy": policy, "prompt_tokens": round(prompt_tokens),
+        "queued": queued, "policy": policy, "prompt_tokens": round(prompt_tokens), "sampling": sampling,
         "ms_per_step": per_step(total), "ms_forward": per_step(forward.seconds), "ms_logits": per_step(logits.seconds),
         "ms_host": per_step(total - forward.seconds - logits.seconds),
     }
@@ -106,11 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-words", type=int, default=0, help="padding words per prompt (longer contexts)")
     parser.add_argument("--kv-cache-gib", type=float, help="KV pool size (the shipped model takes 2 KiB per token; "
                         "the CPU default of 0.25 GiB holds 256 requests of about 500 tokens)")
+    parser.add_argument("--sampling", default="greedy", choices=["greedy", "benchmark"],
+                        help="benchmark: temperature 0.7, top-p 0.8, top-k 20 (Qwen3-VL's generation_config)")
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
     report = measure(args.model, args.batch, args.skip, args.steps, args.output_kind, args.queued, args.policy,
-                     args.prompt_words, args.kv_cache_gib)
-    print(f"{report['output_kind']} outputs, batch {report['batch']}, {report['prompt_tokens']}-token prompts, "
+                     args.prompt_words, args.kv_cache_gib, args.sampling)
+    print(f"{report['sampling']} sampling, {report['output_kind']} outputs, batch {report['batch']}, {report['prompt_tokens']}-token prompts, "
           f"{report['queued']} queued ({report['policy']}), output tokens {report['output_tokens_before']}-"
           f"{report['output_tokens_before'] + report['steps']}: {report['ms_per_step']:.2f} ms/step = forward "
           f"{report['ms_forward']:.2f} + logits {report['ms_logits']:.2f} + host {report['ms_host']:.2f}")

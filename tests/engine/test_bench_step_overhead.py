@@ -17,13 +17,13 @@ def test_step_overhead_smoke(tmp_path):
     result = subprocess.run(
         [sys.executable, str(REPO_ROOT / "scripts" / "bench_step_overhead.py"),
          "--batch", "4", "--skip", "3", "--steps", "5", "--output-kind", "final_only", "--queued", "6",
-         "--policy", "shortest_prompt_first", "--prompt-words", "40", "--json", str(out)],
+         "--policy", "shortest_prompt_first", "--prompt-words", "40", "--sampling", "benchmark", "--json", str(out)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert (report["batch"], report["output_tokens_before"], report["steps"]) == (4, 3, 5)
-    assert report["output_kind"] == "final_only"
+    assert report["output_kind"] == "final_only" and report["sampling"] == "benchmark"
     assert report["prompt_tokens"] > 40  # padded to a longer context
     assert (report["queued"], report["policy"]) == (6, "shortest_prompt_first")  # the batch stayed full all along
     assert report["ms_forward"] > 0 and report["ms_logits"] > 0 and report["ms_host"] > 0
