@@ -185,3 +185,18 @@ def test_seeded_rows_do_not_depend_on_the_other_rows_filters():
               SamplingParams(temperature=1.0)]
     for position in range(20):
         assert sample(logits.clone(), others, [position] * 4).token_ids[1] == alone[position]
+
+
+def test_the_memory_profiles_path_draws_kept_tokens_over_a_full_sort(monkeypatch):
+    """`sample_most_memory` (run by the memory profile) sorts the whole vocabulary and draws
+    from the top-p 0.99 nucleus."""
+    from vlm_catalog.engine.sampler import sample_most_memory
+
+    sorts = []
+    real_sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda self, *a, **k: sorts.append(self.shape) or real_sort(self, *a, **k))
+    logits = logits_rows(3, 80)
+    picked = sample_most_memory(logits).tolist()
+    assert sorts == [(3, 80)]
+    for row, token in enumerate(picked):
+        assert reference_probabilities(logits[row], SamplingParams(temperature=1.0, top_p=0.99))[token] > 0

@@ -14,8 +14,9 @@ its pool the same way with its "profile run"):
 
 The worst-case step (`worst_case_step`) is `max_num_batched_tokens` language-model
 tokens in one prefill sequence, the most image placeholders among them, the
-last `min(max_num_seqs, tokens)` rows sampled (logits in float32 plus one
-softmax, as the sampler does), and a vision-tower call over images at the
+last `min(max_num_seqs, tokens)` rows sampled (logits in float32, drawn
+through the sampler's most memory-hungry path: top-p over a full sort of the
+vocabulary), and a vision-tower call over images at the
 largest size the processor allows, enough of them to cover the step's image
 tokens plus one more image: a prefill chunk can end inside an image, and the
 whole image is encoded then.
@@ -40,6 +41,7 @@ from vlm_catalog.engine.paged_attention import (
     PrefillBatch,
     allocate_kv_caches,
 )
+from vlm_catalog.engine.sampler import sample_most_memory
 from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel
 from vlm_catalog.model.text import MultimodalEmbeddings
 from vlm_catalog.preprocess.image import ImageProcessor
@@ -176,7 +178,7 @@ class _ProfileInputs:
         multimodal = MultimodalEmbeddings(rows=rows, embeddings=embeddings, deepstack=deepstack)
         hidden = model(self.input_ids, self.positions, PagedAttention(self.kv_caches, self.metadata), multimodal)
         logits = model.compute_logits(hidden[-step.num_sampled :]).float()  # [S, V], as the runner returns them
-        torch.softmax(logits, dim=-1)  # the sampler's probabilities: one more [S, V] float32
+        sample_most_memory(logits)  # the sampler's temporaries at their largest: a full sort and its filters
 
 
 # --------------------------------------------------------------------------- the budget

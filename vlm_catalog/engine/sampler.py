@@ -171,22 +171,40 @@ def _sample_rows(
     num_rows = logits.shape[0]
     chosen = None
     for group in filtered_distributions(logits, params):
-        uniforms = _uniforms([params[row] for row in group.rows], [output_positions[row] for row in group.rows],
-                             generator, logits.device)
-        cumulative = group.probs.cumsum(dim=-1)  # [r, W]
-        total = cumulative[:, -1:]  # [r, 1]
-        # u * total, kept below the total when rounding would reach it (columns past the last
-        # kept token have the total too, and must not be found)
-        target = torch.minimum((uniforms[:, None] * total).to(total.dtype), torch.nextafter(total, torch.zeros_like(total)))
-        # the first column whose cumulative mass passes the target: column c with probability probs[c]
-        column = torch.searchsorted(cumulative, target, right=True)  # [r, 1]
-        picked = column.squeeze(1) if group.ids is None else group.ids.gather(1, column).squeeze(1)
+        picked = _draw(group, [params[row] for row in group.rows], [output_positions[row] for row in group.rows], generator)
         if len(group.rows) == num_rows:
             return picked
         if chosen is None:
             chosen = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
         chosen.index_copy_(0, torch.tensor(group.rows, device=logits.device), picked)
     return chosen
+
+
+def _draw(
+    group: FilteredRows,
+    params: Sequence[SamplingParams],
+    output_positions: Sequence[int],
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """A token id per row of the group [r]: its cumulative distribution inverted at one uniform number."""
+    uniforms = _uniforms(params, output_positions, generator, group.probs.device)
+    cumulative = group.probs.cumsum(dim=-1)  # [r, W]
+    total = cumulative[:, -1:]  # [r, 1]
+    # u * total, kept below the total when rounding would reach it (columns past the last
+    # kept token have the total too, and must not be found)
+    target = torch.minimum((uniforms[:, None] * total).to(total.dtype), torch.nextafter(total, torch.zeros_like(total)))
+    # the first column whose cumulative mass passes the target: column c with probability probs[c]
+    column = torch.searchsorted(cumulative, target, right=True)  # [r, 1]
+    return column.squeeze(1) if group.ids is None else group.ids.gather(1, column).squeeze(1)
+
+
+def sample_most_memory(logits: torch.Tensor) -> torch.Tensor:
+    """Draw a token per row of `logits` [R, V] through the sampler's most memory-hungry path
+    (top-p over a full sort of the vocabulary), for the memory profile of a worst-case step."""
+    params = [SamplingParams(temperature=1.0, top_p=0.99)] * logits.shape[0]
+    values, ids = logits.sort(dim=-1, descending=True)  # [R, V]
+    rows = list(range(logits.shape[0]))
+    return _draw(FilteredRows(rows, _filter(values, ids, params), ids), params, [0] * len(rows), None)
 
 
 def _uniforms(
