@@ -22,13 +22,13 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from schemas import ProductMetadata, ProductRecord
-from vlm_catalog.read_ahead import ReadAhead
 from vlm_catalog.engine.config import EngineConfig
 from vlm_catalog.engine.llm_engine import EngineRequestError, LLMEngine
 from vlm_catalog.engine.outputs import RequestOutput
 from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 from vlm_catalog.preprocess.processor import ProcessedPrompt
+from vlm_catalog.read_ahead import ReadAhead
 
 Messages = list[dict[str, Any]]
 JOIN_PER_STEP = 64  # prompts queued before a step at most (the queue holds max(64, max_num_seqs))

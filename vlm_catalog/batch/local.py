@@ -17,12 +17,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 
-from vlm_catalog.read_ahead import ReadAhead
 from vlm_catalog.batch.requests import RequestBuilder, ResultLine, failure_kind_of_error
 from vlm_catalog.data.loader import CatalogueItem
 from vlm_catalog.engine.llm_engine import EngineRequestError, LLMEngine
 from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.preprocess.processor import ProcessedPrompt, PromptProcessor
+from vlm_catalog.read_ahead import ReadAhead
 
 DEFAULT_READ_AHEAD = 64  # records; a step rarely finishes more, so the refill finds them ready
 
