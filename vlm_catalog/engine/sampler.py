@@ -12,6 +12,7 @@ position), so its tokens depend only on its seed and history: the same
 whatever it is batched with, and the same whether jump-forward appended the
 forced tokens or the model sampled them one by one.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
