@@ -33,9 +33,8 @@ from pathlib import Path
 from vlm_catalog.batch.job import BatchSettings, build_engine, build_request_builder
 from vlm_catalog.batch.local import DEFAULT_READ_AHEAD, run_items
 from vlm_catalog.bench.interleaved import interleaved_rounds
+from vlm_catalog.bench.workload_args import add_workload_arguments, workload_catalogue
 from vlm_catalog.data.loader import load_catalogue
-from vlm_catalog.data.synthetic.generator import make_catalog
-from vlm_catalog.paths import DEFAULT_MODEL_DIR
 
 
 def timed_run(settings: BatchSettings, read_ahead: int, limit: int | None = None) -> tuple[dict, dict[str, str]]:
@@ -69,11 +68,7 @@ def timed_run(settings: BatchSettings, read_ahead: int, limit: int | None = None
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--records", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=4242)
-    parser.add_argument("--image-size", choices=("small", "realistic"), default="realistic")
-    parser.add_argument("--dataset", type=Path, help="use this catalogue instead of generating one")
+    add_workload_arguments(parser, records=256, seed=4242)
     parser.add_argument("--max-tokens", type=int, default=150)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--read-ahead", type=int, default=DEFAULT_READ_AHEAD, help="the read-ahead runs' depth")
@@ -82,13 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as scratch:
-        source = args.dataset or make_catalog(Path(scratch) / "catalogue", args.records, args.seed, args.image_size)
-        settings = BatchSettings(dataset=source, out=Path(scratch) / "unused.jsonl", model=args.model,
+        settings = BatchSettings(dataset=workload_catalogue(args, scratch), out=Path(scratch) / "unused.jsonl", model=args.model,
                                  max_tokens=args.max_tokens, window=args.window)
         depths = (0, args.read_ahead)
-        for depth in depths:  # warm-up: thread pools, allocator, grammar compiler, first-call costs
-            timed_run(settings, depth, limit=4)
-        runs, answers = interleaved_rounds(depths, args.rounds, lambda depth: timed_run(settings, depth, args.records))
+        runs, answers = interleaved_rounds(depths, args.rounds, lambda depth: timed_run(settings, depth, args.records),
+                                           warm_up=lambda depth: timed_run(settings, depth, limit=4))
     report = {"records": runs[0]["records"], "image_size": args.image_size, "max_tokens": args.max_tokens,
               "window": args.window, "runs": runs, "same_answers": answers[depths[0]] == answers[depths[1]]}
     print(f"same answers with and without read-ahead: {report['same_answers']}")

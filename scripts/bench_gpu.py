@@ -258,8 +258,7 @@ def measure_engine(checkpoint: Path, model, device: torch.device, records, outpu
     with `sampling`; `kv_cache_dtype="fp8"`: the same with an e4m3 KV cache (twice the tokens of bf16)."""
     engine = make_engine(checkpoint, model, device, kv_cache_dtype)
     conversations = [build_messages(record) for record in records]
-    fixed = [SamplingParams(max_tokens=output_tokens, ignore_eos=True, temperature=sampling.temperature,
-                            top_p=sampling.top_p, top_k=sampling.top_k)] * len(records)
+    fixed = [sampling.params(max_tokens=output_tokens, ignore_eos=True)] * len(records)
     results = {"fixed_150_tokens": engine_run_summary(engine, conversations, fixed)[0], "sampling": asdict(sampling)}
     results.update(memory_summary(engine, device))
     engine.close()

@@ -29,10 +29,9 @@ from pathlib import Path
 
 from vlm_catalog import LLM, SamplingParams
 from vlm_catalog.bench.interleaved import interleaved_rounds
+from vlm_catalog.bench.workload_args import add_workload_arguments, workload_catalogue
 from vlm_catalog.data.loader import load_catalogue
-from vlm_catalog.data.synthetic.generator import make_catalog
 from vlm_catalog.engine.config import CUDA_IMAGE_PREFETCH_BYTES
-from vlm_catalog.paths import DEFAULT_MODEL_DIR
 from vlm_catalog.preprocess.prompt import build_messages
 
 
@@ -58,11 +57,7 @@ def timed_run(model: Path, conversations, params: SamplingParams, prefetch_bytes
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--records", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=9001)
-    parser.add_argument("--image-size", choices=("small", "realistic"), default="realistic")
-    parser.add_argument("--dataset", type=Path, help="use this catalogue instead of generating one")
+    add_workload_arguments(parser, records=128, seed=9001)
     parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per record")
     parser.add_argument("--rounds", type=int, default=2, help="timed runs per setting, interleaved")
     parser.add_argument("--prefetch-bytes", type=int, default=CUDA_IMAGE_PREFETCH_BYTES,
@@ -71,15 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as scratch:
-        source = args.dataset or make_catalog(Path(scratch) / "catalogue", args.records, args.seed, args.image_size)
-        records = list(load_catalogue(source))[: args.records]
+        records = list(load_catalogue(workload_catalogue(args, scratch)))[: args.records]
     conversations = [build_messages(record) for record in records]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, output_kind="final_only")
     settings = (0, args.prefetch_bytes)
-    for budget in settings:  # warm-up: thread pools, allocator, first-call costs
-        timed_run(args.model, conversations[:4], params, budget)
     runs, tokens = interleaved_rounds(
-        settings, args.rounds, lambda budget: timed_run(args.model, conversations, params, budget)
+        settings, args.rounds, lambda budget: timed_run(args.model, conversations, params, budget),
+        warm_up=lambda budget: timed_run(args.model, conversations[:4], params, budget),
     )
     report = {"records": len(records), "image_size": args.image_size, "max_tokens": args.max_tokens, "runs": runs,
               "same_tokens": tokens[settings[0]] == tokens[settings[1]]}

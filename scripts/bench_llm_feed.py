@@ -13,7 +13,7 @@ reports the seconds from the call to the engine's first step, the total and
 records/s, over `--rounds` runs, each on a fresh `LLM` after one untimed
 warm-up run. Run it on two checkouts (`PYTHONPATH=<checkout>`) to compare.
 
-    python scripts/bench_llm_feed.py [--records 256] [--max-tokens 20] [--rounds 2] [--json out.json]
+    python scripts/bench_llm_feed.py [--records 256] [--max-tokens 20] [--rounds 2] [--dataset DIR] [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ import time
 from pathlib import Path
 
 from vlm_catalog import LLM
+from vlm_catalog.bench.workload_args import add_workload_arguments, workload_catalogue
 from vlm_catalog.data.loader import load_catalogue
-from vlm_catalog.data.synthetic.generator import make_catalog
 from vlm_catalog.engine.sampling_params import SamplingParams
-from vlm_catalog.paths import DEFAULT_MODEL_DIR
 
 
 def timed_extract(model: Path, records: list, max_tokens: int) -> dict:
@@ -61,10 +60,7 @@ def timed_extract(model: Path, records: list, max_tokens: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--records", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=4242)
-    parser.add_argument("--image-size", choices=("small", "realistic"), default="realistic")
+    add_workload_arguments(parser, records=256, seed=4242)
     parser.add_argument("--max-tokens", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", help="write the report here")
@@ -72,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.records < 1 or args.rounds < 1 or args.max_tokens < 1:
         parser.error("--records, --rounds and --max-tokens must be at least 1")
     with tempfile.TemporaryDirectory() as scratch:
-        catalogue = load_catalogue(make_catalog(Path(scratch) / "catalogue", args.records, args.seed, args.image_size))
-        records = [item.record for item in catalogue.items(range(len(catalogue)))]
+        catalogue = load_catalogue(workload_catalogue(args, scratch))
+        records = [item.record for item in catalogue.items(range(min(args.records, len(catalogue))))]
         timed_extract(args.model, records[: min(8, len(records))], args.max_tokens)  # warm-up
         runs = []
         for round_index in range(args.rounds):

@@ -33,9 +33,7 @@ from vlm_catalog.engine.sampling_params import SamplingParams
 
 SETTINGS = {
     "greedy": SamplingParams(),
-    "generation_config": SamplingParams(
-        temperature=QWEN3_VL_SAMPLING.temperature, top_p=QWEN3_VL_SAMPLING.top_p, top_k=QWEN3_VL_SAMPLING.top_k
-    ),
+    "generation_config": QWEN3_VL_SAMPLING.params(),
     "top_p": SamplingParams(temperature=0.7, top_p=0.8),
     "temperature": SamplingParams(temperature=0.7),
 }

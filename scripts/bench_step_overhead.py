@@ -68,8 +68,7 @@ def measure(model: Path, batch: int, skip: int, steps: int, output_kind: str = "
     # the first requests decode while the last prefill: none may finish before the timed steps
     prefill_steps = -(-sum(prompt.num_tokens for prompt in prompts) // engine.config.max_num_batched_tokens)
     draw = QWEN3_VL_SAMPLING if sampling == "benchmark" else GREEDY
-    params = SamplingParams(max_tokens=skip + steps + 2 + prefill_steps, ignore_eos=True, output_kind=output_kind,
-                            temperature=draw.temperature, top_p=draw.top_p, top_k=draw.top_k)
+    params = draw.params(max_tokens=skip + steps + 2 + prefill_steps, ignore_eos=True, output_kind=output_kind)
     timed = [engine.add_request(prompt, params) for prompt in prompts]
     for i in range(batch, batch + queued):  # behind the batch all along: never admitted while it runs
         schema = {"type": "object", "properties": {"n": {"type": "integer"}}} if i % 2 else None

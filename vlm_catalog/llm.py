@@ -187,18 +187,11 @@ class LLM:
                     for _ in range(JOIN_PER_STEP):
                         if queued == count or engine.num_waiting_requests >= ahead:
                             break
-                        request_id = request_ids[queued]
-                        prepared = prepared_prompts.next()
+                        refused = self._queue(prepared_prompts.next(), request_ids[queued])
                         queued += 1
-                        error = prepared.error
-                        if error is None:
-                            try:
-                                engine.add_request(prepared.prompt, prepared.params, request_id=request_id)
-                                continue
-                            except EngineRequestError as exc:
-                                error = str(exc)
-                        results[request_id] = RequestOutput(request_id, "", [], 0, True, "error", error)
-                        progress.update(1)
+                        if refused is not None:
+                            results[refused.request_id] = refused
+                            progress.update(1)
                     if not engine.has_unfinished_requests():
                         if queued == count:
                             break
@@ -213,6 +206,17 @@ class LLM:
                 if request_id not in results:
                     engine.abort(request_id)
         return [results[request_id] for request_id in request_ids]
+
+    def _queue(self, prepared: _Prepared, request_id: str) -> RequestOutput | None:
+        """Add the prepared prompt to the engine; the error output instead if it cannot run."""
+        error = prepared.error
+        if error is None:
+            try:
+                self.engine.add_request(prepared.prompt, prepared.params, request_id=request_id)
+                return None
+            except EngineRequestError as exc:
+                error = str(exc)
+        return RequestOutput(request_id, "", [], 0, True, "error", error)
 
 
 @dataclass

@@ -8,13 +8,20 @@ from typing import Any
 
 
 def interleaved_rounds(
-    settings: Sequence[Hashable], rounds: int, run: Callable[[Hashable], tuple[dict[str, Any], Any]]
+    settings: Sequence[Hashable],
+    rounds: int,
+    run: Callable[[Hashable], tuple[dict[str, Any], Any]],
+    warm_up: Callable[[Hashable], object] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[Hashable, Any]]:
     """`run(setting)` -> (report row, answers) for each setting, `rounds` times in turn.
 
-    Prints each row as a JSON line when it is measured. Returns every row, and
-    the last answers of each setting (to check that the settings agree).
+    `warm_up(setting)` runs once per setting first, untimed (thread pools, the
+    allocator, first-call costs). Prints each row as a JSON line when it is
+    measured. Returns every row, and the last answers of each setting (to check
+    that the settings agree).
     """
+    for setting in settings if warm_up is not None else ():
+        warm_up(setting)
     rows: list[dict[str, Any]] = []
     answers: dict[Hashable, Any] = {}
     for _ in range(rounds):

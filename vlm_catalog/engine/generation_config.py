@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from vlm_catalog.engine.sampling_params import SamplingParams
 
 # settings the engine does not implement, with the value that means "off"
 UNSUPPORTED_SETTINGS = (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0))
@@ -32,6 +35,10 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def params(self, **settings: Any) -> SamplingParams:
+        """`SamplingParams` drawing with these settings, plus `settings` (max_tokens, ...)."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, **settings)
 
 
 GREEDY = Sampling()

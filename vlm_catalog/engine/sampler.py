@@ -102,23 +102,28 @@ def filtered_distributions(logits: torch.Tensor, params: Sequence[SamplingParams
         part = logits if len(rows) == num_rows else logits.index_select(0, torch.tensor(rows, device=device))  # [r, V]
         part_params = [params[row] for row in rows]
         temperatures = torch.tensor([p.temperature for p in part_params], device=device, dtype=logits.dtype)[:, None]
-        if kind == "whole":
+        if kind == "top_k":
+            values, ids = part.topk(min(vocab, max(p.top_k for p in part_params)), dim=-1)  # [r, k] best first
+            filtered.append(FilteredRows(rows, _filter(values / temperatures, ids, part_params), ids))
+        elif kind == "nucleus":
+            filtered.append(_nucleus(rows, part / temperatures, part_params))
+        else:
             filtered.append(FilteredRows(rows, _filter(part / temperatures, None, part_params), None))
-            continue
-        log_normalizer = None
-        width = min(vocab, max(p.top_k for p in part_params) if kind == "top_k" else NUCLEUS_WINDOW)
-        if kind == "nucleus" and width < vocab:
-            log_normalizer = torch.logsumexp(part / temperatures, dim=-1)  # [r]
-        values, ids = part.topk(width, dim=-1)  # [r, width] best first, and their token ids
-        values = values / temperatures
-        if log_normalizer is not None:
-            top_p = torch.tensor([p.top_p for p in part_params], device=device, dtype=values.dtype)
-            window_mass = torch.exp(torch.logsumexp(values, dim=-1) - log_normalizer)  # [r]
-            if not bool((window_mass > top_p).all()):  # the nucleus may reach past the window
-                log_normalizer = None
-                values, ids = (part / temperatures).sort(dim=-1, descending=True)  # [r, V]
-        filtered.append(FilteredRows(rows, _filter(values, ids, part_params, log_normalizer), ids))
     return filtered
+
+
+def _nucleus(rows: list[int], scaled: torch.Tensor, params: Sequence[SamplingParams]) -> FilteredRows:
+    """Top-p without top-k over tempered logits `scaled` [r, V]: the `NUCLEUS_WINDOW` best tokens
+    when they hold more than top-p of every row's mass, else a full sort."""
+    if NUCLEUS_WINDOW < scaled.shape[1]:
+        log_normalizer = torch.logsumexp(scaled, dim=-1)  # [r]
+        values, ids = scaled.topk(NUCLEUS_WINDOW, dim=-1)  # [r, window] best first, and their token ids
+        top_p = torch.tensor([p.top_p for p in params], device=scaled.device, dtype=values.dtype)
+        window_mass = torch.exp(torch.logsumexp(values, dim=-1) - log_normalizer)  # [r]
+        if bool((window_mass > top_p).all()):  # else the nucleus may reach past the window
+            return FilteredRows(rows, _filter(values, ids, params, log_normalizer), ids)
+    values, ids = scaled.sort(dim=-1, descending=True)  # [r, V]
+    return FilteredRows(rows, _filter(values, ids, params), ids)
 
 
 def _filter(

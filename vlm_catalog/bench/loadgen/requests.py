@@ -48,13 +48,7 @@ class PreparedRequest:
 
     def sampling_params(self, sampling: Sampling, max_tokens: int) -> SamplingParams:
         """Settings for the in-process engine."""
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            json_schema=self.schema,
-        )
+        return sampling.params(max_tokens=max_tokens, json_schema=self.schema)
 
     def openai_arguments(self, sampling: Sampling, max_tokens: int, model: str) -> dict[str, Any]:
         """Keyword arguments of `AsyncOpenAI().chat.completions.create` for this sample."""
