@@ -23,6 +23,7 @@ from kernels.paged_prefill_attention import paged_prefill_attention
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rotary import mrope_cos_sin, qk_norm_mrope
 from kernels.varlen_attention import varlen_attention
+from kernels.vision_rotary import vision_rotary
 
 __all__ = [
     "fp8_linear",
@@ -39,4 +40,5 @@ __all__ = [
     "route_topk",
     "silu_and_mul",
     "varlen_attention",
+    "vision_rotary",
 ]

@@ -224,6 +224,7 @@ def bench_elementwise(shapes: Shapes, dtype, device, timer) -> list[Row]:
         rms_norm_triton,
     )
     from kernels.rotary import qk_norm_mrope_reference, qk_norm_mrope_triton
+    from kernels.vision_rotary import vision_rotary_reference, vision_rotary_triton
 
     rows = []
     tokens, hidden, element = shapes.num_tokens, shapes.hidden, torch.finfo(dtype).bits // 8
@@ -271,6 +272,23 @@ def bench_elementwise(shapes: Shapes, dtype, device, timer) -> list[Row]:
             "torch reference",
             timer(lambda: qk_norm_mrope_reference(*rope_args)),
             gigabytes_per_second(2 * (q.numel() + k.numel()) * element, ms),
+        )
+    )
+
+    patches, vision_heads, vision_dim = 4 * tokens, shapes.vision_heads, shapes.vision_head_dim
+    qkv = torch.randn(patches, 3, vision_heads, vision_dim, dtype=dtype, device=device)
+    vision_q, vision_k, _ = qkv.unbind(dim=1)  # strided views, as the vision tower passes them
+    angles = torch.rand(patches, vision_dim, device=device) * 50  # [N, D] float32
+    vision_args = (vision_q, vision_k, angles.cos(), angles.sin())
+    ms = timer(lambda: vision_rotary_triton(*vision_args))
+    rows.append(
+        Row(
+            "vision_rotary",
+            f"N={patches} H={vision_heads} D={vision_dim}",
+            ms,
+            "torch reference",
+            timer(lambda: vision_rotary_reference(*vision_args)),
+            gigabytes_per_second(4 * vision_q.numel() * element + 2 * angles.numel() * 4, ms),
         )
     )
 

@@ -90,6 +90,7 @@ def kernel_specs(include_float32: bool):
     from kernels.jit.rms_norm import rms_norm_kernel
     from kernels.jit.rotary import qk_norm_mrope_kernel
     from kernels.jit.varlen_attention import varlen_attention_kernel
+    from kernels.jit.vision_rotary import vision_rotary_kernel
     from kernels.moe.configs import heuristic_moe_config
 
     specs = [
@@ -120,6 +121,14 @@ def kernel_specs(include_float32: bool):
                 "SECTION_W": 20,
             },
             {"num_warps": 4},
+        ),
+        (
+            "vision_rotary[D=72]",
+            vision_rotary_kernel,
+            "bf16",
+            {"HEAD_DIM": 72, "BLOCK_HALF": 64, "BLOCK_HEADS": 16},
+            {"num_warps": 4},
+            {"cos_ptr": "*fp32", "sin_ptr": "*fp32"},
         ),
         ("silu_and_mul", silu_and_mul_kernel, "bf16", {"BLOCK_SIZE": 1024}, {"num_warps": 4}),
         (

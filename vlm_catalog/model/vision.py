@@ -10,10 +10,11 @@ per deepstack layer. Module names follow the checkpoint's (`model.visual.*`).
 Speed: the patch embedding (a Conv3d with stride = kernel) runs as one GEMM over
 the flattened pixel rows; the per-image tables (interpolated position
 embeddings, rotary cos/sin, in merge-block order) are computed once per grid
-shape and kept in a small LRU (`GridTableCache`); attention gets the segment
-lengths on the host, so long images go through SDPA (FlashAttention on CUDA)
-and short ones through one Triton launch without a device sync
-(`kernels.varlen_attention`).
+shape and kept in a small LRU (`GridTableCache`); q and k are rotated in one
+Triton pass over the fused qkv projection (`kernels.vision_rotary`); attention
+gets the segment lengths on the host, so long images go through SDPA
+(FlashAttention on CUDA) and short ones through one Triton launch without a
+device sync (`kernels.varlen_attention`).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class VisionAttention(nn.Module):
         num_patches = hidden.shape[0]
         qkv = self.qkv(hidden).view(num_patches, 3, self.num_heads, self.head_dim)  # [N, 3, h, d]
         q, k, v = qkv.unbind(dim=1)  # each [N, h, d]
-        q, k = apply_vision_rotary(q, k, cos, sin)
+        q, k = kernels.vision_rotary(q, k, cos, sin)  # each [N, h, d], contiguous
         out = kernels.varlen_attention(
             q, k, v, segments.cu_seqlens, self.head_dim**-0.5, max_seqlen=max(segments.lengths), seqlens=segments.lengths
         )  # [N, h, d]
@@ -274,18 +275,3 @@ def _bilinear_taps(
     taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)  # [N, 2]
     weights = (1 - (source[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)  # [N, 2]
     return taps, weights
-
-
-def apply_vision_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q, k [N, h, d] by angles [N, d], in float32, returning the input dtype."""
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, d]
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        half = x32.shape[-1] // 2
-        rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
-        return (x32 * cos + rotated * sin).to(x.dtype)
-
-    return rotate(q), rotate(k)
