@@ -33,6 +33,10 @@ call; `--json FILE` merges the phases' results into FILE.
                   chosen from that and the free memory, halved on out-of-memory; stops at
                   --hf-time-limit-s (target: ours >= 10x)
 
+A phase that raises (a crash, an out-of-memory) is recorded as {"error": ...} and the
+phases after it still run; the exit status is then 1. So is a kernels phase with a
+failed group of rows (its "errors").
+
     python scripts/bench_gpu.py --records 256 --json gpu.json                 # every phase
     python scripts/bench_gpu.py --phase vision_encoder --json gpu.json        # one phase
     python scripts/bench_gpu.py --tiny --device cpu --records 4 --phase engine  # CPU smoke test
@@ -48,6 +52,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict
 from pathlib import Path
 
@@ -500,12 +505,30 @@ def main(argv: list[str] | None = None) -> int:
     results["date"] = time.strftime("%Y-%m-%d")
     results.setdefault("phase_seconds", {})
 
+    failed: list[str] = []
+
     def record(name: str, started: float, value) -> None:
         results[name] = value
         results["phase_seconds"][name] = time.perf_counter() - started
         print(f"{name}:", json.dumps(value, default=str), flush=True)
         if args.json_out:  # written after every phase, so a later timeout keeps the earlier ones
             args.json_out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+    def run_phase(name: str, measure) -> None:
+        """Record `measure()`, or the error it raised: one phase's crash or out-of-memory on a
+        GPU must not cost the phases after it (a device session is short)."""
+        started = time.perf_counter()
+        try:
+            value = measure()
+        except Exception as exc:  # noqa: BLE001 - reported in the JSON and the exit status
+            traceback.print_exc()
+            value = {"error": f"{type(exc).__name__}: {exc}"}
+            failed.append(name)
+        else:
+            if isinstance(value, dict) and value.get("errors"):  # the kernels phase: some rows failed
+                failed.append(name)
+        record(name, started, value)
+        release_memory(device)  # this phase's engine and KV pool, before the next one profiles memory
 
     with tempfile.TemporaryDirectory() as scratch:
         shapes = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text()) if args.tiny else QWEN3_VL_30B_A3B
@@ -517,50 +540,50 @@ def main(argv: list[str] | None = None) -> int:
             count = max(args.records, args.vision_images if "vision_encoder" in phases else 0)
             catalogue = make_catalog(Path(scratch) / "catalogue", count, args.seed, image_size=args.image_size)
             records = list(load_catalogue(catalogue))
+        engine_records = records[: args.records]
         needs_ceilings = {"ceilings", "roofline", "vision_encoder"} & set(phases)
         if "ceilings" in phases or (needs_ceilings and "ceilings" not in results):
-            started = time.perf_counter()
-            record("ceilings", started, measure_ceilings(device))
+            run_phase("ceilings", lambda: measure_ceilings(device))
         if "kernels" in phases:
-            started = time.perf_counter()
-            record("kernels", started, kernel_benchmarks(device))
+            run_phase("kernels", lambda: kernel_benchmarks(device))
         if "vision_encoder" in phases:
-            started = time.perf_counter()
-            record("vision_encoder", started,
-                   measure_vision_encoder(checkpoint, device, records, results["ceilings"], args.vision_images))
-            gc.collect()
-        if NEEDS_MODEL & set(phases):
-            model = random_model(checkpoint, device, dtype)
-            if "roofline" in phases:
-                started = time.perf_counter()
-                record("roofline", started, measure_roofline(model, device, results["ceilings"]))
-            if "engine" in phases:
-                started = time.perf_counter()
-                record("engine", started, measure_engine(
-                    checkpoint, model, device, records[: args.records], args.output_tokens, sampling=engine_sampling))
-                release_memory(device)  # the engine's KV pool, before the next engine profiles memory
-            if "engine_fp8_kv" in phases:
-                started = time.perf_counter()
-                record("engine_fp8_kv", started, measure_engine(
-                    checkpoint, model, device, records[: args.records], args.output_tokens, kv_cache_dtype="fp8",
-                    sampling=engine_sampling))
-                release_memory(device)
-            if "constrained" in phases:
-                started = time.perf_counter()
-                record("constrained", started, measure_constrained(checkpoint, model, device, records[: args.records], args.output_tokens))
-            for phase in (p for p in ("engine_fp8", "engine_w8a8") if p in phases):  # last: in-place FP8
-                started = time.perf_counter()
-                record(phase, started, measure_engine_fp8(
-                    checkpoint, model, device, records[: args.records], args.output_tokens,
-                    fp8_activations=phase == "engine_w8a8", sampling=engine_sampling))
-                release_memory(device)
+            run_phase("vision_encoder", lambda: measure_vision_encoder(
+                checkpoint, device, records, results["ceilings"], args.vision_images))
+        model_phases = [phase for phase in PHASES if phase in NEEDS_MODEL and phase in phases]  # in PHASES order
+        if model_phases:
+            try:
+                model = random_model(checkpoint, device, dtype)
+            except Exception:  # noqa: BLE001 - every phase that needed it reports the error
+                model = None
+                failure = traceback.format_exc(limit=1).strip().splitlines()[-1]
+                print(traceback.format_exc(), file=sys.stderr)
+                for phase in model_phases:
+                    failed.append(phase)
+                    record(phase, time.perf_counter(), {"error": f"building the model failed: {failure}"})
+            measures = {
+                "roofline": lambda: measure_roofline(model, device, results["ceilings"]),
+                "engine": lambda: measure_engine(
+                    checkpoint, model, device, engine_records, args.output_tokens, sampling=engine_sampling),
+                "engine_fp8_kv": lambda: measure_engine(
+                    checkpoint, model, device, engine_records, args.output_tokens, kv_cache_dtype="fp8",
+                    sampling=engine_sampling),
+                "constrained": lambda: measure_constrained(
+                    checkpoint, model, device, engine_records, args.output_tokens),
+                # last (PHASES order): they quantize the model in place
+                "engine_fp8": lambda: measure_engine_fp8(
+                    checkpoint, model, device, engine_records, args.output_tokens, sampling=engine_sampling),
+                "engine_w8a8": lambda: measure_engine_fp8(
+                    checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
+                    sampling=engine_sampling),
+            }
+            for phase in model_phases if model is not None else ():
+                run_phase(phase, measures[phase])
             del model
             release_memory(device)
         if "transformers" in phases:
-            started = time.perf_counter()
-            record("transformers", started, measure_transformers(
-                checkpoint, device, records[: args.hf_records], args.hf_time_limit_s, args.hf_cpu_batch, args.output_tokens))
-            gc.collect()
+            run_phase("transformers", lambda: measure_transformers(
+                checkpoint, device, records[: args.hf_records], args.hf_time_limit_s, args.hf_cpu_batch,
+                args.output_tokens))
     engine_rate = results.get("engine", {}).get("fixed_150_tokens", {}).get("samples_per_s")
     hf_rate = results.get("transformers", {}).get("best_samples_per_s")
     if engine_rate and hf_rate:
@@ -568,7 +591,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ours / transformers: {results['speedup_vs_transformers']:.1f}x")
     if args.json_out:
         args.json_out.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    return 0
+    if failed:
+        print(f"failed phases: {', '.join(failed)} (their errors are in the results)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

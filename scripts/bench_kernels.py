@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -579,7 +580,10 @@ def bench_dense_fp8(shapes: Shapes, dtype, device, timer) -> list[Row]:
 
 
 def run_kernel_benchmarks(device, shapes: Shapes = GPU_SHAPES, dtype=None) -> dict:
-    """Runs every benchmark on `device`; returns {"device", "versions", "rows": [...]}."""
+    """Runs every benchmark on `device`; returns {"device", "versions", "rows": [...], "errors": [...]}.
+
+    A group of rows that raises (a kernel that crashes on this GPU, an out-of-memory) is
+    reported under "errors" with its traceback printed, and the other groups still run."""
     import torch
     import triton
 
@@ -587,10 +591,21 @@ def run_kernel_benchmarks(device, shapes: Shapes = GPU_SHAPES, dtype=None) -> di
     dtype = dtype or torch.bfloat16
     torch.manual_seed(0)
     timer = make_timer(device)
-    rows = bench_elementwise(shapes, dtype, device, timer)
-    rows += bench_attention(shapes, dtype, device, timer)
-    rows += bench_moe(shapes, dtype, device, timer)
-    rows += bench_dense_fp8(shapes, dtype, device, timer)
+    rows, errors = [], []
+    groups = (
+        ("elementwise", bench_elementwise),
+        ("attention", bench_attention),
+        ("moe", bench_moe),
+        ("dense_fp8", bench_dense_fp8),
+    )
+    for group, bench in groups:
+        try:
+            rows += bench(shapes, dtype, device, timer)
+        except Exception as exc:  # noqa: BLE001 - one group's failure must not cost the others' rows
+            traceback.print_exc()
+            errors.append({"group": group, "error": f"{type(exc).__name__}: {exc}"})
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return {
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"
@@ -605,6 +620,7 @@ def run_kernel_benchmarks(device, shapes: Shapes = GPU_SHAPES, dtype=None) -> di
             {**asdict(row), "speedup": row.speedup, "meets_target": row.meets_target}
             for row in rows
         ],
+        "errors": errors,  # groups of rows that failed: {"group", "error"}
     }
 
 
@@ -629,6 +645,8 @@ def print_table(report: dict) -> None:
             f"{row['baseline_ms']:>12.4f} {row['speedup']:>8.2f}x  {row['rate']:<36} "
             f"{row['baseline']}{flag}"
         )
+    for error in report.get("errors", []):
+        print(f"FAILED {error['group']}: {error['error']}")
 
 
 # --------------------------------------------------------------------------- MoE tuning
@@ -747,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
-    return 0
+    return 1 if report["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -194,3 +194,56 @@ def test_bench_gpu_engine_sampling_greedy_is_recorded(tmp_path):
     engine = json.loads(out.read_text())["engine"]
     assert engine["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
     assert engine["fixed_150_tokens"]["generated_tokens"] == 2
+
+
+def test_bench_gpu_a_failing_phase_does_not_stop_the_others(tmp_path, monkeypatch, capsys):
+    """A crash or out-of-memory in one phase is recorded as its error; the later phases still run
+    (a GPU session is 30 minutes), and the exit status says something failed."""
+    bench_gpu = load_bench_gpu()
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(bench_gpu, "measure_ceilings", crash)
+    out = tmp_path / "bench_gpu.json"
+    status = bench_gpu.main(["--tiny", "--device", "cpu", "--records", "1", "--image-size", "small",
+                             "--output-tokens", "2", "--phases", "ceilings,engine", "--json", str(out)])
+    assert status == 1
+    report = json.loads(out.read_text())
+    assert report["ceilings"] == {"error": "RuntimeError: CUDA error: an illegal memory access was encountered"}
+    assert report["engine"]["fixed_150_tokens"]["generated_tokens"] == 2
+    assert "failed phases: ceilings" in capsys.readouterr().out
+
+
+def test_bench_gpu_model_phases_report_a_model_that_cannot_be_built(tmp_path, monkeypatch):
+    bench_gpu = load_bench_gpu()
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("no room for the weights")
+
+    monkeypatch.setattr(bench_gpu, "random_model", out_of_memory)
+    out = tmp_path / "bench_gpu.json"
+    status = bench_gpu.main(["--tiny", "--device", "cpu", "--records", "1", "--image-size", "small",
+                             "--phases", "roofline,engine", "--json", str(out)])
+    assert status == 1
+    report = json.loads(out.read_text())
+    for phase in ("roofline", "engine"):
+        assert report[phase] == {"error": "building the model failed: MemoryError: no room for the weights"}
+
+
+def test_bench_kernels_a_failing_group_keeps_the_other_rows(monkeypatch, capsys):
+    pytest.importorskip("triton")
+    bench_gpu = load_bench_gpu()
+    bench_kernels = bench_gpu.load_bench_kernels()
+
+    def crash(*args):
+        raise RuntimeError("triton compile failed")
+
+    monkeypatch.setattr(bench_kernels, "bench_attention", crash)
+    for group in ("bench_moe", "bench_dense_fp8"):  # not under test here: skipped for time
+        monkeypatch.setattr(bench_kernels, group, lambda *args: [])
+    report = bench_kernels.run_kernel_benchmarks("cpu", bench_kernels.TINY_SHAPES)
+    assert report["errors"] == [{"group": "attention", "error": "RuntimeError: triton compile failed"}]
+    assert {"rms_norm", "vision_rotary", "silu_and_mul"} <= {row["name"] for row in report["rows"]}
+    bench_kernels.print_table(report)
+    assert "FAILED attention: RuntimeError: triton compile failed" in capsys.readouterr().out
