@@ -2,7 +2,10 @@
 
 Every program scans all T*K expert ids (L2-resident: 8 * T int32), which keeps
 the result deterministic (pairs stay in order within an expert, like a stable
-sort) without atomics."""
+sort) without atomics. Each program writes its own segment whole (pairs, then
+padding) and its blocks' expert id, so the outputs need no fill launches before
+(at one decode token, the fills were three of the step's ~18 launches per layer);
+what lies past `num_tokens_post_padded` is left unwritten."""
 
 import triton
 import triton.language as tl
@@ -32,8 +35,8 @@ def moe_scatter_kernel(
     # pointers
     topk_ids_ptr,  # [T*K]
     counts_ptr,  # [E] int32
-    sorted_token_ids_ptr,  # [max_padded] int32, pre-filled with T*K
-    expert_ids_ptr,  # [max_padded // block_size_m] int32, pre-filled with -1
+    sorted_token_ids_ptr,  # [max_padded] int32: this program writes its segment, padding included
+    expert_ids_ptr,  # [max_padded // block_size_m] int32: this program writes its segment's blocks
     num_tokens_post_padded_ptr,  # [1] int32
     # sizes
     num_pairs,
@@ -53,6 +56,7 @@ def moe_scatter_kernel(
     is_mine = experts == expert
     segment_start = tl.sum(tl.where(is_mine, padded_starts, 0), axis=0)
     segment_blocks = tl.sum(tl.where(is_mine, padded_counts, 0), axis=0) // block_size_m
+    count = tl.sum(tl.where(is_mine, counts, 0), axis=0)
     if expert == 0:
         tl.store(num_tokens_post_padded_ptr, tl.sum(padded_counts, axis=0))
 
@@ -74,3 +78,12 @@ def moe_scatter_kernel(
         ranks = rank_base + tl.cumsum(hit, axis=0) - hit  # exclusive prefix count
         tl.store(sorted_token_ids_ptr + segment_start + ranks, pairs, mask=hit > 0)
         rank_base += tl.sum(hit, axis=0)
+
+    # the segment's padding (fewer than block_size_m entries) holds T*K, which the GEMMs mask out
+    for start in range(count, segment_blocks * block_size_m, BLOCK):
+        slots = start + tl.arange(0, BLOCK)
+        tl.store(
+            sorted_token_ids_ptr + segment_start + slots,
+            tl.full([BLOCK], 0, tl.int32) + num_pairs,
+            mask=slots < segment_blocks * block_size_m,
+        )

@@ -11,7 +11,7 @@ import triton.language as tl
 def route_topk_kernel(
     # pointers
     logits_ptr,  # [T, E]
-    topk_weights_ptr,  # [T, K] float32
+    topk_weights_ptr,  # [T, K], float32 or the hidden dtype (the store rounds)
     topk_ids_ptr,  # [T, K] int32
     # sizes
     num_experts,
@@ -48,5 +48,9 @@ def route_topk_kernel(
         weights = weights / tl.sum(weights, axis=0)
 
     slot_mask = slots < TOP_K
-    tl.store(topk_weights_ptr + token * stride_weights_token + slots, weights, mask=slot_mask)
+    tl.store(
+        topk_weights_ptr + token * stride_weights_token + slots,
+        weights.to(topk_weights_ptr.dtype.element_ty),
+        mask=slot_mask,
+    )
     tl.store(topk_ids_ptr + token * stride_ids_token + slots, ids, mask=slot_mask)

@@ -9,10 +9,14 @@ multiple of `block_size`:
   hold ``T * K`` (one past the last pair), which the GEMMs mask out. Its length
   ``max_padded`` is a bound known without looking at the ids:
   ``T*K + min(E, T*K) * (block_size - 1)``, rounded up to a multiple of block_size.
-* ``expert_ids`` [max_padded // block_size] int32: the expert of each block;
-  -1 for blocks past the used ones.
+* ``expert_ids`` [max_padded // block_size] int32: the expert of each block.
 * ``num_tokens_post_padded`` [1] int32: how many entries of sorted_token_ids are
   used (a device tensor, so the GEMM launch needs no host sync).
+
+Entries past the used ones (``sorted_token_ids[num_tokens_post_padded:]`` and the
+matching ``expert_ids``) are unspecified: the GEMMs never read them. The
+reference fills them (T*K and -1); the Triton path leaves them unwritten, which
+saves three fill launches per MoE layer.
 
 Expert ids must lie in [0, num_experts).
 """
@@ -77,12 +81,13 @@ def moe_align_block_size_triton(
     flat_ids = topk_ids.reshape(-1)  # [T*K]
     num_pairs = flat_ids.numel()
     max_padded = max_padded_pairs(num_pairs, num_experts, block_size)
-    sorted_token_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
-    expert_ids = torch.full((max_padded // block_size,), -1, dtype=torch.int32, device=device)
-    num_tokens_post_padded = torch.zeros((1,), dtype=torch.int32, device=device)
+    # written whole by the kernels up to num_tokens_post_padded (the scatter's expert 0 writes that)
+    sorted_token_ids = torch.empty((max_padded,), dtype=torch.int32, device=device)
+    expert_ids = torch.empty((max_padded // block_size,), dtype=torch.int32, device=device)
     counts = torch.empty((num_experts,), dtype=torch.int32, device=device)
     if num_pairs == 0:
-        return sorted_token_ids, expert_ids, num_tokens_post_padded
+        return sorted_token_ids, expert_ids, torch.zeros((1,), dtype=torch.int32, device=device)
+    num_tokens_post_padded = torch.empty((1,), dtype=torch.int32, device=device)
 
     scan_block = min(triton.next_power_of_2(num_pairs), 1024)
     moe_count_kernel[(num_experts,)](

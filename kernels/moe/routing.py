@@ -2,8 +2,9 @@
 
 As transformers' `Qwen3VLMoeTextTopKRouter`: ``softmax(logits, float32)``,
 ``torch.topk``, then divide by the sum of the kept weights (the model always
-renormalises; the flag is kept for other checkpoints). The weights stay float32
-here; `fused_moe` casts them to the hidden dtype, as transformers does.
+renormalises; the flag is kept for other checkpoints). The weights are computed
+in float32; transformers then casts them to the hidden dtype for the experts,
+which `weights_dtype` does at the store (one launch fewer per MoE layer).
 """
 
 from __future__ import annotations
@@ -15,18 +16,18 @@ from kernels.dispatch import use_triton
 
 
 def route_topk_reference(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K] int32)."""
+    """router_logits [T, E] -> (topk_weights [T, K] in weights_dtype, topk_ids [T, K] int32)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)  # [T, K]
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return topk_weights, topk_ids.to(torch.int32)
+    return topk_weights.to(weights_dtype), topk_ids.to(torch.int32)
 
 
 def route_topk_triton(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     import triton
 
@@ -40,8 +41,11 @@ def route_topk_triton(
         raise ValueError(
             f"top_k: must be in [1, {num_experts}] (the number of experts), got {top_k}"
         )
+    if weights_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"weights_dtype: {weights_dtype} is not a floating dtype the kernel writes")
     device = router_logits.device
-    topk_weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
+    # the kernel computes in float32 and rounds once at the store
+    topk_weights = torch.empty((num_tokens, top_k), dtype=weights_dtype, device=device)
     topk_ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
     if num_tokens == 0:
         return topk_weights, topk_ids
@@ -67,10 +71,10 @@ def route_topk_triton(
 
 
 def route_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool = True
+    router_logits: torch.Tensor, top_k: int, renormalize: bool = True, weights_dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (topk_weights [T, K] float32, topk_ids [T, K] int32), sorted
-    by weight, largest first."""
+    """router_logits [T, E] -> (topk_weights [T, K] in weights_dtype, topk_ids [T, K] int32),
+    sorted by weight, largest first."""
     if use_triton(router_logits):
-        return route_topk_triton(router_logits, top_k, renormalize)
-    return route_topk_reference(router_logits, top_k, renormalize)
+        return route_topk_triton(router_logits, top_k, renormalize, weights_dtype)
+    return route_topk_reference(router_logits, top_k, renormalize, weights_dtype)

@@ -161,6 +161,14 @@ def kernel_specs(include_float32: bool):
             {"TOP_K": 8, "BLOCK_K": 8, "BLOCK_EXPERTS": 128, "RENORMALIZE": True},
             {"num_warps": 1},
         ),
+        (
+            "route_topk[bf16 weights]",  # as the model calls it: weights in the hidden dtype
+            route_topk_kernel,
+            "bf16",
+            {"TOP_K": 8, "BLOCK_K": 8, "BLOCK_EXPERTS": 128, "RENORMALIZE": True},
+            {"num_warps": 1},
+            {"topk_weights_ptr": "*bf16"},
+        ),
         ("moe_count", moe_count_kernel, "bf16", {"BLOCK": 1024}, {"num_warps": 4}),
         (
             "moe_scatter",

@@ -60,6 +60,28 @@ def test_triton_route_topk(
     assert (weights[:, :-1] >= weights[:, 1:]).all(), "weights must be sorted, largest first"
 
 
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float16])
+def test_weights_in_the_hidden_dtype_are_the_float32_weights_rounded_once(triton_device, weights_dtype):
+    # the model asks for the hidden dtype (transformers casts the float32 weights to it): the
+    # Triton store rounds once as torch's cast does. float32 logits: no ties, so the same experts.
+    # tolerance: the reference exactly; Triton within one unit of weights_dtype (its float32 softmax
+    # may differ from torch's in the last float32 bits, which can flip a rounding)
+    logits = torch.randn(33, 128).to(triton_device)
+    float32_weights, float32_ids = route_topk_reference(logits, 8, True)
+    expected = float32_weights.to(weights_dtype)
+    weights, ids = route_topk_reference(logits, 8, True, weights_dtype)
+    assert weights.dtype == weights_dtype and torch.equal(weights, expected)
+    weights, ids = kernels.route_topk(logits, 8, True, weights_dtype)
+    assert weights.dtype == weights_dtype and torch.equal(ids, float32_ids)
+    unit = torch.finfo(weights_dtype).eps
+    torch.testing.assert_close(weights.float(), expected.float(), rtol=unit, atol=0)
+
+
+def test_triton_rejects_a_weights_dtype_it_cannot_write(triton_device):
+    with pytest.raises(ValueError, match="weights_dtype"):
+        route_topk_triton(torch.randn(2, 4, device=triton_device), 2, True, torch.int32)
+
+
 def test_triton_rejects_bad_top_k(triton_device):
     with pytest.raises(ValueError, match="top_k"):
         route_topk_triton(torch.randn(2, 4, device=triton_device), 5, True)

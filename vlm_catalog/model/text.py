@@ -209,13 +209,16 @@ class SparseMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(hidden)  # [T, E]
-        weights, expert_ids = kernels.route_topk(router_logits, self.top_k, self.renormalize)
+        # the weights in the hidden dtype, as transformers casts them for the experts
+        weights, expert_ids = kernels.route_topk(
+            router_logits, self.top_k, self.renormalize, weights_dtype=router_logits.dtype
+        )
         experts = self.experts
         return kernels.fused_moe(
             hidden,
             experts.gate_up_proj,
             experts.down_proj,
-            weights.to(router_logits.dtype),
+            weights,
             expert_ids,
             w13_scale=experts.gate_up_proj_scale,
             w2_scale=experts.down_proj_scale,
