@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
+from vlm_catalog.device_upload import upload
 from vlm_catalog.engine.block_table_rows import BlockTableRows
 from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner
 from vlm_catalog.engine.device_timer import DeviceTimer
@@ -137,23 +138,23 @@ class ModelRunner:
         num_decodes = _count_leading_decodes(chunks)
 
         def tables(part: list[ScheduledChunk]) -> torch.Tensor:  # [B, max blocks in part] int32
-            return self.block_tables.gather([(chunk.request.request_id, chunk.block_table) for chunk in part]).to(device)
+            return upload(self.block_tables.gather([(chunk.request.request_id, chunk.block_table) for chunk in part]), device)
 
         decode = prefill = None
         if num_decodes:
             decode = DecodeBatch(
-                slot_mapping=slots[:num_decodes].to(device),
+                slot_mapping=upload(slots[:num_decodes], device),
                 block_tables=tables(chunks[:num_decodes]),
-                context_lens=torch.tensor(context_lens[:num_decodes], dtype=torch.int32, device=device),
+                context_lens=upload(context_lens[:num_decodes], device, torch.int32),
                 max_context_len=max(context_lens[:num_decodes]),
             )
         if num_decodes < len(chunks):
             rest = chunks[num_decodes:]
             prefill = PrefillBatch(
-                slot_mapping=slots[num_decodes:].to(device),
+                slot_mapping=upload(slots[num_decodes:], device),
                 block_tables=tables(rest),
-                cu_seqlens_q=torch.tensor([c - num_decodes for c in cu_seqlens[num_decodes:]], dtype=torch.int32, device=device),
-                context_lens=torch.tensor(context_lens[num_decodes:], dtype=torch.int32, device=device),
+                cu_seqlens_q=upload([c - num_decodes for c in cu_seqlens[num_decodes:]], device, torch.int32),
+                context_lens=upload(context_lens[num_decodes:], device, torch.int32),
                 max_query_len=max(chunk.num_tokens for chunk in rest),
                 host_lens=([chunk.num_tokens for chunk in rest], context_lens[num_decodes:]),
             )
@@ -230,22 +231,22 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(offset - 1)
 
-        input_ids = torch.cat(token_ids).to(device=device, dtype=torch.int64)
+        input_ids = upload(torch.cat(token_ids), device, torch.int64)
         metadata = self._attention_metadata(chunks, torch.cat(slots), cu_seqlens, context_lens)
         multimodal = None
         if multimodal_parts:
             multimodal = MultimodalEmbeddings(
-                rows=torch.cat(multimodal_rows).to(device),  # [M] ascending, in the order of the parts
+                rows=upload(torch.cat(multimodal_rows), device),  # [M] ascending, in the order of the parts
                 embeddings=torch.cat([part.embeddings for part in multimodal_parts]),
                 deepstack=[
                     torch.cat([part.deepstack[j] for part in multimodal_parts])
                     for j in range(len(multimodal_parts[0].deepstack))
                 ],
             )
-        positions = torch.cat(positions, dim=1).to(device)  # [3, T] int64
-        # every host-to-device copy happens before the forward is launched: a copy after it
-        # would wait for it, and the engine fills grammar bitmasks while it runs
-        rows = torch.tensor(sample_rows, device=device) if sample_rows else None
+        positions = upload(torch.cat(positions, dim=1), device)  # [3, T] int64
+        # every host-to-device copy is queued without waiting (pinned, `upload`) and before the
+        # forward is launched; the engine fills grammar bitmasks while it runs
+        rows = upload(sample_rows, device, torch.int64) if sample_rows else None
         graphs = self.graph_runner
         if graphs is not None and metadata.prefill is None and multimodal is None and len(chunks) <= graphs.max_batch:
             decode = metadata.decode

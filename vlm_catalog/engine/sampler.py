@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vlm_catalog.device_upload import upload
 from vlm_catalog.engine.sampling_params import SamplingParams
 
 
@@ -43,7 +44,7 @@ def sample(
     else:
         tokens = logits.argmax(dim=-1)
         if sampled_rows:
-            index = torch.tensor(sampled_rows, device=logits.device)
+            index = upload(sampled_rows, logits.device, torch.int64)
             chosen = _sample_rows(
                 logits.index_select(0, index),
                 [params[row] for row in sampled_rows],
@@ -99,9 +100,9 @@ def filtered_distributions(logits: torch.Tensor, params: Sequence[SamplingParams
     for kind, rows in groups.items():
         if not rows:
             continue
-        part = logits if len(rows) == num_rows else logits.index_select(0, torch.tensor(rows, device=device))  # [r, V]
+        part = logits if len(rows) == num_rows else logits.index_select(0, upload(rows, device, torch.int64))  # [r, V]
         part_params = [params[row] for row in rows]
-        temperatures = torch.tensor([p.temperature for p in part_params], device=device, dtype=logits.dtype)[:, None]
+        temperatures = upload([p.temperature for p in part_params], device, logits.dtype)[:, None]
         if kind == "top_k":
             values, ids = part.topk(min(vocab, max(p.top_k for p in part_params)), dim=-1)  # [r, k] best first
             filtered.append(FilteredRows(rows, _filter(values / temperatures, ids, part_params), ids))
@@ -118,7 +119,7 @@ def _nucleus(rows: list[int], scaled: torch.Tensor, params: Sequence[SamplingPar
     if NUCLEUS_WINDOW < scaled.shape[1]:
         log_normalizer = torch.logsumexp(scaled, dim=-1)  # [r]
         values, ids = scaled.topk(NUCLEUS_WINDOW, dim=-1)  # [r, window] best first, and their token ids
-        top_p = torch.tensor([p.top_p for p in params], device=scaled.device, dtype=values.dtype)
+        top_p = upload([p.top_p for p in params], scaled.device, values.dtype)
         window_mass = torch.exp(torch.logsumexp(values, dim=-1) - log_normalizer)  # [r]
         if bool((window_mass > top_p).all()):  # else the nucleus may reach past the window
             return FilteredRows(rows, _filter(values, ids, params, log_normalizer), ids)
@@ -145,7 +146,7 @@ def _filter(
     remove = None
     kept = values
     if ids is not None:
-        top_k = torch.tensor([p.top_k or width for p in params], device=device)
+        top_k = upload([p.top_k or width for p in params], device, torch.int64)
         remove = torch.arange(width, device=device)[None, :] >= top_k[:, None]  # [R, W]
         kept = values.masked_fill(remove, float("-inf"))
     if log_normalizer is None:
@@ -153,11 +154,11 @@ def _filter(
     else:
         probs = torch.exp(kept - log_normalizer[:, None])  # [R, W], of the whole vocabulary's mass
     if ids is not None and any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=probs.dtype)
+        top_p = upload([p.top_p for p in params], device, probs.dtype)
         before = probs.cumsum(dim=-1) - probs  # mass of the better tokens
         remove |= before > top_p[:, None]
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
+        min_p = upload([p.min_p for p in params], device, probs.dtype)
         too_unlikely = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # the best token always stays
         remove = too_unlikely if remove is None else remove | too_unlikely
     if remove is None:
@@ -182,7 +183,7 @@ def _sample_rows(
             return picked
         if chosen is None:
             chosen = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-        chosen.index_copy_(0, torch.tensor(group.rows, device=logits.device), picked)
+        chosen.index_copy_(0, upload(group.rows, logits.device, torch.int64), picked)
     return chosen
 
 

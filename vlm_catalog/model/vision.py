@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from vlm_catalog.device_upload import upload
 from vlm_catalog.model.config import VisionConfig
 from vlm_catalog.sized_lru import SizedLRU
 
@@ -190,7 +191,7 @@ class VisionTower(nn.Module):
         bounds = [0]
         for length in lengths:
             bounds.append(bounds[-1] + length)
-        segments = Segments(torch.tensor(bounds, dtype=torch.int32, device=device), lengths)  # [segments + 1]
+        segments = Segments(upload(bounds, device, torch.int32), lengths)  # [segments + 1]
 
         deepstack: list[torch.Tensor] = []
         for layer_index, block in enumerate(self.blocks):
