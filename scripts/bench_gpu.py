@@ -17,7 +17,9 @@ call; `--json FILE` merges the phases' results into FILE.
 - engine          offline samples/s, prefill and decode tokens/s with 150 output tokens
                   (ignore_eos), sampled as the benchmark samples (temperature 0.7, top-p 0.8,
                   top-k 20; `--engine-sampling greedy` for argmax, as the first H100 run);
-                  the KV capacity in tokens and the memory profile
+                  the KV capacity in tokens and the memory profile. `--async-scheduling`:
+                  the engine phases schedule and launch each step before reading the
+                  previous step's tokens (recorded as `async_scheduling`)
 - engine_fp8_kv   the same with an FP8 (e4m3) KV cache: twice the tokens in the same memory,
                   so more records decode together
 - engine_fp8      FP8 experts (128 x 128 block scales, as Qwen's -FP8 checkpoints; the random
@@ -242,10 +244,12 @@ def engine_run_summary(engine: LLMEngine, conversations, params) -> tuple[dict, 
     return summary, outputs
 
 
-def make_engine(checkpoint: Path, model, device: torch.device, kv_cache_dtype: str = "auto") -> LLMEngine:
+def make_engine(checkpoint: Path, model, device: torch.device, kv_cache_dtype: str = "auto",
+                async_scheduling: bool = False) -> LLMEngine:
     config = EngineConfig(model=checkpoint, device=str(device), dtype="bfloat16" if device.type == "cuda" else "float32",
                           max_num_seqs=256, max_num_batched_tokens=16384, enable_prefix_caching=False,
-                          scheduling_policy="shortest_prompt_first", max_model_len=32768, kv_cache_dtype=kv_cache_dtype)
+                          scheduling_policy="shortest_prompt_first", max_model_len=32768, kv_cache_dtype=kv_cache_dtype,
+                          async_scheduling=async_scheduling)
     return LLMEngine(config, prebuilt_model=model)
 
 
@@ -258,20 +262,23 @@ def memory_summary(engine: LLMEngine, device: torch.device) -> dict:
 
 
 def measure_engine(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
-                   kv_cache_dtype: str = "auto", sampling: Sampling = QWEN3_VL_SAMPLING) -> dict:
+                   kv_cache_dtype: str = "auto", sampling: Sampling = QWEN3_VL_SAMPLING,
+                   async_scheduling: bool = False) -> dict:
     """Offline throughput with `output_tokens` (150) output tokens per record (ignore_eos), drawn
     with `sampling`; `kv_cache_dtype="fp8"`: the same with an e4m3 KV cache (twice the tokens of bf16)."""
-    engine = make_engine(checkpoint, model, device, kv_cache_dtype)
+    engine = make_engine(checkpoint, model, device, kv_cache_dtype, async_scheduling)
     conversations = [build_messages(record) for record in records]
     fixed = [sampling.params(max_tokens=output_tokens, ignore_eos=True)] * len(records)
-    results = {"fixed_150_tokens": engine_run_summary(engine, conversations, fixed)[0], "sampling": asdict(sampling)}
+    results = {"fixed_150_tokens": engine_run_summary(engine, conversations, fixed)[0], "sampling": asdict(sampling),
+               "async_scheduling": async_scheduling}
     results.update(memory_summary(engine, device))
     engine.close()
     return results
 
 
 def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
-                       fp8_activations: bool = False, sampling: Sampling = QWEN3_VL_SAMPLING) -> dict:
+                       fp8_activations: bool = False, sampling: Sampling = QWEN3_VL_SAMPLING,
+                       async_scheduling: bool = False) -> dict:
     """`measure_engine` with FP8 experts (quantized in place, one layer at a time, unless already
     FP8) and an FP8 KV cache; `fp8_activations`: what `--quantization fp8_w8a8` loads, the dense
     projections in FP8 too (`Fp8Linear`) and every FP8 GEMM's input quantized."""
@@ -296,19 +303,21 @@ def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, o
     if fp8_activations and not isinstance(decoder.layers[0].self_attn.qkv_proj, Fp8Linear):
         decoder.use_fp8_linears(fitting_block(*dense_row_counts(decoder.config)), quantize_present=True)
         release_memory(device)
-    results = measure_engine(checkpoint, model, device, records, output_tokens, kv_cache_dtype="fp8", sampling=sampling)
+    results = measure_engine(checkpoint, model, device, records, output_tokens, kv_cache_dtype="fp8", sampling=sampling,
+                             async_scheduling=async_scheduling)
     results["before"] = before
     results["after"] = sizes()
     return results
 
 
-def measure_constrained(checkpoint: Path, model, device: torch.device, records, output_tokens: int) -> dict:
+def measure_constrained(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
+                        async_scheduling: bool = False) -> dict:
     """The per-record schema (real stop) against unconstrained decoding of the same token counts.
 
     The unconstrained run gives each record `max_tokens` = what its constrained run generated
     (ignore_eos), so the two runs generate the same tokens and differ only in the grammar work.
     """
-    engine = make_engine(checkpoint, model, device)
+    engine = make_engine(checkpoint, model, device, async_scheduling=async_scheduling)
     conversations = [build_messages(record) for record in records]
     constrained = [SamplingParams(max_tokens=output_tokens, json_schema=catalogue_schema(r.candidate_categories))
                    for r in records]
@@ -319,6 +328,7 @@ def measure_constrained(checkpoint: Path, model, device: torch.device, records, 
     results["unconstrained_same_tokens"], _ = engine_run_summary(engine, conversations, matched)
     constrained_rate = results["constrained_real_stop"]["samples_per_s"]
     results["constrained_over_unconstrained"] = constrained_rate / results["unconstrained_same_tokens"]["samples_per_s"]
+    results["async_scheduling"] = async_scheduling
     results.update(memory_summary(engine, device))
     engine.close()
     return results
@@ -482,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-size", default="realistic", help="synthetic catalogue images: realistic or small")
     parser.add_argument("--engine-sampling", choices=("benchmark", "greedy"), default="benchmark",
                         help="the engine phases' sampling: the benchmark's (Qwen3-VL generation_config) or argmax")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="engine phases: schedule each step before reading the previous step's tokens")
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
     engine_sampling = QWEN3_VL_SAMPLING if args.engine_sampling == "benchmark" else GREEDY
@@ -560,21 +572,23 @@ def main(argv: list[str] | None = None) -> int:
                 for phase in model_phases:
                     failed.append(phase)
                     record(phase, time.perf_counter(), {"error": f"building the model failed: {failure}"})
+            engine_options = {"sampling": engine_sampling, "async_scheduling": args.async_scheduling}
             measures = {
                 "roofline": lambda: measure_roofline(model, device, results["ceilings"]),
                 "engine": lambda: measure_engine(
-                    checkpoint, model, device, engine_records, args.output_tokens, sampling=engine_sampling),
+                    checkpoint, model, device, engine_records, args.output_tokens, **engine_options),
                 "engine_fp8_kv": lambda: measure_engine(
                     checkpoint, model, device, engine_records, args.output_tokens, kv_cache_dtype="fp8",
-                    sampling=engine_sampling),
+                    **engine_options),
                 "constrained": lambda: measure_constrained(
-                    checkpoint, model, device, engine_records, args.output_tokens),
+                    checkpoint, model, device, engine_records, args.output_tokens,
+                    async_scheduling=args.async_scheduling),
                 # last (PHASES order): they quantize the model in place
                 "engine_fp8": lambda: measure_engine_fp8(
-                    checkpoint, model, device, engine_records, args.output_tokens, sampling=engine_sampling),
+                    checkpoint, model, device, engine_records, args.output_tokens, **engine_options),
                 "engine_w8a8": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
-                    sampling=engine_sampling),
+                    **engine_options),
             }
             for phase in model_phases if model is not None else ():
                 run_phase(phase, measures[phase])

@@ -193,7 +193,18 @@ def test_bench_gpu_engine_sampling_greedy_is_recorded(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     engine = json.loads(out.read_text())["engine"]
     assert engine["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
-    assert engine["fixed_150_tokens"]["generated_tokens"] == 2
+    assert engine["fixed_150_tokens"]["generated_tokens"] == 2 and engine["async_scheduling"] is False
+
+
+def test_bench_gpu_engine_with_async_scheduling(tmp_path):
+    out = tmp_path / "bench_gpu.json"
+    result = run_script("--tiny", "--device", "cpu", "--records", "2", "--image-size", "small", "--output-tokens", "3",
+                        "--phase", "engine", "--async-scheduling", "--json", str(out),
+                        script=REPO_ROOT / "scripts" / "bench_gpu.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+    engine = json.loads(out.read_text())["engine"]
+    assert engine["async_scheduling"] is True
+    assert engine["fixed_150_tokens"]["generated_tokens"] == 2 * 3 and engine["fixed_150_tokens"]["errors"] == 0
 
 
 def test_bench_gpu_a_failing_phase_does_not_stop_the_others(tmp_path, monkeypatch, capsys):

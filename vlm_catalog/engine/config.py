@@ -62,6 +62,10 @@ class EngineConfig:
     # cores: scripts/bench_image_prefetch.py measured no gain there)
     image_prefetch_bytes: int | None = None
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are only used on CUDA)
+    # schedule and launch step N+1 before reading step N's sampled tokens, which the host then
+    # processes while the device runs N+1 (engine/pending_tokens.py); the same answers for greedy
+    # and seeded requests, outputs one step later. Off: each step reads its tokens first
+    async_scheduling: bool = False
     cuda_graph_max_batch: int = 256  # largest decode batch captured (capped at max_num_seqs)
     tune_cpu_allocator: bool = True  # on CPU, keep freed memory for reuse (see engine/cpu_allocator.py)
     # hand the host heap's free pages back to the kernel this often (glibc; 0: never), so a

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from vlm_catalog.device_upload import upload
 from vlm_catalog.engine.block_manager import BlockManager
 from vlm_catalog.engine.config import EngineConfig, EngineConfigError
 from vlm_catalog.engine.cpu_allocator import keep_freed_memory, release_free_memory
@@ -48,8 +49,9 @@ from vlm_catalog.engine.memory_profile import (
 from vlm_catalog.engine.model_runner import ModelRunner, order_chunks
 from vlm_catalog.engine.outputs import RequestOutput
 from vlm_catalog.engine.paged_attention import allocate_kv_caches, kv_bytes_per_block
+from vlm_catalog.engine.pending_tokens import PendingTokens
 from vlm_catalog.engine.request import FinishReason, Request
-from vlm_catalog.engine.sampler import sample
+from vlm_catalog.engine.sampler import sample, sample_tokens
 from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.engine.scheduler import Scheduler, SchedulerOutput
 from vlm_catalog.model.config import ModelConfig
@@ -137,6 +139,7 @@ class LLMEngine:
         self._awaiting_grammar: dict[str, Request] = {}
         self._grammars_compiled: deque[Request] = deque()
         self._next_memory_release = time.monotonic() + config.release_host_memory_every_s
+        self._pending: PendingTokens | None = None  # sampled tokens not yet read (async_scheduling)
 
     # ---------------------------------------------------------------- setup
     def _eos_token_ids(self) -> frozenset[int]:
@@ -298,15 +301,22 @@ class LLMEngine:
         return len(self.scheduler.waiting) + len(self._awaiting_grammar)
 
     def has_unfinished_requests(self) -> bool:
-        """True while a request is queued, running, or finished with its output not yet returned."""
-        return self.scheduler.has_unfinished() or bool(self.scheduler.finished) or bool(self._awaiting_grammar)
+        """True while a request is queued, running, or finished with its output not yet returned
+        (or sampled tokens are not yet read: async scheduling)."""
+        return (self.scheduler.has_unfinished() or bool(self.scheduler.finished) or bool(self._awaiting_grammar)
+                or self._pending is not None)
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; outputs for every request that progressed or finished."""
+        """Run one scheduling step; outputs for every request that progressed or finished.
+
+        With `async_scheduling`, the tokens this step samples are read by the next
+        call (after it has launched its own forward pass), so their outputs come then.
+        """
         self._attach_grammars()
         output = self.scheduler.schedule()
         self.stats.num_preemptions += len(output.preempted)
+        pending, self._pending = self._pending, None  # the previous step's tokens, still on the device
         touched: list[Request] = []
         if not output.is_empty:
             self.stats.num_steps += 1
@@ -315,18 +325,22 @@ class LLMEngine:
             chunks = order_chunks(self._drop_failed_image_chunks(output, failures))
             self.runner.prefetch_images(self.scheduler.upcoming_images())  # decoded while this step runs
             if chunks:
-                logits = self.runner.execute(chunks, images)
+                logits = self.runner.execute(chunks, images, pending)
+                if pending is not None:  # read while this step's forward runs, before its bookkeeping
+                    touched, pending = self._take_pending(pending), None
                 self._count_computed(chunks)
                 self.scheduler.update_after_step(SchedulerOutput(chunks))
-                touched = self._sample_and_append(chunks, logits)
+                touched += self._sample_and_append(chunks, logits)
             elapsed = time.perf_counter() - started
             self._copy_runner_stats()
             if all(chunk.is_decode for chunk in chunks):
                 self.stats.seconds_in_decode_steps += elapsed
             else:
                 self.stats.seconds_in_prefill_steps += elapsed
+        if pending is not None:  # nothing ran this step
+            touched = self._take_pending(pending)
         self._release_host_memory_when_due()
-        return self._collect_outputs(touched)
+        return self._collect_outputs(list(dict.fromkeys(touched)))
 
     def _copy_runner_stats(self) -> None:
         """The runner's image counters, as of this step (its sampling synced the device)."""
@@ -389,7 +403,18 @@ class LLMEngine:
                 chunk.request.prompt.release_positions()
 
     def _sample_and_append(self, chunks, logits: torch.Tensor) -> list[Request]:
-        requests = [chunk.request for chunk in chunks if chunk.samples]
+        """Sample a token for each sampling chunk and take it; with `async_scheduling`, leave
+        the tokens on the device as `self._pending` instead (returns the requests that took one).
+
+        A chunk scheduled before the previous step's tokens were read may have lost its
+        sample meanwhile: its request finished, or took forced tokens after the one this
+        step computed. Its row is dropped."""
+        sampling = [chunk for chunk in chunks if chunk.samples]
+        kept = [row for row, chunk in enumerate(sampling)
+                if not chunk.request.is_finished and chunk.end == chunk.request.num_tokens]
+        if len(kept) < len(sampling):
+            logits = logits.index_select(0, upload(kept, logits.device, torch.int64))
+        requests = [sampling[row].request for row in kept]
         if not requests:
             return []
         constrained = [row for row, request in enumerate(requests) if request.grammar is not None]
@@ -407,32 +432,51 @@ class LLMEngine:
             grammars = [requests[row].grammar for row in constrained]
             self._bitmask_filler.fill(grammars, constrained, bitmask, force_canonical=True)
             apply_bitmask(logits, self._bitmasks.device(len(requests)), constrained)
-        result = sample(
-            logits,
-            [request.params for request in requests],
-            [request.num_output_tokens for request in requests],
-            self.generator,
-        )
-        now = time.perf_counter()
+        params = [request.params for request in requests]
+        positions = [request.num_output_tokens for request in requests]
+        if self.config.async_scheduling and all(p.logprobs is None for p in params):
+            self._pending = PendingTokens(requests, sample_tokens(logits, params, positions, self.generator))
+            for request in requests:
+                request.append_placeholder()
+            return []
+        result = sample(logits, params, positions, self.generator)
         for request, token, logprobs in zip(requests, result.token_ids, result.logprobs):
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.num_model_steps += 1
-            if logprobs is not None:
-                request.output_logprobs.append(logprobs)
-            self.stats.num_sampled_tokens += 1
-            self._take_tokens(request, [token])
-            if not request.is_finished and self.config.enable_jump_forward and request.grammar is not None:
-                forced = request.grammar.forced_tokens()[: request.max_total_tokens - request.num_tokens]
-                if forced:
-                    request.metrics.num_jump_forward_tokens += len(forced)
-                    self.stats.num_jump_forward_tokens += len(forced)
-                    self._take_tokens(request, forced)
+            self._take_sampled(request, token, logprobs)
         return requests
 
-    def _take_tokens(self, request: Request, tokens: list[int]) -> None:
-        """Append tokens (sampled or forced) and finish the request if they end it."""
-        request.append_tokens(tokens)
+    def _take_pending(self, pending: PendingTokens) -> list[Request]:
+        """Put the previous step's sampled tokens in place of their placeholders and take them."""
+        taken = []
+        for request, token in zip(pending.requests, pending.read()):
+            if request.is_finished:  # aborted meanwhile
+                request.resolve_placeholder(None)
+                continue
+            request.resolve_placeholder(token)
+            self._take_sampled(request, token, None, appended=True)
+            taken.append(request)
+        return taken
+
+    def _take_sampled(self, request: Request, token: int, logprobs: dict | None, appended: bool = False) -> None:
+        """Take a sampled token (already in `token_ids` if `appended`), then any the grammar forces."""
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = time.perf_counter()
+        request.metrics.num_model_steps += 1
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
+        self.stats.num_sampled_tokens += 1
+        self._take_tokens(request, [token], appended)
+        if not request.is_finished and self.config.enable_jump_forward and request.grammar is not None:
+            forced = request.grammar.forced_tokens()[: request.max_total_tokens - request.num_tokens]
+            if forced:
+                request.metrics.num_jump_forward_tokens += len(forced)
+                self.stats.num_jump_forward_tokens += len(forced)
+                self._take_tokens(request, forced)
+
+    def _take_tokens(self, request: Request, tokens: list[int], appended: bool = False) -> None:
+        """Append tokens (sampled or forced; `appended`: they already are) and finish the request
+        if they end it."""
+        if not appended:
+            request.append_tokens(tokens)
         if request.grammar is not None:
             request.grammar.accept(tokens)
         params = request.params

@@ -33,6 +33,8 @@ from vlm_catalog.engine.paged_attention import (
     PagedAttentionMetadata,
     PrefillBatch,
 )
+from vlm_catalog.engine.pending_tokens import PendingTokens
+from vlm_catalog.engine.request import PLACEHOLDER_TOKEN
 from vlm_catalog.engine.scheduler import ScheduledChunk
 from vlm_catalog.model.qwen3_vl_moe import ImageEmbedding, Qwen3VLMoeModel
 from vlm_catalog.model.text import MultimodalEmbeddings
@@ -187,10 +189,13 @@ class ModelRunner:
 
     # -------------------------------------------------------------- text
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], images: dict[str, ImageEmbedding]) -> torch.Tensor:
+    def execute(
+        self, chunks: list[ScheduledChunk], images: dict[str, ImageEmbedding], pending: PendingTokens | None = None
+    ) -> torch.Tensor:
         """Run one step; logits [number of sampling chunks, V] in float32, in chunk order.
 
-        Decode chunks must come first (`order_chunks`).
+        Decode chunks must come first (`order_chunks`). A decode whose token is still a
+        placeholder (async scheduling) takes it from `pending.tokens`, on the device.
         """
         device = self.device
         block_size = self.block_size
@@ -215,7 +220,10 @@ class ModelRunner:
         offset = num_decodes
         for chunk in chunks[num_decodes:]:  # prefill chunks
             request = chunk.request
-            token_ids.append(torch.frombuffer(request.token_ids[chunk.start : chunk.end], dtype=torch.int32))
+            chunk_ids = request.token_ids[chunk.start : chunk.end]
+            if request.has_placeholder and chunk.end == request.num_tokens:
+                raise RuntimeError(f"request {request.request_id}: a prefill chunk reached a token not yet sampled")
+            token_ids.append(torch.frombuffer(chunk_ids, dtype=torch.int32))
             positions.append(request.positions(chunk.start, chunk.end))
             table = torch.tensor(chunk.block_table, dtype=torch.int64)
             indices = torch.arange(chunk.start, chunk.end)
@@ -232,6 +240,12 @@ class ModelRunner:
                 sample_rows.append(offset - 1)
 
         input_ids = upload(torch.cat(token_ids), device, torch.int64)
+        waiting = [row for row, token in enumerate(decode_ids) if token == PLACEHOLDER_TOKEN]
+        if waiting:  # decodes of tokens sampled by the previous step, not yet read by the host
+            if pending is None:
+                raise RuntimeError("a decode's token is a placeholder, and no pending tokens were given")
+            sources = [pending.rows[decodes[row].request.request_id] for row in waiting]
+            input_ids[upload(waiting, device, torch.int64)] = pending.tokens[upload(sources, device, torch.int64)]
         metadata = self._attention_metadata(chunks, torch.cat(slots), cu_seqlens, context_lens)
         multimodal = None
         if multimodal_parts:

@@ -24,6 +24,10 @@ from vlm_catalog.engine.block_hash import block_hashes
 from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.preprocess.processor import ProcessedPrompt
 
+# a token sampled on the device that the host has not read yet (async scheduling): it holds
+# the token's place in `token_ids` so the next step can be scheduled before it is known
+PLACEHOLDER_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -81,6 +85,7 @@ class Request:
         self.num_prompt_tokens = len(prompt.token_ids)
         self.max_total_tokens = min(self.num_prompt_tokens + params.max_tokens, max_model_len)
         self.num_computed_tokens = 0
+        self.has_placeholder = False  # the last token is PLACEHOLDER_TOKEN, its value still on the device
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
@@ -105,7 +110,8 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :].tolist()
+        """The generated tokens the host knows (a trailing placeholder left out)."""
+        return self.token_ids[self.num_prompt_tokens : self.num_tokens - self.has_placeholder].tolist()
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -129,17 +135,36 @@ class Request:
         return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
 
     def block_hashes(self, block_size: int) -> list[bytes]:
-        """Content hashes of the request's full blocks (computed incrementally)."""
+        """Content hashes of the request's full blocks (computed incrementally); a block that
+        ends at a placeholder is not full yet (its last token is unknown)."""
         done = len(self._block_hashes)
-        if (done + 1) * block_size <= self.num_tokens:
+        if (done + 1) * block_size <= self.num_tokens - self.has_placeholder:
             previous = self._block_hashes[-1] if done else b""
+            known = self.token_ids[:-1] if self.has_placeholder else self.token_ids
             self._block_hashes.extend(
-                block_hashes(self.token_ids, block_size, self.prompt.image_spans, self.image_hashes, done, previous)
+                block_hashes(known, block_size, self.prompt.image_spans, self.image_hashes, done, previous)
             )
         return self._block_hashes
 
     def append_tokens(self, tokens: list[int]) -> None:
         self.token_ids.extend(tokens)
+
+    def append_placeholder(self) -> None:
+        """Hold the place of a token sampled on the device (async scheduling)."""
+        if self.has_placeholder:
+            raise RuntimeError(f"request {self.request_id} already waits for a sampled token")
+        self.token_ids.append(PLACEHOLDER_TOKEN)
+        self.has_placeholder = True
+
+    def resolve_placeholder(self, token: int | None) -> None:
+        """Put the sampled token in its place; None drops the place (the request ended meanwhile)."""
+        if not self.has_placeholder:
+            raise RuntimeError(f"request {self.request_id} has no sampled token pending")
+        if token is None:
+            self.token_ids.pop()
+        else:
+            self.token_ids[-1] = token
+        self.has_placeholder = False
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.status = RequestStatus.FINISHED

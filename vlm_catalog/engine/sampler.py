@@ -38,21 +38,7 @@ def sample(
 ) -> SamplingResult:
     """Pick one token per row of `logits` [R, V] (float32; grammar masks already applied)."""
     num_rows, vocab = logits.shape
-    sampled_rows = [row for row, p in enumerate(params) if not p.greedy]
-    if len(sampled_rows) == num_rows:  # nothing greedy: no argmax pass over the vocabulary
-        tokens = _sample_rows(logits, params, output_positions, generator)
-    else:
-        tokens = logits.argmax(dim=-1)
-        if sampled_rows:
-            index = upload(sampled_rows, logits.device, torch.int64)
-            chosen = _sample_rows(
-                logits.index_select(0, index),
-                [params[row] for row in sampled_rows],
-                [output_positions[row] for row in sampled_rows],
-                generator,
-            )
-            tokens.index_copy_(0, index, chosen)
-    token_list = tokens.tolist()
+    token_list = sample_tokens(logits, params, output_positions, generator).tolist()
     logprobs: list[dict[int, float] | None] = [None] * num_rows
     wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
     if wanted:
@@ -65,6 +51,31 @@ def sample(
                 entry.update(zip(ids.tolist(), values.tolist()))
             logprobs[row] = entry
     return SamplingResult(token_list, logprobs)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_positions: Sequence[int],
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """`sample`'s tokens [R] int64, left on the device: nothing here waits for it (top-p
+    without top-k excepted, which checks its window's mass)."""
+    num_rows = logits.shape[0]
+    sampled_rows = [row for row, p in enumerate(params) if not p.greedy]
+    if len(sampled_rows) == num_rows:  # nothing greedy: no argmax pass over the vocabulary
+        return _sample_rows(logits, params, output_positions, generator)
+    tokens = logits.argmax(dim=-1)
+    if sampled_rows:
+        index = upload(sampled_rows, logits.device, torch.int64)
+        chosen = _sample_rows(
+            logits.index_select(0, index),
+            [params[row] for row in sampled_rows],
+            [output_positions[row] for row in sampled_rows],
+            generator,
+        )
+        tokens.index_copy_(0, index, chosen)
+    return tokens
 
 
 NUCLEUS_WINDOW = 1024  # best tokens tried first for top-p without top-k (a full sort if they hold too little mass)

@@ -115,6 +115,8 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_tokens = min(request.num_uncomputed_tokens, budget)
+            if request.has_placeholder and request.num_tokens >= request.max_total_tokens:
+                num_tokens = 0  # its last token is sampled (async scheduling): it ends when the host reads it
             if num_tokens <= 0:
                 index += 1
                 continue

@@ -1,0 +1,160 @@
+"""Async scheduling (`EngineConfig.async_scheduling`): step N+1 is scheduled and launched before
+step N's sampled tokens are read. Greedy and seeded answers must be the engine's usual ones,
+whatever ends a request (length, EOS, stop token or string, grammar, abort), with chunked
+prefill, jump-forward and preemption; no placeholder may ever reach an output."""
+
+import random
+
+import pytest
+import torch
+
+from tests.engine.conftest import conversation, mixed_conversations
+from tests.engine.test_engine_behaviour import product_prompt
+from vlm_catalog import LLM, SamplingParams
+from vlm_catalog.engine.pending_tokens import PendingTokens
+from vlm_catalog.engine.request import PLACEHOLDER_TOKEN, Request
+from vlm_catalog.structured import catalogue_schema
+
+
+def answers(outputs) -> list[tuple]:
+    return [(o.token_ids, o.text, o.finish_reason, o.error) for o in outputs]
+
+
+def varied_params(count: int) -> list[SamplingParams]:
+    """Greedy and seeded requests of different lengths; some may stop at EOS."""
+    params = []
+    for index in range(count):
+        sampled = {"temperature": 0.9, "top_p": 0.9, "seed": index} if index % 2 else {}
+        params.append(SamplingParams(max_tokens=4 + 5 * (index % 4), ignore_eos=index % 3 == 0, **sampled))
+    return params
+
+
+@pytest.fixture(scope="module")
+def sync_and_async(engine_checkpoint):
+    settings = {"max_num_batched_tokens": 96}  # chunked prefill: prompts spread over steps
+    return LLM(engine_checkpoint, **settings), LLM(engine_checkpoint, async_scheduling=True, **settings)
+
+
+def test_the_same_answers_as_reading_each_step_first(sync_and_async):
+    sync, pipelined = sync_and_async
+    prompts = mixed_conversations(12)
+    params = varied_params(12)
+    assert answers(pipelined.chat(prompts, params)) == answers(sync.chat(prompts, params))
+    engine = pipelined.engine
+    assert not engine.has_unfinished_requests() and engine._pending is None
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_stop_tokens_stop_strings_and_logprobs(sync_and_async):
+    sync, pipelined = sync_and_async
+    messages = [conversation(2, words=5)]
+    free = sync.chat(messages, SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    stop_text = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
+    requests = [
+        SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[free.token_ids[5]]),
+        SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop_text] if stop_text.strip() else None),
+        SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3),  # read at once: logprobs need the host
+    ]
+    for params in requests:
+        expected, got = sync.chat(messages, params)[0], pipelined.chat(messages, params)[0]
+        assert answers([got]) == answers([expected])
+        assert got.logprobs == expected.logprobs
+
+
+def test_constrained_answers_with_jump_forward(sync_and_async):
+    sync, pipelined = sync_and_async
+    rng = random.Random(3)
+    prompts, params = [], []
+    for index in range(16):
+        messages, candidates = product_prompt(index, rng)
+        schema = catalogue_schema(candidates).json_schema
+        schema["properties"]["brand"]["maxLength"] = 10
+        prompts.append(messages)
+        params.append(SamplingParams(max_tokens=100, temperature=0.8 if index % 3 == 0 else 0.0, seed=index,
+                                     json_schema=schema))
+    expected = sync.chat(prompts, params)
+    assert answers(pipelined.chat(prompts, params)) == answers(expected)
+    assert pipelined.engine.stats.num_jump_forward_tokens > 0
+
+
+def test_preemption_and_a_small_pool(engine_checkpoint):
+    settings = {"block_size": 4, "kv_cache_memory_bytes": 160 * 2048, "max_num_seqs": 16}
+    sync = LLM(engine_checkpoint, **settings)
+    pipelined = LLM(engine_checkpoint, async_scheduling=True, **settings)
+    prompts = [conversation(index, words=6 + index % 5) for index in range(16)]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, **({"temperature": 1.0, "seed": i} if i % 2 else {}))
+              for i in range(16)]
+    assert answers(pipelined.chat(prompts, params)) == answers(sync.chat(prompts, params))
+    assert pipelined.engine.stats.num_preemptions > 0
+    assert pipelined.engine.block_manager.num_free_blocks == pipelined.engine.num_blocks
+
+
+def test_outputs_come_one_step_later_and_never_hold_a_placeholder(sync_and_async):
+    sync, pipelined = sync_and_async
+    messages = conversation(5, images=1, words=4)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    engine = pipelined.engine
+    steps_before = engine.stats.num_steps
+    request_id = engine.add_request(messages, params)
+    streamed, steps = [], 0
+    while engine.has_unfinished_requests():
+        outputs = [o for o in engine.step() if o.request_id == request_id]
+        steps += 1
+        if engine._pending is not None and engine._pending.requests:
+            request = engine._pending.requests[0]
+            assert request.has_placeholder and request.token_ids[-1] == PLACEHOLDER_TOKEN
+        streamed.extend(outputs)
+    assert len(streamed) == 10  # one per token, as without async scheduling
+    assert all(PLACEHOLDER_TOKEN not in o.token_ids for o in streamed)
+    assert [len(o.token_ids) for o in streamed] == list(range(1, 11))
+    assert streamed[-1].token_ids == sync.chat([messages], params)[0].token_ids
+    # the last call only read the last step's tokens: a request whose last token is sampled is not
+    # scheduled again, so no step computes a token nobody will use
+    assert steps == engine.stats.num_steps - steps_before + 1
+
+
+def test_aborts_leave_nothing_behind(engine_checkpoint):
+    llm = LLM(engine_checkpoint, block_size=4, kv_cache_memory_bytes=512 * 2048, max_num_seqs=32,
+              async_scheduling=True)
+    engine = llm.engine
+    rng = random.Random(0)
+    finished, next_id = 0, 0
+    for _ in range(6):  # waves of 60 requests
+        for _ in range(60):
+            messages = [{"role": "user", "content": f"short {next_id % 17} " * rng.randrange(1, 6)}]
+            engine.add_request(messages, SamplingParams(max_tokens=rng.randrange(1, 6), ignore_eos=True), f"r{next_id}")
+            next_id += 1
+        while engine.has_unfinished_requests():
+            live = list(engine.requests)
+            for request_id in rng.sample(live, k=min(len(live), rng.randrange(0, 4))):
+                engine.abort(request_id)
+            for output in engine.step():
+                assert PLACEHOLDER_TOKEN not in output.token_ids
+                finished += output.finished
+    assert finished == next_id == 360
+    assert engine.requests == {} and engine.detokenizers == {} and engine._pending is None
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    assert engine.scheduler.num_unfinished == 0
+
+
+def test_request_placeholder_bookkeeping(sync_and_async):
+    prompt = sync_and_async[0].engine.processor.process([{"role": "user", "content": "a b c d e f"}])
+    request = Request("r", prompt, SamplingParams(max_tokens=8), max_model_len=512)
+    block_size = prompt.num_tokens + 1  # the placeholder would complete the first block
+    request.append_placeholder()
+    assert request.output_token_ids == [] and request.num_tokens == prompt.num_tokens + 1
+    assert request.block_hashes(block_size) == []  # the block's last token is not known yet
+    with pytest.raises(RuntimeError, match="already waits"):
+        request.append_placeholder()
+    request.resolve_placeholder(42)
+    assert request.output_token_ids == [42] and len(request.block_hashes(block_size)) == 1
+    with pytest.raises(RuntimeError, match="no sampled token pending"):
+        request.resolve_placeholder(7)
+    request.append_placeholder()
+    request.resolve_placeholder(None)  # the request ended meanwhile: the place goes
+    assert request.output_token_ids == [42] and not request.has_placeholder
+
+
+def test_pending_tokens_check_their_shape():
+    with pytest.raises(ValueError, match="2 requests"):
+        PendingTokens([object(), object()], torch.tensor([1, 2, 3]))
