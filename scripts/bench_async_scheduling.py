@@ -21,13 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 
 from vlm_catalog import LLM
 from vlm_catalog.bench.interleaved import interleaved_rounds
-from vlm_catalog.bench.workload_args import add_workload_arguments, workload_catalogue
-from vlm_catalog.data.loader import load_catalogue
+from vlm_catalog.bench.workload_args import add_workload_arguments, workload_records
 from vlm_catalog.engine.generation_config import QWEN3_VL_SAMPLING
 from vlm_catalog.preprocess.prompt import build_messages
 
@@ -42,9 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.records < 1 or args.rounds < 1 or args.max_tokens < 1:
         parser.error("--records, --rounds and --max-tokens must be at least 1")
-    with tempfile.TemporaryDirectory() as scratch:
-        catalogue = load_catalogue(workload_catalogue(args, scratch))
-        records = [item.record for item in catalogue.items(range(min(args.records, len(catalogue))))]
+    records = workload_records(args)
     conversations = [build_messages(record) for record in records]
     params = [QWEN3_VL_SAMPLING.params(max_tokens=args.max_tokens, ignore_eos=True, seed=index)
               for index in range(len(records))]

@@ -23,14 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from vlm_catalog import LLM, SamplingParams
 from vlm_catalog.bench.interleaved import interleaved_rounds
-from vlm_catalog.bench.workload_args import add_workload_arguments, workload_catalogue
-from vlm_catalog.data.loader import load_catalogue
+from vlm_catalog.bench.workload_args import add_workload_arguments, workload_records
 from vlm_catalog.engine.config import CUDA_IMAGE_PREFETCH_BYTES
 from vlm_catalog.preprocess.prompt import build_messages
 
@@ -65,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
 
-    with tempfile.TemporaryDirectory() as scratch:
-        records = list(load_catalogue(workload_catalogue(args, scratch)))[: args.records]
+    records = workload_records(args)
     conversations = [build_messages(record) for record in records]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, output_kind="final_only")
     settings = (0, args.prefetch_bytes)

@@ -21,13 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from vlm_catalog import LLM
-from vlm_catalog.bench.workload_args import add_workload_arguments, workload_catalogue
-from vlm_catalog.data.loader import load_catalogue
+from vlm_catalog.bench.workload_args import add_workload_arguments, workload_records
 from vlm_catalog.engine.sampling_params import SamplingParams
 
 
@@ -67,16 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.records < 1 or args.rounds < 1 or args.max_tokens < 1:
         parser.error("--records, --rounds and --max-tokens must be at least 1")
-    with tempfile.TemporaryDirectory() as scratch:
-        catalogue = load_catalogue(workload_catalogue(args, scratch))
-        records = [item.record for item in catalogue.items(range(min(args.records, len(catalogue))))]
-        timed_extract(args.model, records[: min(8, len(records))], args.max_tokens)  # warm-up
-        runs = []
-        for round_index in range(args.rounds):
-            run = timed_extract(args.model, records, args.max_tokens)
-            runs.append(run)
-            print(f"round {round_index + 1}: {run['seconds_before_first_step']:.2f} s before the first step, "
-                  f"{run['seconds']:.2f} s in all, {run['records_per_s']:.1f} records/s, {run['failed']} failed")
+    records = workload_records(args)
+    timed_extract(args.model, records[: min(8, len(records))], args.max_tokens)  # warm-up
+    runs = []
+    for round_index in range(args.rounds):
+        run = timed_extract(args.model, records, args.max_tokens)
+        runs.append(run)
+        print(f"round {round_index + 1}: {run['seconds_before_first_step']:.2f} s before the first step, "
+              f"{run['seconds']:.2f} s in all, {run['records_per_s']:.1f} records/s, {run['failed']} failed")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"records": args.records, "max_tokens": args.max_tokens, "runs": runs}, handle, indent=2)

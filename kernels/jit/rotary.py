@@ -13,6 +13,45 @@ import triton.language as tl
 
 
 @triton.jit
+def load_head_halves(
+    x_ptr,  # [H, D] at one token's row
+    num_heads,
+    stride_x_head,
+    half_cols,  # [BLOCK_HALF] column index within a half
+    half_mask,  # [BLOCK_HALF]
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+):
+    """Every head's first and second half in float32 ([BLOCK_HEADS, BLOCK_HALF] each), and
+    the mask of the real heads and columns."""
+    heads = tl.arange(0, BLOCK_HEADS)
+    mask = (heads[:, None] < num_heads) & half_mask[None, :]  # [BLOCK_HEADS, BLOCK_HALF]
+    first = heads[:, None] * stride_x_head + half_cols[None, :]
+    x1 = tl.load(x_ptr + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + first + HEAD_DIM // 2, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2, mask
+
+
+@triton.jit
+def store_head_halves(
+    out_ptr,  # [H, D] at one token's row
+    out1,  # [BLOCK_HEADS, BLOCK_HALF] float32: the first halves
+    out2,  # the second halves
+    mask,
+    stride_out_head,
+    half_cols,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+):
+    """Round both halves once to the output's dtype and store them."""
+    heads = tl.arange(0, BLOCK_HEADS)
+    out_dtype = out_ptr.dtype.element_ty
+    out_first = heads[:, None] * stride_out_head + half_cols[None, :]
+    tl.store(out_ptr + out_first, out1.to(out_dtype), mask=mask)
+    tl.store(out_ptr + out_first + HEAD_DIM // 2, out2.to(out_dtype), mask=mask)
+
+
+@triton.jit
 def _norm_rope_heads(
     # pointers (at the token's row)
     x_ptr,  # [H, D]
@@ -34,11 +73,7 @@ def _norm_rope_heads(
     BLOCK_HEADS: tl.constexpr,
 ):
     """Normalise and rotate all heads of one token."""
-    heads = tl.arange(0, BLOCK_HEADS)
-    mask = (heads[:, None] < num_heads) & half_mask[None, :]  # [BLOCK_HEADS, BLOCK_HALF]
-    first = heads[:, None] * stride_x_head + half_cols[None, :]
-    x1 = tl.load(x_ptr + first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + first + HEAD_DIM // 2, mask=mask, other=0.0).to(tl.float32)
+    x1, x2, mask = load_head_halves(x_ptr, num_heads, stride_x_head, half_cols, half_mask, HEAD_DIM, BLOCK_HEADS)
 
     variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM  # [BLOCK_HEADS]
     inv_rms = tl.math.rsqrt(variance + eps)[:, None]
@@ -51,9 +86,7 @@ def _norm_rope_heads(
 
     out1 = (n1 * cos).to(out_dtype).to(tl.float32) + (-n2 * sin).to(out_dtype).to(tl.float32)
     out2 = (n2 * cos).to(out_dtype).to(tl.float32) + (n1 * sin).to(out_dtype).to(tl.float32)
-    out_first = heads[:, None] * stride_out_head + half_cols[None, :]
-    tl.store(out_ptr + out_first, out1.to(out_dtype), mask=mask)
-    tl.store(out_ptr + out_first + HEAD_DIM // 2, out2.to(out_dtype), mask=mask)
+    store_head_halves(out_ptr, out1, out2, mask, stride_out_head, half_cols, HEAD_DIM, BLOCK_HEADS)
 
 
 @triton.jit

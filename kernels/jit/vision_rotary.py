@@ -10,6 +10,8 @@ rounded once to the input dtype at the store, as in the torch reference.
 import triton
 import triton.language as tl
 
+from kernels.jit.rotary import load_head_halves, store_head_halves
+
 
 @triton.jit
 def _rotate_heads(
@@ -32,17 +34,10 @@ def _rotate_heads(
     HEAD_DIM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
 ):
-    heads = tl.arange(0, BLOCK_HEADS)
-    mask = (heads[:, None] < num_heads) & half_mask[None, :]  # [BLOCK_HEADS, BLOCK_HALF]
-    first = heads[:, None] * stride_x_head + half_cols[None, :]
-    x1 = tl.load(x_ptr + first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + first + HEAD_DIM // 2, mask=mask, other=0.0).to(tl.float32)
+    x1, x2, mask = load_head_halves(x_ptr, num_heads, stride_x_head, half_cols, half_mask, HEAD_DIM, BLOCK_HEADS)
     out1 = x1 * cos1 - x2 * sin1
     out2 = x2 * cos2 + x1 * sin2
-    out_dtype = out_ptr.dtype.element_ty
-    out_first = heads[:, None] * stride_out_head + half_cols[None, :]
-    tl.store(out_ptr + out_first, out1.to(out_dtype), mask=mask)
-    tl.store(out_ptr + out_first + HEAD_DIM // 2, out2.to(out_dtype), mask=mask)
+    store_head_halves(out_ptr, out1, out2, mask, stride_out_head, half_cols, HEAD_DIM, BLOCK_HEADS)
 
 
 @triton.jit

@@ -1,5 +1,7 @@
 """Engine test fixtures: one tiny checkpoint per session, transformers as the reference."""
 
+import random
+
 import pytest
 import torch
 
@@ -48,3 +50,25 @@ def transformers_generate(reference, processor, messages, max_new_tokens: int) -
         input_ids=input_ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[], pad_token_id=0, **kwargs
     )
     return output[0, input_ids.shape[1]:].tolist()
+
+
+def run_waves_with_aborts(engine, waves: int, per_wave: int, rng: random.Random, check_output=None) -> int:
+    """Add `waves` waves of `per_wave` short requests (1-5 tokens each); step each wave to the
+    end, aborting 0-3 random live requests before every step. Returns the outputs that finished;
+    `check_output(output)` sees every output."""
+    from vlm_catalog import SamplingParams
+
+    finished = 0
+    for wave in range(waves):
+        for index in range(wave * per_wave, (wave + 1) * per_wave):
+            messages = [{"role": "user", "content": f"short {index % 17} " * rng.randrange(1, 6)}]
+            engine.add_request(messages, SamplingParams(max_tokens=rng.randrange(1, 6), ignore_eos=True), f"r{index}")
+        while engine.has_unfinished_requests():
+            live = list(engine.requests)
+            for request_id in rng.sample(live, k=min(len(live), rng.randrange(0, 4))):
+                engine.abort(request_id)
+            for output in engine.step():
+                if check_output is not None:
+                    check_output(output)
+                finished += output.finished
+    return finished

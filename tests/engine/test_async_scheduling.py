@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from tests.engine.conftest import conversation, mixed_conversations
+from tests.engine.conftest import conversation, mixed_conversations, run_waves_with_aborts
 from tests.engine.test_engine_behaviour import product_prompt
 from vlm_catalog import LLM, SamplingParams
 from vlm_catalog.engine.pending_tokens import PendingTokens
@@ -117,21 +117,11 @@ def test_aborts_leave_nothing_behind(engine_checkpoint):
     llm = LLM(engine_checkpoint, block_size=4, kv_cache_memory_bytes=512 * 2048, max_num_seqs=32,
               async_scheduling=True)
     engine = llm.engine
-    rng = random.Random(0)
-    finished, next_id = 0, 0
-    for _ in range(6):  # waves of 60 requests
-        for _ in range(60):
-            messages = [{"role": "user", "content": f"short {next_id % 17} " * rng.randrange(1, 6)}]
-            engine.add_request(messages, SamplingParams(max_tokens=rng.randrange(1, 6), ignore_eos=True), f"r{next_id}")
-            next_id += 1
-        while engine.has_unfinished_requests():
-            live = list(engine.requests)
-            for request_id in rng.sample(live, k=min(len(live), rng.randrange(0, 4))):
-                engine.abort(request_id)
-            for output in engine.step():
-                assert PLACEHOLDER_TOKEN not in output.token_ids
-                finished += output.finished
-    assert finished == next_id == 360
+
+    def check(output) -> None:
+        assert PLACEHOLDER_TOKEN not in output.token_ids
+
+    assert run_waves_with_aborts(engine, waves=6, per_wave=60, rng=random.Random(0), check_output=check) == 360
     assert engine.requests == {} and engine.detokenizers == {} and engine._pending is None
     assert engine.block_manager.num_free_blocks == engine.num_blocks
     assert engine.scheduler.num_unfinished == 0

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from schemas import ProductMetadata
-from tests.engine.conftest import conversation, mixed_conversations
+from tests.engine.conftest import conversation, mixed_conversations, run_waves_with_aborts
 from tests.model.helpers import noise_image
 from vlm_catalog import LLM, SamplingParams
 from vlm_catalog.structured import catalogue_schema
@@ -132,20 +132,8 @@ def test_stop_strings_stop_tokens_and_logprobs(llm):
 def test_no_leaks_after_thousands_of_requests_with_aborts(engine_checkpoint):
     llm = LLM(engine_checkpoint, block_size=4, kv_cache_memory_bytes=512 * 2048, max_num_seqs=64)
     engine = llm.engine
-    rng = random.Random(0)
-    finished = 0
-    next_id = 0
-    for _ in range(25):  # waves of 100 requests
-        for _ in range(100):
-            messages = [{"role": "user", "content": f"short {next_id % 17} " * rng.randrange(1, 6)}]
-            engine.add_request(messages, SamplingParams(max_tokens=rng.randrange(1, 6), ignore_eos=True), f"r{next_id}")
-            next_id += 1
-        while engine.has_unfinished_requests():
-            live = list(engine.requests)
-            for request_id in rng.sample(live, k=min(len(live), rng.randrange(0, 4))):
-                engine.abort(request_id)
-            finished += sum(o.finished for o in engine.step())
-    assert finished == 2500 and next_id == 2500
+    finished = run_waves_with_aborts(engine, waves=25, per_wave=100, rng=random.Random(0))
+    assert finished == 2500
     assert engine.requests == {} and engine.detokenizers == {}
     assert engine.block_manager.num_free_blocks == engine.num_blocks
     assert set(engine.block_manager.ref_counts) == {0}
