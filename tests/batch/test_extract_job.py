@@ -277,3 +277,25 @@ def test_fp8_runs_are_their_own_jobs(small_catalogue, tmp_path, capsys):
     plain = tmp_path / "plain.jsonl"
     assert extract(small_catalogue, plain, "--limit", "1") == 0
     assert not {"kv_cache_dtype", "quantization"} & json.loads(plain.with_name(plain.name + JOB_SUFFIX).read_text()).keys()
+
+
+def test_async_scheduling_reaches_the_engine_and_changes_no_answer(small_catalogue, tmp_path, monkeypatch):
+    """--async-scheduling: the engine schedules ahead of reading tokens; the answers are the same,
+    so a results file written either way resumes either way (it is not part of the job's identity)."""
+    from vlm_catalog.engine import llm_engine
+
+    built = []
+    real_init = llm_engine.LLMEngine.__init__
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        built.append(self.config.async_scheduling)
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", recording_init)
+    plain, pipelined = tmp_path / "plain.jsonl", tmp_path / "pipelined.jsonl"
+    assert extract(small_catalogue, plain, "--limit", "3") == 0
+    assert extract(small_catalogue, pipelined, "--limit", "3", "--async-scheduling") == 0
+    assert built == [False, True]
+    assert [line["response"] for line in read_lines(plain)] == [line["response"] for line in read_lines(pipelined)]
+    assert extract(small_catalogue, pipelined, "--limit", "4") == 0  # resumed without the flag
+    assert len(read_lines(pipelined)) == 4

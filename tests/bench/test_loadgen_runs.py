@@ -49,13 +49,14 @@ def accuracy_log(out_dir: Path) -> dict[int, str]:
     return {entry["qsl_idx"]: bytes.fromhex(entry["data"]).decode("utf-8") for entry in entries}
 
 
-def test_offline_accuracy_run_logs_the_engines_answers_and_writes_accuracy_txt(tmp_path, capsys):
+@pytest.mark.parametrize("engine_flags", [(), ("--async-scheduling",)])
+def test_offline_accuracy_run_logs_the_engines_answers_and_writes_accuracy_txt(tmp_path, capsys, engine_flags):
     from vlm_catalog import LLM
 
     out_dir = tmp_path / "offline"
     code, out, err = bench(
         capsys, "--scenario", "offline", "--mode", "accuracy", "--out-dir", str(out_dir),
-        "--count", "6", "--request-style", "ours",
+        "--count", "6", "--request-style", "ours", *engine_flags,
     )
     assert code == 0, err
     for name in (SUMMARY_FILE, DETAIL_FILE, ACCURACY_LOG_FILE):
@@ -63,7 +64,8 @@ def test_offline_accuracy_run_logs_the_engines_answers_and_writes_accuracy_txt(t
     logged = accuracy_log(out_dir)
     assert sorted(logged) == list(range(6))
 
-    # "ours" is what LLM.extract sends: the same records give the same answers (greedy, batch-invariant)
+    # "ours" is what LLM.extract sends: the same records give the same answers (greedy, batch-invariant;
+    # with async scheduling too)
     catalogue = load_catalogue(SAMPLE_CATALOGUE_DIR)
     expected = LLM(DEFAULT_MODEL_DIR).extract([catalogue[i] for i in range(6)])
     assert [logged[i] for i in range(6)] == [extraction.text for extraction in expected]

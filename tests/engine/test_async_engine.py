@@ -70,3 +70,33 @@ def test_abort_and_disconnect_free_the_request(engine):
     assert len(outputs[-1].token_ids) < 500
     assert engine.engine.requests == {}
     assert engine.engine.block_manager.num_free_blocks == engine.engine.num_blocks
+
+
+def test_async_scheduling_streams_the_same_answers_and_aborts_cleanly(engine, engine_checkpoint):
+    """The service with `--async-scheduling`: the same streamed tokens, and an abort mid-stream
+    frees everything (its sampled-but-unread token included)."""
+    pipelined = AsyncLLM(model=engine_checkpoint, async_scheduling=True)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, seed=5)
+
+    async def stream(llm, index):
+        return [output.token_ids async for output in llm.generate(conversation(index, words=4), params)]
+
+    async def streams(llm):
+        return await asyncio.wait_for(asyncio.gather(*(stream(llm, index) for index in range(4))), 60)
+
+    async def aborted():
+        stream = pipelined.generate(conversation(9, words=3), SamplingParams(max_tokens=500, ignore_eos=True),
+                                    request_id="long")
+        await stream.__anext__()
+        await pipelined.abort("long")
+        return [output async for output in stream]
+
+    try:
+        expected, got = asyncio.run(streams(engine)), asyncio.run(streams(pipelined))
+        assert got == expected and all(len(tokens) == 8 for tokens in got)
+        rest = asyncio.run(asyncio.wait_for(aborted(), 60))
+        assert rest[-1].finish_reason == "abort" and -1 not in rest[-1].token_ids
+        inner = pipelined.engine
+        assert inner.block_manager.num_free_blocks == inner.num_blocks and not inner.requests
+    finally:
+        pipelined.shutdown()

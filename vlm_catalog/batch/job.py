@@ -53,6 +53,7 @@ class BatchSettings:
     kv_cache_dtype: str = "auto"  # "fp8": an e4m3 KV cache (EngineConfig.kv_cache_dtype)
     quantization: str = "auto"  # MoE expert weights (EngineConfig.quantization)
     gpu_memory_utilization: float = 0.9
+    async_scheduling: bool = False  # EngineConfig.async_scheduling (the same answers either way)
     shard: Shard = WHOLE
     overwrite: bool = False
     ray_address: str | None = None  # None: this process; "": Ray (running cluster or local); else its address
@@ -174,14 +175,14 @@ def check_settings(settings: BatchSettings) -> None:
 
 def engine_config(settings: BatchSettings):
     """The EngineConfig of each engine the job builds (BatchError when a setting cannot work)."""
-    from vlm_catalog.engine.arguments import MEMORY_OPTIONS
+    from vlm_catalog.engine.arguments import DEVICE_OPTIONS
     from vlm_catalog.engine.config import EngineConfig, EngineConfigError
 
     try:
         return EngineConfig(
             model=settings.model, device=settings.device, dtype=settings.dtype,
             enable_prefix_caching=settings.enable_prefix_caching, scheduling_policy=settings.scheduling_policy,
-            **{name: getattr(settings, name) for name in MEMORY_OPTIONS},
+            **{name: getattr(settings, name) for name in DEVICE_OPTIONS},
             # each record has its own candidate list, so its grammar is seldom seen again:
             # a small cache keeps memory flat over millions of records
             grammar_cache_size=BATCH_GRAMMAR_CACHE_SIZE,

@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from vlm_catalog.engine.arguments import add_memory_arguments, memory_options
+from vlm_catalog.engine.arguments import add_device_arguments, device_options
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 
 
@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--no-prefix-caching", action="store_true", help="as the benchmark's rules require")
     parser.add_argument("--policy", default="fcfs", choices=("fcfs", "shortest_prompt_first"))
-    add_memory_arguments(parser)
+    add_device_arguments(parser)
     parser.set_defaults(handler=run)
 
 
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             request_style=args.request_style, max_tokens=args.max_tokens, server_url=args.server_url,
             server_model=args.server_model, max_in_flight=args.max_in_flight, device=args.device, dtype=args.dtype,
             enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.policy,
-            **memory_options(args),
+            **device_options(args),
         )
         result = run_benchmark(config)
     except (SettingsError, BenchError, CatalogueError, CheckpointError, ModelConfigError, EngineConfigError,

@@ -1,6 +1,6 @@
-"""Command-line options for how the engine spends device memory (KV-cache dtype, FP8 experts,
-the memory fraction), shared by the front doors (`serve`, `extract`, `demo`, `bench`) so each
-spells and checks them the same way."""
+"""Command-line options for how the engine uses the device (KV-cache dtype, FP8 experts, the
+memory fraction, async scheduling), shared by the front doors (`serve`, `extract`, `bench`) so
+each spells and checks them the same way."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import argparse
 from vlm_catalog.engine.config import KV_CACHE_DTYPES, QUANTIZATION_MODES, EngineConfig
 
 # the EngineConfig fields these options set
-MEMORY_OPTIONS = ("kv_cache_dtype", "gpu_memory_utilization", "quantization")
+DEVICE_OPTIONS = ("kv_cache_dtype", "gpu_memory_utilization", "quantization", "async_scheduling")
 
 
-def add_memory_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+def add_device_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     parser.add_argument(
         "--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, choices=("auto", *KV_CACHE_DTYPES),
         help="what the KV cache stores: auto (the model's dtype) or fp8 (e4m3: twice the tokens of bf16 "
@@ -30,8 +30,13 @@ def add_memory_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         help="CUDA: fraction of the device's memory for weights, activations and the KV cache "
              f"(default {EngineConfig.gpu_memory_utilization})",
     )
+    parser.add_argument(
+        "--async-scheduling", action="store_true",
+        help="schedule and launch each engine step before reading the previous step's tokens, so the "
+             "host's per-token work overlaps the device (same answers for greedy and seeded requests)",
+    )
 
 
-def memory_options(args: argparse.Namespace) -> dict:
+def device_options(args: argparse.Namespace) -> dict:
     """The EngineConfig keyword arguments the options above set."""
-    return {name: getattr(args, name) for name in MEMORY_OPTIONS}
+    return {name: getattr(args, name) for name in DEVICE_OPTIONS}

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from vlm_catalog.engine.arguments import add_memory_arguments, memory_options
+from vlm_catalog.engine.arguments import add_device_arguments, device_options
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 
 EXIT_OK, EXIT_ERROR, EXIT_FAILED_RECORDS, EXIT_INTERRUPTED = 0, 1, 3, 130
@@ -62,7 +62,7 @@ def add_extraction_arguments(parser: argparse.ArgumentParser) -> None:
                         help="answer token budget (the free-text brand is bounded to fit it)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="as the benchmark's rules require")
     parser.add_argument("--policy", default="fcfs", choices=("fcfs", "shortest_prompt_first"))
-    add_memory_arguments(parser)
+    add_device_arguments(parser)
 
 
 def settings_from_args(args: argparse.Namespace, out: Path, **overrides):
@@ -77,7 +77,7 @@ def settings_from_args(args: argparse.Namespace, out: Path, **overrides):
         dataset=args.dataset, out=out, model=args.model, split=args.split, limit=args.limit,
         schema=args.schema, prompt_style=args.prompt_style, device=args.device, dtype=args.dtype,
         max_tokens=args.max_tokens, enable_prefix_caching=not args.no_prefix_caching,
-        scheduling_policy=args.policy, **memory_options(args), shard=shard, overwrite=getattr(args, "overwrite", False),
+        scheduling_policy=args.policy, **device_options(args), shard=shard, overwrite=getattr(args, "overwrite", False),
         ray_address=getattr(args, "ray", None), replicas=getattr(args, "replicas", None),
         window=getattr(args, "window", None), read_ahead=getattr(args, "read_ahead", 64), evaluate=getattr(args, "eval", False),
         log_every_s=getattr(args, "log_every", 30.0),

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import uvicorn
 
-from vlm_catalog.engine.arguments import MEMORY_OPTIONS, add_memory_arguments
+from vlm_catalog.engine.arguments import DEVICE_OPTIONS, add_device_arguments
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 
 logger = logging.getLogger("vlm_catalog.server")
@@ -44,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool size (CPU default 256 MiB)")
-    add_memory_arguments(engine)
+    add_device_arguments(engine)
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--policy", default="fcfs", choices=("fcfs", "shortest_prompt_first"))
     limits = parser.add_argument_group("limits (also VLM_CATALOG_<NAME> variables)")
@@ -62,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 SETTING_OPTIONS = ("host", "port", "api_key", "served_model_name", "max_waiting_requests", "request_timeout_s",
                    "max_body_bytes", "max_images_per_request", "allowed_image_hosts")
-ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_bytes", *MEMORY_OPTIONS)
+ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_bytes", *DEVICE_OPTIONS)
 
 
 def run(args: argparse.Namespace) -> int:

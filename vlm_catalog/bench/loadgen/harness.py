@@ -61,6 +61,7 @@ class BenchConfig:
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     quantization: str = "auto"
+    async_scheduling: bool = False  # EngineConfig.async_scheduling
 
 
 @dataclass
@@ -184,13 +185,13 @@ def _make_sut(config: BenchConfig, qsl: CatalogueQSL, sampling, sink: ResponseSi
             raise BenchError(str(exc)) from None
         return sut, None
     from vlm_catalog.bench.loadgen.sut_engine import EngineSUT
-    from vlm_catalog.engine.arguments import MEMORY_OPTIONS
+    from vlm_catalog.engine.arguments import DEVICE_OPTIONS
     from vlm_catalog.engine.config import EngineConfig
     from vlm_catalog.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(
         model=config.model, device=config.device, dtype=config.dtype,
         enable_prefix_caching=config.enable_prefix_caching, scheduling_policy=config.scheduling_policy,
-        **{name: getattr(config, name) for name in MEMORY_OPTIONS},
+        **{name: getattr(config, name) for name in DEVICE_OPTIONS},
     ))
     return EngineSUT(engine, qsl, sampling, config.max_tokens, sink), engine
