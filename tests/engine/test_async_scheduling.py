@@ -148,3 +148,28 @@ def test_request_placeholder_bookkeeping(sync_and_async):
 def test_pending_tokens_check_their_shape():
     with pytest.raises(ValueError, match="2 requests"):
         PendingTokens([object(), object()], torch.tensor([1, 2, 3]))
+
+
+def test_a_step_that_fails_before_reading_the_tokens_leaves_them_for_the_next(sync_and_async, monkeypatch):
+    sync, pipelined = sync_and_async
+    engine = pipelined.engine
+    prompts = mixed_conversations(4)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    ids = [engine.add_request(messages, params) for messages in prompts]
+    for _ in range(3):
+        engine.step()
+    assert engine._pending is not None
+    real_execute = engine.runner.execute
+
+    def fail_once(*args, **kwargs):
+        monkeypatch.setattr(engine.runner, "execute", real_execute)
+        raise RuntimeError("device hiccup")
+
+    monkeypatch.setattr(engine.runner, "execute", fail_once)
+    with pytest.raises(RuntimeError, match="device hiccup"):
+        engine.step()
+    assert engine._pending is not None and not engine._pending.was_read
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+    assert [finals[i] for i in ids] == [o.token_ids for o in sync.chat(prompts, params)]

@@ -317,6 +317,18 @@ class LLMEngine:
         output = self.scheduler.schedule()
         self.stats.num_preemptions += len(output.preempted)
         pending, self._pending = self._pending, None  # the previous step's tokens, still on the device
+        try:
+            touched = self._run_step(output, pending)
+        except BaseException:
+            if pending is not None and not pending.was_read and self._pending is None:
+                self._pending = pending  # not read yet: the next step reads them
+            raise
+        self._release_host_memory_when_due()
+        return self._collect_outputs(list(dict.fromkeys(touched)))
+
+    def _run_step(self, output: SchedulerOutput, pending: PendingTokens | None) -> list[Request]:
+        """Encode, run and sample the scheduled chunks, reading `pending` once this step's forward
+        is launched; the requests that took tokens."""
         touched: list[Request] = []
         if not output.is_empty:
             self.stats.num_steps += 1
@@ -339,8 +351,7 @@ class LLMEngine:
                 self.stats.seconds_in_prefill_steps += elapsed
         if pending is not None:  # nothing ran this step
             touched = self._take_pending(pending)
-        self._release_host_memory_when_due()
-        return self._collect_outputs(list(dict.fromkeys(touched)))
+        return touched
 
     def _copy_runner_stats(self) -> None:
         """The runner's image counters, as of this step (its sampling synced the device)."""

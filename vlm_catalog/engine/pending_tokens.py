@@ -24,6 +24,7 @@ class PendingTokens:
         self.requests = requests
         self.tokens = tokens
         self.rows = {request.request_id: row for row, request in enumerate(requests)}
+        self.was_read = False
         self._ready: torch.cuda.Event | None = None
         if tokens.is_cuda:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -37,4 +38,5 @@ class PendingTokens:
         """The tokens on the host, in request order (waits for the sampling step only)."""
         if self._ready is not None:
             self._ready.synchronize()
+        self.was_read = True
         return self._host.tolist()
