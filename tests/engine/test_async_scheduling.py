@@ -4,6 +4,7 @@ whatever ends a request (length, EOS, stop token or string, grammar, abort), wit
 prefill, jump-forward and preemption; no placeholder may ever reach an output."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -145,9 +146,12 @@ def test_request_placeholder_bookkeeping(sync_and_async):
     assert request.output_token_ids == [42] and not request.has_placeholder
 
 
-def test_pending_tokens_check_their_shape():
+def test_pending_tokens_check_their_shape_and_are_read_once_ready():
     with pytest.raises(ValueError, match="2 requests"):
         PendingTokens([object(), object()], torch.tensor([1, 2, 3]))
+    pending = PendingTokens([SimpleNamespace(request_id="a"), SimpleNamespace(request_id="b")], torch.tensor([7, 9]))
+    assert pending.rows == {"a": 0, "b": 1} and not pending.was_read
+    assert pending.read() == [7, 9] and pending.was_read
 
 
 def test_a_step_that_fails_before_reading_the_tokens_leaves_them_for_the_next(sync_and_async, monkeypatch):
@@ -173,3 +177,28 @@ def test_a_step_that_fails_before_reading_the_tokens_leaves_them_for_the_next(sy
     while engine.has_unfinished_requests():
         finals.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
     assert [finals[i] for i in ids] == [o.token_ids for o in sync.chat(prompts, params)]
+
+
+@pytest.mark.gpu
+def test_on_cuda_with_graphs_the_same_answers(engine_checkpoint):
+    """On a GPU: decode inputs gathered on the device feed the CUDA graphs, the tokens cross in
+    pinned memory behind an event, and the answers are the synchronous engine's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    settings = {"device": "cuda", "dtype": "float32", "max_num_batched_tokens": 96, "kv_cache_memory_bytes": 64 * 2**20}
+    sync = LLM(engine_checkpoint, **settings)
+    pipelined = LLM(engine_checkpoint, async_scheduling=True, **settings)
+    assert pipelined.engine.runner.graph_runner is not None
+    prompts = mixed_conversations(12)
+    params = varied_params(12)
+    assert answers(pipelined.chat(prompts, params)) == answers(sync.chat(prompts, params))
+
+
+@pytest.mark.gpu
+def test_pending_tokens_from_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    tokens = torch.arange(5, device="cuda") * 3
+    pending = PendingTokens([SimpleNamespace(request_id=f"r{i}") for i in range(5)], tokens)
+    assert pending.rows["r3"] == 3 and not pending.was_read
+    assert pending.read() == [0, 3, 6, 9, 12] and pending.was_read
