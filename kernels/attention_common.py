@@ -11,12 +11,12 @@ import torch
 LOG2_E = math.log2(math.e)
 
 
-def forced_attention_backend(env_var: str) -> str | None:
-    """ "triton" or "sdpa" when `env_var` forces one backend for every sequence of a CUDA call,
-    None when it is unset or ``auto`` (choose by length); anything else is a clear error."""
+def forced_attention_backend(env_var: str, backends: tuple[str, ...] = ("triton", "sdpa")) -> str | None:
+    """One of `backends` when `env_var` forces it for every sequence of a CUDA call, None when
+    it is unset or ``auto`` (choose by length); anything else is a clear error."""
     choice = os.environ.get(env_var, "auto").strip().lower() or "auto"
-    if choice not in ("auto", "triton", "sdpa"):
-        raise ValueError(f"{env_var}={choice!r} is not one of auto, triton, sdpa")
+    if choice != "auto" and choice not in backends:
+        raise ValueError(f"{env_var}={choice!r} is not one of auto, {', '.join(backends)}")
     return None if choice == "auto" else choice
 
 

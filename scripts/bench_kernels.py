@@ -347,7 +347,12 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
         paged_prefill_attention_reference,
         paged_prefill_attention_triton,
     )
-    from kernels.varlen_attention import varlen_attention_reference, varlen_attention_triton
+    from kernels.varlen_attention import (
+        flash_varlen_usable,
+        varlen_attention_flash,
+        varlen_attention_reference,
+        varlen_attention_triton,
+    )
 
     rows = []
     element = torch.finfo(dtype).bits // 8
@@ -467,6 +472,19 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 note="sets SDPA_MIN_SEGMENT_LEN (crossover by segment length)",
             )
         )
+        if device.type == "cuda" and flash_varlen_usable(q):  # what the vision tower runs first
+            ms = timer(partial(varlen_attention_flash, *varlen_args, patches))
+            rows.append(
+                Row(
+                    "varlen_attention[flash varlen]",
+                    f"{images} images x {patches} patches",
+                    ms,
+                    "SDPA per segment (reference)",
+                    timer(partial(varlen_attention_reference, *varlen_args)),
+                    teraflops(flops, ms),
+                    target_speedup=1.0,
+                )
+            )
     return rows
 
 

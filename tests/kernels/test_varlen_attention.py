@@ -13,6 +13,7 @@ import kernels
 from kernels.varlen_attention import (
     SDPA_MIN_SEGMENT_LEN,
     VARLEN_BACKEND_ENV_VAR,
+    varlen_attention_on_device,
     varlen_attention_per_segment,
     varlen_attention_reference,
     varlen_attention_triton,
@@ -77,9 +78,73 @@ def test_backend_choice(monkeypatch):
     assert varlen_backend(SDPA_MIN_SEGMENT_LEN - 1) == "triton"
     monkeypatch.setenv(VARLEN_BACKEND_ENV_VAR, "triton")
     assert varlen_backend(10**6) == "triton"
-    monkeypatch.setenv(VARLEN_BACKEND_ENV_VAR, "flash")
-    with pytest.raises(ValueError, match="flash"):
+    monkeypatch.setenv(VARLEN_BACKEND_ENV_VAR, "flash")  # the varlen kernel; per segment as in auto
+    assert varlen_backend(SDPA_MIN_SEGMENT_LEN) == "sdpa"
+    monkeypatch.setenv(VARLEN_BACKEND_ENV_VAR, "cudnn")
+    with pytest.raises(ValueError, match="not one of auto, flash, triton, sdpa"):
         varlen_backend(1)
+
+
+class FakeFlashVarlen:
+    """Stands in for torch's FlashAttention varlen kernel on CPU: records its calls, answers
+    with the reference (or raises `error`)."""
+
+    def __init__(self, error: Exception | None = None):
+        self.calls, self.error = [], error
+
+    def __call__(self, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, **options):
+        self.calls.append({"cu_seq_q": cu_seq_q, "cu_seq_k": cu_seq_k, "max_q": max_q, "max_k": max_k, **options})
+        if self.error is not None:
+            raise self.error
+        return varlen_attention_reference(q, k, v, cu_seq_q, options.get("scale", q.shape[-1] ** -0.5))
+
+
+@pytest.fixture
+def fake_flash(monkeypatch):
+    module = sys.modules["kernels.varlen_attention"]
+    monkeypatch.delenv(VARLEN_BACKEND_ENV_VAR, raising=False)
+    monkeypatch.setattr(module, "_flash_varlen_failures", [])
+
+    def install(fake):
+        monkeypatch.setattr(module, "flash_varlen_function", lambda: fake)
+        return fake
+
+    return install
+
+
+def test_the_varlen_kernel_takes_every_segment_in_one_call(fake_flash):
+    fake = fake_flash(FakeFlashVarlen())
+    q, k, v, cu_seqlens = packed([5, 40, 0, 33], 2, 16, torch.bfloat16, "cpu")
+    out = varlen_attention_on_device(q, k, v, cu_seqlens.long(), 16**-0.5, seqlens=[5, 40, 0, 33])
+    assert torch.equal(out, varlen_attention_reference(q, k, v, cu_seqlens, 16**-0.5))
+    (call,) = fake.calls
+    assert call["max_q"] == call["max_k"] == 40 and "scale" not in call  # the default scale is not passed
+    assert call["cu_seq_q"].dtype == torch.int32 and call["cu_seq_q"].tolist() == [0, 5, 45, 45, 78]
+    varlen_attention_on_device(q, k, v, cu_seqlens, 0.3, max_seqlen=40)
+    assert fake.calls[1]["scale"] == 0.3
+
+
+def test_the_varlen_kernel_is_not_asked_what_it_cannot_take(fake_flash, triton_device, monkeypatch):
+    fake = fake_flash(FakeFlashVarlen())
+    q, k, v, cu_seqlens = packed([5, 9], 2, 16, torch.float32, triton_device)  # float32: not FlashAttention's
+    varlen_attention_on_device(q, k, v, cu_seqlens, 0.25, seqlens=[5, 9])
+    q, k, v, cu_seqlens = packed([5, 9], 2, 12, torch.bfloat16, triton_device)  # head size not a multiple of 8
+    varlen_attention_on_device(q, k, v, cu_seqlens, 0.25, seqlens=[5, 9])
+    monkeypatch.setenv(VARLEN_BACKEND_ENV_VAR, "sdpa")
+    q, k, v, cu_seqlens = packed([5, 9], 2, 16, torch.bfloat16, triton_device)
+    varlen_attention_on_device(q, k, v, cu_seqlens, 0.25, seqlens=[5, 9])
+    assert fake.calls == []
+
+
+def test_a_varlen_kernel_that_fails_hands_over_to_the_segments_for_good(fake_flash, triton_device, caplog):
+    # tolerance: 1e-2 (bfloat16), the per-segment path's own
+    fake = fake_flash(FakeFlashVarlen(RuntimeError("FlashAttention only supports Ampere GPUs or newer")))
+    q, k, v, cu_seqlens = packed([5, 9], 2, 16, torch.bfloat16, triton_device)
+    for _ in range(2):
+        out = varlen_attention_on_device(q, k, v, cu_seqlens, 0.25, seqlens=[5, 9])
+        assert_close(out, varlen_attention_reference(q, k, v, cu_seqlens, 0.25), rel=1e-2)
+    assert len(fake.calls) == 1  # not tried again
+    assert "FlashAttention varlen failed (RuntimeError: FlashAttention only supports" in caplog.text
 
 
 @pytest.mark.parametrize("segment_lens", [[5, 40, 3, 0, 33, 7], [40, 33], [5, 3, 7]])
@@ -113,7 +178,7 @@ def test_triton_rejects_bad_arguments(triton_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "sdpa", "auto"])
+@pytest.mark.parametrize("backend", ["triton", "sdpa", "flash", "auto"])
 def test_gpu_varlen_attention_vision_shapes(cuda_device, monkeypatch, backend):
     # tolerance: 1e-2 (bfloat16); vision tower: 16 heads of 72, images of 1k-16k patches
     monkeypatch.setenv(VARLEN_BACKEND_ENV_VAR, backend)
@@ -123,3 +188,14 @@ def test_gpu_varlen_attention_vision_shapes(cuda_device, monkeypatch, backend):
         varlen_attention_reference(q, k, v, cu_seqlens, 72**-0.5),
         rel=1e-2,
     )
+
+
+@pytest.mark.gpu
+def test_gpu_takes_the_flash_varlen_kernel(cuda_device):
+    # tolerance: 1e-2 (bfloat16); fails loudly where this torch has no varlen kernel, so the GPU record says so
+    module = sys.modules["kernels.varlen_attention"]
+    assert module.flash_varlen_function() is not None, f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    q, k, v, cu_seqlens = packed([256] * 8 + [1024], 16, 72, torch.bfloat16, cuda_device)
+    out = module.varlen_attention_flash(q, k, v, cu_seqlens, 72**-0.5, 1024)
+    assert_close(out, varlen_attention_reference(q, k, v, cu_seqlens, 72**-0.5), rel=1e-2)
+    assert module.flash_varlen_usable(q)

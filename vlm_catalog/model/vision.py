@@ -12,9 +12,10 @@ the flattened pixel rows; the per-image tables (interpolated position
 embeddings, rotary cos/sin, in merge-block order) are computed once per grid
 shape and kept in a small LRU (`GridTableCache`); q and k are rotated in one
 Triton pass over the fused qkv projection (`kernels.vision_rotary`); attention
-gets the segment lengths on the host, so long images go through SDPA
-(FlashAttention on CUDA) and short ones through one Triton launch without a
-device sync (`kernels.varlen_attention`).
+gets the segment lengths on the host and, on CUDA, runs every image in one
+FlashAttention varlen launch (or, where torch has none, long images through
+SDPA and short ones through one Triton launch), without a device sync
+(`kernels.varlen_attention`).
 """
 
 from __future__ import annotations
