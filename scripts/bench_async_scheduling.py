@@ -45,10 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     params = [QWEN3_VL_SAMPLING.params(max_tokens=args.max_tokens, ignore_eos=True, seed=index)
               for index in range(len(records))]
 
-    def run(setting: bool):
+    def run(setting: bool, count: int = len(records)):
         llm = LLM(args.model, device=args.device, async_scheduling=setting)  # fresh: no image cached yet
         start = time.perf_counter()
-        outputs = llm.chat(conversations, params)
+        outputs = llm.chat(conversations[:count], params[:count])
         seconds = time.perf_counter() - start
         llm.engine.close()
         row = {"async_scheduling": setting, "records": len(outputs), "seconds": round(seconds, 3),
@@ -56,12 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                "generated_tokens": sum(len(output.token_ids) for output in outputs)}
         return row, [output.token_ids for output in outputs]
 
-    def warm_up(setting: bool) -> None:
-        llm = LLM(args.model, device=args.device, async_scheduling=setting)
-        llm.chat(conversations[:8], params[:8])
-        llm.engine.close()
-
-    rows, answers = interleaved_rounds((False, True), args.rounds, run, warm_up)
+    rows, answers = interleaved_rounds((False, True), args.rounds, run, warm_up=lambda setting: run(setting, 8))
     same = answers[False] == answers[True]
     print(f"same tokens with and without async scheduling: {same}")
     if args.json:

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_batch_feed.py"
+from tests.scripts import script_report
 
 
 def test_small_run_reports_both_settings_and_the_same_answers(tmp_path):
-    report_path = tmp_path / "feed.json"
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--records", "5", "--image-size", "small", "--max-tokens", "8",
-         "--window", "2", "--read-ahead", "3", "--rounds", "1", "--json", str(report_path)],
-        capture_output=True, text=True, timeout=300,
+    report = script_report(
+        "bench_batch_feed.py", tmp_path,
+        "--records", "5", "--image-size", "small", "--max-tokens", "8", "--window", "2", "--read-ahead", "3",
+        "--rounds", "1",
     )
-    assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads(report_path.read_text())
     assert report["same_answers"] is True
     assert [run["read_ahead"] for run in report["runs"]] == [0, 3]
     for run in report["runs"]:

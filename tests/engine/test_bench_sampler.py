@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_sampler.py"
+from tests.scripts import run_script, script_report
 
 
 def test_short_run_reports_each_setting(tmp_path):
-    report_path = tmp_path / "sampler.json"
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--batches", "1", "3", "--vocab", "500", "--repeats", "1",
-         "--json", str(report_path)],
-        capture_output=True, text=True, timeout=120,
+    report = script_report(
+        "bench_sampler.py", tmp_path,
+        "--device", "cpu", "--batches", "1", "3", "--vocab", "500", "--repeats", "1", timeout=120,
     )
-    assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads(report_path.read_text())
     assert report["vocab"] == 500
     assert set(report["ms_per_call"]) == {"1", "3"}
     for timings in report["ms_per_call"].values():
@@ -27,5 +18,5 @@ def test_short_run_reports_each_setting(tmp_path):
 
 
 def test_bad_arguments_are_named():
-    result = subprocess.run([sys.executable, str(SCRIPT), "--batches", "0"], capture_output=True, text=True, timeout=60)
+    result = run_script("bench_sampler.py", "--batches", "0", timeout=60)
     assert result.returncode == 2 and "--batches" in result.stderr

@@ -207,37 +207,37 @@ def test_bench_gpu_engine_with_async_scheduling(tmp_path):
     assert engine["fixed_150_tokens"]["generated_tokens"] == 2 * 3 and engine["fixed_150_tokens"]["errors"] == 0
 
 
+def bench_gpu_where(monkeypatch, tmp_path, function: str, error: Exception, *args: str) -> tuple[int, dict]:
+    """bench_gpu.main on the tiny CPU model (one small record) with `function` raising `error`:
+    its exit status and the JSON it wrote."""
+    bench_gpu = load_bench_gpu()
+
+    def fail(*_args, **_kwargs):
+        raise error
+
+    monkeypatch.setattr(bench_gpu, function, fail)
+    out = tmp_path / "bench_gpu.json"
+    status = bench_gpu.main(["--tiny", "--device", "cpu", "--records", "1", "--image-size", "small",
+                             *args, "--json", str(out)])
+    return status, json.loads(out.read_text())
+
+
 def test_bench_gpu_a_failing_phase_does_not_stop_the_others(tmp_path, monkeypatch, capsys):
     """A crash or out-of-memory in one phase is recorded as its error; the later phases still run
     (a GPU session is 30 minutes), and the exit status says something failed."""
-    bench_gpu = load_bench_gpu()
-
-    def crash(*args, **kwargs):
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-
-    monkeypatch.setattr(bench_gpu, "measure_ceilings", crash)
-    out = tmp_path / "bench_gpu.json"
-    status = bench_gpu.main(["--tiny", "--device", "cpu", "--records", "1", "--image-size", "small",
-                             "--output-tokens", "2", "--phases", "ceilings,engine", "--json", str(out)])
+    crash = RuntimeError("CUDA error: an illegal memory access was encountered")
+    status, report = bench_gpu_where(monkeypatch, tmp_path, "measure_ceilings", crash,
+                                     "--output-tokens", "2", "--phases", "ceilings,engine")
     assert status == 1
-    report = json.loads(out.read_text())
     assert report["ceilings"] == {"error": "RuntimeError: CUDA error: an illegal memory access was encountered"}
     assert report["engine"]["fixed_150_tokens"]["generated_tokens"] == 2
     assert "failed phases: ceilings" in capsys.readouterr().out
 
 
 def test_bench_gpu_model_phases_report_a_model_that_cannot_be_built(tmp_path, monkeypatch):
-    bench_gpu = load_bench_gpu()
-
-    def out_of_memory(*args, **kwargs):
-        raise MemoryError("no room for the weights")
-
-    monkeypatch.setattr(bench_gpu, "random_model", out_of_memory)
-    out = tmp_path / "bench_gpu.json"
-    status = bench_gpu.main(["--tiny", "--device", "cpu", "--records", "1", "--image-size", "small",
-                             "--phases", "roofline,engine", "--json", str(out)])
+    status, report = bench_gpu_where(monkeypatch, tmp_path, "random_model", MemoryError("no room for the weights"),
+                                     "--phases", "roofline,engine")
     assert status == 1
-    report = json.loads(out.read_text())
     for phase in ("roofline", "engine"):
         assert report[phase] == {"error": "building the model failed: MemoryError: no room for the weights"}
 

@@ -85,7 +85,6 @@ class Request:
         self.num_prompt_tokens = len(prompt.token_ids)
         self.max_total_tokens = min(self.num_prompt_tokens + params.max_tokens, max_model_len)
         self.num_computed_tokens = 0
-        self.has_placeholder = False  # the last token is PLACEHOLDER_TOKEN, its value still on the device
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
@@ -107,6 +106,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def has_placeholder(self) -> bool:
+        """The last token is a placeholder: sampled on the device, not yet read (async scheduling)."""
+        return bool(self.token_ids) and self.token_ids[-1] == PLACEHOLDER_TOKEN
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -154,7 +158,6 @@ class Request:
         if self.has_placeholder:
             raise RuntimeError(f"request {self.request_id} already waits for a sampled token")
         self.token_ids.append(PLACEHOLDER_TOKEN)
-        self.has_placeholder = True
 
     def resolve_placeholder(self, token: int | None) -> None:
         """Put the sampled token in its place; None drops the place (the request ended meanwhile)."""
@@ -164,7 +167,6 @@ class Request:
             self.token_ids.pop()
         else:
             self.token_ids[-1] = token
-        self.has_placeholder = False
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.status = RequestStatus.FINISHED
