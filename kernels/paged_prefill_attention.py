@@ -12,17 +12,20 @@ grid-wide barrier, so fusing the write would be a race. Write with
 `reshape_and_cache` first (one cheap launch), then call this. Decode is different
 (see `paged_decode_attention_with_kv_write`).
 
-Backends on CUDA, chosen per sequence when the caller passes the chunk's own
-k/v and the lengths on the host (the engine does): a chunk with nothing cached
-before it (a whole prompt, the usual prefill here: no prefix caching in the
-benchmark) of at least `SDPA_MIN_PREFILL_LEN` tokens runs causal SDPA
-(FlashAttention on CUDA) on its own k/v, as the cache holds them; every other
-chunk goes through one Triton launch, which skips those. On the vision
-tower's similar kernel SDPA was 8x faster on long segments in the first H100
-run; the threshold is a placeholder until `scripts/bench_kernels.py` measures
-the crossover (rows `paged_prefill_attention[fresh]`).
-`VLM_CATALOG_PREFILL_ATTENTION` (``auto`` | ``triton`` | ``sdpa``) forces one
-backend for the fresh chunks; `VLM_CATALOG_KERNELS=triton` forces the kernel.
+Backends on CUDA, when the caller passes the chunks' own k/v and the lengths on
+the host (the engine does). A chunk with nothing cached before it (a whole
+prompt, the usual prefill here: no prefix caching in the benchmark) needs only
+its own k/v: first choice, every such chunk of the call in one causal
+FlashAttention varlen launch (`kernels.flash_varlen`, 16-bit, a head size it
+takes), the other chunks through one Triton launch that skips the fresh ones.
+Without the varlen kernel (or after it raised once), fresh chunks of at least
+`SDPA_MIN_PREFILL_LEN` tokens run causal SDPA each, and everything else goes
+through the Triton launch. On the vision tower's similar kernel SDPA was 8x
+faster on long segments in the first H100 run; the threshold is a placeholder
+until `scripts/bench_kernels.py` measures the crossover (rows
+`paged_prefill_attention[fresh]`, which time the varlen kernel too).
+`VLM_CATALOG_PREFILL_ATTENTION` (``auto`` | ``flash`` | ``triton`` | ``sdpa``)
+forces one backend for the fresh chunks; `VLM_CATALOG_KERNELS=triton` forces the kernel.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import kernel_backend, use_triton
+from kernels.flash_varlen import flash_varlen_usable, try_flash_varlen_attention
 from kernels.kv_cache import (
     check_paged_kv_cache,
     check_query_matches_cache,
@@ -50,6 +54,7 @@ from kernels.kv_cache import (
 from kernels.paged_decode_attention import paged_attention_rows
 
 PREFILL_BACKEND_ENV_VAR = "VLM_CATALOG_PREFILL_ATTENTION"
+PREFILL_BACKENDS = ("flash", "triton", "sdpa")
 SDPA_MIN_PREFILL_LEN = 1024  # NOT YET MEASURED on a GPU: placeholder, see the module docstring
 NEVER = 2**31 - 1  # a chunk length no step reaches: the kernel skips nothing
 
@@ -246,12 +251,18 @@ def paged_prefill_attention_triton(
 
 # --------------------------------------------------------------------------- dispatch
 def sdpa_min_prefill_len() -> int:
-    """The shortest fresh chunk (nothing cached before it) that runs SDPA on CUDA: the
-    placeholder constant, 1 when the environment forces SDPA, never when it forces Triton."""
-    forced = forced_attention_backend(PREFILL_BACKEND_ENV_VAR)
-    if forced is None:
+    """The shortest fresh chunk (nothing cached before it) that runs SDPA on CUDA when the varlen
+    kernel does not: the placeholder constant, 1 when the environment forces SDPA, never when it
+    forces Triton."""
+    forced = forced_attention_backend(PREFILL_BACKEND_ENV_VAR, PREFILL_BACKENDS)
+    if forced in (None, "flash"):
         return SDPA_MIN_PREFILL_LEN
     return 1 if forced == "sdpa" else NEVER
+
+
+def fresh_prefill_through_flash() -> bool:
+    """Whether the environment leaves fresh chunks to the varlen kernel (auto or flash)."""
+    return forced_attention_backend(PREFILL_BACKEND_ENV_VAR, PREFILL_BACKENDS) in (None, "flash")
 
 
 def paged_prefill_attention_per_sequence(
@@ -268,10 +279,17 @@ def paged_prefill_attention_per_sequence(
     kv_lens: list[int],
     threshold: int | None = None,
 ) -> torch.Tensor:
-    """Fresh chunks of at least `threshold` (default `sdpa_min_prefill_len()`) tokens through
-    causal SDPA on their own k/v (new_k/new_v [T, Hkv, D], rounded as the cache stores them), the
-    rest in one Triton launch that skips those. `query_lens`/`kv_lens`: cu_seqlens_q's lengths
-    and context_lens on the host."""
+    """Fresh chunks through the causal varlen kernel when it can take them, else those of at
+    least `threshold` (default `sdpa_min_prefill_len()`) tokens through causal SDPA each, all on
+    their own k/v (new_k/new_v [T, Hkv, D], rounded as the cache stores them); the rest in one
+    Triton launch that skips them. `query_lens`/`kv_lens`: cu_seqlens_q's lengths and
+    context_lens on the host. An explicit `threshold` leaves the varlen kernel out (the
+    per-chunk SDPA path alone, as `scripts/bench_kernels.py` times it)."""
+    if threshold is None and fresh_prefill_through_flash() and flash_varlen_usable(q, "causal"):
+        out = _fresh_chunks_through_flash(q, new_k, new_v, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                          context_lens, scale, query_lens, kv_lens)
+        if out is not None:
+            return out
     threshold = sdpa_min_prefill_len() if threshold is None else threshold
     starts = list(itertools.accumulate([0] + query_lens[:-1]))
     by_sdpa = [n == total and n >= threshold for n, total in zip(query_lens, kv_lens)]  # the kernel's skip rule
@@ -295,6 +313,29 @@ def paged_prefill_attention_per_sequence(
             enable_gqa=True,
         )  # [1, Hq, n, D]
         out[begin:end] = context[0].transpose(0, 1)  # [n, Hq, D]
+    return out
+
+
+def _fresh_chunks_through_flash(
+    q, new_k, new_v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, query_lens, kv_lens
+) -> torch.Tensor | None:
+    """One causal varlen launch over every chunk's own k/v (right for the fresh chunks; the
+    others', which also need their cached context, are then overwritten by one Triton launch
+    that computes only them). None if the varlen kernel failed (the caller falls back)."""
+    if not any(n and n == total for n, total in zip(query_lens, kv_lens)):
+        return None  # nothing fresh: the Triton launch alone
+    keys, values = (_as_cached(x, k_cache.dtype, q.dtype) for x in (new_k, new_v))  # [T, Hkv, D]
+    out = try_flash_varlen_attention(q, keys, values, cu_seqlens_q, scale, max(query_lens), causal=True,
+                                     use="causal")
+    if out is None:
+        return None
+    extended = [n for n, total in zip(query_lens, kv_lens) if n and n != total]
+    if extended:
+        with_context = paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                                      scale, max_query_len=max(extended), skip_fresh_from=1)
+        for begin, n, total in zip(itertools.accumulate([0] + query_lens[:-1]), query_lens, kv_lens):
+            if n and n != total:
+                out[begin:begin + n] = with_context[begin:begin + n]  # [n, Hq, D]
     return out
 
 

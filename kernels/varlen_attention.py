@@ -3,8 +3,8 @@ rows ``cu_seqlens[i]:cu_seqlens[i+1]`` (vision tower: each image attends only to
 itself).
 
 Backends on CUDA. First choice, for 16-bit inputs with a head size FlashAttention
-takes: PyTorch's FlashAttention varlen kernel (`torch.nn.attention.varlen`,
-torch >= 2.9), all segments in one launch with nothing copied. Without it, per
+takes: PyTorch's FlashAttention varlen kernel (`kernels.flash_varlen`), all
+segments in one launch with nothing copied. Without it, per
 segment: `F.scaled_dot_product_attention` (FlashAttention too: far ahead on
 long segments, but one launch per segment) for segments of at least
 `SDPA_MIN_SEGMENT_LEN` rows, and one Triton launch for all the shorter ones (the
@@ -25,9 +25,7 @@ per-segment choice otherwise reads `cu_seqlens` back from the device (a sync).
 
 from __future__ import annotations
 
-import functools
 import itertools
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -42,13 +40,11 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import kernel_backend, use_triton
-
-logger = logging.getLogger(__name__)
+from kernels.flash_varlen import flash_varlen_usable, try_flash_varlen_attention
 
 VARLEN_BACKEND_ENV_VAR = "VLM_CATALOG_VARLEN_ATTENTION"
 VARLEN_BACKENDS = ("flash", "triton", "sdpa")
 SDPA_MIN_SEGMENT_LEN = 1024  # NOT YET MEASURED on a GPU: placeholder, see the module docstring
-FLASH_HEAD_DIMS = range(8, 257, 8)  # what FlashAttention's kernels take
 
 
 # --------------------------------------------------------------------------- reference
@@ -134,40 +130,6 @@ def varlen_attention_triton(
     return out
 
 
-# --------------------------------------------------------------------------- FlashAttention varlen
-@functools.cache
-def flash_varlen_function():
-    """torch's FlashAttention varlen entry point, or None where this torch has none."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
-
-
-_flash_varlen_failures: list[str] = []  # the first failure turns the varlen kernel off for good
-
-
-def flash_varlen_usable(q: torch.Tensor) -> bool:
-    """Whether the varlen kernel can take q (its dtype and head size), if this torch has it."""
-    return (
-        not _flash_varlen_failures
-        and flash_varlen_function() is not None
-        and q.dtype in (torch.float16, torch.bfloat16)
-        and q.shape[-1] in FLASH_HEAD_DIMS
-    )
-
-
-def varlen_attention_flash(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float, max_seqlen: int
-) -> torch.Tensor:
-    """Every segment in one FlashAttention varlen launch (CUDA, 16-bit); `max_seqlen` on the host."""
-    bounds = cu_seqlens.to(torch.int32)
-    # older torch versions take no `scale`: pass it only when it is not the default 1/sqrt(D)
-    options = {} if scale == q.shape[-1] ** -0.5 else {"scale": scale}
-    return flash_varlen_function()(q, k, v, bounds, bounds, max_seqlen, max_seqlen, **options)
-
-
 # --------------------------------------------------------------------------- dispatch
 def varlen_backend(segment_len: int) -> str:
     """ "triton" or "sdpa" for one segment of a CUDA call without the varlen kernel."""
@@ -246,15 +208,12 @@ def varlen_attention_on_device(
 ) -> torch.Tensor:
     """The CUDA choice: the varlen kernel when it can take the call, else segment by segment."""
     forced = forced_attention_backend(VARLEN_BACKEND_ENV_VAR, VARLEN_BACKENDS)
-    if forced in (None, "flash") and flash_varlen_usable(q):
+    if forced in (None, "flash") and flash_varlen_usable(q, "bidirectional"):
         if max_seqlen is None:
             max_seqlen = max(seqlens) if seqlens is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        try:
-            return varlen_attention_flash(q, k, v, cu_seqlens, scale, max_seqlen)
-        except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
-            _flash_varlen_failures.append(f"{type(exc).__name__}: {exc}")
-            logger.warning("FlashAttention varlen failed (%s); vision attention goes segment by segment from now on",
-                           _flash_varlen_failures[0])
+        out = try_flash_varlen_attention(q, k, v, cu_seqlens, scale, max_seqlen, causal=False, use="bidirectional")
+        if out is not None:
+            return out
     if seqlens is None:
         seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     return varlen_attention_per_segment(q, k, v, cu_seqlens, scale, seqlens)

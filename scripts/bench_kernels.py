@@ -341,6 +341,7 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
     import torch
     import torch.nn.functional as F
 
+    from kernels.flash_varlen import flash_varlen_attention, flash_varlen_usable
     from kernels.paged_decode_attention import paged_decode_attention_triton
     from kernels.paged_prefill_attention import (
         paged_prefill_attention_per_sequence,
@@ -348,8 +349,6 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
         paged_prefill_attention_triton,
     )
     from kernels.varlen_attention import (
-        flash_varlen_usable,
-        varlen_attention_flash,
         varlen_attention_reference,
         varlen_attention_triton,
     )
@@ -447,6 +446,19 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 note="sets SDPA_MIN_PREFILL_LEN (crossover by prompt length)",
             )
         )
+        if flash_varlen_usable(q, "causal"):  # what the engine runs first for whole prompts
+            ms = timer(partial(flash_varlen_attention, q, new_k, new_v, cu_seqlens, scale, new_tokens, causal=True))
+            rows.append(
+                Row(
+                    "paged_prefill_attention[fresh, flash varlen]",
+                    f"{num_seqs}x{new_tokens} whole prompts",
+                    ms,
+                    "SDPA per prompt on its own k/v",
+                    timer(sdpa),
+                    teraflops(flops, ms),
+                    target_speedup=1.0,
+                )
+            )
 
     for images, patches in shapes.vision_cases:
         total = images * patches
@@ -472,8 +484,8 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 note="sets SDPA_MIN_SEGMENT_LEN (crossover by segment length)",
             )
         )
-        if device.type == "cuda" and flash_varlen_usable(q):  # what the vision tower runs first
-            ms = timer(partial(varlen_attention_flash, *varlen_args, patches))
+        if flash_varlen_usable(q, "bidirectional"):  # what the vision tower runs first
+            ms = timer(partial(flash_varlen_attention, *varlen_args, patches))
             rows.append(
                 Row(
                     "varlen_attention[flash varlen]",

@@ -14,6 +14,7 @@ not change any other test module.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import zlib
@@ -78,3 +79,20 @@ def poison_allocations(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+
+
+@pytest.fixture
+def fake_flash(monkeypatch):
+    """install(fake) puts `fake` in place of torch's kernel, on CPU tensors too, with no
+    failure remembered and no backend forced by the environment."""
+    module = importlib.import_module("kernels.flash_varlen")
+    monkeypatch.setattr(module, "_failures", {})
+    monkeypatch.setattr(module, "FLASH_DEVICE_TYPES", ("cuda", "cpu"))
+    for env_var in ("VLM_CATALOG_VARLEN_ATTENTION", "VLM_CATALOG_PREFILL_ATTENTION"):
+        monkeypatch.delenv(env_var, raising=False)
+
+    def install(fake):
+        monkeypatch.setattr(module, "flash_varlen_function", lambda: fake)
+        return fake
+
+    return install

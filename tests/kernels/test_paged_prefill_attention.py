@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kernels
+from kernels.flash_varlen import flash_varlen_usable
 from kernels.fp8 import FP8_DTYPE
 from kernels.kv_cache import to_cache_dtype
 from kernels.paged_decode_attention import paged_decode_attention_reference
@@ -21,6 +22,7 @@ from kernels.paged_prefill_attention import (
     paged_prefill_attention_triton,
     sdpa_min_prefill_len,
 )
+from tests.kernels.flash_fakes import FakeFlashVarlen, FakeFlashVarlenIsCausal
 from tests.kernels.helpers import TOLERANCE, assert_close
 from tests.kernels.paged import build_paged_kv, dense_attention_float64
 
@@ -194,8 +196,10 @@ def test_prefill_backend_threshold_follows_the_environment(monkeypatch):
     assert sdpa_min_prefill_len() == 1
     monkeypatch.setenv(PREFILL_BACKEND_ENV_VAR, "triton")
     assert sdpa_min_prefill_len() == NEVER
-    monkeypatch.setenv(PREFILL_BACKEND_ENV_VAR, "flash")
-    with pytest.raises(ValueError, match="VLM_CATALOG_PREFILL_ATTENTION='flash' is not one of auto, triton, sdpa"):
+    monkeypatch.setenv(PREFILL_BACKEND_ENV_VAR, "flash")  # the varlen kernel first; without it, as auto
+    assert sdpa_min_prefill_len() == SDPA_MIN_PREFILL_LEN
+    monkeypatch.setenv(PREFILL_BACKEND_ENV_VAR, "cudnn")
+    with pytest.raises(ValueError, match="VLM_CATALOG_PREFILL_ATTENTION='cudnn' is not one of auto, flash, triton, sdpa"):
         sdpa_min_prefill_len()
 
 
@@ -227,8 +231,81 @@ def test_fresh_prompts_through_sdpa_the_rest_through_one_launch(
     assert not torch.isnan(skipped[8:11]).any() and not torch.isnan(skipped[18:]).any()
 
 
+# fresh prompts (0, 3, 5; 5 shorter than any threshold), chunks after a prefix (1, 4), none (2)
+FLASH_QUERY_LENS, FLASH_CONTEXT_LENS = [8, 3, 0, 7, 10, 2], [8, 20, 5, 7, 30, 2]
+
+
+def flash_case(dtype, device, cache: str = "same", query_lens=FLASH_QUERY_LENS, context_lens=FLASH_CONTEXT_LENS):
+    """Arguments of paged_prefill_attention_per_sequence: 8 query heads over 2 KV heads,
+    `query_lens` chunks with `context_lens` cached after them."""
+    paged = build_paged_kv(context_lens, 4, 2, 16, dtype, device)
+    if cache == "fp8":
+        paged.k_cache, paged.v_cache = to_cache_dtype(paged.k_cache, FP8_DTYPE), to_cache_dtype(paged.v_cache, FP8_DTYPE)
+    q, cu_seqlens = packed_queries(query_lens, 8, 16, dtype, device)
+    new_k, new_v = chunk_kv(paged, query_lens, context_lens)
+    return {"q": q, "new_k": new_k, "new_v": new_v, "k_cache": paged.k_cache, "v_cache": paged.v_cache,
+            "block_tables": paged.block_tables, "cu_seqlens_q": cu_seqlens, "context_lens": paged.context_lens,
+            "scale": 16**-0.5, "query_lens": query_lens, "kv_lens": context_lens}
+
+
+def reference(case):
+    keys = ("q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "context_lens", "scale")
+    return paged_prefill_attention_reference(*(case[key] for key in keys))
+
+
+@pytest.mark.parametrize("cache", ["same", "fp8"])
+@pytest.mark.parametrize("fake", [FakeFlashVarlen, FakeFlashVarlenIsCausal])
+def test_fresh_prompts_in_one_causal_varlen_call_the_rest_through_one_launch(
+    triton_device, poison_allocations, fake_flash, fake, cache
+):
+    """Every chunk goes into one causal varlen call on its own k/v (rounded as the cache holds
+    them), with grouped-query heads in the keywords of either torch version; the chunks after a
+    prefix are then overwritten by the Triton launch. Together: the reference over the cache at
+    TOLERANCE[bfloat16]; poisoned allocations show a row nobody wrote."""
+    kernel = fake_flash(fake())
+    case = flash_case(torch.bfloat16, triton_device, cache)
+    assert_close(paged_prefill_attention_per_sequence(**case), reference(case), rel=TOLERANCE[torch.bfloat16])
+    (call,) = kernel.calls
+    assert call["cu_seq_q"].dtype == torch.int32 and call["cu_seq_q"].tolist() == [0, 8, 11, 11, 18, 28, 30]
+    assert call["max_q"] == 10
+    if fake is FakeFlashVarlen:
+        assert call["window_size"] == (-1, 0) and call["enable_gqa"] and call["scale"] is None
+    else:
+        assert call["is_causal"]
+
+
+def test_the_varlen_kernel_is_only_asked_for_fresh_prompts_in_16_bits(triton_device, fake_flash, monkeypatch):
+    kernel = fake_flash(FakeFlashVarlen())
+    paged_prefill_attention_per_sequence(**flash_case(torch.float32, triton_device))  # not FlashAttention's dtype
+    case = flash_case(torch.bfloat16, triton_device)
+    paged_prefill_attention_per_sequence(**case, threshold=6)  # an explicit threshold: the per-chunk SDPA path
+    for backend in ("sdpa", "triton"):
+        monkeypatch.setenv(PREFILL_BACKEND_ENV_VAR, backend)
+        paged_prefill_attention_per_sequence(**case)
+    monkeypatch.delenv(PREFILL_BACKEND_ENV_VAR)
+    no_fresh_chunk = flash_case(torch.bfloat16, triton_device, query_lens=[3, 10], context_lens=[20, 30])
+    assert_close(paged_prefill_attention_per_sequence(**no_fresh_chunk), reference(no_fresh_chunk),
+                 rel=TOLERANCE[torch.bfloat16])
+    assert kernel.calls == []
+    monkeypatch.setenv(PREFILL_BACKEND_ENV_VAR, "flash")
+    paged_prefill_attention_per_sequence(**case)
+    assert len(kernel.calls) == 1
+
+
+def test_a_causal_varlen_kernel_that_fails_hands_over_for_good(triton_device, fake_flash, monkeypatch, caplog):
+    # tolerance: TOLERANCE[bfloat16], the fallback's own
+    kernel = fake_flash(FakeFlashVarlen(RuntimeError("window_size is not supported")))
+    monkeypatch.setattr(prefill_module, "SDPA_MIN_PREFILL_LEN", 6)
+    case = flash_case(torch.bfloat16, triton_device)
+    for _ in range(2):
+        assert_close(paged_prefill_attention_per_sequence(**case), reference(case), rel=TOLERANCE[torch.bfloat16])
+    assert len(kernel.calls) == 1  # not tried again
+    assert "FlashAttention varlen failed for causal attention (RuntimeError: window_size" in caplog.text
+    assert flash_varlen_usable(case["q"], "bidirectional")  # the vision tower's use is not affected
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "sdpa", "auto"])
+@pytest.mark.parametrize("backend", ["triton", "sdpa", "flash", "auto"])
 def test_gpu_paged_prefill_model_shapes(cuda_device, monkeypatch, backend):
     # tolerance: 1e-2 (bfloat16); a 2k-token chunk after a 6k prefix, two fresh prompts (one past
     # the SDPA threshold) and a one-token chunk, with the engine's per-sequence backend choice

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kernels
+from kernels.flash_varlen import flash_varlen_attention, flash_varlen_function, flash_varlen_usable
 from kernels.varlen_attention import (
     SDPA_MIN_SEGMENT_LEN,
     VARLEN_BACKEND_ENV_VAR,
@@ -19,6 +20,7 @@ from kernels.varlen_attention import (
     varlen_attention_triton,
     varlen_backend,
 )
+from tests.kernels.flash_fakes import FakeFlashVarlen
 from tests.kernels.helpers import TOLERANCE, assert_close
 from tests.kernels.paged import dense_attention_float64
 
@@ -85,40 +87,14 @@ def test_backend_choice(monkeypatch):
         varlen_backend(1)
 
 
-class FakeFlashVarlen:
-    """Stands in for torch's FlashAttention varlen kernel on CPU: records its calls, answers
-    with the reference (or raises `error`)."""
-
-    def __init__(self, error: Exception | None = None):
-        self.calls, self.error = [], error
-
-    def __call__(self, q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, **options):
-        self.calls.append({"cu_seq_q": cu_seq_q, "cu_seq_k": cu_seq_k, "max_q": max_q, "max_k": max_k, **options})
-        if self.error is not None:
-            raise self.error
-        return varlen_attention_reference(q, k, v, cu_seq_q, options.get("scale", q.shape[-1] ** -0.5))
-
-
-@pytest.fixture
-def fake_flash(monkeypatch):
-    module = sys.modules["kernels.varlen_attention"]
-    monkeypatch.delenv(VARLEN_BACKEND_ENV_VAR, raising=False)
-    monkeypatch.setattr(module, "_flash_varlen_failures", [])
-
-    def install(fake):
-        monkeypatch.setattr(module, "flash_varlen_function", lambda: fake)
-        return fake
-
-    return install
-
-
 def test_the_varlen_kernel_takes_every_segment_in_one_call(fake_flash):
     fake = fake_flash(FakeFlashVarlen())
     q, k, v, cu_seqlens = packed([5, 40, 0, 33], 2, 16, torch.bfloat16, "cpu")
     out = varlen_attention_on_device(q, k, v, cu_seqlens.long(), 16**-0.5, seqlens=[5, 40, 0, 33])
     assert torch.equal(out, varlen_attention_reference(q, k, v, cu_seqlens, 16**-0.5))
     (call,) = fake.calls
-    assert call["max_q"] == call["max_k"] == 40 and "scale" not in call  # the default scale is not passed
+    assert call["max_q"] == call["max_k"] == 40 and call["scale"] is None  # the default scale is not passed
+    assert call["window_size"] == (-1, -1) and not call["enable_gqa"]  # bidirectional, as many KV heads as q
     assert call["cu_seq_q"].dtype == torch.int32 and call["cu_seq_q"].tolist() == [0, 5, 45, 45, 78]
     varlen_attention_on_device(q, k, v, cu_seqlens, 0.3, max_seqlen=40)
     assert fake.calls[1]["scale"] == 0.3
@@ -144,7 +120,8 @@ def test_a_varlen_kernel_that_fails_hands_over_to_the_segments_for_good(fake_fla
         out = varlen_attention_on_device(q, k, v, cu_seqlens, 0.25, seqlens=[5, 9])
         assert_close(out, varlen_attention_reference(q, k, v, cu_seqlens, 0.25), rel=1e-2)
     assert len(fake.calls) == 1  # not tried again
-    assert "FlashAttention varlen failed (RuntimeError: FlashAttention only supports" in caplog.text
+    assert "FlashAttention varlen failed for bidirectional attention (RuntimeError: FlashAttention only supports" \
+        in caplog.text
 
 
 @pytest.mark.parametrize("segment_lens", [[5, 40, 3, 0, 33, 7], [40, 33], [5, 3, 7]])
@@ -193,9 +170,8 @@ def test_gpu_varlen_attention_vision_shapes(cuda_device, monkeypatch, backend):
 @pytest.mark.gpu
 def test_gpu_takes_the_flash_varlen_kernel(cuda_device):
     # tolerance: 1e-2 (bfloat16); fails loudly where this torch has no varlen kernel, so the GPU record says so
-    module = sys.modules["kernels.varlen_attention"]
-    assert module.flash_varlen_function() is not None, f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    assert flash_varlen_function() is not None, f"torch {torch.__version__} has no torch.nn.attention.varlen"
     q, k, v, cu_seqlens = packed([256] * 8 + [1024], 16, 72, torch.bfloat16, cuda_device)
-    out = module.varlen_attention_flash(q, k, v, cu_seqlens, 72**-0.5, 1024)
+    out = flash_varlen_attention(q, k, v, cu_seqlens, 72**-0.5, 1024)
     assert_close(out, varlen_attention_reference(q, k, v, cu_seqlens, 72**-0.5), rel=1e-2)
-    assert module.flash_varlen_usable(q)
+    assert flash_varlen_usable(q, "bidirectional")
