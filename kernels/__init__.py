@@ -20,7 +20,7 @@ from kernels.paged_decode_attention import (
     paged_decode_attention_with_kv_write,
 )
 from kernels.paged_prefill_attention import paged_prefill_attention
-from kernels.rms_norm import fused_add_rms_norm, rms_norm
+from kernels.rms_norm import fused_add_rms_norm, fused_sum_add_rms_norm, rms_norm
 from kernels.rotary import mrope_cos_sin, qk_norm_mrope
 from kernels.varlen_attention import varlen_attention
 from kernels.vision_rotary import vision_rotary
@@ -29,6 +29,7 @@ __all__ = [
     "fp8_linear",
     "fused_add_rms_norm",
     "fused_moe",
+    "fused_sum_add_rms_norm",
     "moe_align_block_size",
     "mrope_cos_sin",
     "paged_decode_attention",

@@ -1,4 +1,6 @@
-"""RMSNorm, alone and fused with the residual add.
+"""RMSNorm, alone, fused with the residual add, and fused with the sum of the fused MoE's
+expert terms before that add (`fused_sum_add_rms_norm`: one launch where a sum and the
+add-and-norm took two).
 
 Arithmetic order follows transformers' `Qwen3VLMoeTextRMSNorm` exactly::
 
@@ -39,6 +41,14 @@ def fused_add_rms_norm_reference(
     return rms_norm_reference(new_residual, weight, eps), new_residual
 
 
+def fused_sum_add_rms_norm_reference(
+    terms: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_add_rms_norm_reference` of the sum of terms [T, K, H] over K, which accumulates
+    in float32 and rounds once to terms.dtype (torch's sum of 16-bit values does)."""
+    return fused_add_rms_norm_reference(terms.sum(1), residual, weight, eps)
+
+
 # --------------------------------------------------------------------------- triton
 def _check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dim() < 1:
@@ -51,22 +61,29 @@ def _check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, num_terms: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [..., H], or [T, num_terms, H] when num_terms > 1 (summed over the terms first)."""
     import triton
 
     from kernels.jit.rms_norm import rms_norm_kernel
 
     hidden_size = x.shape[-1]
-    rows = x.reshape(-1, hidden_size)  # [T, H]
+    if num_terms > 1:
+        rows, out_shape = x, (x.shape[0], hidden_size)  # [T, K, H] -> [T, H]
+        term_stride = x.stride(1)
+    else:
+        rows, out_shape = x.reshape(-1, hidden_size), x.shape  # [T, H]
+        term_stride = 0
     check_unit_stride_last_dim("x", rows)
-    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out = torch.empty((rows.shape[0], hidden_size), dtype=torch.promote_types(weight.dtype, x.dtype),
+                      device=x.device)
     if residual is not None:
         residual_rows = residual.reshape(-1, hidden_size)  # [T, H]
         check_unit_stride_last_dim("residual", residual_rows)
-        new_residual = torch.empty_like(rows)
+        new_residual = torch.empty((rows.shape[0], hidden_size), dtype=x.dtype, device=x.device)
     else:  # the kernel never touches these when ADD_RESIDUAL is False
-        residual_rows = new_residual = rows
+        residual_rows = new_residual = out
     if rows.shape[0] > 0:
         block_size = triton.next_power_of_2(hidden_size)
         rms_norm_kernel[(rows.shape[0],)](
@@ -81,18 +98,20 @@ def _launch(
             eps,
             # strides
             rows.stride(0),
+            term_stride,
             residual_rows.stride(0),
             out.stride(0),
             new_residual.stride(0),
             # meta-parameters
             BLOCK_SIZE=block_size,
             ADD_RESIDUAL=residual is not None,
+            NUM_TERMS=num_terms,
             num_warps=min(max(block_size // 256, 1), 16),
         )
-    out = out.view(x.shape)  # [..., H]
+    out = out.view(out_shape)  # [..., H]
     if residual is None:
         return out, None
-    return out, new_residual.view(x.shape)  # [..., H]
+    return out, new_residual.view(out_shape)  # [..., H]
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,6 +132,23 @@ def fused_add_rms_norm_triton(
     return out, new_residual
 
 
+def fused_sum_add_rms_norm_triton(
+    terms: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_rms_norm_args(terms, weight)
+    check_shape("terms", terms, (None, None, weight.shape[0]))
+    check_shape("residual", residual, (terms.shape[0], terms.shape[2]))
+    check_dtype("residual", residual, FLOAT_DTYPES)
+    check_same_device(terms=terms, residual=residual)
+    if terms.shape[1] == 0:
+        raise ValueError("terms: expected at least one term, got shape [T, 0, H]")
+    if terms.shape[1] == 1:  # [T, 1, H] -> [T, H]: the add-and-norm alone
+        return fused_add_rms_norm_triton(terms[:, 0], residual, weight, eps)
+    out, new_residual = _launch(terms, residual, weight, eps, num_terms=terms.shape[1])
+    assert new_residual is not None
+    return out, new_residual
+
+
 # --------------------------------------------------------------------------- dispatch
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, H] (any leading dims), weight [H] -> [T, H]."""
@@ -128,3 +164,12 @@ def fused_add_rms_norm(
     if use_triton(x, residual, weight):
         return fused_add_rms_norm_triton(x, residual, weight, eps)
     return fused_add_rms_norm_reference(x, residual, weight, eps)
+
+
+def fused_sum_add_rms_norm(
+    terms: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(terms [T, K, H], residual [T, H]) -> (normed [T, H], new_residual = sum_k terms + residual [T, H])."""
+    if use_triton(terms, residual, weight):
+        return fused_sum_add_rms_norm_triton(terms, residual, weight, eps)
+    return fused_sum_add_rms_norm_reference(terms, residual, weight, eps)

@@ -221,6 +221,7 @@ def bench_elementwise(shapes: Shapes, dtype, device, timer) -> list[Row]:
     from kernels.rms_norm import (
         fused_add_rms_norm_reference,
         fused_add_rms_norm_triton,
+        fused_sum_add_rms_norm_triton,
         rms_norm_reference,
         rms_norm_triton,
     )
@@ -254,6 +255,21 @@ def bench_elementwise(shapes: Shapes, dtype, device, timer) -> list[Row]:
             gigabytes_per_second(4 * x.numel() * element, ms),
         )
     )
+    for num_tokens in (1, tokens):  # a MoE layer's 8 expert terms: decode at batch 1, and prefill
+        terms = torch.randn(num_tokens, 8, hidden, dtype=dtype, device=device)
+        part = residual[:num_tokens]
+        ms = timer(partial(fused_sum_add_rms_norm_triton, terms, part, weight, 1e-6))
+        rows.append(
+            Row(
+                "fused_sum_add_rms_norm",
+                f"T={num_tokens} K=8 H={hidden}",
+                ms,
+                "torch sum, then fused_add_rms_norm (Triton)",
+                timer(lambda terms=terms, part=part: fused_add_rms_norm_triton(terms.sum(1), part, weight, 1e-6)),
+                gigabytes_per_second((8 + 3) * num_tokens * hidden * element, ms),
+                target_speedup=1.0,
+            )
+        )
 
     q = torch.randn(tokens, shapes.num_q_heads, shapes.head_dim, dtype=dtype, device=device)
     k = torch.randn(tokens, shapes.num_kv_heads, shapes.head_dim, dtype=dtype, device=device)

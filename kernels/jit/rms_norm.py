@@ -1,4 +1,5 @@
-"""RMSNorm kernel (optionally fused with the residual add); one program per row."""
+"""RMSNorm kernel (optionally fused with the residual add, and with the sum of several terms
+before it: the fused MoE's weighted expert outputs); one program per row."""
 
 import triton
 import triton.language as tl
@@ -7,7 +8,7 @@ import triton.language as tl
 @triton.jit
 def rms_norm_kernel(
     # pointers
-    x_ptr,  # [T, H]
+    x_ptr,  # [T, H], or [T, NUM_TERMS, H] terms summed first
     residual_ptr,  # [T, H], read only when ADD_RESIDUAL
     weight_ptr,  # [H]
     out_ptr,  # [T, H]
@@ -17,18 +18,25 @@ def rms_norm_kernel(
     eps,
     # strides
     stride_x_row,
+    stride_x_term,
     stride_residual_row,
     stride_out_row,
     stride_new_residual_row,
     # meta-parameters
     BLOCK_SIZE: tl.constexpr,  # next power of two >= hidden_size
     ADD_RESIDUAL: tl.constexpr,
+    NUM_TERMS: tl.constexpr,  # 1: x is the row itself
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_SIZE)
     mask = cols < hidden_size
 
     x = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if NUM_TERMS > 1:
+        for term in tl.static_range(1, NUM_TERMS):
+            x += tl.load(x_ptr + row * stride_x_row + term * stride_x_term + cols, mask=mask, other=0.0).to(tl.float32)
+        # summed in float32 and rounded once, as torch's sum over the terms is
+        x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
     if ADD_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual_row + cols, mask=mask, other=0.0)
         # the new residual is rounded to the input dtype, as torch's `x + residual` is

@@ -8,7 +8,10 @@
 Triton path: `moe_align_block_size` groups the pairs by expert in blocks of
 BLOCK_SIZE_M; GEMM 1 computes gate and up for a block of pairs with SiLU-and-mul
 in its epilogue ([T*K, I] intermediate); GEMM 2 computes down with the routing
-weight applied ([T*K, H]); a sum over k gives [T, H].
+weight applied ([T*K, H]); a sum over k gives [T, H]. With `sum_experts=False`
+the K terms come back unsummed ([T, K, H]) for the next RMSNorm launch to sum
+(`kernels.fused_sum_add_rms_norm`), which saves the sum's launch and a pass
+over [T, H].
 
 The reference is transformers' `Qwen3VLMoeTextExperts.forward` loop over the
 experts hit (routing weights multiplied in the hidden dtype: transformers casts
@@ -176,14 +179,17 @@ def fused_moe_triton(
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
     fp8_activations: bool = False,
+    sum_experts: bool = True,
 ) -> torch.Tensor:
     _check_fused_moe_args(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
     _check_fp8_activations(block_shape, fp8_activations)
     if block_shape is not None:
         check_same_device(hidden=hidden, w13_scale=w13_scale, w2_scale=w2_scale)
     scales = None if block_shape is None else (w13_scale, w2_scale, tuple(block_shape))
-    out = torch.empty_like(hidden)
     num_tokens = hidden.shape[0]
+    if not sum_experts and num_tokens <= MAX_TOKENS_PER_CHUNK:  # one chunk: its terms are the answer
+        return _fused_moe_chunk(hidden, w13, w2, topk_weights, topk_ids, config, None, scales, fp8_activations)
+    out = torch.empty_like(hidden)
     for start in range(0, num_tokens, MAX_TOKENS_PER_CHUNK):
         end = min(start + MAX_TOKENS_PER_CHUNK, num_tokens)
         _fused_moe_chunk(
@@ -207,10 +213,11 @@ def _fused_moe_chunk(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: MoeKernelConfig | Mapping[str, int] | None,
-    out: torch.Tensor,
+    out: torch.Tensor | None,
     scales: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None,
     fp8_activations: bool = False,
-) -> None:
+) -> torch.Tensor | None:
+    """The chunk's output summed into `out` [T, H]; with `out` None, its unsummed terms [T, K, H]."""
     import triton
 
     from kernels.jit.fused_moe import moe_down_kernel, moe_gate_up_silu_kernel
@@ -314,8 +321,12 @@ def _fused_moe_chunk(
         pair_out.stride(0),
         **meta,
     )
+    terms = pair_out.view(num_tokens, top_k, hidden_size)  # [T*K, H] -> [T, K, H]
+    if out is None:
+        return terms
     # [T, K, H] -> [T, H]; torch accumulates 16-bit sums in float32 and rounds once, as the reference does
-    torch.sum(pair_out.view(num_tokens, top_k, hidden_size), dim=1, out=out)
+    torch.sum(terms, dim=1, out=out)
+    return None
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -331,13 +342,16 @@ def fused_moe(
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
     fp8_activations: bool = False,
+    sum_experts: bool = True,
 ) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I],
     topk_weights / topk_ids [T, K] -> [T, H]. `config`: GEMM block sizes
     (default: `kernels.moe.configs.get_moe_config`). FP8 experts: w13/w2 in
     float8 e4m3 with `w13_scale` [E, 2I/bn, H/bk] and `w2_scale` [E, H/bn, I/bk]
-    (float32), `block_shape` = (bn, bk); `fp8_activations`: the GEMM inputs in FP8 too."""
+    (float32), `block_shape` = (bn, bk); `fp8_activations`: the GEMM inputs in FP8 too.
+    `sum_experts=False`: the Triton path may return the K weighted expert outputs
+    [T, K, H] unsummed (up to MAX_TOKENS_PER_CHUNK tokens); the caller takes either shape."""
     scales = dict(w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape, fp8_activations=fp8_activations)
     if use_triton(hidden, w13, w2, topk_weights, topk_ids):
-        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, config, **scales)
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, config, **scales, sum_experts=sum_experts)
     return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids, config, **scales)

@@ -98,14 +98,21 @@ def kernel_specs(include_float32: bool):
             "rms_norm",
             rms_norm_kernel,
             "bf16",
-            {"BLOCK_SIZE": 2048, "ADD_RESIDUAL": False},
+            {"BLOCK_SIZE": 2048, "ADD_RESIDUAL": False, "NUM_TERMS": 1},
             {"num_warps": 8},
         ),
         (
             "fused_add_rms_norm",
             rms_norm_kernel,
             "bf16",
-            {"BLOCK_SIZE": 2048, "ADD_RESIDUAL": True},
+            {"BLOCK_SIZE": 2048, "ADD_RESIDUAL": True, "NUM_TERMS": 1},
+            {"num_warps": 8},
+        ),
+        (
+            "fused_sum_add_rms_norm[K=8]",  # the fused MoE's 8 expert terms summed in the next norm
+            rms_norm_kernel,
+            "bf16",
+            {"BLOCK_SIZE": 2048, "ADD_RESIDUAL": True, "NUM_TERMS": 8},
             {"num_warps": 8},
         ),
         (

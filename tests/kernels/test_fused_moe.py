@@ -3,6 +3,8 @@ Triton vs reference over shapes, dtypes and block configs."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,8 @@ from kernels.moe.configs import MoeKernelConfig
 from kernels.moe.fused_moe import fused_moe_reference, fused_moe_triton
 from kernels.moe.routing import route_topk_reference
 from tests.kernels.helpers import TOLERANCE, assert_close
+
+fused_moe_module = importlib.import_module("kernels.moe.fused_moe")  # `kernels.moe` exports a same-named function
 
 
 def moe_inputs(num_tokens, hidden, intermediate, num_experts, top_k, dtype, device):
@@ -102,6 +106,28 @@ def test_triton_adds_expert_outputs_like_the_reference(triton_device):
     expected = torch.full((5, 16), 1.03125, dtype=torch.bfloat16)
     assert torch.equal(fused_moe_triton(*inputs).cpu(), expected)
     assert torch.equal(fused_moe_reference(*inputs).cpu(), expected)
+
+
+def test_triton_terms_unsummed_sum_to_the_summed_output(triton_device, poison_allocations, monkeypatch):
+    """`sum_experts=False` gives the K weighted expert outputs [T, K, H]: their float32 sum,
+    rounded once, is exactly the summed call's output; past one chunk of tokens the output
+    comes summed; the reference path always sums."""
+    inputs = moe_inputs(9, 32, 16, 6, 3, torch.bfloat16, triton_device)
+    terms = fused_moe_triton(*inputs, sum_experts=False)
+    assert terms.shape == (9, 3, 32)
+    assert torch.equal(terms.sum(1), fused_moe_triton(*inputs))
+    monkeypatch.setattr(fused_moe_module, "MAX_TOKENS_PER_CHUNK", 4)
+    chunked = fused_moe_triton(*inputs, sum_experts=False)
+    assert chunked.shape == (9, 32) and torch.equal(chunked, terms.sum(1))
+    assert fused_moe_reference(*inputs).shape == (9, 32)
+
+
+def test_unsummed_terms_through_the_norm_round_once(triton_device):
+    """The exact case above, summed by `fused_sum_add_rms_norm` instead: 1.03125 everywhere."""
+    terms = fused_moe_triton(*exact_expert_outputs(5, triton_device), sum_experts=False)
+    zeros = torch.zeros(5, 16, dtype=torch.bfloat16, device=triton_device)
+    _, new_residual = kernels.fused_sum_add_rms_norm(terms, zeros, torch.ones(16, device=triton_device), 1e-6)
+    assert torch.equal(new_residual.cpu(), torch.full((5, 16), 1.03125, dtype=torch.bfloat16))
 
 
 def test_reference_against_float64():

@@ -9,6 +9,8 @@ import kernels
 from kernels.rms_norm import (
     fused_add_rms_norm_reference,
     fused_add_rms_norm_triton,
+    fused_sum_add_rms_norm_reference,
+    fused_sum_add_rms_norm_triton,
     rms_norm_reference,
     rms_norm_triton,
 )
@@ -88,6 +90,51 @@ def test_triton_fused_add_rms_norm(triton_device, poison_allocations, dtype, num
     assert_close(normed, expected_normed, rel=TOLERANCE[dtype], what="normed")
 
 
+@pytest.mark.parametrize("function", [fused_sum_add_rms_norm_reference, fused_sum_add_rms_norm_triton])
+def test_fused_sum_rounds_once_after_the_terms_then_after_the_residual(triton_device, function):
+    # bfloat16, exactly: 1 + 7 * 2**-8 rounds to 1.03125 summed in float32 (1.0 rounded after
+    # every add); 1 + 2**-8 rounds to 1.0 (a tie, to even) before 2**-8 of residual is added, which
+    # rounds to 1.0 again (1.0078125 if the sum were not rounded first, as torch's sum is)
+    bf16 = torch.bfloat16
+    cases = [([1.0] + [2.0**-8] * 7, 0.0, 1.03125), ([1.0, 2.0**-8], 2.0**-8, 1.0)]
+    for values, residual_value, expected in cases:
+        terms = torch.tensor(values, dtype=bf16).view(1, -1, 1).expand(2, -1, 4).contiguous().to(triton_device)
+        residual = torch.full((2, 4), residual_value, dtype=bf16, device=triton_device)
+        _, new_residual = function(terms, residual, torch.ones(4, device=triton_device), EPS)
+        assert torch.equal(new_residual.cpu(), torch.full((2, 4), expected, dtype=bf16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens,num_terms,hidden", [(1, 8, 8), (5, 3, 72), (4, 1, 40), (3, 8, 2048)])
+def test_triton_fused_sum_add_rms_norm(triton_device, poison_allocations, dtype, num_tokens, num_terms, hidden):
+    # tolerance: the new residual within one rounding of the reference's (the float32 sums may
+    # differ in order), i.e. 2**-7 relative in bfloat16; the norm at TOLERANCE[dtype]
+    terms = torch.randn(num_tokens, num_terms, hidden).to(dtype).to(triton_device)
+    residual = torch.randn(num_tokens, hidden).to(dtype).to(triton_device)
+    weight = torch.randn(hidden).to(dtype).to(triton_device)
+    normed, new_residual = kernels.fused_sum_add_rms_norm(terms, residual, weight, EPS)
+    expected_normed, expected_residual = fused_sum_add_rms_norm_reference(terms, residual, weight, EPS)
+    assert normed.shape == new_residual.shape == (num_tokens, hidden) and new_residual.dtype == dtype
+    unit = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
+    torch.testing.assert_close(new_residual, expected_residual, rtol=unit, atol=unit)
+    assert_close(normed, expected_normed, rel=TOLERANCE[dtype], what="normed")
+
+
+def test_triton_fused_sum_takes_strided_terms_and_rejects_bad_ones(triton_device):
+    # the fused MoE's terms are a view of its [T*K, H] buffer; a column slice keeps unit stride
+    terms = torch.randn(3, 4, 64, device=triton_device)[:, :, :40]
+    residual, weight = torch.randn(3, 40, device=triton_device), torch.randn(40, device=triton_device)
+    for actual, expected in zip(fused_sum_add_rms_norm_triton(terms, residual, weight, EPS),
+                                fused_sum_add_rms_norm_reference(terms, residual, weight, EPS)):
+        assert_close(actual, expected, rel=1e-4)
+    with pytest.raises(ValueError, match="at least one term"):
+        fused_sum_add_rms_norm_triton(terms[:, :0], residual, weight, EPS)
+    with pytest.raises(ValueError, match="residual"):
+        fused_sum_add_rms_norm_triton(terms, residual[:2], weight, EPS)
+    with pytest.raises(ValueError, match="terms"):
+        fused_sum_add_rms_norm_triton(terms[0], residual, weight, EPS)
+
+
 def test_triton_mixed_dtypes_follow_torch_promotion(triton_device):
     # bf16 activations with a float32 weight give float32, as torch's `weight * h.to(x.dtype)`
     x = torch.randn(3, 24, dtype=torch.bfloat16, device=triton_device)
@@ -131,5 +178,10 @@ def test_gpu_rms_norm_model_shapes(cuda_device, dtype):
     )
     normed, new_residual = kernels.fused_add_rms_norm(x, residual, weight, EPS)
     expected_normed, expected_residual = fused_add_rms_norm_reference(x, residual, weight, EPS)
+    assert_close(normed, expected_normed, rel=TOLERANCE[dtype])
+    assert_close(new_residual, expected_residual, rel=TOLERANCE[dtype])
+    terms = torch.randn(4096, 8, 2048, device=cuda_device).to(dtype)  # the 30B-A3B's 8 experts a token
+    normed, new_residual = kernels.fused_sum_add_rms_norm(terms, residual, weight, EPS)
+    expected_normed, expected_residual = fused_sum_add_rms_norm_reference(terms, residual, weight, EPS)
     assert_close(normed, expected_normed, rel=TOLERANCE[dtype])
     assert_close(new_residual, expected_residual, rel=TOLERANCE[dtype])

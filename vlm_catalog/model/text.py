@@ -54,7 +54,10 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual) in one pass."""
+        """(norm(x + residual), x + residual) in one pass; x [T, H], or [T, K, H] terms (a MoE
+        layer's unsummed expert outputs) that the same pass sums first."""
+        if x.dim() == 3:
+            return kernels.fused_sum_add_rms_norm(x, residual, self.weight, self.eps)
         return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
@@ -207,7 +210,9 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = MoEExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, sum_experts: bool = True) -> torch.Tensor:
+        """[T, H] -> [T, H]; `sum_experts=False`: on the Triton path, possibly the K weighted
+        expert outputs [T, K, H] unsummed (`RMSNorm.add_and_norm` sums them)."""
         router_logits = self.gate(hidden)  # [T, E]
         # the weights in the hidden dtype, as transformers casts them for the experts
         weights, expert_ids = kernels.route_topk(
@@ -224,6 +229,7 @@ class SparseMoE(nn.Module):
             w2_scale=experts.down_proj_scale,
             block_shape=experts.fp8_block,
             fp8_activations=experts.fp8_activations,
+            sum_experts=sum_experts,
         )
 
 
@@ -247,6 +253,13 @@ class DecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def mlp_terms(self, normed: torch.Tensor) -> torch.Tensor:
+        """The MLP's output [T, H], or a MoE layer's unsummed expert terms [T, K, H] for the
+        next `add_and_norm` to sum in its own launch."""
+        if isinstance(self.mlp, SparseMoE):
+            return self.mlp(normed, sum_experts=False)
+        return self.mlp(normed)
 
 
 class TextDecoder(nn.Module):
@@ -309,9 +322,11 @@ class TextDecoder(nn.Module):
         for index, layer in enumerate(self.layers):
             attention_out = layer.self_attn(normed, positions, self.inv_freq, attention)
             normed, residual = layer.post_attention_layernorm.add_and_norm(attention_out, residual)
-            mlp_out = layer.mlp(normed)
+            mlp_out = layer.mlp_terms(normed)  # [T, H] or [T, K, H]
             next_norm = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
             if index < len(deepstack) and deepstack[index].shape[0]:
+                if mlp_out.dim() == 3:
+                    mlp_out = mlp_out.sum(1)  # [T, K, H] -> [T, H]
                 residual = (residual + mlp_out).index_add_(0, multimodal.rows, deepstack[index].to(residual.dtype))
                 normed = next_norm(residual)
             else:

@@ -1,0 +1,57 @@
+"""The text decoder on the Triton kernels (q/k-norm MRoPE, RMSNorm, routing, fused MoE with its
+expert terms summed inside the next norm) gives the reference path's output, deepstack included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.helpers import FLOAT32_TOLERANCE, TOLERANCE, assert_close
+from vlm_catalog.model.attention import ContiguousKVCache
+from vlm_catalog.model.config import TextConfig
+from vlm_catalog.model.text import MultimodalEmbeddings, TextDecoder
+
+
+def tiny_decoder(dtype: torch.dtype, device) -> TextDecoder:
+    config = TextConfig(
+        vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=48, moe_intermediate_size=16, num_experts=6, num_experts_per_tok=3,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(1,), rms_norm_eps=1e-6,
+        rope_theta=10000.0, mrope_section=(2, 3, 3), attention_bias=False, hidden_act="silu",
+    )
+    decoder = TextDecoder(config)
+    with torch.no_grad():
+        for parameter in decoder.parameters():
+            parameter.normal_(0, 0.3)
+    decoder = decoder.to(dtype).to(device)
+    decoder.reset_rotary_buffers()  # float32 rotary tables, as the loader leaves them
+    return decoder
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoder_on_triton_matches_the_reference_path(triton_device, monkeypatch, dtype):
+    # tolerance: FLOAT32_TOLERANCE in float32; in bfloat16 TOLERANCE (1e-2) of max |expected|:
+    # the two paths round a few intermediates differently (1 unit each) over 3 layers
+    decoder = tiny_decoder(dtype, triton_device)
+    lengths = [7, 5]
+    input_ids = torch.randint(0, 64, (sum(lengths),), device=triton_device)
+    positions = torch.arange(sum(lengths), device=triton_device).expand(3, -1).contiguous()  # [3, T]
+    rows = torch.tensor([2, 3, 9], device=triton_device)  # image tokens in both sequences
+    multimodal = MultimodalEmbeddings(
+        rows=rows,
+        embeddings=torch.randn(3, 32, device=triton_device).to(dtype),
+        deepstack=[torch.randn(3, 32, device=triton_device).to(dtype)],  # after layer 0, a MoE layer
+    )
+
+    def forward() -> torch.Tensor:
+        attention = ContiguousKVCache(3)
+        attention.plan(["a", "b"], lengths)
+        with torch.inference_mode():
+            return decoder(input_ids, positions, attention, multimodal)
+
+    on_triton = forward()
+    monkeypatch.setenv("VLM_CATALOG_KERNELS", "reference")
+    on_reference = forward()
+    assert on_triton.shape == (12, 32)
+    tolerance = FLOAT32_TOLERANCE if dtype == torch.float32 else TOLERANCE[dtype]
+    assert_close(on_triton, on_reference, rel=tolerance)
