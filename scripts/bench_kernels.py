@@ -591,7 +591,33 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 gigabytes_per_second(ids.numel() * 4, ms),
             )
         )
+        if ids.numel() <= 4096:  # where one launch may win: decode batches
+            one, two = (_align_ms(timer, align_args, max_pairs) for max_pairs in (ids.numel(), 0))
+            rows.append(
+                Row(
+                    "moe_align_block_size[one launch]",
+                    f"T={num_tokens}",
+                    one,
+                    "two launches (count, scatter)",
+                    two,
+                    gigabytes_per_second(ids.numel() * 4, one),
+                    note="sets SINGLE_LAUNCH_MAX_PAIRS (the largest T*K where one launch wins)",
+                )
+            )
     return rows
+
+
+def _align_ms(timer, align_args, single_launch_max_pairs: int) -> float:
+    """moe_align_block_size_triton timed with SINGLE_LAUNCH_MAX_PAIRS set as given."""
+    import importlib
+
+    align = importlib.import_module("kernels.moe.align")
+    saved = align.SINGLE_LAUNCH_MAX_PAIRS
+    align.SINGLE_LAUNCH_MAX_PAIRS = single_launch_max_pairs
+    try:
+        return timer(partial(align.moe_align_block_size_triton, *align_args))
+    finally:
+        align.SINGLE_LAUNCH_MAX_PAIRS = saved
 
 
 def bench_dense_fp8(shapes: Shapes, dtype, device, timer) -> list[Row]:

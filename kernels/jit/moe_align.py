@@ -1,4 +1,5 @@
-"""moe_align_block_size in two launches, one program per expert each.
+"""moe_align_block_size in two launches, one program per expert each (or, for a
+few pairs, one: each scatter program counts every expert's pairs itself).
 
 Every program scans all T*K expert ids (L2-resident: 8 * T int32), which keeps
 the result deterministic (pairs stay in order within an expert, like a stable
@@ -34,7 +35,7 @@ def moe_count_kernel(
 def moe_scatter_kernel(
     # pointers
     topk_ids_ptr,  # [T*K]
-    counts_ptr,  # [E] int32
+    counts_ptr,  # [E] int32, read only when not COUNT_HERE
     sorted_token_ids_ptr,  # [max_padded] int32: this program writes its segment, padding included
     expert_ids_ptr,  # [max_padded // block_size_m] int32: this program writes its segment's blocks
     num_tokens_post_padded_ptr,  # [1] int32
@@ -45,12 +46,21 @@ def moe_scatter_kernel(
     # meta-parameters
     BLOCK: tl.constexpr,
     BLOCK_EXPERTS: tl.constexpr,  # next power of two >= num_experts
+    COUNT_HERE: tl.constexpr,  # count every expert's pairs here instead of reading counts_ptr
+    COUNT_BLOCK: tl.constexpr,  # pairs per step of that count ([BLOCK_EXPERTS, COUNT_BLOCK] compares)
 ):
     expert = tl.program_id(0)
 
     # this expert's padded segment, from an exclusive prefix sum over all experts
     experts = tl.arange(0, BLOCK_EXPERTS)
-    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    if COUNT_HERE:
+        counts = tl.zeros([BLOCK_EXPERTS], dtype=tl.int32)
+        for start in range(0, num_pairs, COUNT_BLOCK):
+            pairs = start + tl.arange(0, COUNT_BLOCK)
+            ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+            counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    else:
+        counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
     padded_counts = tl.cdiv(counts, block_size_m) * block_size_m
     padded_starts = tl.cumsum(padded_counts, axis=0) - padded_counts
     is_mine = experts == expert

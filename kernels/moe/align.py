@@ -19,6 +19,12 @@ reference fills them (T*K and -1); the Triton path leaves them unwritten, which
 saves three fill launches per MoE layer.
 
 Expert ids must lie in [0, num_experts).
+
+The Triton path takes two launches (count, then scatter); up to
+`SINGLE_LAUNCH_MAX_PAIRS` pairs (decode batches) it takes one, whose programs
+each count all experts' pairs themselves (E x T*K compares per program: cheap
+for a few pairs, not for a prefill's). The threshold is a placeholder until a
+GPU measures the crossover (`scripts/bench_kernels.py`, rows `moe_align`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ import torch
 
 from kernels.checks import INDEX_DTYPES, check_dtype
 from kernels.dispatch import use_triton
+
+SINGLE_LAUNCH_MAX_PAIRS = 256  # NOT YET MEASURED on a GPU: placeholder (32 decode tokens at K=8)
+COUNT_TILE = 8192  # compares per step of the in-program count: [BLOCK_EXPERTS, COUNT_TILE // BLOCK_EXPERTS]
 
 
 def max_padded_pairs(num_pairs: int, num_experts: int, block_size: int) -> int:
@@ -69,7 +78,8 @@ def moe_align_block_size_triton(
     topk_ids: torch.Tensor, num_experts: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Two launches: count the pairs of each expert, then each expert's program
-    derives its offset from the counts and scatters its pairs in order."""
+    derives its offset from the counts and scatters its pairs in order. Up to
+    SINGLE_LAUNCH_MAX_PAIRS pairs, one: the scatter programs count for themselves."""
     import triton
 
     from kernels.jit.moe_align import moe_count_kernel, moe_scatter_kernel
@@ -90,16 +100,19 @@ def moe_align_block_size_triton(
     num_tokens_post_padded = torch.empty((1,), dtype=torch.int32, device=device)
 
     scan_block = min(triton.next_power_of_2(num_pairs), 1024)
-    moe_count_kernel[(num_experts,)](
-        # pointers
-        flat_ids,
-        counts,
-        # sizes
-        num_pairs,
-        # meta-parameters
-        BLOCK=scan_block,
-        num_warps=4,
-    )
+    block_experts = triton.next_power_of_2(num_experts)
+    count_here = num_pairs <= SINGLE_LAUNCH_MAX_PAIRS
+    if not count_here:
+        moe_count_kernel[(num_experts,)](
+            # pointers
+            flat_ids,
+            counts,
+            # sizes
+            num_pairs,
+            # meta-parameters
+            BLOCK=scan_block,
+            num_warps=4,
+        )
     moe_scatter_kernel[(num_experts,)](
         # pointers
         flat_ids,
@@ -113,7 +126,9 @@ def moe_align_block_size_triton(
         block_size,
         # meta-parameters
         BLOCK=scan_block,
-        BLOCK_EXPERTS=triton.next_power_of_2(num_experts),
+        BLOCK_EXPERTS=block_experts,
+        COUNT_HERE=count_here,
+        COUNT_BLOCK=max(1, min(COUNT_TILE // block_experts, scan_block)),
         num_warps=4,
     )
     return sorted_token_ids, expert_ids, num_tokens_post_padded

@@ -181,7 +181,21 @@ def kernel_specs(include_float32: bool):
             "moe_scatter",
             moe_scatter_kernel,
             "bf16",
-            {"BLOCK": 1024, "BLOCK_EXPERTS": 128},
+            {"BLOCK": 1024, "BLOCK_EXPERTS": 128, "COUNT_HERE": False, "COUNT_BLOCK": 64},
+            {"num_warps": 4},
+        ),
+        (
+            "moe_scatter[counts here, T=1]",  # a decode token's align in one launch
+            moe_scatter_kernel,
+            "bf16",
+            {"BLOCK": 8, "BLOCK_EXPERTS": 128, "COUNT_HERE": True, "COUNT_BLOCK": 8},
+            {"num_warps": 4},
+        ),
+        (
+            "moe_scatter[counts here, T=32]",
+            moe_scatter_kernel,
+            "bf16",
+            {"BLOCK": 256, "BLOCK_EXPERTS": 128, "COUNT_HERE": True, "COUNT_BLOCK": 64},
             {"num_warps": 4},
         ),
         (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -11,6 +13,8 @@ from kernels.moe.align import (
     moe_align_block_size_reference,
     moe_align_block_size_triton,
 )
+
+align_module = importlib.import_module("kernels.moe.align")
 
 
 def check_layout(
@@ -73,14 +77,18 @@ def test_reference_fills_the_unused_tail():
     assert used == 8 and sorted_ids[used:].eq(2).all() and expert_ids[used // 4 :].eq(-1).all()
 
 
+@pytest.mark.parametrize("launches", ["one", "two"])
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_size", CASES)
 def test_triton_equals_reference(
-    triton_device, poison_allocations, ids_dtype, num_tokens, top_k, num_experts, block_size
+    triton_device, poison_allocations, monkeypatch, launches, ids_dtype, num_tokens, top_k, num_experts, block_size
 ):
     # exact: the Triton version is deterministic and keeps the pair order of a stable sort. Its
     # outputs start out poisoned (no fill launches), so an entry it forgets inside the used part
-    # shows; past the used part they are unspecified.
+    # shows; past the used part they are unspecified. "one": the scatter programs count for
+    # themselves (in steps of 8 pairs here, so several steps); "two": a count launch first
+    monkeypatch.setattr(align_module, "SINGLE_LAUNCH_MAX_PAIRS", 10**9 if launches == "one" else 0)
+    monkeypatch.setattr(align_module, "COUNT_TILE", 8 * 128)
     topk_ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(num_tokens)])
     topk_ids = topk_ids.to(ids_dtype).to(triton_device)
     got = kernels.moe_align_block_size(topk_ids, num_experts, block_size)
