@@ -248,8 +248,12 @@ def _open_header(raw: bytes, fmt: str) -> Image.Image:
             raise ImageDecodeError(
                 DecodeFailure.ZERO_SIZE, f"{fmt} header declares zero size ({size[0]}x{size[1]})"
             ) from None
+        if isinstance(exc, UnidentifiedImageError):  # PIL's message names its in-memory file object
+            reason = "the data after the signature is not a valid header"
+        else:
+            reason = str(exc)
         raise ImageDecodeError(
-            DecodeFailure.NOT_AN_IMAGE, f"cannot read the {fmt} header: {exc}"
+            DecodeFailure.NOT_AN_IMAGE, f"cannot read the {fmt} header: {reason}"
         ) from None
     if image.format not in _ACCEPTED_PIL_FORMATS:  # defensive: formats= should ensure it
         raise ImageDecodeError(
