@@ -13,7 +13,7 @@ shadow the same-named submodules: import the variants with
 
 from kernels.activation import silu_and_mul
 from kernels.fp8_linear import fp8_linear
-from kernels.kv_cache import reshape_and_cache
+from kernels.kv_cache import PackedContexts, reshape_and_cache
 from kernels.moe import fused_moe, moe_align_block_size, route_topk
 from kernels.paged_decode_attention import (
     paged_decode_attention,
@@ -26,6 +26,7 @@ from kernels.varlen_attention import varlen_attention
 from kernels.vision_rotary import vision_rotary
 
 __all__ = [
+    "PackedContexts",
     "fp8_linear",
     "fused_add_rms_norm",
     "fused_moe",

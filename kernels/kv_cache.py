@@ -66,6 +66,43 @@ def gather_sequence_kv(
     return cache[blocks].flatten(0, 1)[:length]  # [num_blocks * bs, Hkv, D] -> [length, Hkv, D]
 
 
+class PackedContexts:
+    """Every sequence's whole context (its first `context_lens[b]` cached tokens) read out of a
+    paged cache and packed: sequence b's keys are rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``.
+
+    The cache slots are computed on the device on first use, without a sync (the lengths are
+    also known on the host), and then serve every layer of a step: build one per step.
+    """
+
+    def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor, host_context_lens: list[int]):
+        self.block_tables = block_tables  # [B, max_blocks] int32
+        self.context_lens = context_lens  # [B] int32, on the device
+        self.total = sum(host_context_lens)
+        self.max_len = max(host_context_lens, default=0)
+        self._slots: torch.Tensor | None = None
+        self._cu_seqlens_k: torch.Tensor | None = None
+
+    def layout(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots [total] int64, cu_seqlens_k [B+1] int32) for a cache of `block_size`."""
+        if self._slots is None:
+            device = self.block_tables.device
+            lengths = self.context_lens.long()
+            ends = lengths.cumsum(0)  # [B]
+            self._cu_seqlens_k = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)  # [B + 1]
+            sequence = torch.repeat_interleave(
+                torch.arange(lengths.shape[0], device=device), lengths, output_size=self.total
+            )  # [total]: the sequence of each key
+            position = torch.arange(self.total, device=device) - (ends - lengths)[sequence]  # [total]
+            blocks = self.block_tables[sequence, torch.div(position, block_size, rounding_mode="floor")]
+            self._slots = blocks.long() * block_size + position % block_size
+        return self._slots, self._cu_seqlens_k
+
+    def gather(self, cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """cache [N, bs, Hkv, D] -> the packed contexts [total, Hkv, D] in `dtype`."""
+        slots, _ = self.layout(cache.shape[1])
+        return cache.flatten(0, 1).index_select(0, slots).to(dtype)  # [N * bs, Hkv, D] -> [total, Hkv, D]
+
+
 # --------------------------------------------------------------------------- reference
 def reshape_and_cache_reference(
     k: torch.Tensor,

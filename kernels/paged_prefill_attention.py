@@ -13,11 +13,18 @@ grid-wide barrier, so fusing the write would be a race. Write with
 (see `paged_decode_attention_with_kv_write`).
 
 Backends on CUDA, when the caller passes the chunks' own k/v and the lengths on
-the host (the engine does). A chunk with nothing cached before it (a whole
-prompt, the usual prefill here: no prefix caching in the benchmark) needs only
-its own k/v: first choice, every such chunk of the call in one causal
-FlashAttention varlen launch (`kernels.flash_varlen`, 16-bit, a head size it
-takes), the other chunks through one Triton launch that skips the fresh ones.
+the host (the engine does). First choice, for 16-bit queries with a head size
+it takes: every chunk of the call in one causal FlashAttention varlen launch
+(`kernels.flash_varlen`).
+* When every chunk is fresh (nothing cached before it: a whole prompt, the
+  usual prefill of the benchmark, which runs without prefix caching), on the
+  chunks' own k/v.
+* Otherwise (a prompt after a prefix-cache hit, the tail of a chunked prompt),
+  on every sequence's whole context read out of the cache and packed
+  (`PackedContexts`: one gather for K and one for V, at most `GATHER_MAX_KEYS`
+  keys; the causal mask aligned bottom-right, which is checked once per device).
+  Past that many keys, the fresh chunks take the varlen launch on their own k/v
+  and the others one Triton launch that overwrites their rows.
 Without the varlen kernel (or after it raised once), fresh chunks of at least
 `SDPA_MIN_PREFILL_LEN` tokens run causal SDPA each, and everything else goes
 through the Triton launch. On the vision tower's similar kernel SDPA was 8x
@@ -44,8 +51,14 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import kernel_backend, use_triton
-from kernels.flash_varlen import flash_varlen_usable, try_flash_varlen_attention
+from kernels.flash_varlen import (
+    CAUSAL_WITH_CONTEXT,
+    causal_with_context_supported,
+    flash_varlen_usable,
+    try_flash_varlen_attention,
+)
 from kernels.kv_cache import (
+    PackedContexts,
     check_paged_kv_cache,
     check_query_matches_cache,
     gather_sequence_kv,
@@ -57,6 +70,7 @@ PREFILL_BACKEND_ENV_VAR = "VLM_CATALOG_PREFILL_ATTENTION"
 PREFILL_BACKENDS = ("flash", "triton", "sdpa")
 SDPA_MIN_PREFILL_LEN = 1024  # NOT YET MEASURED on a GPU: placeholder, see the module docstring
 NEVER = 2**31 - 1  # a chunk length no step reaches: the kernel skips nothing
+GATHER_MAX_KEYS = 32768  # contexts packed for the varlen kernel: 64 MiB of K and V at 30B-A3B in bf16
 
 
 # --------------------------------------------------------------------------- reference
@@ -278,16 +292,23 @@ def paged_prefill_attention_per_sequence(
     query_lens: list[int],
     kv_lens: list[int],
     threshold: int | None = None,
+    contexts: PackedContexts | None = None,
 ) -> torch.Tensor:
     """Fresh chunks through the causal varlen kernel when it can take them, else those of at
     least `threshold` (default `sdpa_min_prefill_len()`) tokens through causal SDPA each, all on
     their own k/v (new_k/new_v [T, Hkv, D], rounded as the cache stores them); the rest in one
     Triton launch that skips them. `query_lens`/`kv_lens`: cu_seqlens_q's lengths and
     context_lens on the host. An explicit `threshold` leaves the varlen kernel out (the
-    per-chunk SDPA path alone, as `scripts/bench_kernels.py` times it)."""
+    per-chunk SDPA path alone, as `scripts/bench_kernels.py` times it). `contexts`: the
+    step's `PackedContexts` for these sequences, shared across layers (else built here)."""
     if threshold is None and fresh_prefill_through_flash() and flash_varlen_usable(q, "causal"):
-        out = _fresh_chunks_through_flash(q, new_k, new_v, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                          context_lens, scale, query_lens, kv_lens)
+        extended = any(n and n != total for n, total in zip(query_lens, kv_lens))
+        if extended and sum(kv_lens) <= GATHER_MAX_KEYS and causal_with_context_supported(q):
+            contexts = contexts or PackedContexts(block_tables, context_lens, kv_lens)
+            out = _chunks_over_packed_contexts(q, k_cache, v_cache, cu_seqlens_q, scale, max(query_lens), contexts)
+        else:
+            out = _fresh_chunks_through_flash(q, new_k, new_v, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                              context_lens, scale, query_lens, kv_lens)
         if out is not None:
             return out
     threshold = sdpa_min_prefill_len() if threshold is None else threshold
@@ -314,6 +335,18 @@ def paged_prefill_attention_per_sequence(
         )  # [1, Hq, n, D]
         out[begin:end] = context[0].transpose(0, 1)  # [n, Hq, D]
     return out
+
+
+def _chunks_over_packed_contexts(
+    q, k_cache, v_cache, cu_seqlens_q, scale, max_query_len, contexts
+) -> torch.Tensor | None:
+    """One causal varlen launch, every chunk over its whole context gathered from the cache
+    (bottom-right aligned); None if the kernel failed (the caller falls back)."""
+    keys, values = (contexts.gather(cache, q.dtype) for cache in (k_cache, v_cache))  # [total, Hkv, D]
+    _, cu_seqlens_k = contexts.layout(k_cache.shape[1])
+    return try_flash_varlen_attention(q, keys, values, cu_seqlens_q, scale, max_query_len,
+                                      causal=True, use=CAUSAL_WITH_CONTEXT, cu_seqlens_k=cu_seqlens_k,
+                                      max_seqlen_k=contexts.max_len)
 
 
 def _fresh_chunks_through_flash(
@@ -356,14 +389,16 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     host_lens: tuple[list[int], list[int]] | None = None,
+    contexts: PackedContexts | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] (sequences packed by cu_seqlens_q [B+1]) -> [T, Hq, D]. With the chunks'
     own `new_kv` (k, v [T, Hkv, D], already written to the cache) and `host_lens` (the query
-    lengths and context_lens on the host), CUDA calls choose a backend per sequence (module doc)."""
+    lengths and context_lens on the host), CUDA calls choose a backend per sequence (module doc);
+    `contexts`: a `PackedContexts` of these sequences that every layer of the step shares."""
     if not use_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
         return paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
     if new_kv is None or host_lens is None or kernel_backend() == "triton":
         return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
                                               max_query_len=max_query_len)
     return paged_prefill_attention_per_sequence(q, *new_kv, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                                context_lens, scale, *host_lens)
+                                                context_lens, scale, *host_lens, contexts=contexts)

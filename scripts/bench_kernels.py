@@ -357,7 +357,12 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
     import torch
     import torch.nn.functional as F
 
-    from kernels.flash_varlen import flash_varlen_attention, flash_varlen_usable
+    from kernels.flash_varlen import (
+        causal_with_context_supported,
+        flash_varlen_attention,
+        flash_varlen_usable,
+    )
+    from kernels.kv_cache import PackedContexts
     from kernels.paged_decode_attention import paged_decode_attention_triton
     from kernels.paged_prefill_attention import (
         paged_prefill_attention_per_sequence,
@@ -439,6 +444,25 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 teraflops(flops, ms),
             )
         )
+        if flash_varlen_usable(q, "causal") and causal_with_context_supported(q):  # what the engine runs first
+            lengths = [context] * num_seqs
+            contexts = PackedContexts(block_tables, context_lens, lengths)  # one per step, shared by its layers
+            own_kv = q[:, : shapes.num_kv_heads]  # not read here: every key comes out of the cache
+            packed_flash = partial(paged_prefill_attention_per_sequence, q, own_kv, own_kv, *args[1:],
+                                   [new_tokens] * num_seqs, lengths, contexts=contexts)
+            packed_flash()  # computes the layout, as a step's first layer does
+            flash_ms = timer(packed_flash)
+            rows.append(
+                Row(
+                    "paged_prefill_attention[flash varlen, packed contexts]",
+                    f"{num_seqs}x{new_tokens} new, prefix {prefix}",
+                    flash_ms,
+                    "the Triton kernel",
+                    ms,
+                    teraflops(flops, flash_ms),
+                    target_speedup=1.0,
+                )
+            )
 
     for num_seqs, new_tokens in shapes.fresh_prefill_cases:  # whole prompts: Triton or SDPA on their k/v
         k_cache, v_cache, block_tables, context_lens = _paged_cache(num_seqs, new_tokens, shapes, dtype, device)

@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from kernels.flash_varlen import (
+    CAUSAL_WITH_CONTEXT,
+    causal_with_context_supported,
+    failure_reason,
     flash_varlen_attention,
     flash_varlen_options,
     flash_varlen_usable,
@@ -78,3 +81,21 @@ def test_gpu_causal_grouped_query_prompts_in_one_call(cuda_device):
     k, v = (torch.randn(sum(lengths), 4, 128, dtype=torch.bfloat16, device=cuda_device) for _ in range(2))
     out = flash_varlen_attention(q, k, v, bounds, 128**-0.5, max(lengths), causal=True)
     assert_close(out, segment_attention(q, k, v, bounds, 128**-0.5, causal=True), rel=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_causal_mask_with_context_is_aligned_bottom_right(cuda_device):
+    # the check the engine relies on before it sends chunks with a cached context to the kernel;
+    # fails loudly (instead of falling back to the Triton kernel) so the GPU record shows it.
+    # tolerance: 1e-2 (bfloat16) against per-chunk masked SDPA, a 2k-token chunk after 6k cached
+    q = torch.zeros(1, 32, 128, dtype=torch.bfloat16, device=cuda_device)
+    assert causal_with_context_supported(q), failure_reason(CAUSAL_WITH_CONTEXT)
+    query_lens, key_lens = [2048, 5], [8192, 5]
+    bounds_q, bounds_k = (torch.tensor([0, *lengths], device=cuda_device).cumsum(0).to(torch.int32)
+                          for lengths in (query_lens, key_lens))
+    q = torch.randn(sum(query_lens), 32, 128, dtype=torch.bfloat16, device=cuda_device)
+    k, v = (torch.randn(sum(key_lens), 4, 128, dtype=torch.bfloat16, device=cuda_device) for _ in range(2))
+    out = flash_varlen_attention(q, k, v, bounds_q, 128**-0.5, 2048, causal=True, cu_seqlens_k=bounds_k,
+                                 max_seqlen_k=8192)
+    expected = segment_attention(q, k, v, bounds_q, 128**-0.5, causal=True, cu_seq_k=bounds_k)
+    assert_close(out, expected, rel=1e-2)

@@ -11,7 +11,7 @@ import torch
 import kernels
 from kernels.flash_varlen import flash_varlen_usable
 from kernels.fp8 import FP8_DTYPE
-from kernels.kv_cache import to_cache_dtype
+from kernels.kv_cache import PackedContexts, to_cache_dtype
 from kernels.paged_decode_attention import paged_decode_attention_reference
 from kernels.paged_prefill_attention import (
     NEVER,
@@ -233,6 +233,7 @@ def test_fresh_prompts_through_sdpa_the_rest_through_one_launch(
 
 # fresh prompts (0, 3, 5; 5 shorter than any threshold), chunks after a prefix (1, 4), none (2)
 FLASH_QUERY_LENS, FLASH_CONTEXT_LENS = [8, 3, 0, 7, 10, 2], [8, 20, 5, 7, 30, 2]
+FRESH_QUERY_LENS, FRESH_CONTEXT_LENS = [8, 0, 7, 2], [8, 5, 7, 2]  # whole prompts only (and one without queries)
 
 
 def flash_case(dtype, device, cache: str = "same", query_lens=FLASH_QUERY_LENS, context_lens=FLASH_CONTEXT_LENS):
@@ -248,33 +249,96 @@ def flash_case(dtype, device, cache: str = "same", query_lens=FLASH_QUERY_LENS, 
             "scale": 16**-0.5, "query_lens": query_lens, "kv_lens": context_lens}
 
 
+def fresh_case(dtype, device, cache: str = "same"):
+    return flash_case(dtype, device, cache, FRESH_QUERY_LENS, FRESH_CONTEXT_LENS)
+
+
 def reference(case):
     keys = ("q", "k_cache", "v_cache", "block_tables", "cu_seqlens_q", "context_lens", "scale")
     return paged_prefill_attention_reference(*(case[key] for key in keys))
 
 
+def alignment_check(call) -> bool:
+    """The once-per-device check of the causal mask's alignment (3 queries over 7 keys, 2 over 2)."""
+    return call["cu_seq_k"].tolist() == [0, 7, 9] and call["cu_seq_q"].tolist() == [0, 3, 5]
+
+
 @pytest.mark.parametrize("cache", ["same", "fp8"])
 @pytest.mark.parametrize("fake", [FakeFlashVarlen, FakeFlashVarlenIsCausal])
-def test_fresh_prompts_in_one_causal_varlen_call_the_rest_through_one_launch(
+def test_whole_prompts_in_one_causal_varlen_call_on_their_own_kv(
     triton_device, poison_allocations, fake_flash, fake, cache
 ):
-    """Every chunk goes into one causal varlen call on its own k/v (rounded as the cache holds
-    them), with grouped-query heads in the keywords of either torch version; the chunks after a
-    prefix are then overwritten by the Triton launch. Together: the reference over the cache at
-    TOLERANCE[bfloat16]; poisoned allocations show a row nobody wrote."""
+    """Nothing cached before any chunk: one causal varlen call on the chunks' own k/v (rounded
+    as the cache holds them), grouped-query heads in the keywords of either torch version; the
+    reference over the cache at TOLERANCE[bfloat16], with no row left unwritten."""
     kernel = fake_flash(fake())
-    case = flash_case(torch.bfloat16, triton_device, cache)
+    case = fresh_case(torch.bfloat16, triton_device, cache)
     assert_close(paged_prefill_attention_per_sequence(**case), reference(case), rel=TOLERANCE[torch.bfloat16])
     (call,) = kernel.calls
-    assert call["cu_seq_q"].dtype == torch.int32 and call["cu_seq_q"].tolist() == [0, 8, 11, 11, 18, 28, 30]
-    assert call["max_q"] == 10
+    assert call["cu_seq_q"].dtype == torch.int32 and call["cu_seq_q"].tolist() == [0, 8, 8, 15, 17]
+    assert call["cu_seq_k"].tolist() == [0, 8, 8, 15, 17] and call["max_q"] == 8
     if fake is FakeFlashVarlen:
         assert call["window_size"] == (-1, 0) and call["enable_gqa"] and call["scale"] is None
     else:
         assert call["is_causal"]
 
 
-def test_the_varlen_kernel_is_only_asked_for_fresh_prompts_in_16_bits(triton_device, fake_flash, monkeypatch):
+@pytest.mark.parametrize("cache", ["same", "fp8"])
+@pytest.mark.parametrize("fake", [FakeFlashVarlen, FakeFlashVarlenIsCausal])
+def test_chunks_with_a_cached_context_over_packed_contexts(triton_device, poison_allocations, fake_flash, fake, cache):
+    """Some chunks follow a cached context: after the alignment check (once), one causal varlen
+    call over every sequence's whole context gathered from the cache (keys packed by
+    cumulative context length); the reference at TOLERANCE[bfloat16]."""
+    kernel = fake_flash(fake())
+    case = flash_case(torch.bfloat16, triton_device, cache)
+    assert_close(paged_prefill_attention_per_sequence(**case), reference(case), rel=TOLERANCE[torch.bfloat16])
+    check, call = kernel.calls
+    assert alignment_check(check)
+    assert call["cu_seq_q"].tolist() == [0, 8, 11, 11, 18, 28, 30]
+    assert call["cu_seq_k"].tolist() == [0, 8, 28, 33, 40, 70, 72] and call["max_q"] == 10
+    contexts = PackedContexts(case["block_tables"], case["context_lens"], FLASH_CONTEXT_LENS)
+    assert_close(paged_prefill_attention_per_sequence(**case, contexts=contexts), reference(case),
+                 rel=TOLERANCE[torch.bfloat16])
+    assert len(kernel.calls) == 3  # checked once; the step's shared layout gives the same answer
+    if fake is FakeFlashVarlen:
+        assert call["max_k"] == 30 and call["window_size"] == (-1, 0)
+
+
+def test_packed_contexts_are_the_cached_tokens_in_order(triton_device):
+    paged = build_paged_kv([5, 0, 9], 4, 2, 16, torch.float32, triton_device)
+    contexts = PackedContexts(paged.block_tables, paged.context_lens, [5, 0, 9])
+    slots, cu_seqlens_k = contexts.layout(4)
+    assert cu_seqlens_k.tolist() == [0, 5, 5, 14] and slots.shape == (14,) and contexts.max_len == 9
+    packed = contexts.gather(paged.k_cache, torch.float32)
+    assert torch.equal(packed, torch.cat([paged.dense_k[0][:5], paged.dense_k[2][:9]]))
+    assert contexts.layout(4)[0] is slots  # computed once
+
+
+def test_a_top_left_aligned_kernel_is_caught_and_the_chunks_still_right(triton_device, fake_flash, caplog):
+    """A kernel that aligns the causal mask top-left fails the check once: chunks with a cached
+    context go through the Triton launch from then on, the fresh ones through the varlen call
+    (where alignment does not matter); the answer is the reference's."""
+    kernel = fake_flash(FakeFlashVarlen(align="top-left"))
+    case = flash_case(torch.bfloat16, triton_device)
+    for _ in range(2):
+        assert_close(paged_prefill_attention_per_sequence(**case), reference(case), rel=TOLERANCE[torch.bfloat16])
+    assert "causal mask is not aligned bottom-right" in caplog.text
+    check, *calls = kernel.calls
+    assert alignment_check(check) and len(calls) == 2 and all(call["num_keys"] == 30 for call in calls)
+
+
+def test_past_gather_max_keys_fresh_chunks_alone_take_the_varlen_call(
+    triton_device, poison_allocations, fake_flash, monkeypatch
+):
+    kernel = fake_flash(FakeFlashVarlen())
+    monkeypatch.setattr(prefill_module, "GATHER_MAX_KEYS", 71)  # the contexts hold 72 tokens
+    case = flash_case(torch.bfloat16, triton_device)
+    assert_close(paged_prefill_attention_per_sequence(**case), reference(case), rel=TOLERANCE[torch.bfloat16])
+    (call,) = kernel.calls
+    assert call["num_keys"] == 30 and call["cu_seq_k"].tolist() == [0, 8, 11, 11, 18, 28, 30]  # own k/v
+
+
+def test_the_varlen_kernel_is_only_asked_for_16_bit_queries(triton_device, fake_flash, monkeypatch):
     kernel = fake_flash(FakeFlashVarlen())
     paged_prefill_attention_per_sequence(**flash_case(torch.float32, triton_device))  # not FlashAttention's dtype
     case = flash_case(torch.bfloat16, triton_device)
@@ -282,13 +346,9 @@ def test_the_varlen_kernel_is_only_asked_for_fresh_prompts_in_16_bits(triton_dev
     for backend in ("sdpa", "triton"):
         monkeypatch.setenv(PREFILL_BACKEND_ENV_VAR, backend)
         paged_prefill_attention_per_sequence(**case)
-    monkeypatch.delenv(PREFILL_BACKEND_ENV_VAR)
-    no_fresh_chunk = flash_case(torch.bfloat16, triton_device, query_lens=[3, 10], context_lens=[20, 30])
-    assert_close(paged_prefill_attention_per_sequence(**no_fresh_chunk), reference(no_fresh_chunk),
-                 rel=TOLERANCE[torch.bfloat16])
     assert kernel.calls == []
     monkeypatch.setenv(PREFILL_BACKEND_ENV_VAR, "flash")
-    paged_prefill_attention_per_sequence(**case)
+    paged_prefill_attention_per_sequence(**fresh_case(torch.bfloat16, triton_device))
     assert len(kernel.calls) == 1
 
 
@@ -299,8 +359,9 @@ def test_a_causal_varlen_kernel_that_fails_hands_over_for_good(triton_device, fa
     case = flash_case(torch.bfloat16, triton_device)
     for _ in range(2):
         assert_close(paged_prefill_attention_per_sequence(**case), reference(case), rel=TOLERANCE[torch.bfloat16])
-    assert len(kernel.calls) == 1  # not tried again
-    assert "FlashAttention varlen failed for causal attention (RuntimeError: window_size" in caplog.text
+    assert len(kernel.calls) == 2  # the alignment check, then the fresh chunks' call; neither tried again
+    for use in ("causal with context", "causal"):
+        assert f"FlashAttention varlen failed for {use} attention (RuntimeError: window_size" in caplog.text
     assert flash_varlen_usable(case["q"], "bidirectional")  # the vision tower's use is not affected
 
 
@@ -358,3 +419,35 @@ def test_short_extends_after_a_shared_prefix_match_per_sequence_attention(monkey
     per_sequence = paged_prefill_attention_reference(q, k_cache, v_cache, tables, cu_seqlens, lens, 0.3)
     assert not torch.isnan(routed).any()
     assert_close(routed, per_sequence, rel=1e-5, what="batched short extends vs per-sequence SDPA")
+
+
+def test_the_engine_backend_shares_one_packed_layout_across_layers(triton_device, fake_flash):
+    """`PagedAttention` (one per step) hands every layer the same `PackedContexts`: its cache
+    slots are computed by the first layer and reused by the next; each layer's answer is the
+    reference's (TOLERANCE[bfloat16])."""
+    from vlm_catalog.engine.paged_attention import (
+        PagedAttention,
+        PagedAttentionMetadata,
+        PrefillBatch,
+    )
+
+    fake_flash(FakeFlashVarlen())
+    first = flash_case(torch.bfloat16, triton_device)
+    second = {**first, "q": first["q"].flip(0).contiguous(), "k_cache": first["k_cache"] * 2,
+              "v_cache": -first["v_cache"]}  # the same block tables over other values
+    layers = [first, second]
+    slots = torch.cat([torch.arange(length - n, length) + 1000 * seq  # never written: the chunks are cached
+                       for seq, (n, length) in enumerate(zip(FLASH_QUERY_LENS, FLASH_CONTEXT_LENS))])
+    metadata = PagedAttentionMetadata(decode=None, prefill=PrefillBatch(
+        slot_mapping=torch.full_like(slots, -1), block_tables=first["block_tables"],
+        cu_seqlens_q=first["cu_seqlens_q"], context_lens=first["context_lens"], max_query_len=10,
+        host_lens=(FLASH_QUERY_LENS, FLASH_CONTEXT_LENS),
+    ))
+    attention = PagedAttention([(case["k_cache"], case["v_cache"]) for case in layers], metadata)
+    layout = None
+    for index, case in enumerate(layers):
+        out = attention.attend(index, case["q"], case["new_k"], case["new_v"], case["scale"])
+        assert_close(out, reference(case), rel=TOLERANCE[torch.bfloat16], what=f"layer {index}")
+        slots_now = attention.prefill_contexts.layout(4)[0]
+        assert layout is None or slots_now is layout
+        layout = slots_now

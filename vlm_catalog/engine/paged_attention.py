@@ -4,8 +4,8 @@ Per layer, `k_cache` and `v_cache` are `[num_blocks, block_size, Hkv, D]`.
 A step's flat batch puts its decode sequences (one new token each) first and
 its prefill chunks after; `PagedAttentionMetadata` describes both parts. The
 decode part goes through the decode kernel (with the cache write fused in),
-the prefill part through the varlen prefill kernel (or, for whole prompts on
-CUDA, FlashAttention through SDPA on the chunk's own k/v). On CPU both kernels
+the prefill part through FlashAttention's varlen kernel on CUDA (or the varlen
+prefill kernel; see kernels/paged_prefill_attention.py). On CPU both kernels
 are the torch references from `kernels`.
 """
 
@@ -54,9 +54,17 @@ class PagedAttentionMetadata:
 
 
 class PagedAttention(AttentionBackend):
+    """One step's attention: build one per step (its prefill sequences' packed-context layout
+    is computed once, on first use, and shared by every layer)."""
+
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metadata: PagedAttentionMetadata) -> None:
         self.kv_caches = kv_caches
         self.metadata = metadata
+        prefill = metadata.prefill
+        self.prefill_contexts = (
+            kernels.PackedContexts(prefill.block_tables, prefill.context_lens, prefill.host_lens[1])
+            if prefill is not None and prefill.host_lens is not None else None
+        )
 
     def attend(
         self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -75,7 +83,7 @@ class PagedAttention(AttentionBackend):
             outputs.append(kernels.paged_prefill_attention(
                 q[split:], k_cache, v_cache, prefill.block_tables, prefill.cu_seqlens_q,
                 prefill.context_lens, scale, max_query_len=prefill.max_query_len,
-                new_kv=(k[split:], v[split:]), host_lens=prefill.host_lens,
+                new_kv=(k[split:], v[split:]), host_lens=prefill.host_lens, contexts=self.prefill_contexts,
             ))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
