@@ -31,6 +31,7 @@ import torch
 
 BACKEND_ENV_VAR = "VLM_CATALOG_KERNELS"
 BACKENDS = ("auto", "reference", "triton")
+AUTO_DEVICE_TYPES = ("cuda",)  # where `auto` picks Triton; a test adds "cpu" to run the GPU choices interpreted
 
 
 def kernel_backend() -> str:
@@ -63,4 +64,4 @@ def use_triton(*tensors: torch.Tensor) -> bool:
                 "install the 'gpu' extra or unset the variable"
             )
         return True
-    return all(t.is_cuda for t in tensors) and triton_available()
+    return all(t.device.type in AUTO_DEVICE_TYPES for t in tensors) and triton_available()

@@ -40,6 +40,16 @@ def test_auto_on_cpu_tensors_uses_the_reference(monkeypatch):
     assert not dispatch.use_triton(torch.randn(2))
 
 
+def test_auto_takes_triton_on_the_device_types_listed(monkeypatch):
+    # the interpreted end-to-end test lists "cpu" to make the CUDA choices on CPU tensors
+    monkeypatch.delenv(dispatch.BACKEND_ENV_VAR, raising=False)
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(dispatch, "AUTO_DEVICE_TYPES", ("cuda", "cpu"))
+    assert dispatch.use_triton(torch.randn(2), torch.randn(3))
+    monkeypatch.setattr(dispatch, "AUTO_DEVICE_TYPES", ("cuda",))
+    assert not dispatch.use_triton(torch.randn(2))
+
+
 def test_reference_backend_is_forced(monkeypatch):
     monkeypatch.setenv(dispatch.BACKEND_ENV_VAR, "reference")
     assert not dispatch.use_triton(torch.randn(2))

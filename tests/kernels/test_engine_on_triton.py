@@ -1,0 +1,83 @@
+"""The whole engine on the GPU code paths, run on CPU: every kernel through Triton (interpreter)
+and the FlashAttention varlen calls through the CPU stand-in, against the engine on the torch
+reference path. It exercises, end to end and with real step metadata, the paths that only a GPU
+takes: prompts with and without a prefix-cache hit in one varlen call (packed contexts), chunked
+prefill, the vision tower's varlen call, the MoE's expert sum inside the next norm, the
+single-launch align of decode batches, and paged decode attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.conftest import conversation
+from tests.kernels.flash_fakes import FakeFlashVarlen
+from tests.model.helpers import build_checkpoint
+from vlm_catalog import LLM, SamplingParams
+from vlm_catalog.model.tiny_checkpoint import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("triton_engine") / "tiny", build_tokenizer(1000), seed=5)
+
+
+def run(checkpoint, conversations, waves: int = 2) -> list[tuple[list[int], str]]:
+    """Greedy answers for `conversations` sent in `waves` (the later ones hit the prefix cache)."""
+    llm = LLM(checkpoint, max_num_batched_tokens=128, enable_prefix_caching=True)  # float32: exact enough
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    size = -(-len(conversations) // waves)
+    outputs = []
+    for start in range(0, len(conversations), size):
+        outputs += llm.chat(conversations[start:start + size], params)
+    return [(output.token_ids, output.finish_reason) for output in outputs]
+
+
+def test_engine_on_the_gpu_paths_answers_as_on_the_reference_path(checkpoint, triton_device, fake_flash, monkeypatch):
+    # exact greedy tokens: both paths compute in float32 (the kernels' float32 tolerance is 1e-4).
+    # `auto` makes the CUDA choices for CPU tensors here (Triton, then FlashAttention where an op
+    # prefers it), and the stand-in takes float32 so that the varlen paths run at all
+    if triton_device.type != "cpu":
+        pytest.skip("runs the GPU paths on CPU tensors, which needs the Triton interpreter")
+    monkeypatch.setenv("VLM_CATALOG_KERNELS", "auto")
+    monkeypatch.setattr("kernels.dispatch.AUTO_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr("kernels.flash_varlen.FLASH_DTYPES", (torch.float32, torch.float16, torch.bfloat16))
+    kernel = fake_flash(FakeFlashVarlen())
+    taken = count_calls(monkeypatch)
+    system = "You are a careful catalogue assistant. " * 6  # a shared prefix: later prompts hit the cache
+    conversations = [conversation(index, images=index % 2, words=4 + 7 * (index % 3), system=system)
+                     for index in range(6)]
+    on_gpu_paths = run(checkpoint, conversations)
+    key_counts = [call["num_keys"] for call in kernel.calls]
+    monkeypatch.setenv("VLM_CATALOG_KERNELS", "reference")
+    assert on_gpu_paths == run(checkpoint, conversations)
+    causal = [call for call in kernel.calls if tuple(call["window_size"]) == (-1, 0)]
+    bidirectional = [call for call in kernel.calls if tuple(call["window_size"]) == (-1, -1)]
+    assert bidirectional, "the vision tower's varlen call"
+    packed = [call for call in causal if call["num_keys"] > call["cu_seq_q"][-1]]  # more keys than queries
+    assert packed, "chunks with a cached context over packed contexts"
+    assert len(causal) > len(packed) and key_counts == [call["num_keys"] for call in kernel.calls]
+    assert taken["expert sum in the norm"] and taken["align in one launch"] and taken["paged decode"]
+
+
+def count_calls(monkeypatch) -> dict[str, int]:
+    """Counts the GPU-only paths as the engine takes them."""
+    import importlib
+
+    taken = {"expert sum in the norm": 0, "align in one launch": 0, "paged decode": 0}
+    spied = (
+        ("kernels.rms_norm", "fused_sum_add_rms_norm_triton", "expert sum in the norm", None),
+        ("kernels.moe.align", "moe_align_block_size_triton", "align in one launch",
+         lambda ids, *_: ids.numel() <= importlib.import_module("kernels.moe.align").SINGLE_LAUNCH_MAX_PAIRS),
+        ("kernels.paged_decode_attention", "paged_decode_attention_with_kv_write_triton", "paged decode", None),
+    )
+    for module_name, function_name, label, condition in spied:
+        module = importlib.import_module(module_name)
+        original = getattr(module, function_name)
+
+        def spy(*args, original=original, label=label, condition=condition, **kwargs):
+            taken[label] += condition is None or condition(*args)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, function_name, spy)
+    return taken
