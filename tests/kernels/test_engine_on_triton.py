@@ -22,9 +22,9 @@ def checkpoint(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("triton_engine") / "tiny", build_tokenizer(1000), seed=5)
 
 
-def run(checkpoint, conversations, waves: int = 2) -> list[tuple[list[int], str]]:
+def run(checkpoint, conversations, waves: int = 2, **options) -> list[tuple[list[int], str]]:
     """Greedy answers for `conversations` sent in `waves` (the later ones hit the prefix cache)."""
-    llm = LLM(checkpoint, max_num_batched_tokens=128, enable_prefix_caching=True)  # float32: exact enough
+    llm = LLM(checkpoint, max_num_batched_tokens=128, enable_prefix_caching=True, **options)  # float32
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     size = -(-len(conversations) // waves)
     outputs = []
@@ -33,7 +33,14 @@ def run(checkpoint, conversations, waves: int = 2) -> list[tuple[list[int], str]
     return [(output.token_ids, output.finish_reason) for output in outputs]
 
 
-def test_engine_on_the_gpu_paths_answers_as_on_the_reference_path(checkpoint, triton_device, fake_flash, monkeypatch):
+VARIANTS = {"defaults": {}, "FP8 KV cache": {"kv_cache_dtype": "fp8"}, "FP8 weights": {"quantization": "fp8_w8a8"},
+            "async scheduling": {"async_scheduling": True}}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_engine_on_the_gpu_paths_answers_as_on_the_reference_path(
+    checkpoint, triton_device, fake_flash, monkeypatch, variant
+):
     # exact greedy tokens: both paths compute in float32 (the kernels' float32 tolerance is 1e-4).
     # `auto` makes the CUDA choices for CPU tensors here (Triton, then FlashAttention where an op
     # prefers it), and the stand-in takes float32 so that the varlen paths run at all
@@ -47,10 +54,10 @@ def test_engine_on_the_gpu_paths_answers_as_on_the_reference_path(checkpoint, tr
     system = "You are a careful catalogue assistant. " * 6  # a shared prefix: later prompts hit the cache
     conversations = [conversation(index, images=index % 2, words=4 + 7 * (index % 3), system=system)
                      for index in range(6)]
-    on_gpu_paths = run(checkpoint, conversations)
+    on_gpu_paths = run(checkpoint, conversations, **VARIANTS[variant])
     key_counts = [call["num_keys"] for call in kernel.calls]
     monkeypatch.setenv("VLM_CATALOG_KERNELS", "reference")
-    assert on_gpu_paths == run(checkpoint, conversations)
+    assert on_gpu_paths == run(checkpoint, conversations, **VARIANTS[variant])
     causal = [call for call in kernel.calls if tuple(call["window_size"]) == (-1, 0)]
     bidirectional = [call for call in kernel.calls if tuple(call["window_size"]) == (-1, -1)]
     assert bidirectional, "the vision tower's varlen call"
