@@ -100,7 +100,10 @@ class PackedContexts:
     def gather(self, cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """cache [N, bs, Hkv, D] -> the packed contexts [total, Hkv, D] in `dtype`."""
         slots, _ = self.layout(cache.shape[1])
-        return cache.flatten(0, 1).index_select(0, slots).to(dtype)  # [N * bs, Hkv, D] -> [total, Hkv, D]
+        flat = cache.flatten(0, 1)  # [N * bs, Hkv, D]
+        if flat.element_size() == 1:  # FP8: gathered as its bytes (index kernels need not take float8)
+            return flat.view(torch.uint8).index_select(0, slots).view(cache.dtype).to(dtype)  # [total, Hkv, D]
+        return flat.index_select(0, slots).to(dtype)  # [total, Hkv, D]
 
 
 # --------------------------------------------------------------------------- reference

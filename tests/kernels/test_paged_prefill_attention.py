@@ -312,6 +312,8 @@ def test_packed_contexts_are_the_cached_tokens_in_order(triton_device):
     packed = contexts.gather(paged.k_cache, torch.float32)
     assert torch.equal(packed, torch.cat([paged.dense_k[0][:5], paged.dense_k[2][:9]]))
     assert contexts.layout(4)[0] is slots  # computed once
+    fp8 = to_cache_dtype(paged.k_cache, FP8_DTYPE)  # gathered as bytes: the same values
+    assert torch.equal(contexts.gather(fp8, torch.float32), packed.to(FP8_DTYPE).to(torch.float32))
 
 
 def test_a_top_left_aligned_kernel_is_caught_and_the_chunks_still_right(triton_device, fake_flash, caplog):
