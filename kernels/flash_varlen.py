@@ -115,24 +115,11 @@ def flash_varlen_attention(
     return function(q, k, v, bounds, key_bounds, max_seqlen, max_k, **options)
 
 
-def try_flash_varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: float,
-    max_seqlen: int,
-    *,
-    causal: bool,
-    use: str,
-    cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_k: int | None = None,
-) -> torch.Tensor | None:
-    """`flash_varlen_attention`, or None after its first failure for `use` (logged once; the
-    caller runs its own fallback, now and from then on)."""
+def try_flash_varlen_attention(use: str, *args, **kwargs) -> torch.Tensor | None:
+    """`flash_varlen_attention(*args, **kwargs)`, or None after its first failure for `use`
+    (logged once; the caller runs its own fallback, now and from then on)."""
     try:
-        return flash_varlen_attention(q, k, v, cu_seqlens, scale, max_seqlen, causal=causal,
-                                      cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+        return flash_varlen_attention(*args, **kwargs)
     except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
         _turn_off(use, f"{type(exc).__name__}: {exc}")
         return None

@@ -344,9 +344,8 @@ def _chunks_over_packed_contexts(
     (bottom-right aligned); None if the kernel failed (the caller falls back)."""
     keys, values = (contexts.gather(cache, q.dtype) for cache in (k_cache, v_cache))  # [total, Hkv, D]
     _, cu_seqlens_k = contexts.layout(k_cache.shape[1])
-    return try_flash_varlen_attention(q, keys, values, cu_seqlens_q, scale, max_query_len,
-                                      causal=True, use=CAUSAL_WITH_CONTEXT, cu_seqlens_k=cu_seqlens_k,
-                                      max_seqlen_k=contexts.max_len)
+    return try_flash_varlen_attention(CAUSAL_WITH_CONTEXT, q, keys, values, cu_seqlens_q, scale, max_query_len,
+                                      causal=True, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=contexts.max_len)
 
 
 def _fresh_chunks_through_flash(
@@ -358,8 +357,7 @@ def _fresh_chunks_through_flash(
     if not any(n and n == total for n, total in zip(query_lens, kv_lens)):
         return None  # nothing fresh: the Triton launch alone
     keys, values = (_as_cached(x, k_cache.dtype, q.dtype) for x in (new_k, new_v))  # [T, Hkv, D]
-    out = try_flash_varlen_attention(q, keys, values, cu_seqlens_q, scale, max(query_lens), causal=True,
-                                     use="causal")
+    out = try_flash_varlen_attention("causal", q, keys, values, cu_seqlens_q, scale, max(query_lens), causal=True)
     if out is None:
         return None
     extended = [n for n, total in zip(query_lens, kv_lens) if n and n != total]

@@ -211,7 +211,7 @@ def varlen_attention_on_device(
     if forced in (None, "flash") and flash_varlen_usable(q, "bidirectional"):
         if max_seqlen is None:
             max_seqlen = max(seqlens) if seqlens is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        out = try_flash_varlen_attention(q, k, v, cu_seqlens, scale, max_seqlen, causal=False, use="bidirectional")
+        out = try_flash_varlen_attention("bidirectional", q, k, v, cu_seqlens, scale, max_seqlen)
         if out is not None:
             return out
     if seqlens is None:
