@@ -24,7 +24,8 @@ The Triton path takes two launches (count, then scatter); up to
 `SINGLE_LAUNCH_MAX_PAIRS` pairs (decode batches) it takes one, whose programs
 each count all experts' pairs themselves (E x T*K compares per program: cheap
 for a few pairs, not for a prefill's). The threshold is a placeholder until a
-GPU measures the crossover (`scripts/bench_kernels.py`, rows `moe_align`).
+GPU measures the crossover (`scripts/bench_kernels.py`, rows
+`moe_align_block_size[one launch]`).
 """
 
 from __future__ import annotations
