@@ -307,13 +307,17 @@ def _launch_decode(
     tokens_per_split = triton.cdiv(triton.cdiv(max_context_len, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_context_len, tokens_per_split)
 
-    partial_out = torch.empty(
-        (batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
-    )
-    partial_max = torch.empty(
-        (batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device
-    )
-    partial_sum = torch.empty_like(partial_max)
+    single_split = num_splits == 1  # the split kernel writes `out` itself: no partials, no reduce launch
+    if single_split:  # placeholders, never touched
+        partial_out = partial_max = partial_sum = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
+    else:
+        partial_out = torch.empty(
+            (batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        partial_max = torch.empty(
+            (batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device
+        )
+        partial_sum = torch.empty_like(partial_max)
     if new_kv is None:  # placeholders, never read when FUSE_CACHE_WRITE is False
         new_k = new_v = q
         slot_mapping = context_lens
@@ -331,6 +335,7 @@ def _launch_decode(
         partial_out,
         partial_max,
         partial_sum,
+        out,
         new_k,
         new_v,
         slot_mapping,
@@ -354,6 +359,8 @@ def _launch_decode(
         partial_out.stride(2),
         partial_max.stride(0),
         partial_max.stride(1),
+        out.stride(0),
+        out.stride(1),
         new_k.stride(0),
         new_k.stride(1),
         new_v.stride(0),
@@ -366,9 +373,12 @@ def _launch_decode(
         FUSE_CACHE_WRITE=new_kv is not None,
         SATURATE_FP8=k_cache.dtype == FP8_DTYPE,
         DOT_PRECISION=dot_precision(q.dtype),
+        SINGLE_SPLIT=single_split,
         num_warps=4,
         num_stages=2,
     )
+    if single_split:
+        return out
     paged_decode_reduce_kernel[(batch, num_q_heads)](
         # pointers
         partial_out,

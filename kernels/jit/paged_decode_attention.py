@@ -42,6 +42,7 @@ def paged_decode_split_kernel(
     partial_out_ptr,  # [B, Hq, num_splits, D] float32, unnormalised
     partial_max_ptr,  # [B, Hq, num_splits] float32, running max (log2 domain)
     partial_sum_ptr,  # [B, Hq, num_splits] float32, running sum of 2^(s - max)
+    out_ptr,  # [B, Hq, D], written only when SINGLE_SPLIT (the partials are not, then)
     new_k_ptr,  # [B, Hkv, D], read only when FUSE_CACHE_WRITE
     new_v_ptr,  # [B, Hkv, D], read only when FUSE_CACHE_WRITE
     slot_mapping_ptr,  # [B], read only when FUSE_CACHE_WRITE
@@ -65,6 +66,8 @@ def paged_decode_split_kernel(
     stride_partial_out_split,
     stride_partial_stat_seq,
     stride_partial_stat_head,
+    stride_out_seq,
+    stride_out_head,
     stride_new_k_seq,
     stride_new_k_head,
     stride_new_v_seq,
@@ -77,22 +80,27 @@ def paged_decode_split_kernel(
     FUSE_CACHE_WRITE: tl.constexpr,
     SATURATE_FP8: tl.constexpr,  # the cache is float8 e4m3: clamp the written K/V to +-448
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, "tf32" otherwise (ignored for 16-bit)
+    SINGLE_SPLIT: tl.constexpr,  # one split holds the whole context: normalise and write out_ptr here
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-
-    context_len = tl.load(context_lens_ptr + seq)
-    split_start = split * tokens_per_split
-    split_end = tl.minimum(split_start + tokens_per_split, context_len)
-    if split_start >= split_end:
-        return
 
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     group = tl.arange(0, BLOCK_G)
     group_mask = group < queries_per_kv
     q_heads = kv_head * queries_per_kv + group  # [BLOCK_G]
+    out_ptrs = out_ptr + seq * stride_out_seq + q_heads[:, None] * stride_out_head + dims[None, :]
+    out_mask = group_mask[:, None] & dim_mask[None, :]
+
+    context_len = tl.load(context_lens_ptr + seq)
+    split_start = split * tokens_per_split
+    split_end = tl.minimum(split_start + tokens_per_split, context_len)
+    if split_start >= split_end:
+        if SINGLE_SPLIT:  # a sequence of length 0: zeros, as the reduce kernel gives
+            tl.store(out_ptrs, tl.zeros([BLOCK_G, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=out_mask)
+        return
     q_ptrs = q_ptr + seq * stride_q_seq + q_heads[:, None] * stride_q_head + dims[None, :]
     q = tl.load(
         q_ptrs, mask=group_mask[:, None] & dim_mask[None, :], other=0.0
@@ -164,17 +172,20 @@ def paged_decode_split_kernel(
             v = tl.where(is_current, new_v_seen[None, :], v)
         acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
 
-    out_ptrs = (
-        partial_out_ptr
-        + seq * stride_partial_out_seq
-        + q_heads[:, None] * stride_partial_out_head
-        + split * stride_partial_out_split
-        + dims[None, :]
-    )
-    tl.store(out_ptrs, acc, mask=group_mask[:, None] & dim_mask[None, :])
-    stat_offsets = seq * stride_partial_stat_seq + q_heads * stride_partial_stat_head + split
-    tl.store(partial_max_ptr + stat_offsets, running_max, mask=group_mask)
-    tl.store(partial_sum_ptr + stat_offsets, running_sum, mask=group_mask)
+    if SINGLE_SPLIT:
+        tl.store(out_ptrs, (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        partial_ptrs = (
+            partial_out_ptr
+            + seq * stride_partial_out_seq
+            + q_heads[:, None] * stride_partial_out_head
+            + split * stride_partial_out_split
+            + dims[None, :]
+        )
+        tl.store(partial_ptrs, acc, mask=out_mask)
+        stat_offsets = seq * stride_partial_stat_seq + q_heads * stride_partial_stat_head + split
+        tl.store(partial_max_ptr + stat_offsets, running_max, mask=group_mask)
+        tl.store(partial_sum_ptr + stat_offsets, running_sum, mask=group_mask)
 
     if FUSE_CACHE_WRITE:
         # only the split holding position context_len - 1 writes the current token

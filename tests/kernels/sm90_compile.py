@@ -209,10 +209,10 @@ def kernel_specs(include_float32: bool):
     attention_dtypes = [("bf16", "tf32")] + ([("fp32", "ieee")] if include_float32 else [])
     for dtype, precision in attention_dtypes:
         for cache, cache_types in (("", None), (",fp8 cache", FP8_CACHE)):
-            for fuse in (False, True):
+            for fuse, single in ((False, False), (True, False), (True, True)):  # single: no reduce launch
                 specs.append(
                     (
-                        f"paged_decode_split[{dtype}{cache},fuse={fuse}]",
+                        f"paged_decode_split[{dtype}{cache},fuse={fuse}{',single split' if single else ''}]",
                         paged_decode_split_kernel,
                         dtype,
                         {
@@ -223,6 +223,7 @@ def kernel_specs(include_float32: bool):
                             "FUSE_CACHE_WRITE": fuse,
                             "SATURATE_FP8": cache_types is not None,
                             "DOT_PRECISION": precision,
+                            "SINGLE_SPLIT": single,
                         },
                         {"num_warps": 4, "num_stages": 2},
                         cache_types,

@@ -55,7 +55,8 @@ def test_cpu_dispatch_uses_reference():
 CASES = [
     # (context lengths, block size, Hq, Hkv, head_dim, num_splits)
     ([1, 17, 40, 0], 4, 4, 4, 32, None),  # GQA ratio 1, a padding sequence
-    ([33, 5, 64], 16, 8, 2, 32, 1),  # GQA ratio 4, one split
+    ([33, 5, 64], 16, 8, 2, 32, 1),  # GQA ratio 4, one split: the split kernel writes out, no reduce
+    ([0, 9, 0], 4, 8, 2, 32, 1),  # one split with padding sequences: their rows are zeros
     ([130, 7], 4, 8, 2, 32, 3),  # contexts spanning several splits and many blocks
     ([21], 1, 8, 2, 16, 2),  # block size 1
     ([50, 3], 5, 6, 3, 24, None),  # odd block size and head dim, GQA ratio 2
