@@ -144,19 +144,21 @@ def causal_with_context_supported(q: torch.Tensor) -> bool:
     queries, checked once per device and dtype on a tiny case against explicit masked attention
     (a kernel that aligns it top-left would be silently wrong there). A failed check turns the
     use off, with the warning."""
-    if CAUSAL_WITH_CONTEXT in _failures or not flash_varlen_usable(q, CAUSAL_WITH_CONTEXT):
+    if not flash_varlen_usable(q, CAUSAL_WITH_CONTEXT):  # also False once the use is off
         return False
     key = (q.device.type, q.device.index, q.dtype, q.shape[-1])
     if key not in _alignment_checked:
-        _alignment_checked[key] = _check_bottom_right(q)
+        _alignment_checked.add(key)
+        _check_bottom_right(q)  # turns the use off if the check fails
     return CAUSAL_WITH_CONTEXT not in _failures
 
 
-_alignment_checked: dict[tuple, bool] = {}
+_alignment_checked: set[tuple] = set()  # (device type, index, dtype, head size) checked once each
 
 
-def _check_bottom_right(like: torch.Tensor) -> bool:
-    """Two segments (3 queries over 7 keys, 2 over 2) through the kernel vs float32 math."""
+def _check_bottom_right(like: torch.Tensor) -> None:
+    """Two segments (3 queries over 7 keys, 2 over 2) through the kernel vs float32 math; a
+    failure or a mismatch turns CAUSAL_WITH_CONTEXT off."""
     generator = torch.Generator().manual_seed(0)
     head_dim = like.shape[-1]
     query_lens, key_lens = [3, 2], [7, 2]
@@ -177,9 +179,7 @@ def _check_bottom_right(like: torch.Tensor) -> bool:
                                      cu_seqlens_k=bounds_k, max_seqlen_k=7)
     except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
         _turn_off(CAUSAL_WITH_CONTEXT, f"{type(exc).__name__}: {exc}")
-        return False
+        return
     error = (out.float().cpu() - expected).abs().max().item()
     if error > 0.05 * expected.abs().max().item():  # 16-bit inputs: ~1e-2 when aligned, O(1) when not
         _turn_off(CAUSAL_WITH_CONTEXT, f"its causal mask is not aligned bottom-right (max error {error:.3g})")
-        return False
-    return True

@@ -83,7 +83,8 @@ class PackedContexts:
         self._cu_seqlens_k: torch.Tensor | None = None
 
     def layout(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots [total] int64, cu_seqlens_k [B+1] int32) for a cache of `block_size`."""
+        """(slots [total] int64, cu_seqlens_k [B+1] int32) for caches of `block_size` (every layer's
+        is the same: computed on the first call)."""
         if self._slots is None:
             device = self.block_tables.device
             lengths = self.context_lens.long()

@@ -293,26 +293,29 @@ def paged_prefill_attention_per_sequence(
     kv_lens: list[int],
     threshold: int | None = None,
     contexts: PackedContexts | None = None,
+    flash: bool = True,
 ) -> torch.Tensor:
     """Fresh chunks through the causal varlen kernel when it can take them, else those of at
     least `threshold` (default `sdpa_min_prefill_len()`) tokens through causal SDPA each, all on
     their own k/v (new_k/new_v [T, Hkv, D], rounded as the cache stores them); the rest in one
     Triton launch that skips them. `query_lens`/`kv_lens`: cu_seqlens_q's lengths and
-    context_lens on the host. An explicit `threshold` leaves the varlen kernel out (the
-    per-chunk SDPA path alone, as `scripts/bench_kernels.py` times it). `contexts`: the
-    step's `PackedContexts` for these sequences, shared across layers (else built here)."""
-    if threshold is None and fresh_prefill_through_flash() and flash_varlen_usable(q, "causal"):
-        extended = any(n and n != total for n, total in zip(query_lens, kv_lens))
+    context_lens on the host. `flash=False` leaves the varlen kernel out (the per-chunk SDPA
+    path alone, as `scripts/bench_kernels.py` times it). `contexts`: the step's
+    `PackedContexts` for these sequences, shared across layers (else built here)."""
+    starts = list(itertools.accumulate([0] + query_lens[:-1]))
+    if flash and fresh_prefill_through_flash() and flash_varlen_usable(q, "causal"):
+        # (start, length) of the chunks after a cached context; the others are whole prompts
+        extended = [(start, n) for start, n, total in zip(starts, query_lens, kv_lens) if n and n != total]
+        out = None
         if extended and sum(kv_lens) <= GATHER_MAX_KEYS and causal_with_context_supported(q):
             contexts = contexts or PackedContexts(block_tables, context_lens, kv_lens)
             out = _chunks_over_packed_contexts(q, k_cache, v_cache, cu_seqlens_q, scale, max(query_lens), contexts)
-        else:
+        elif any(n and n == total for n, total in zip(query_lens, kv_lens)):
             out = _fresh_chunks_through_flash(q, new_k, new_v, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                              context_lens, scale, query_lens, kv_lens)
+                                              context_lens, scale, max(query_lens), extended)
         if out is not None:
             return out
     threshold = sdpa_min_prefill_len() if threshold is None else threshold
-    starts = list(itertools.accumulate([0] + query_lens[:-1]))
     by_sdpa = [n == total and n >= threshold for n, total in zip(query_lens, kv_lens)]  # the kernel's skip rule
     fresh = [(start, start + n) for start, n, sdpa in zip(starts, query_lens, by_sdpa) if sdpa]
     rest = [n for n, sdpa in zip(query_lens, by_sdpa) if n and not sdpa]
@@ -349,24 +352,19 @@ def _chunks_over_packed_contexts(
 
 
 def _fresh_chunks_through_flash(
-    q, new_k, new_v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, query_lens, kv_lens
+    q, new_k, new_v, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_query_len, extended
 ) -> torch.Tensor | None:
     """One causal varlen launch over every chunk's own k/v (right for the fresh chunks; the
-    others', which also need their cached context, are then overwritten by one Triton launch
-    that computes only them). None if the varlen kernel failed (the caller falls back)."""
-    if not any(n and n == total for n, total in zip(query_lens, kv_lens)):
-        return None  # nothing fresh: the Triton launch alone
+    `extended` ones, (start, length) after a cached context, are then overwritten by one Triton
+    launch that computes only them). None if the varlen kernel failed (the caller falls back)."""
     keys, values = (_as_cached(x, k_cache.dtype, q.dtype) for x in (new_k, new_v))  # [T, Hkv, D]
-    out = try_flash_varlen_attention("causal", q, keys, values, cu_seqlens_q, scale, max(query_lens), causal=True)
-    if out is None:
-        return None
-    extended = [n for n, total in zip(query_lens, kv_lens) if n and n != total]
-    if extended:
-        with_context = paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                                      scale, max_query_len=max(extended), skip_fresh_from=1)
-        for begin, n, total in zip(itertools.accumulate([0] + query_lens[:-1]), query_lens, kv_lens):
-            if n and n != total:
-                out[begin:begin + n] = with_context[begin:begin + n]  # [n, Hq, D]
+    out = try_flash_varlen_attention("causal", q, keys, values, cu_seqlens_q, scale, max_query_len, causal=True)
+    if out is None or not extended:
+        return out
+    with_context = paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                                  scale, max_query_len=max(n for _, n in extended), skip_fresh_from=1)
+    for begin, n in extended:
+        out[begin:begin + n] = with_context[begin:begin + n]  # [n, Hq, D]
     return out
 
 

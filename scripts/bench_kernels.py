@@ -473,7 +473,8 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
         args = (q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, scale)
         ms = timer(partial(paged_prefill_attention_triton, *args, max_query_len=new_tokens))
         lengths = [new_tokens] * num_seqs
-        sdpa = partial(paged_prefill_attention_per_sequence, q, new_k, new_v, *args[1:], lengths, lengths, threshold=1)
+        sdpa = partial(paged_prefill_attention_per_sequence, q, new_k, new_v, *args[1:], lengths, lengths, threshold=1,
+                       flash=False)
         flops = 4 * num_seqs * new_tokens * (new_tokens + 1) / 2 * shapes.num_q_heads * shapes.head_dim
         rows.append(
             Row(

@@ -87,7 +87,7 @@ def fake_flash(monkeypatch):
     failure remembered and no backend forced by the environment."""
     module = importlib.import_module("kernels.flash_varlen")
     monkeypatch.setattr(module, "_failures", {})
-    monkeypatch.setattr(module, "_alignment_checked", {})
+    monkeypatch.setattr(module, "_alignment_checked", set())
     monkeypatch.setattr(module, "FLASH_DEVICE_TYPES", ("cuda", "cpu"))
     for env_var in ("VLM_CATALOG_VARLEN_ATTENTION", "VLM_CATALOG_PREFILL_ATTENTION"):
         monkeypatch.delenv(env_var, raising=False)

@@ -344,7 +344,7 @@ def test_the_varlen_kernel_is_only_asked_for_16_bit_queries(triton_device, fake_
     kernel = fake_flash(FakeFlashVarlen())
     paged_prefill_attention_per_sequence(**flash_case(torch.float32, triton_device))  # not FlashAttention's dtype
     case = flash_case(torch.bfloat16, triton_device)
-    paged_prefill_attention_per_sequence(**case, threshold=6)  # an explicit threshold: the per-chunk SDPA path
+    paged_prefill_attention_per_sequence(**case, threshold=6, flash=False)  # the per-chunk SDPA path alone
     for backend in ("sdpa", "triton"):
         monkeypatch.setenv(PREFILL_BACKEND_ENV_VAR, backend)
         paged_prefill_attention_per_sequence(**case)
