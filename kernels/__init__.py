@@ -14,7 +14,13 @@ shadow the same-named submodules: import the variants with
 from kernels.activation import silu_and_mul
 from kernels.fp8_linear import fp8_linear
 from kernels.kv_cache import PackedContexts, reshape_and_cache
-from kernels.moe import fused_moe, moe_align_block_size, route_topk
+from kernels.moe import (
+    fused_moe,
+    moe_align_block_size,
+    moe_gemm_config,
+    route_topk,
+    route_topk_and_align,
+)
 from kernels.paged_decode_attention import (
     paged_decode_attention,
     paged_decode_attention_with_kv_write,
@@ -32,6 +38,7 @@ __all__ = [
     "fused_moe",
     "fused_sum_add_rms_norm",
     "moe_align_block_size",
+    "moe_gemm_config",
     "mrope_cos_sin",
     "paged_decode_attention",
     "paged_decode_attention_with_kv_write",
@@ -40,6 +47,7 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "route_topk",
+    "route_topk_and_align",
     "silu_and_mul",
     "varlen_attention",
     "vision_rotary",

@@ -561,6 +561,7 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
     from kernels.moe.align import moe_align_block_size_reference, moe_align_block_size_triton
     from kernels.moe.configs import get_moe_config
     from kernels.moe.fused_moe import fused_moe_reference, fused_moe_triton
+    from kernels.moe.routing import route_topk_and_align_triton, routes_and_aligns_in_one_launch
 
     rows = []
     element = torch.finfo(dtype).bits // 8
@@ -629,7 +630,31 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
                     note="sets SINGLE_LAUNCH_MAX_PAIRS (the largest T*K where one launch wins)",
                 )
             )
+        if routes_and_aligns_in_one_launch(num_tokens, shapes.num_experts):  # decode: routing and align fused
+            logits = torch.randn(num_tokens, shapes.num_experts, dtype=dtype, device=device)
+            route_args = (logits, shapes.top_k, True, dtype)
+            one = timer(partial(route_topk_and_align_triton, *route_args, config.block_size_m))
+            rows.append(
+                Row(
+                    "route_topk_and_align[one launch]",
+                    f"T={num_tokens}",
+                    one,
+                    "route_topk, then moe_align_block_size",
+                    timer(partial(_route_then_align, route_args, shapes.num_experts, config.block_size_m)),
+                    gigabytes_per_second(logits.numel() * element, one),
+                    target_speedup=1.0 if num_tokens == 1 else None,
+                    note="sets ROUTE_ALIGN_MAX_TOKENS (the largest T where one launch wins)",
+                )
+            )
     return rows
+
+
+def _route_then_align(route_args, num_experts: int, block_size: int):
+    """The two launches `route_topk_and_align` replaces for decode batches."""
+    from kernels.moe.align import moe_align_block_size_triton
+    from kernels.moe.routing import route_topk_triton
+
+    return moe_align_block_size_triton(route_topk_triton(*route_args)[1], num_experts, block_size)
 
 
 def _align_ms(timer, align_args, single_launch_max_pairs: int) -> float:

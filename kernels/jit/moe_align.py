@@ -13,6 +13,43 @@ import triton.language as tl
 
 
 @triton.jit
+def expert_segment(counts, experts, expert, block_size_m):
+    """counts [BLOCK_EXPERTS] of every expert -> `expert`'s padded segment: (first entry, blocks,
+    pairs), and the padded total, from an exclusive prefix sum over the experts."""
+    padded_counts = tl.cdiv(counts, block_size_m) * block_size_m
+    padded_starts = tl.cumsum(padded_counts, axis=0) - padded_counts
+    is_mine = experts == expert
+    segment_start = tl.sum(tl.where(is_mine, padded_starts, 0), axis=0)
+    segment_blocks = tl.sum(tl.where(is_mine, padded_counts, 0), axis=0) // block_size_m
+    count = tl.sum(tl.where(is_mine, counts, 0), axis=0)
+    return segment_start, segment_blocks, count, tl.sum(padded_counts, axis=0)
+
+
+@triton.jit
+def write_segment_blocks_and_padding(
+    sorted_token_ids_ptr, expert_ids_ptr, expert, segment_start, segment_blocks, count, num_pairs,
+    block_size_m, BLOCK: tl.constexpr,
+):
+    """The segment's blocks' expert id, and its padding (the entries after its `count` pairs,
+    fewer than block_size_m), which holds T*K for the GEMMs to mask out."""
+    first_block = segment_start // block_size_m
+    for start in range(0, segment_blocks, BLOCK):
+        blocks = start + tl.arange(0, BLOCK)
+        tl.store(
+            expert_ids_ptr + first_block + blocks,
+            tl.full([BLOCK], 0, tl.int32) + expert,
+            mask=blocks < segment_blocks,
+        )
+    for start in range(count, segment_blocks * block_size_m, BLOCK):
+        slots = start + tl.arange(0, BLOCK)
+        tl.store(
+            sorted_token_ids_ptr + segment_start + slots,
+            tl.full([BLOCK], 0, tl.int32) + num_pairs,
+            mask=slots < segment_blocks * block_size_m,
+        )
+
+
+@triton.jit
 def moe_count_kernel(
     # pointers
     topk_ids_ptr,  # [T*K]
@@ -61,23 +98,13 @@ def moe_scatter_kernel(
             counts += tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
     else:
         counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
-    padded_counts = tl.cdiv(counts, block_size_m) * block_size_m
-    padded_starts = tl.cumsum(padded_counts, axis=0) - padded_counts
-    is_mine = experts == expert
-    segment_start = tl.sum(tl.where(is_mine, padded_starts, 0), axis=0)
-    segment_blocks = tl.sum(tl.where(is_mine, padded_counts, 0), axis=0) // block_size_m
-    count = tl.sum(tl.where(is_mine, counts, 0), axis=0)
+    segment_start, segment_blocks, count, total = expert_segment(counts, experts, expert, block_size_m)
     if expert == 0:
-        tl.store(num_tokens_post_padded_ptr, tl.sum(padded_counts, axis=0))
-
-    first_block = segment_start // block_size_m
-    for start in range(0, segment_blocks, BLOCK):
-        blocks = start + tl.arange(0, BLOCK)
-        tl.store(
-            expert_ids_ptr + first_block + blocks,
-            tl.full([BLOCK], 0, tl.int32) + expert,
-            mask=blocks < segment_blocks,
-        )
+        tl.store(num_tokens_post_padded_ptr, total)
+    write_segment_blocks_and_padding(
+        sorted_token_ids_ptr, expert_ids_ptr, expert, segment_start, segment_blocks, count, num_pairs,
+        block_size_m, BLOCK,
+    )
 
     # pairs of this expert, in order: destination = segment start + rank among them
     rank_base = tl.full([], 0, dtype=tl.int32)
@@ -88,12 +115,3 @@ def moe_scatter_kernel(
         ranks = rank_base + tl.cumsum(hit, axis=0) - hit  # exclusive prefix count
         tl.store(sorted_token_ids_ptr + segment_start + ranks, pairs, mask=hit > 0)
         rank_base += tl.sum(hit, axis=0)
-
-    # the segment's padding (fewer than block_size_m entries) holds T*K, which the GEMMs mask out
-    for start in range(count, segment_blocks * block_size_m, BLOCK):
-        slots = start + tl.arange(0, BLOCK)
-        tl.store(
-            sorted_token_ids_ptr + segment_start + slots,
-            tl.full([BLOCK], 0, tl.int32) + num_pairs,
-            mask=slots < segment_blocks * block_size_m,
-        )

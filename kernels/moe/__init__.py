@@ -1,10 +1,20 @@
 """Fused mixture-of-experts, in stages: routing (`route_topk`), grouping the
 (token, k) pairs by expert (`moe_align_block_size`), and the two grouped GEMMs
-(`fused_moe`). `configs` holds the GEMM block sizes per shape and batch size."""
+(`fused_moe`). For decode batches `route_topk_and_align` does the first two in
+one launch. `configs` holds the GEMM block sizes per shape and batch size."""
 
-from kernels.moe.align import moe_align_block_size
+from kernels.moe.align import MoeAlignment, moe_align_block_size
 from kernels.moe.configs import MoeKernelConfig, get_moe_config
-from kernels.moe.fused_moe import fused_moe
-from kernels.moe.routing import route_topk
+from kernels.moe.fused_moe import fused_moe, moe_gemm_config
+from kernels.moe.routing import route_topk, route_topk_and_align
 
-__all__ = ["MoeKernelConfig", "fused_moe", "get_moe_config", "moe_align_block_size", "route_topk"]
+__all__ = [
+    "MoeAlignment",
+    "MoeKernelConfig",
+    "fused_moe",
+    "get_moe_config",
+    "moe_align_block_size",
+    "moe_gemm_config",
+    "route_topk",
+    "route_topk_and_align",
+]

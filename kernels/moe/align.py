@@ -30,6 +30,8 @@ GPU measures the crossover (`scripts/bench_kernels.py`, rows
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kernels.checks import INDEX_DTYPES, check_dtype
@@ -37,6 +39,17 @@ from kernels.dispatch import use_triton
 
 SINGLE_LAUNCH_MAX_PAIRS = 256  # NOT YET MEASURED on a GPU: placeholder (32 decode tokens at K=8)
 COUNT_TILE = 8192  # compares per step of the in-program count: [BLOCK_EXPERTS, COUNT_TILE // BLOCK_EXPERTS]
+
+
+class MoeAlignment(NamedTuple):
+    """The layout above, made for GEMM blocks of `block_size` rows (`fused_moe` checks that its
+    config's block_size_m is the same before it uses one made ahead, as
+    `kernels.moe.routing.route_topk_and_align` does for decode batches)."""
+
+    sorted_token_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_tokens_post_padded: torch.Tensor
+    block_size: int
 
 
 def max_padded_pairs(num_pairs: int, num_experts: int, block_size: int) -> int:

@@ -58,6 +58,7 @@ from kernels.checks import (
 )
 from kernels.dispatch import use_triton
 from kernels.fp8 import FP8_DTYPE, dequantize, fp8_block_k, gemm_input, quantize_activations
+from kernels.moe.align import MoeAlignment, max_padded_pairs
 from kernels.moe.configs import MoeKernelConfig, as_moe_config, get_moe_config
 
 MAX_TOKENS_PER_CHUNK = 16384  # bounds the [T*K, I] and [T*K, H] intermediates
@@ -76,8 +77,9 @@ def fused_moe_reference(
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
     fp8_activations: bool = False,
+    alignment: MoeAlignment | None = None,
 ) -> torch.Tensor:
-    """hidden [T, H] -> [T, H]; `config` is ignored (kept for a uniform signature).
+    """hidden [T, H] -> [T, H]; `config` and `alignment` are ignored (kept for a uniform signature).
 
     Transformers' expert loop without its `index_add_` (slow on CPU): each
     expert's tokens are run in transformers' row order (top-k position, then
@@ -87,7 +89,7 @@ def fused_moe_reference(
     order in which transformers accumulates them, in float32, rounded once
     (module doc). Bit-exact with transformers in float32.
     """
-    del config
+    del config, alignment
     _check_fp8_activations(block_shape, fp8_activations)
     num_tokens, top_k = topk_ids.shape
     ids = topk_ids.long()
@@ -180,6 +182,7 @@ def fused_moe_triton(
     block_shape: tuple[int, int] | None = None,
     fp8_activations: bool = False,
     sum_experts: bool = True,
+    alignment: MoeAlignment | None = None,
 ) -> torch.Tensor:
     _check_fused_moe_args(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
     _check_fp8_activations(block_shape, fp8_activations)
@@ -187,8 +190,15 @@ def fused_moe_triton(
         check_same_device(hidden=hidden, w13_scale=w13_scale, w2_scale=w2_scale)
     scales = None if block_shape is None else (w13_scale, w2_scale, tuple(block_shape))
     num_tokens = hidden.shape[0]
+    if alignment is not None and num_tokens > MAX_TOKENS_PER_CHUNK:
+        raise ValueError(
+            f"alignment: a layout made ahead covers one chunk (at most {MAX_TOKENS_PER_CHUNK} tokens), "
+            f"got {num_tokens} tokens"
+        )
     if not sum_experts and num_tokens <= MAX_TOKENS_PER_CHUNK:  # one chunk: its terms are the answer
-        return _fused_moe_chunk(hidden, w13, w2, topk_weights, topk_ids, config, None, scales, fp8_activations)
+        return _fused_moe_chunk(
+            hidden, w13, w2, topk_weights, topk_ids, config, None, scales, fp8_activations, alignment
+        )
     out = torch.empty_like(hidden)
     for start in range(0, num_tokens, MAX_TOKENS_PER_CHUNK):
         end = min(start + MAX_TOKENS_PER_CHUNK, num_tokens)
@@ -202,8 +212,20 @@ def fused_moe_triton(
             out[start:end],
             scales,
             fp8_activations,
+            alignment,
         )
     return out
+
+
+def moe_gemm_config(
+    num_tokens: int, w13: torch.Tensor, top_k: int, config: MoeKernelConfig | Mapping[str, int] | None = None
+) -> MoeKernelConfig:
+    """The GEMM block sizes `fused_moe` uses for `num_tokens` tokens with these gate/up weights
+    (keyed by their dtype: FP8 experts have entries of their own), unless `config` is given."""
+    if config is None:
+        num_experts, two_intermediate, hidden_size = w13.shape
+        config = get_moe_config(num_tokens, num_experts, hidden_size, two_intermediate // 2, w13.dtype, top_k)
+    return as_moe_config(config)
 
 
 def _fused_moe_chunk(
@@ -216,8 +238,10 @@ def _fused_moe_chunk(
     out: torch.Tensor | None,
     scales: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None,
     fp8_activations: bool = False,
+    alignment: MoeAlignment | None = None,
 ) -> torch.Tensor | None:
-    """The chunk's output summed into `out` [T, H]; with `out` None, its unsummed terms [T, K, H]."""
+    """The chunk's output summed into `out` [T, H]; with `out` None, its unsummed terms [T, K, H].
+    `alignment`: the pairs' layout made ahead (else aligned here)."""
     import triton
 
     from kernels.jit.fused_moe import moe_down_kernel, moe_gate_up_silu_kernel
@@ -228,11 +252,7 @@ def _fused_moe_chunk(
     intermediate = two_intermediate // 2
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
-    if config is None:  # keyed by the weights' dtype: FP8 experts have entries of their own
-        config = get_moe_config(
-            num_tokens, num_experts, hidden_size, intermediate, w13.dtype, top_k
-        )
-    config = as_moe_config(config)
+    config = moe_gemm_config(num_tokens, w13, top_k, config)
     block_k = config.block_size_k
     if scales is None:  # placeholders, never read when FP8_WEIGHTS is False
         w13_scale, w2_scale, (quant_n, quant_k) = hidden, hidden, (1, 1)
@@ -242,9 +262,13 @@ def _fused_moe_chunk(
         block_k = fp8_block_k(block_k, quant_k)
         scale_strides = (w13_scale.stride(0), w13_scale.stride(1), w2_scale.stride(0), w2_scale.stride(1))
 
-    sorted_token_ids, expert_ids, num_tokens_post_padded = moe_align_block_size_triton(
-        topk_ids, num_experts, config.block_size_m
-    )
+    if alignment is None:
+        alignment = MoeAlignment(
+            *moe_align_block_size_triton(topk_ids, num_experts, config.block_size_m), config.block_size_m
+        )
+    else:
+        _check_alignment(alignment, num_pairs, num_experts, config.block_size_m)
+    sorted_token_ids, expert_ids, num_tokens_post_padded, _ = alignment
     num_m_blocks = expert_ids.shape[0]
     weights = topk_weights.reshape(-1)  # [T*K], flat pair index t * K + k
     activated = torch.empty((num_pairs, intermediate), dtype=hidden.dtype, device=hidden.device)
@@ -329,6 +353,20 @@ def _fused_moe_chunk(
     return None
 
 
+def _check_alignment(alignment: MoeAlignment, num_pairs: int, num_experts: int, block_size_m: int) -> None:
+    if alignment.block_size != block_size_m:
+        raise ValueError(
+            f"alignment: made for GEMM blocks of {alignment.block_size} rows, but the config's "
+            f"block_size_m is {block_size_m}"
+        )
+    expected = max_padded_pairs(num_pairs, num_experts, block_size_m)
+    if alignment.sorted_token_ids.numel() != expected:
+        raise ValueError(
+            f"alignment: sorted_token_ids has {alignment.sorted_token_ids.numel()} entries, "
+            f"{num_pairs} pairs over {num_experts} experts take {expected}"
+        )
+
+
 # --------------------------------------------------------------------------- dispatch
 def fused_moe(
     hidden: torch.Tensor,
@@ -343,6 +381,7 @@ def fused_moe(
     block_shape: tuple[int, int] | None = None,
     fp8_activations: bool = False,
     sum_experts: bool = True,
+    alignment: MoeAlignment | None = None,
 ) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I],
     topk_weights / topk_ids [T, K] -> [T, H]. `config`: GEMM block sizes
@@ -350,8 +389,13 @@ def fused_moe(
     float8 e4m3 with `w13_scale` [E, 2I/bn, H/bk] and `w2_scale` [E, H/bn, I/bk]
     (float32), `block_shape` = (bn, bk); `fp8_activations`: the GEMM inputs in FP8 too.
     `sum_experts=False`: the Triton path may return the K weighted expert outputs
-    [T, K, H] unsummed (up to MAX_TOKENS_PER_CHUNK tokens); the caller takes either shape."""
-    scales = dict(w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape, fp8_activations=fp8_activations)
+    [T, K, H] unsummed (up to MAX_TOKENS_PER_CHUNK tokens); the caller takes either shape.
+    `alignment`: the pairs' layout made ahead (`route_topk_and_align`), for the same topk_ids and
+    the config's block_size_m; the reference path ignores it."""
+    scales = dict(
+        w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape, fp8_activations=fp8_activations,
+        alignment=alignment,
+    )
     if use_triton(hidden, w13, w2, topk_weights, topk_ids):
         return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, config, **scales, sum_experts=sum_experts)
     return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids, config, **scales)

@@ -5,6 +5,14 @@ As transformers' `Qwen3VLMoeTextTopKRouter`: ``softmax(logits, float32)``,
 renormalises; the flag is kept for other checkpoints). The weights are computed
 in float32; transformers then casts them to the hidden dtype for the experts,
 which `weights_dtype` does at the store (one launch fewer per MoE layer).
+
+`route_topk_and_align` also lays the (token, k) pairs out by expert for the
+fused MoE's GEMMs (`kernels.moe.align`); on the Triton path, for decode batches
+(up to `ROUTE_ALIGN_MAX_TOKENS` tokens), both in one launch: each of its E
+programs routes every token itself and writes its own expert's segment. That is
+one launch fewer per MoE layer of a decode step (48 at 30B-A3B). The threshold
+is a placeholder until a GPU measures the crossover (`scripts/bench_kernels.py`,
+rows `route_topk_and_align[one launch]`).
 """
 
 from __future__ import annotations
@@ -13,6 +21,10 @@ import torch
 
 from kernels.checks import FLOAT_DTYPES, check_dtype, check_shape, check_unit_stride_last_dim
 from kernels.dispatch import use_triton
+from kernels.moe.align import MoeAlignment, max_padded_pairs
+
+ROUTE_ALIGN_MAX_TOKENS = 32  # NOT YET MEASURED on a GPU: placeholder (256 pairs at K=8)
+ROUTE_ALIGN_MAX_TILE = 8192  # logits one program of the fused kernel holds: [BLOCK_T, BLOCK_EXPERTS]
 
 
 def route_topk_reference(
@@ -26,13 +38,7 @@ def route_topk_reference(
     return topk_weights.to(weights_dtype), topk_ids.to(torch.int32)
 
 
-def route_topk_triton(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    import triton
-
-    from kernels.jit.moe_routing import route_topk_kernel
-
+def _check_route_args(router_logits: torch.Tensor, top_k: int, weights_dtype: torch.dtype) -> tuple[int, int]:
     check_shape("router_logits", router_logits, (None, None))
     check_dtype("router_logits", router_logits, FLOAT_DTYPES)
     check_unit_stride_last_dim("router_logits", router_logits)
@@ -43,6 +49,17 @@ def route_topk_triton(
         )
     if weights_dtype not in FLOAT_DTYPES:
         raise ValueError(f"weights_dtype: {weights_dtype} is not a floating dtype the kernel writes")
+    return num_tokens, num_experts
+
+
+def route_topk_triton(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    import triton
+
+    from kernels.jit.moe_routing import route_topk_kernel
+
+    num_tokens, num_experts = _check_route_args(router_logits, top_k, weights_dtype)
     device = router_logits.device
     # the kernel computes in float32 and rounds once at the store
     topk_weights = torch.empty((num_tokens, top_k), dtype=weights_dtype, device=device)
@@ -78,3 +95,85 @@ def route_topk(
     if use_triton(router_logits):
         return route_topk_triton(router_logits, top_k, renormalize, weights_dtype)
     return route_topk_reference(router_logits, top_k, renormalize, weights_dtype)
+
+
+def routes_and_aligns_in_one_launch(num_tokens: int, num_experts: int) -> bool:
+    """Whether `route_topk_and_align` takes the fused kernel (on the Triton path)."""
+    import triton
+
+    tile = triton.next_power_of_2(max(num_tokens, 1)) * triton.next_power_of_2(num_experts)
+    return 0 < num_tokens <= ROUTE_ALIGN_MAX_TOKENS and tile <= ROUTE_ALIGN_MAX_TILE
+
+
+def route_topk_and_align_triton(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    weights_dtype: torch.dtype,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, MoeAlignment]:
+    """One launch, whatever the batch (callers keep it to decode batches: every program
+    routes every token)."""
+    import triton
+
+    from kernels.jit.moe_routing import route_topk_align_kernel
+
+    num_tokens, num_experts = _check_route_args(router_logits, top_k, weights_dtype)
+    if block_size < 1:
+        raise ValueError(f"block_size: must be >= 1, got {block_size}")
+    if num_tokens == 0:
+        raise ValueError("router_logits: no tokens (route_topk_and_align aligns only when there are some)")
+    device = router_logits.device
+    max_padded = max_padded_pairs(num_tokens * top_k, num_experts, block_size)
+    topk_weights = torch.empty((num_tokens, top_k), dtype=weights_dtype, device=device)
+    topk_ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
+    # written by the kernel up to num_tokens_post_padded (the rest is unspecified, as align's)
+    sorted_token_ids = torch.empty((max_padded,), dtype=torch.int32, device=device)
+    expert_ids = torch.empty((max_padded // block_size,), dtype=torch.int32, device=device)
+    num_tokens_post_padded = torch.empty((1,), dtype=torch.int32, device=device)
+    route_topk_align_kernel[(num_experts,)](
+        # pointers
+        router_logits,
+        topk_weights,
+        topk_ids,
+        sorted_token_ids,
+        expert_ids,
+        num_tokens_post_padded,
+        # sizes
+        num_tokens,
+        num_experts,
+        block_size,
+        # strides
+        router_logits.stride(0),
+        topk_weights.stride(0),
+        topk_ids.stride(0),
+        # meta-parameters
+        TOP_K=top_k,
+        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_T=triton.next_power_of_2(num_tokens),
+        BLOCK_EXPERTS=triton.next_power_of_2(num_experts),
+        RENORMALIZE=renormalize,
+        BLOCK=min(triton.next_power_of_2(max(num_tokens, block_size)), 1024),
+        # two token rows per warp: a row's k rounds of max/argmax are warp shuffles, and the sm_90
+        # code grows with the rows a warp holds (12k PTX lines at 32 tokens x 16 warps, 47k at 4 warps)
+        num_warps=min(16, max(1, triton.next_power_of_2(num_tokens) // 2)),
+    )
+    alignment = MoeAlignment(sorted_token_ids, expert_ids, num_tokens_post_padded, block_size)
+    return topk_weights, topk_ids, alignment
+
+
+def route_topk_and_align(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool = True,
+    weights_dtype: torch.dtype = torch.float32,
+    *,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, MoeAlignment | None]:
+    """`route_topk`, plus the pairs' layout for `fused_moe` with GEMM blocks of `block_size` rows
+    where one launch makes both (the Triton path, decode batches); None otherwise, and
+    `fused_moe` aligns the pairs itself."""
+    one_launch = router_logits.dim() == 2 and routes_and_aligns_in_one_launch(*router_logits.shape)
+    if one_launch and use_triton(router_logits):
+        return route_topk_and_align_triton(router_logits, top_k, renormalize, weights_dtype, block_size)
+    return (*route_topk(router_logits, top_k, renormalize, weights_dtype), None)

@@ -81,7 +81,7 @@ def kernel_specs(include_float32: bool):
     from kernels.jit.fused_moe import moe_down_kernel, moe_gate_up_silu_kernel
     from kernels.jit.kv_cache import reshape_and_cache_kernel
     from kernels.jit.moe_align import moe_count_kernel, moe_scatter_kernel
-    from kernels.jit.moe_routing import route_topk_kernel
+    from kernels.jit.moe_routing import route_topk_align_kernel, route_topk_kernel
     from kernels.jit.paged_decode_attention import (
         paged_decode_reduce_kernel,
         paged_decode_split_kernel,
@@ -175,6 +175,18 @@ def kernel_specs(include_float32: bool):
             {"TOP_K": 8, "BLOCK_K": 8, "BLOCK_EXPERTS": 128, "RENORMALIZE": True},
             {"num_warps": 1},
             {"topk_weights_ptr": "*bf16"},
+        ),
+        *(
+            (
+                f"route_topk_align[T={tokens}]",  # a decode batch's routing and align in one launch
+                route_topk_align_kernel,
+                "bf16",
+                {"TOP_K": 8, "BLOCK_K": 8, "BLOCK_T": tokens, "BLOCK_EXPERTS": 128, "RENORMALIZE": True,
+                 "BLOCK": max(tokens, 16)},
+                {"num_warps": max(1, tokens // 2)},  # as route_topk_and_align_triton launches it
+                {"topk_weights_ptr": "*bf16"},
+            )
+            for tokens in (1, 32)
         ),
         ("moe_count", moe_count_kernel, "bf16", {"BLOCK": 1024}, {"num_warps": 4}),
         (

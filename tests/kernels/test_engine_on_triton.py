@@ -2,8 +2,8 @@
 and the FlashAttention varlen calls through the CPU stand-in, against the engine on the torch
 reference path. It exercises, end to end and with real step metadata, the paths that only a GPU
 takes: prompts with and without a prefix-cache hit in one varlen call (packed contexts), chunked
-prefill, the vision tower's varlen call, the MoE's expert sum inside the next norm, the
-single-launch align of decode batches, and paged decode attention."""
+prefill, the vision tower's varlen call, the MoE's expert sum inside the next norm, routing
+and align in one launch for decode batches, and paged decode attention."""
 
 from __future__ import annotations
 
@@ -65,18 +65,17 @@ def test_engine_on_the_gpu_paths_answers_as_on_the_reference_path(
     assert packed, "chunks with a cached context over packed contexts"
     assert len(causal) > len(packed)  # whole prompts on their own k/v too
     assert len(kernel.calls) == calls_on_gpu_paths  # the reference path made no varlen call
-    assert taken["expert sum in the norm"] and taken["align in one launch"] and taken["paged decode"]
+    assert taken["expert sum in the norm"] and taken["routing and align in one launch"] and taken["paged decode"]
 
 
 def count_calls(monkeypatch) -> dict[str, int]:
     """Counts the GPU-only paths as the engine takes them."""
     import importlib
 
-    taken = {"expert sum in the norm": 0, "align in one launch": 0, "paged decode": 0}
+    taken = {"expert sum in the norm": 0, "routing and align in one launch": 0, "paged decode": 0}
     spied = (
         ("kernels.rms_norm", "fused_sum_add_rms_norm_triton", "expert sum in the norm", None),
-        ("kernels.moe.align", "moe_align_block_size_triton", "align in one launch",
-         lambda ids, *_: ids.numel() <= importlib.import_module("kernels.moe.align").SINGLE_LAUNCH_MAX_PAIRS),
+        ("kernels.moe.routing", "route_topk_and_align_triton", "routing and align in one launch", None),
         ("kernels.paged_decode_attention", "paged_decode_attention_with_kv_write_triton", "paged decode", None),
     )
     for module_name, function_name, label, condition in spied:

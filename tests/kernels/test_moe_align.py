@@ -8,45 +8,10 @@ import pytest
 import torch
 
 import kernels
-from kernels.moe.align import (
-    max_padded_pairs,
-    moe_align_block_size_reference,
-    moe_align_block_size_triton,
-)
+from kernels.moe.align import moe_align_block_size_reference, moe_align_block_size_triton
+from tests.kernels.moe_layout import assert_alignment_matches_reference, check_layout
 
 align_module = importlib.import_module("kernels.moe.align")
-
-
-def check_layout(
-    topk_ids: torch.Tensor, num_experts: int, block_size: int, sorted_ids, expert_ids, num_post
-):
-    """Independent check of the documented layout."""
-    flat = topk_ids.reshape(-1).tolist()
-    num_pairs = len(flat)
-    counts = [flat.count(e) for e in range(num_experts)]
-    padded = [-(-c // block_size) * block_size for c in counts]
-    used = int(num_post.item())
-    assert used == sum(padded)
-    assert sorted_ids.numel() == max_padded_pairs(num_pairs, num_experts, block_size) >= used
-    assert (
-        sorted_ids.numel() % block_size == 0
-        and expert_ids.numel() == sorted_ids.numel() // block_size
-    )
-    # entries past `used` are unspecified (the GEMMs never read them)
-    sorted_list, expert_list = sorted_ids[:used].tolist(), expert_ids[: used // block_size].tolist()
-    real = [entry for entry in sorted_list[:used] if entry != num_pairs]
-    assert sorted(real) == list(range(num_pairs)), "every pair exactly once"
-    start = 0
-    for expert in range(num_experts):
-        segment = sorted_list[start : start + padded[expert]]
-        pairs = [entry for entry in segment if entry != num_pairs]
-        assert [flat[p] for p in pairs] == [expert] * counts[expert]
-        assert pairs == sorted(pairs), "pairs keep their order within an expert"
-        assert segment[: counts[expert]] == pairs, "padding goes at the end of an expert's segment"
-        assert expert_list[start // block_size : (start + padded[expert]) // block_size] == [
-            expert
-        ] * (padded[expert] // block_size)
-        start += padded[expert]
 
 
 CASES = [
@@ -92,15 +57,7 @@ def test_triton_equals_reference(
     topk_ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(num_tokens)])
     topk_ids = topk_ids.to(ids_dtype).to(triton_device)
     got = kernels.moe_align_block_size(topk_ids, num_experts, block_size)
-    expected = moe_align_block_size_reference(topk_ids, num_experts, block_size)
-    used = int(expected[2])
-    assert all(actual.dtype == torch.int32 for actual in got)
-    assert torch.equal(got[2], expected[2]), "num_tokens_post_padded"
-    assert got[0].shape == expected[0].shape and got[1].shape == expected[1].shape
-    assert torch.equal(got[0][:used], expected[0][:used]), "sorted_token_ids"
-    assert torch.equal(got[1][: used // block_size], expected[1][: used // block_size]), "expert_ids"
-    check_layout(topk_ids.cpu(), num_experts, block_size, *(tensor.cpu() for tensor in got))
-
+    assert_alignment_matches_reference(got, topk_ids, num_experts, block_size)
 
 def test_triton_no_tokens(triton_device):
     topk_ids = torch.empty(0, 8, dtype=torch.int32, device=triton_device)

@@ -214,11 +214,13 @@ class SparseMoE(nn.Module):
         """[T, H] -> [T, H]; `sum_experts=False`: on the Triton path, possibly the K weighted
         expert outputs [T, K, H] unsummed (`RMSNorm.add_and_norm` sums them)."""
         router_logits = self.gate(hidden)  # [T, E]
-        # the weights in the hidden dtype, as transformers casts them for the experts
-        weights, expert_ids = kernels.route_topk(
-            router_logits, self.top_k, self.renormalize, weights_dtype=router_logits.dtype
-        )
         experts = self.experts
+        # decode batches on the Triton path: routing and the pairs' layout for the GEMMs in one launch
+        block_size = kernels.moe_gemm_config(hidden.shape[0], experts.gate_up_proj, self.top_k).block_size_m
+        # the weights in the hidden dtype, as transformers casts them for the experts
+        weights, expert_ids, alignment = kernels.route_topk_and_align(
+            router_logits, self.top_k, self.renormalize, weights_dtype=router_logits.dtype, block_size=block_size
+        )
         return kernels.fused_moe(
             hidden,
             experts.gate_up_proj,
@@ -230,6 +232,7 @@ class SparseMoE(nn.Module):
             block_shape=experts.fp8_block,
             fp8_activations=experts.fp8_activations,
             sum_experts=sum_experts,
+            alignment=alignment,
         )
 
 
