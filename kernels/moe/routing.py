@@ -98,10 +98,13 @@ def route_topk(
 
 
 def routes_and_aligns_in_one_launch(num_tokens: int, num_experts: int) -> bool:
-    """Whether `route_topk_and_align` takes the fused kernel (on the Triton path)."""
-    import triton
+    """Whether `route_topk_and_align` takes the fused kernel (on the Triton path; this decision
+    imports no triton, as the CPU path must not)."""
 
-    tile = triton.next_power_of_2(max(num_tokens, 1)) * triton.next_power_of_2(num_experts)
+    def next_power_of_2(n: int) -> int:
+        return 1 << max(n - 1, 0).bit_length()
+
+    tile = next_power_of_2(num_tokens) * next_power_of_2(num_experts)
     return 0 < num_tokens <= ROUTE_ALIGN_MAX_TOKENS and tile <= ROUTE_ALIGN_MAX_TILE
 
 
@@ -173,7 +176,8 @@ def route_topk_and_align(
     """`route_topk`, plus the pairs' layout for `fused_moe` with GEMM blocks of `block_size` rows
     where one launch makes both (the Triton path, decode batches); None otherwise, and
     `fused_moe` aligns the pairs itself."""
-    one_launch = router_logits.dim() == 2 and routes_and_aligns_in_one_launch(*router_logits.shape)
-    if one_launch and use_triton(router_logits):
+    if use_triton(router_logits) and router_logits.dim() == 2 and routes_and_aligns_in_one_launch(
+        *router_logits.shape
+    ):
         return route_topk_and_align_triton(router_logits, top_k, renormalize, weights_dtype, block_size)
     return (*route_topk(router_logits, top_k, renormalize, weights_dtype), None)

@@ -76,10 +76,12 @@ def test_larger_batches_and_the_reference_path_route_only(triton_device, monkeyp
     assert kernels.route_topk_and_align(logits[:4], 8, block_size=16)[2] is None
 
 
-def test_the_tile_bound_keeps_wide_routers_out(triton_device, monkeypatch):
-    # [BLOCK_T, BLOCK_EXPERTS] logits per program: at 512 experts, 16 tokens at most
+def test_the_tile_bound_keeps_wide_routers_out():
+    # [BLOCK_T, BLOCK_EXPERTS] logits per program: at 512 experts, 16 tokens at most; at 60, 32
     assert routing_module.routes_and_aligns_in_one_launch(16, 512)
     assert not routing_module.routes_and_aligns_in_one_launch(17, 512)
+    assert routing_module.routes_and_aligns_in_one_launch(32, 60)
+    assert routing_module.routes_and_aligns_in_one_launch(1, 128)
     assert not routing_module.routes_and_aligns_in_one_launch(0, 128)
 
 
