@@ -561,7 +561,6 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
     from kernels.moe.align import moe_align_block_size_reference, moe_align_block_size_triton
     from kernels.moe.configs import get_moe_config
     from kernels.moe.fused_moe import fused_moe_reference, fused_moe_triton
-    from kernels.moe.routing import route_topk_and_align_triton, routes_and_aligns_in_one_launch
 
     rows = []
     element = torch.finfo(dtype).bits // 8
@@ -630,22 +629,48 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
                     note="sets SINGLE_LAUNCH_MAX_PAIRS (the largest T*K where one launch wins)",
                 )
             )
-        if routes_and_aligns_in_one_launch(num_tokens, shapes.num_experts):  # decode: routing and align fused
-            logits = torch.randn(num_tokens, shapes.num_experts, dtype=dtype, device=device)
-            route_args = (logits, shapes.top_k, True, dtype)
-            one = timer(partial(route_topk_and_align_triton, *route_args, config.block_size_m))
-            rows.append(
-                Row(
-                    "route_topk_and_align[one launch]",
-                    f"T={num_tokens}",
-                    one,
-                    "route_topk, then moe_align_block_size",
-                    timer(partial(_route_then_align, route_args, shapes.num_experts, config.block_size_m)),
-                    gigabytes_per_second(logits.numel() * element, one),
-                    target_speedup=1.0 if num_tokens == 1 else None,
-                    note="sets ROUTE_ALIGN_MAX_TOKENS (the largest T where one launch wins)",
-                )
+    rows += _route_and_align_rows(shapes, dtype, device, timer)
+    return rows
+
+
+ROUTE_ALIGN_BENCH_TOKENS = (1, 4, 8, 16, 32, 64)  # decode batches around ROUTE_ALIGN_MAX_TOKENS
+
+
+def _route_and_align_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
+    """Routing and align in one launch against the two launches it replaces, at decode batches on
+    both sides of ROUTE_ALIGN_MAX_TOKENS (whatever it is set to): the rows set it."""
+    import torch
+
+    from kernels.moe.configs import get_moe_config
+    from kernels.moe.routing import (
+        ROUTE_ALIGN_MAX_TILE,
+        route_align_tile,
+        route_topk_and_align_triton,
+    )
+
+    rows = []
+    element = torch.finfo(dtype).bits // 8
+    for num_tokens in ROUTE_ALIGN_BENCH_TOKENS:
+        if route_align_tile(num_tokens, shapes.num_experts) > ROUTE_ALIGN_MAX_TILE:
+            continue
+        block_size = get_moe_config(
+            num_tokens, shapes.num_experts, shapes.hidden, shapes.moe_intermediate, dtype, shapes.top_k
+        ).block_size_m
+        logits = torch.randn(num_tokens, shapes.num_experts, dtype=dtype, device=device)
+        route_args = (logits, shapes.top_k, True, dtype)
+        one = timer(partial(route_topk_and_align_triton, *route_args, block_size))
+        rows.append(
+            Row(
+                "route_topk_and_align[one launch]",
+                f"T={num_tokens}",
+                one,
+                "route_topk, then moe_align_block_size",
+                timer(partial(_route_then_align, route_args, shapes.num_experts, block_size)),
+                gigabytes_per_second(logits.numel() * element, one),
+                target_speedup=1.0 if num_tokens == 1 else None,
+                note="sets ROUTE_ALIGN_MAX_TOKENS (the largest T where one launch wins)",
             )
+        )
     return rows
 
 

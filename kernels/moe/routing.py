@@ -8,7 +8,7 @@ which `weights_dtype` does at the store (one launch fewer per MoE layer).
 
 `route_topk_and_align` also lays the (token, k) pairs out by expert for the
 fused MoE's GEMMs (`kernels.moe.align`); on the Triton path, for decode batches
-(up to `ROUTE_ALIGN_MAX_TOKENS` tokens), both in one launch: each of its E
+(up to `ROUTE_ALIGN_MAX_TOKENS` = 16 tokens), both in one launch: each of its E
 programs routes every token itself and writes its own expert's segment. That is
 one launch fewer per MoE layer of a decode step (48 at 30B-A3B). The threshold
 is a placeholder until a GPU measures the crossover (`scripts/bench_kernels.py`,
@@ -23,7 +23,11 @@ from kernels.checks import FLOAT_DTYPES, check_dtype, check_shape, check_unit_st
 from kernels.dispatch import use_triton
 from kernels.moe.align import MoeAlignment, max_padded_pairs
 
-ROUTE_ALIGN_MAX_TOKENS = 32  # NOT YET MEASURED on a GPU: placeholder (256 pairs at K=8)
+# NOT YET MEASURED on a GPU: a placeholder. Every program routes every token, about 1.5k sm_90
+# instructions per token row (PTX of the compiled kernel), so a program's work grows with T while
+# the two launches it replaces spread the rows over the SMs: an estimate puts the crossover near
+# 16 tokens (~3 us of routing per program against a launch of ~2 us in a CUDA graph).
+ROUTE_ALIGN_MAX_TOKENS = 16
 ROUTE_ALIGN_MAX_TILE = 8192  # logits one program of the fused kernel holds: [BLOCK_T, BLOCK_EXPERTS]
 
 
@@ -97,15 +101,19 @@ def route_topk(
     return route_topk_reference(router_logits, top_k, renormalize, weights_dtype)
 
 
-def routes_and_aligns_in_one_launch(num_tokens: int, num_experts: int) -> bool:
-    """Whether `route_topk_and_align` takes the fused kernel (on the Triton path; this decision
-    imports no triton, as the CPU path must not)."""
+def route_align_tile(num_tokens: int, num_experts: int) -> int:
+    """The logits one program of the fused kernel holds: [BLOCK_T, BLOCK_EXPERTS] (powers of two).
+    Computed without triton, which the CPU path must not import."""
 
     def next_power_of_2(n: int) -> int:
         return 1 << max(n - 1, 0).bit_length()
 
-    tile = next_power_of_2(num_tokens) * next_power_of_2(num_experts)
-    return 0 < num_tokens <= ROUTE_ALIGN_MAX_TOKENS and tile <= ROUTE_ALIGN_MAX_TILE
+    return next_power_of_2(num_tokens) * next_power_of_2(num_experts)
+
+
+def routes_and_aligns_in_one_launch(num_tokens: int, num_experts: int) -> bool:
+    """Whether `route_topk_and_align` takes the fused kernel (on the Triton path)."""
+    return 0 < num_tokens <= ROUTE_ALIGN_MAX_TOKENS and route_align_tile(num_tokens, num_experts) <= ROUTE_ALIGN_MAX_TILE
 
 
 def route_topk_and_align_triton(

@@ -18,7 +18,8 @@ routing_module = importlib.import_module("kernels.moe.routing")
 CASES = [
     # (T, E, K, block size)
     (1, 128, 8, 16),  # one decode token at the 30B-A3B shapes
-    (32, 128, 8, 16),  # the largest batch the fused kernel takes by default
+    (16, 128, 8, 16),  # the largest batch the dispatcher gives the fused kernel by default
+    (32, 128, 8, 16),  # 16 warps
     (7, 60, 4, 16),  # neither T nor E a power of two
     (3, 6, 6, 4),  # every token picks every expert, expert 0 included; K not a power of two
     (5, 9, 3, 1),
@@ -48,10 +49,8 @@ def test_one_launch_equals_route_then_align(
 ):
     # every output starts poisoned, so an entry the kernel forgets (inside the used part) shows
     logits = torch.randn(num_tokens, num_experts, device=triton_device)
-    weights, ids, alignment = kernels.route_topk_and_align(
-        logits, top_k, renormalize, weights_dtype, block_size=block_size
-    )
-    assert alignment is not None and alignment.block_size == block_size, "the one-launch path was not taken"
+    weights, ids, alignment = route_topk_and_align_triton(logits, top_k, renormalize, weights_dtype, block_size)
+    assert alignment.block_size == block_size
     check_routing(weights, ids, logits, top_k, renormalize, weights_dtype)
     assert_alignment_matches_reference(alignment, ids, num_experts, block_size)
 
@@ -76,13 +75,18 @@ def test_larger_batches_and_the_reference_path_route_only(triton_device, monkeyp
     assert kernels.route_topk_and_align(logits[:4], 8, block_size=16)[2] is None
 
 
-def test_the_tile_bound_keeps_wide_routers_out():
-    # [BLOCK_T, BLOCK_EXPERTS] logits per program: at 512 experts, 16 tokens at most; at 60, 32
+def test_the_token_and_tile_bounds(monkeypatch):
+    # at most ROUTE_ALIGN_MAX_TOKENS tokens, and [BLOCK_T, BLOCK_EXPERTS] logits per program:
+    # at 512 experts, 16 tokens at most; at 60 (64 in the tile), 128
+    monkeypatch.setattr(routing_module, "ROUTE_ALIGN_MAX_TOKENS", 1000)
     assert routing_module.routes_and_aligns_in_one_launch(16, 512)
     assert not routing_module.routes_and_aligns_in_one_launch(17, 512)
-    assert routing_module.routes_and_aligns_in_one_launch(32, 60)
-    assert routing_module.routes_and_aligns_in_one_launch(1, 128)
+    assert routing_module.routes_and_aligns_in_one_launch(128, 60)
+    assert not routing_module.routes_and_aligns_in_one_launch(129, 60)
     assert not routing_module.routes_and_aligns_in_one_launch(0, 128)
+    monkeypatch.setattr(routing_module, "ROUTE_ALIGN_MAX_TOKENS", 16)
+    assert routing_module.routes_and_aligns_in_one_launch(16, 128)
+    assert not routing_module.routes_and_aligns_in_one_launch(17, 128)
 
 
 @pytest.mark.parametrize("message,kwargs", [
