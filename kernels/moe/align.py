@@ -58,6 +58,19 @@ def max_padded_pairs(num_pairs: int, num_experts: int, block_size: int) -> int:
     return -(-bound // block_size) * block_size
 
 
+def empty_alignment(
+    num_pairs: int, num_experts: int, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised (sorted_token_ids, expert_ids, num_tokens_post_padded) for the Triton paths,
+    which write them whole up to num_tokens_post_padded (the rest stays unspecified)."""
+    max_padded = max_padded_pairs(num_pairs, num_experts, block_size)
+    return (
+        torch.empty((max_padded,), dtype=torch.int32, device=device),
+        torch.empty((max_padded // block_size,), dtype=torch.int32, device=device),
+        torch.empty((1,), dtype=torch.int32, device=device),
+    )
+
+
 def moe_align_block_size_reference(
     topk_ids: torch.Tensor, num_experts: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -104,14 +117,10 @@ def moe_align_block_size_triton(
     device = topk_ids.device
     flat_ids = topk_ids.reshape(-1)  # [T*K]
     num_pairs = flat_ids.numel()
-    max_padded = max_padded_pairs(num_pairs, num_experts, block_size)
-    # written whole by the kernels up to num_tokens_post_padded (the scatter's expert 0 writes that)
-    sorted_token_ids = torch.empty((max_padded,), dtype=torch.int32, device=device)
-    expert_ids = torch.empty((max_padded // block_size,), dtype=torch.int32, device=device)
-    counts = torch.empty((num_experts,), dtype=torch.int32, device=device)
+    sorted_token_ids, expert_ids, num_tokens_post_padded = empty_alignment(num_pairs, num_experts, block_size, device)
     if num_pairs == 0:
-        return sorted_token_ids, expert_ids, torch.zeros((1,), dtype=torch.int32, device=device)
-    num_tokens_post_padded = torch.empty((1,), dtype=torch.int32, device=device)
+        return sorted_token_ids, expert_ids, num_tokens_post_padded.zero_()
+    counts = torch.empty((num_experts,), dtype=torch.int32, device=device)
 
     scan_block = min(triton.next_power_of_2(num_pairs), 1024)
     block_experts = triton.next_power_of_2(num_experts)

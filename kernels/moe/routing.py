@@ -21,7 +21,7 @@ import torch
 
 from kernels.checks import FLOAT_DTYPES, check_dtype, check_shape, check_unit_stride_last_dim
 from kernels.dispatch import use_triton
-from kernels.moe.align import MoeAlignment, max_padded_pairs
+from kernels.moe.align import MoeAlignment, empty_alignment
 
 # NOT YET MEASURED on a GPU: a placeholder. Every program routes every token, about 1.5k sm_90
 # instructions per token row (PTX of the compiled kernel), so a program's work grows with T while
@@ -42,7 +42,10 @@ def route_topk_reference(
     return topk_weights.to(weights_dtype), topk_ids.to(torch.int32)
 
 
-def _check_route_args(router_logits: torch.Tensor, top_k: int, weights_dtype: torch.dtype) -> tuple[int, int]:
+def _routing_outputs(
+    router_logits: torch.Tensor, top_k: int, weights_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The arguments checked; uninitialised (topk_weights [T, K] in weights_dtype, topk_ids [T, K] int32)."""
     check_shape("router_logits", router_logits, (None, None))
     check_dtype("router_logits", router_logits, FLOAT_DTYPES)
     check_unit_stride_last_dim("router_logits", router_logits)
@@ -53,21 +56,30 @@ def _check_route_args(router_logits: torch.Tensor, top_k: int, weights_dtype: to
         )
     if weights_dtype not in FLOAT_DTYPES:
         raise ValueError(f"weights_dtype: {weights_dtype} is not a floating dtype the kernel writes")
-    return num_tokens, num_experts
+    # the kernels compute in float32 and round once at the store
+    topk_weights = torch.empty((num_tokens, top_k), dtype=weights_dtype, device=router_logits.device)
+    return topk_weights, torch.empty((num_tokens, top_k), dtype=torch.int32, device=router_logits.device)
+
+
+def _routing_meta(top_k: int, num_experts: int, renormalize: bool) -> dict:
+    """The meta-parameters both routing kernels take."""
+    import triton
+
+    return dict(
+        TOP_K=top_k,
+        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_EXPERTS=triton.next_power_of_2(num_experts),
+        RENORMALIZE=renormalize,
+    )
 
 
 def route_topk_triton(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    import triton
-
     from kernels.jit.moe_routing import route_topk_kernel
 
-    num_tokens, num_experts = _check_route_args(router_logits, top_k, weights_dtype)
-    device = router_logits.device
-    # the kernel computes in float32 and rounds once at the store
-    topk_weights = torch.empty((num_tokens, top_k), dtype=weights_dtype, device=device)
-    topk_ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
+    topk_weights, topk_ids = _routing_outputs(router_logits, top_k, weights_dtype)
+    num_tokens, num_experts = router_logits.shape
     if num_tokens == 0:
         return topk_weights, topk_ids
     route_topk_kernel[(num_tokens,)](
@@ -82,10 +94,7 @@ def route_topk_triton(
         topk_weights.stride(0),
         topk_ids.stride(0),
         # meta-parameters
-        TOP_K=top_k,
-        BLOCK_K=triton.next_power_of_2(top_k),
-        BLOCK_EXPERTS=triton.next_power_of_2(num_experts),
-        RENORMALIZE=renormalize,
+        **_routing_meta(top_k, num_experts, renormalize),
         num_warps=1 if num_experts <= 128 else 4,
     )
     return topk_weights, topk_ids
@@ -129,19 +138,15 @@ def route_topk_and_align_triton(
 
     from kernels.jit.moe_routing import route_topk_align_kernel
 
-    num_tokens, num_experts = _check_route_args(router_logits, top_k, weights_dtype)
+    topk_weights, topk_ids = _routing_outputs(router_logits, top_k, weights_dtype)
+    num_tokens, num_experts = router_logits.shape
     if block_size < 1:
         raise ValueError(f"block_size: must be >= 1, got {block_size}")
     if num_tokens == 0:
         raise ValueError("router_logits: no tokens (route_topk_and_align aligns only when there are some)")
-    device = router_logits.device
-    max_padded = max_padded_pairs(num_tokens * top_k, num_experts, block_size)
-    topk_weights = torch.empty((num_tokens, top_k), dtype=weights_dtype, device=device)
-    topk_ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
-    # written by the kernel up to num_tokens_post_padded (the rest is unspecified, as align's)
-    sorted_token_ids = torch.empty((max_padded,), dtype=torch.int32, device=device)
-    expert_ids = torch.empty((max_padded // block_size,), dtype=torch.int32, device=device)
-    num_tokens_post_padded = torch.empty((1,), dtype=torch.int32, device=device)
+    sorted_token_ids, expert_ids, num_tokens_post_padded = empty_alignment(
+        num_tokens * top_k, num_experts, block_size, router_logits.device
+    )
     route_topk_align_kernel[(num_experts,)](
         # pointers
         router_logits,
@@ -159,11 +164,8 @@ def route_topk_and_align_triton(
         topk_weights.stride(0),
         topk_ids.stride(0),
         # meta-parameters
-        TOP_K=top_k,
-        BLOCK_K=triton.next_power_of_2(top_k),
+        **_routing_meta(top_k, num_experts, renormalize),
         BLOCK_T=triton.next_power_of_2(num_tokens),
-        BLOCK_EXPERTS=triton.next_power_of_2(num_experts),
-        RENORMALIZE=renormalize,
         BLOCK=min(triton.next_power_of_2(max(num_tokens, block_size)), 1024),
         # two token rows per warp: a row's k rounds of max/argmax are warp shuffles, and the sm_90
         # code grows with the rows a warp holds (12k PTX lines at 32 tokens x 16 warps, 47k at 4 warps)
