@@ -54,6 +54,6 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] -> [T, I]."""
-    if use_triton(x):
+    if use_triton(x, op="silu_and_mul"):
         return silu_and_mul_triton(x)
     return silu_and_mul_reference(x)

@@ -3,7 +3,7 @@
 Every public op in `kernels` is a small function of the form::
 
     def op(x, ...):
-        if use_triton(x, ...):
+        if use_triton(x, ..., op="op"):
             return op_triton(x, ...)
         return op_reference(x, ...)
 
@@ -16,6 +16,12 @@ Every public op in `kernels` is a small function of the form::
 * ``triton``: Triton everywhere. On CPU tensors this only works under the Triton
   interpreter (``TRITON_INTERPRET=1`` set before triton is imported); the
   interpreter tests in ``tests/kernels`` use it.
+
+``VLM_CATALOG_KERNELS_OFF`` names ops (comma-separated, from `KERNEL_OPS`) that take
+their torch reference even where Triton would run: the way out when one kernel fails
+on a GPU (a compile error, a crash, a wrong answer) while the others stay fast. A
+reference path may sync with the host, which CUDA-graph capture cannot take; the
+engine then runs its decode steps eagerly (`engine/cuda_graphs.py`).
 
 Nothing here imports triton unless a call actually wants it, so a CPU-only
 install never pays for (or needs) triton at start-up.
@@ -31,6 +37,13 @@ import torch
 
 BACKEND_ENV_VAR = "VLM_CATALOG_KERNELS"
 BACKENDS = ("auto", "reference", "triton")
+KERNELS_OFF_ENV_VAR = "VLM_CATALOG_KERNELS_OFF"
+KERNEL_OPS = frozenset({  # every op that dispatches here: the names VLM_CATALOG_KERNELS_OFF takes
+    "rms_norm", "fused_add_rms_norm", "fused_sum_add_rms_norm", "qk_norm_mrope", "silu_and_mul",
+    "reshape_and_cache", "paged_decode_attention", "paged_decode_attention_with_kv_write",
+    "paged_prefill_attention", "varlen_attention", "vision_rotary", "route_topk", "route_topk_and_align",
+    "moe_align_block_size", "fused_moe", "fp8_linear", "quantize_activations",
+})
 AUTO_DEVICE_TYPES = ("cuda",)  # where `auto` picks Triton; a test adds "cpu" to run the GPU choices interpreted
 
 
@@ -40,6 +53,23 @@ def kernel_backend() -> str:
     if backend not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV_VAR}={backend!r} is not one of {', '.join(BACKENDS)}")
     return backend
+
+
+def kernels_off() -> frozenset[str]:
+    """The ops ``VLM_CATALOG_KERNELS_OFF`` sends to their torch reference (empty when unset)."""
+    return _parse_kernels_off(os.environ.get(KERNELS_OFF_ENV_VAR, ""))
+
+
+@functools.cache
+def _parse_kernels_off(value: str) -> frozenset[str]:
+    names = frozenset(name.strip().lower() for name in value.split(",") if name.strip())
+    unknown = names - KERNEL_OPS
+    if unknown:
+        raise ValueError(
+            f"{KERNELS_OFF_ENV_VAR} names {', '.join(sorted(unknown))}, which is not a kernel op; "
+            f"the ops are {', '.join(sorted(KERNEL_OPS))}"
+        )
+    return names
 
 
 @functools.cache
@@ -52,10 +82,12 @@ def triton_available() -> bool:
     return True
 
 
-def use_triton(*tensors: torch.Tensor) -> bool:
-    """Whether an op called on `tensors` should run its Triton kernel."""
+def use_triton(*tensors: torch.Tensor, op: str) -> bool:
+    """Whether `op` (one of `KERNEL_OPS`) called on `tensors` should run its Triton kernel."""
+    if op not in KERNEL_OPS:
+        raise ValueError(f"{op!r} is not in kernels.dispatch.KERNEL_OPS")
     backend = kernel_backend()
-    if backend == "reference":
+    if backend == "reference" or op in kernels_off():
         return False
     if backend == "triton":
         if not triton_available():

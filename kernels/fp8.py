@@ -61,7 +61,7 @@ def quantize_activations(values: torch.Tensor, group: int) -> tuple[torch.Tensor
     (`kernels/jit/fp8_quant.py`, a power-of-two group), this torch reference elsewhere."""
     from kernels.dispatch import use_triton
 
-    if use_triton(values) and group & (group - 1) == 0 and values.stride(-1) == 1:
+    if use_triton(values, op="quantize_activations") and group & (group - 1) == 0 and values.stride(-1) == 1:
         return quantize_activations_triton(values, group)
     return quantize_activations_reference(values, group)
 

@@ -42,7 +42,7 @@ def fp8_linear(
     fp8_activations: bool = False,
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype, for W [N, K] e4m3 and its block scales."""
-    if use_triton(x, weight):
+    if use_triton(x, weight, op="fp8_linear"):
         return fp8_linear_triton(x, weight, weight_scale, block, bias, fp8_activations)
     return fp8_linear_reference(x, weight, weight_scale, block, bias, fp8_activations)
 

@@ -198,7 +198,7 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """In place: token t of k/v [T, Hkv, D] goes to slot `slot_mapping[t]` (skipped when < 0)."""
-    if use_triton(k, v, k_cache, v_cache, slot_mapping):
+    if use_triton(k, v, k_cache, v_cache, slot_mapping, op="reshape_and_cache"):
         reshape_and_cache_triton(k, v, k_cache, v_cache, slot_mapping)
     else:
         reshape_and_cache_reference(k, v, k_cache, v_cache, slot_mapping)

@@ -476,7 +476,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """q [B, Hq, D], caches [N, bs, Hkv, D], block_tables [B, max_blocks], context_lens [B]
     -> [B, Hq, D]."""
-    if use_triton(q, k_cache, v_cache, block_tables, context_lens):
+    if use_triton(q, k_cache, v_cache, block_tables, context_lens, op="paged_decode_attention"):
         return paged_decode_attention_triton(
             q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=max_context_len
         )
@@ -501,7 +501,7 @@ def paged_decode_attention_with_kv_write(
     k, v [B, Hkv, D] are the current tokens' K/V; `slot_mapping[b]` must be the slot of
     position ``context_lens[b] - 1`` (or negative for padding, which must also have
     ``context_lens[b] == 0``: the fused kernel writes only for sequences it attends)."""
-    if use_triton(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens):
+    if use_triton(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, op="paged_decode_attention_with_kv_write"):
         return paged_decode_attention_with_kv_write_triton(
             q,
             k,

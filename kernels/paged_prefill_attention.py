@@ -391,7 +391,7 @@ def paged_prefill_attention(
     own `new_kv` (k, v [T, Hkv, D], already written to the cache) and `host_lens` (the query
     lengths and context_lens on the host), CUDA calls choose a backend per sequence (module doc);
     `contexts`: a `PackedContexts` of these sequences that every layer of the step shares."""
-    if not use_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens):
+    if not use_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, op="paged_prefill_attention"):
         return paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
     if new_kv is None or host_lens is None or kernel_backend() == "triton":
         return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,

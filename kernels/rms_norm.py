@@ -152,7 +152,7 @@ def fused_sum_add_rms_norm_triton(
 # --------------------------------------------------------------------------- dispatch
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, H] (any leading dims), weight [H] -> [T, H]."""
-    if use_triton(x, weight):
+    if use_triton(x, weight, op="rms_norm"):
         return rms_norm_triton(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
@@ -161,7 +161,7 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x [T, H], residual [T, H]) -> (normed [T, H], new_residual = x + residual [T, H])."""
-    if use_triton(x, residual, weight):
+    if use_triton(x, residual, weight, op="fused_add_rms_norm"):
         return fused_add_rms_norm_triton(x, residual, weight, eps)
     return fused_add_rms_norm_reference(x, residual, weight, eps)
 
@@ -170,6 +170,6 @@ def fused_sum_add_rms_norm(
     terms: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(terms [T, K, H], residual [T, H]) -> (normed [T, H], new_residual = sum_k terms + residual [T, H])."""
-    if use_triton(terms, residual, weight):
+    if use_triton(terms, residual, weight, op="fused_sum_add_rms_norm"):
         return fused_sum_add_rms_norm_triton(terms, residual, weight, eps)
     return fused_sum_add_rms_norm_reference(terms, residual, weight, eps)

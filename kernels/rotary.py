@@ -189,7 +189,7 @@ def qk_norm_mrope(
     integers); checking here keeps CPU runs as strict as GPU runs.
     """
     check_dtype("positions", positions, INDEX_DTYPES)
-    if use_triton(q, k, q_weight, k_weight, positions, inv_freq):
+    if use_triton(q, k, q_weight, k_weight, positions, inv_freq, op="qk_norm_mrope"):
         return qk_norm_mrope_triton(
             q, k, q_weight, k_weight, positions, inv_freq, mrope_section, eps
         )

@@ -189,7 +189,7 @@ def varlen_attention(
 ) -> torch.Tensor:
     """q, k, v [N, H, D], cu_seqlens [n+1] -> [N, H, D]; non-causal within each segment.
     `seqlens`: the n segment lengths on the host, if known (saves a device sync)."""
-    if not use_triton(q, k, v, cu_seqlens):
+    if not use_triton(q, k, v, cu_seqlens, op="varlen_attention"):
         return varlen_attention_reference(q, k, v, cu_seqlens, scale)
     if kernel_backend() == "triton":
         return varlen_attention_triton(q, k, v, cu_seqlens, scale, max_seqlen=max_seqlen)

@@ -108,6 +108,6 @@ def vision_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q, k [N, H, D] by per-patch angles (cos, sin [N, D] float32)."""
-    if use_triton(q, k, cos, sin):
+    if use_triton(q, k, cos, sin, op="vision_rotary"):
         return vision_rotary_triton(q, k, cos, sin)
     return vision_rotary_reference(q, k, cos, sin)

@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.dispatch import kernels_off
 from vlm_catalog.bench.random_model import (
     QWEN3_VL_30B_A3B,
     benchmark_checkpoint_dir,
@@ -244,6 +245,20 @@ def engine_run_summary(engine: LLMEngine, conversations, params) -> tuple[dict, 
     return summary, outputs
 
 
+def package_versions() -> dict[str, str | None]:
+    """The versions a GPU record depends on (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    return {"torch": torch.__version__, "cuda": torch.version.cuda,
+            **{name: installed(name) for name in ("triton", "transformers", "xgrammar")}}
+
+
 def make_engine(checkpoint: Path, model, device: torch.device, kv_cache_dtype: str = "auto",
                 async_scheduling: bool = False) -> LLMEngine:
     config = EngineConfig(model=checkpoint, device=str(device), dtype="bfloat16" if device.type == "cuda" else "float32",
@@ -255,7 +270,9 @@ def make_engine(checkpoint: Path, model, device: torch.device, kv_cache_dtype: s
 
 def memory_summary(engine: LLMEngine, device: torch.device) -> dict:
     stats = engine.cache_stats()
-    summary = {"kv_cache_tokens": stats["kv_capacity_tokens"], "memory_profile": stats["memory_profile"]}
+    graphs = engine.runner.graph_runner
+    summary = {"kv_cache_tokens": stats["kv_capacity_tokens"], "memory_profile": stats["memory_profile"],
+               "decode_cuda_graph_batches": sorted(graphs.graphs) if graphs is not None else []}
     if device.type == "cuda":
         summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     return summary
@@ -515,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(args.json_out.read_text()) if args.json_out and args.json_out.is_file() else {}
     results["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     results["date"] = time.strftime("%Y-%m-%d")
+    results["versions"] = package_versions()
+    results["kernels_off"] = sorted(kernels_off())  # ops sent to their torch reference (VLM_CATALOG_KERNELS_OFF)
     results.setdefault("phase_seconds", {})
 
     failed: list[str] = []

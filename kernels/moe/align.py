@@ -161,6 +161,6 @@ def moe_align_block_size(
     topk_ids: torch.Tensor, num_experts: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, K] -> (sorted_token_ids, expert_ids, num_tokens_post_padded)."""
-    if use_triton(topk_ids):
+    if use_triton(topk_ids, op="moe_align_block_size"):
         return moe_align_block_size_triton(topk_ids, num_experts, block_size)
     return moe_align_block_size_reference(topk_ids, num_experts, block_size)

@@ -245,7 +245,7 @@ def _fused_moe_chunk(
     import triton
 
     from kernels.jit.fused_moe import moe_down_kernel, moe_gate_up_silu_kernel
-    from kernels.moe.align import moe_align_block_size_triton
+    from kernels.moe.align import moe_align_block_size
 
     num_tokens, hidden_size = hidden.shape
     num_experts, two_intermediate, _ = w13.shape
@@ -264,7 +264,7 @@ def _fused_moe_chunk(
 
     if alignment is None:
         alignment = MoeAlignment(
-            *moe_align_block_size_triton(topk_ids, num_experts, config.block_size_m), config.block_size_m
+            *moe_align_block_size(topk_ids, num_experts, config.block_size_m), config.block_size_m
         )
     else:
         _check_alignment(alignment, num_pairs, num_experts, config.block_size_m)
@@ -396,6 +396,6 @@ def fused_moe(
         w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape, fp8_activations=fp8_activations,
         alignment=alignment,
     )
-    if use_triton(hidden, w13, w2, topk_weights, topk_ids):
+    if use_triton(hidden, w13, w2, topk_weights, topk_ids, op="fused_moe"):
         return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, config, **scales, sum_experts=sum_experts)
     return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids, config, **scales)

@@ -105,7 +105,7 @@ def route_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (topk_weights [T, K] in weights_dtype, topk_ids [T, K] int32),
     sorted by weight, largest first."""
-    if use_triton(router_logits):
+    if use_triton(router_logits, op="route_topk"):
         return route_topk_triton(router_logits, top_k, renormalize, weights_dtype)
     return route_topk_reference(router_logits, top_k, renormalize, weights_dtype)
 
@@ -186,7 +186,7 @@ def route_topk_and_align(
     """`route_topk`, plus the pairs' layout for `fused_moe` with GEMM blocks of `block_size` rows
     where one launch makes both (the Triton path, decode batches); None otherwise, and
     `fused_moe` aligns the pairs itself."""
-    if use_triton(router_logits) and router_logits.dim() == 2 and routes_and_aligns_in_one_launch(
+    if use_triton(router_logits, op="route_topk_and_align") and router_logits.dim() == 2 and routes_and_aligns_in_one_launch(
         *router_logits.shape
     ):
         return route_topk_and_align_triton(router_logits, top_k, renormalize, weights_dtype, block_size)

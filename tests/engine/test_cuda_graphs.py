@@ -1,8 +1,13 @@
-"""Decode CUDA graphs: padding to a bucket changes nothing (CPU, no capture) and replay equals eager (GPU)."""
+"""Decode CUDA graphs: padding to a bucket changes nothing (CPU, no capture), a failed capture
+leaves the engine decoding eagerly, and replay equals eager (GPU)."""
+
+import logging
 
 import pytest
 import torch
 
+from tests.engine.conftest import mixed_conversations
+from vlm_catalog import LLM, SamplingParams
 from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner, default_buckets
 from vlm_catalog.engine.paged_attention import (
     DecodeBatch,
@@ -77,6 +82,28 @@ def test_padding_to_a_bucket_changes_nothing_on_cpu(engine_checkpoint):
     assert runner.bucket(5) == 8 and runner.bucket(1) == 2
 
 
+def test_a_failed_capture_keeps_no_graph_and_decodes_eagerly(engine_checkpoint, monkeypatch, caplog):
+    """A capture that fails half-way (here after the first bucket) drops what it captured, says
+    why, and `run` still answers, eagerly."""
+    model = load_model(engine_checkpoint, device=torch.device("cpu"))
+    caches, tables = prefilled(model, torch.device("cpu"))
+    runner = DecodeGraphRunner(model, caches, max_batch=8, max_blocks_per_sequence=16, max_context_len=64,
+                               capture=True, buckets=[2, 8])
+
+    def capture_failing_on_the_second_bucket():
+        runner.graphs[8], runner.outputs[8] = object(), torch.zeros(8, 4)  # what a first bucket leaves
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runner, "_capture", capture_failing_on_the_second_bucket)
+    with caplog.at_level(logging.WARNING, logger="vlm_catalog.engine.cuda_graphs"):
+        assert runner.capture() is False
+    assert runner.graphs == {} and runner.outputs == {}
+    assert runner.capture_failure == "RuntimeError: CUDA error: operation not permitted when stream is capturing"
+    assert "decode steps run eagerly" in caplog.text and "operation not permitted" in caplog.text
+    ids, positions, slots, lens = decode_inputs(5, 9, torch.device("cpu"), tables)
+    assert runner.run(ids, positions, slots, tables, lens).shape == (5, model.config.text.hidden_size)
+
+
 def test_default_buckets():
     assert default_buckets(256)[:6] == [1, 2, 4, 8, 16, 24] and default_buckets(256)[-1] == 256
     assert default_buckets(20) == [1, 2, 4, 8, 16, 20]
@@ -86,3 +113,19 @@ def test_default_buckets():
 def test_graph_replay_equals_eager_on_gpu(engine_checkpoint):
     runner = check_graph_runner_equals_eager(engine_checkpoint, torch.device("cuda"), capture=True)
     assert set(runner.graphs) == {2, 8}
+
+
+@pytest.mark.gpu
+def test_engine_decodes_eagerly_when_a_kernel_turned_off_cannot_be_captured(engine_checkpoint, monkeypatch):
+    """fused_moe named in VLM_CATALOG_KERNELS_OFF: its torch reference syncs with the host, which
+    a CUDA-graph capture refuses; the engine starts anyway, without graphs, and answers as the
+    engine that never captured (enforce_eager)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "fused_moe")
+    settings = {"device": "cuda", "dtype": "float32", "max_num_batched_tokens": 96, "kv_cache_memory_bytes": 64 * 2**20}
+    failed_capture = LLM(engine_checkpoint, **settings)
+    assert failed_capture.engine.runner.graph_runner is None
+    prompts, params = mixed_conversations(4), SamplingParams(max_tokens=8, ignore_eos=True)
+    eager = LLM(engine_checkpoint, enforce_eager=True, **settings)
+    assert [o.token_ids for o in failed_capture.chat(prompts, params)] == [o.token_ids for o in eager.chat(prompts, params)]

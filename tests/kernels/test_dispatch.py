@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +39,7 @@ def test_import_kernels_does_not_import_triton():
 def test_auto_on_cpu_tensors_uses_the_reference(monkeypatch):
     monkeypatch.delenv(dispatch.BACKEND_ENV_VAR, raising=False)
     assert dispatch.kernel_backend() == "auto"
-    assert not dispatch.use_triton(torch.randn(2))
+    assert not dispatch.use_triton(torch.randn(2), op="rms_norm")
 
 
 def test_auto_takes_triton_on_the_device_types_listed(monkeypatch):
@@ -46,33 +47,66 @@ def test_auto_takes_triton_on_the_device_types_listed(monkeypatch):
     monkeypatch.delenv(dispatch.BACKEND_ENV_VAR, raising=False)
     monkeypatch.setattr(dispatch, "triton_available", lambda: True)
     monkeypatch.setattr(dispatch, "AUTO_DEVICE_TYPES", ("cuda", "cpu"))
-    assert dispatch.use_triton(torch.randn(2), torch.randn(3))
+    assert dispatch.use_triton(torch.randn(2), torch.randn(3), op="rms_norm")
     monkeypatch.setattr(dispatch, "AUTO_DEVICE_TYPES", ("cuda",))
-    assert not dispatch.use_triton(torch.randn(2))
+    assert not dispatch.use_triton(torch.randn(2), op="rms_norm")
 
 
 def test_reference_backend_is_forced(monkeypatch):
     monkeypatch.setenv(dispatch.BACKEND_ENV_VAR, "reference")
-    assert not dispatch.use_triton(torch.randn(2))
+    assert not dispatch.use_triton(torch.randn(2), op="rms_norm")
 
 
 def test_triton_backend_is_forced(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv(dispatch.BACKEND_ENV_VAR, "triton")
-    assert dispatch.use_triton(torch.randn(2))
+    assert dispatch.use_triton(torch.randn(2), op="rms_norm")
 
 
 def test_unknown_backend_is_an_error(monkeypatch):
     monkeypatch.setenv(dispatch.BACKEND_ENV_VAR, "cuda")
     with pytest.raises(ValueError, match="VLM_CATALOG_KERNELS"):
-        dispatch.use_triton(torch.randn(2))
+        dispatch.use_triton(torch.randn(2), op="rms_norm")
 
 
 def test_forced_triton_without_triton_is_an_error(monkeypatch):
     monkeypatch.setenv(dispatch.BACKEND_ENV_VAR, "triton")
     monkeypatch.setattr(dispatch, "triton_available", lambda: False)
     with pytest.raises(RuntimeError, match="triton"):
-        dispatch.use_triton(torch.randn(2))
+        dispatch.use_triton(torch.randn(2), op="rms_norm")
+
+
+def test_ops_named_off_take_the_reference_and_the_rest_keep_triton(monkeypatch):
+    monkeypatch.setenv(dispatch.BACKEND_ENV_VAR, "triton")
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setenv(dispatch.KERNELS_OFF_ENV_VAR, " Fused_MoE, rms_norm ,")  # case, spaces, empty items
+    assert dispatch.kernels_off() == {"fused_moe", "rms_norm"}
+    assert not dispatch.use_triton(torch.randn(2), op="fused_moe")
+    assert not dispatch.use_triton(torch.randn(2), op="rms_norm")
+    assert dispatch.use_triton(torch.randn(2), op="fused_add_rms_norm")
+    monkeypatch.setenv(dispatch.KERNELS_OFF_ENV_VAR, "")
+    assert dispatch.use_triton(torch.randn(2), op="rms_norm")
+
+
+def test_unknown_op_named_off_is_an_error_listing_the_ops(monkeypatch):
+    monkeypatch.setenv(dispatch.KERNELS_OFF_ENV_VAR, "fused_moe,flash_attention")
+    with pytest.raises(ValueError, match="VLM_CATALOG_KERNELS_OFF names flash_attention.*fused_moe"):
+        dispatch.use_triton(torch.randn(2), op="rms_norm")
+
+
+def test_an_op_outside_the_registry_is_refused():
+    with pytest.raises(ValueError, match="'rms_norm_v2' is not in kernels.dispatch.KERNEL_OPS"):
+        dispatch.use_triton(torch.randn(2), op="rms_norm_v2")
+
+
+def test_every_registered_op_is_dispatched_somewhere():
+    """The names the off switch takes are exactly the ops that ask `use_triton` (by op=...)."""
+    asked = set()
+    for path in (REPO_ROOT / "kernels").rglob("*.py"):
+        if path.name == "dispatch.py":  # its docstring's example
+            continue
+        asked |= set(re.findall(r'use_triton\([^)]*op="(\w+)"\)', path.read_text()))
+    assert asked == dispatch.KERNEL_OPS
 
 
 def test_ops_route_through_the_dispatcher(monkeypatch):

@@ -65,25 +65,52 @@ def test_engine_on_the_gpu_paths_answers_as_on_the_reference_path(
     assert packed, "chunks with a cached context over packed contexts"
     assert len(causal) > len(packed)  # whole prompts on their own k/v too
     assert len(kernel.calls) == calls_on_gpu_paths  # the reference path made no varlen call
-    assert taken["expert sum in the norm"] and taken["routing and align in one launch"] and taken["paged decode"]
+    assert all(taken.values()), taken
+
+
+def test_engine_with_kernels_turned_off_answers_as_on_the_reference_path(
+    checkpoint, triton_device, fake_flash, monkeypatch
+):
+    """VLM_CATALOG_KERNELS_OFF, the way out when one kernel fails on a GPU: the ops named take
+    their references inside the GPU paths (the MoE's unsummed terms, the one-launch routing, the
+    fused decode write all give way), the rest stay on Triton, and the answers do not change."""
+    if triton_device.type != "cpu":
+        pytest.skip("runs the GPU paths on CPU tensors, which needs the Triton interpreter")
+    monkeypatch.setenv("VLM_CATALOG_KERNELS", "auto")
+    monkeypatch.setattr("kernels.dispatch.AUTO_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr("kernels.flash_varlen.FLASH_DTYPES", (torch.float32, torch.float16, torch.bfloat16))
+    fake_flash(FakeFlashVarlen())
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "fused_moe,route_topk_and_align,paged_decode_attention_with_kv_write")
+    taken = count_calls(monkeypatch)
+    conversations = [conversation(index, images=index % 2, words=5) for index in range(3)]
+    with_kernels_off = run(checkpoint, conversations, waves=1)
+    monkeypatch.setenv("VLM_CATALOG_KERNELS", "reference")
+    assert with_kernels_off == run(checkpoint, conversations, waves=1)
+    turned_off = ("fused MoE", "routing and align in one launch", "paged decode", "expert sum in the norm")
+    assert {label: taken[label] for label in turned_off} == dict.fromkeys(turned_off, 0)
+    assert taken["q/k norm and MRoPE"] > 0
+
+
+GPU_ONLY_PATHS = {  # label -> (module, Triton wrapper)
+    "expert sum in the norm": ("kernels.rms_norm", "fused_sum_add_rms_norm_triton"),
+    "routing and align in one launch": ("kernels.moe.routing", "route_topk_and_align_triton"),
+    "paged decode": ("kernels.paged_decode_attention", "paged_decode_attention_with_kv_write_triton"),
+    "fused MoE": ("kernels.moe.fused_moe", "fused_moe_triton"),
+    "q/k norm and MRoPE": ("kernels.rotary", "qk_norm_mrope_triton"),
+}
 
 
 def count_calls(monkeypatch) -> dict[str, int]:
-    """Counts the GPU-only paths as the engine takes them."""
+    """Counts the calls of the Triton wrappers in GPU_ONLY_PATHS as the engine makes them."""
     import importlib
 
-    taken = {"expert sum in the norm": 0, "routing and align in one launch": 0, "paged decode": 0}
-    spied = (
-        ("kernels.rms_norm", "fused_sum_add_rms_norm_triton", "expert sum in the norm", None),
-        ("kernels.moe.routing", "route_topk_and_align_triton", "routing and align in one launch", None),
-        ("kernels.paged_decode_attention", "paged_decode_attention_with_kv_write_triton", "paged decode", None),
-    )
-    for module_name, function_name, label, condition in spied:
+    taken = dict.fromkeys(GPU_ONLY_PATHS, 0)
+    for label, (module_name, function_name) in GPU_ONLY_PATHS.items():
         module = importlib.import_module(module_name)
         original = getattr(module, function_name)
 
-        def spy(*args, original=original, label=label, condition=condition, **kwargs):
-            taken[label] += condition is None or condition(*args)
+        def spy(*args, original=original, label=label, **kwargs):
+            taken[label] += 1
             return original(*args, **kwargs)
 
         monkeypatch.setattr(module, function_name, spy)

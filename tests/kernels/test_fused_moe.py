@@ -108,6 +108,20 @@ def test_triton_adds_expert_outputs_like_the_reference(triton_device):
     assert torch.equal(fused_moe_reference(*inputs).cpu(), expected)
 
 
+def test_triton_with_align_turned_off_takes_the_reference_layout(triton_device, monkeypatch):
+    """moe_align_block_size named in VLM_CATALOG_KERNELS_OFF: fused_moe's Triton GEMMs run on the
+    reference layout (called once) and give what they give on the Triton layout."""
+    align_module = importlib.import_module("kernels.moe.align")
+    inputs = moe_inputs(9, 32, 16, 6, 2, torch.float32, triton_device)
+    expected = kernels.fused_moe(*inputs)
+    reference_align, calls = align_module.moe_align_block_size_reference, []
+    monkeypatch.setattr(align_module, "moe_align_block_size_reference",
+                        lambda *args: calls.append(args) or reference_align(*args))
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "moe_align_block_size")
+    torch.testing.assert_close(kernels.fused_moe(*inputs), expected, rtol=0, atol=0)
+    assert len(calls) == 1
+
+
 def test_triton_terms_unsummed_sum_to_the_summed_output(triton_device, poison_allocations, monkeypatch):
     """`sum_experts=False` gives the K weighted expert outputs [T, K, H]: their float32 sum,
     rounded once, is exactly the summed call's output; past one chunk of tokens the output

@@ -12,16 +12,24 @@ upper bound (its split count is fixed at capture). Steps with any prefill
 chunk, or more sequences than the largest bucket, run eagerly. Set
 `EngineConfig.enforce_eager=True` to turn graphs off (debugging, profiling).
 
+A capture that fails (an op that syncs with the host, e.g. a torch reference
+named in `VLM_CATALOG_KERNELS_OFF`, or any kernel error) keeps no graph: the
+engine logs why and runs every decode step eagerly rather than not starting.
+
 On CPU (tests) the runner works without capture: `run` executes the same
 padded static-buffer forward eagerly, which checks the padding logic.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from vlm_catalog.engine.paged_attention import DecodeBatch, PagedAttention, PagedAttentionMetadata
 from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel
+
+logger = logging.getLogger(__name__)
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -54,6 +62,7 @@ class DecodeGraphRunner:
         self.context_lens = torch.zeros(largest, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_failure: str | None = None  # why the capture failed, if it did
 
     @property
     def max_batch(self) -> int:
@@ -74,11 +83,24 @@ class DecodeGraphRunner:
         )
         return self.model(self.input_ids[:batch], self.positions[:, :batch], PagedAttention(self.kv_caches, metadata))
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture one graph per bucket (largest first, one shared memory pool)."""
+    def capture(self) -> bool:
+        """Capture one graph per bucket (largest first, one shared memory pool). False when the
+        capture failed: then no graph is kept (`capture_failure` says why, and it is logged)."""
         if not self.capture_enabled:
-            return
+            return True
+        try:
+            self._capture()
+        except Exception as exc:  # noqa: BLE001 - any failure means: decode eagerly, and say why
+            self.graphs.clear()
+            self.outputs.clear()
+            self.capture_failure = f"{type(exc).__name__}: {exc}"
+            logger.warning("CUDA-graph capture of the decode step failed (%s); decode steps run eagerly. "
+                           "enforce_eager=True skips the capture.", self.capture_failure)
+            return False
+        return True
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

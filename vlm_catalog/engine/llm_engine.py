@@ -191,7 +191,7 @@ class LLMEngine:
         )
 
     def _decode_graphs(self) -> DecodeGraphRunner | None:
-        """Capture decode CUDA graphs (CUDA only, unless enforce_eager)."""
+        """Capture decode CUDA graphs (CUDA only, unless enforce_eager); None where none are used."""
         config = self.config
         if config.enforce_eager or config.torch_device.type != "cuda":
             return None
@@ -202,8 +202,7 @@ class LLMEngine:
             max_blocks_per_sequence=-(-config.max_model_len // config.block_size),
             max_context_len=config.max_model_len,
         )
-        runner.capture()
-        return runner
+        return runner if runner.capture() else None  # a failed capture: decode eagerly (logged)
 
     @property
     def grammar_service(self):
