@@ -1,333 +1,347 @@
-"""Compile every Triton kernel for an H100 (sm_90) without a GPU.
+"""Compile every Triton kernel for an H100 (sm_90) without a GPU, as the wrappers launch it.
 
 The interpreter tests check what the kernels compute, but the interpreter
 accepts programs the GPU compiler rejects (wrong `tl.dot` shapes, type clashes
 in loop-carried values, unsupported ops). Triton can compile ahead of time for
 any target with its bundled ptxas, so this runs the whole GPU pipeline
-(TTIR -> TTGIR -> LLVM IR -> PTX -> cubin) at the real model shapes.
+(TTIR -> TTGIR -> LLVM IR -> PTX -> cubin) at the Qwen3-VL-30B-A3B shapes.
+
+Each case calls a Triton wrapper (`kernels.*_triton`) on CPU tensors of those
+shapes with every launch intercepted: nothing runs, and each launch's
+arguments are specialized as Triton's launcher specializes them on a GPU
+(pointers and integers divisible by 16 get `tt.divisibility`, integers equal to
+1 become constants). The binary is the one a GPU would build: those attributes
+decide whether loads are vectorized and software-pipelined, and with them the
+registers, spills and shared memory. A hand-written signature without them
+compiles a slower, unpipelined variant that uses less shared memory.
+
+One line per launch: ptxas' registers and spill bytes (from its `-v` log), the
+shared memory, warps and stages. A kernel fails when it does not compile or
+needs more shared memory per block than an H100 grants (227 KiB): its launch
+would raise `OutOfResources` on the GPU.
 
 Run as a script (``python -m tests.kernels.sm90_compile [--float32]``) with
 TRITON_INTERPRET unset (the interpreter replaces `triton.jit` functions);
-`test_sm90_compile.py` does that in a subprocess.
-Exit status 0 when every kernel compiles; one line per kernel either way.
+`test_sm90_compile.py` does that in a subprocess. Exit status 0 when every
+kernel compiles and fits.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import inspect
+import io
 import os
+import re
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 os.environ.pop("TRITON_INTERPRET", None)
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # a cached binary would skip ptxas and its log
+os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
 H100 = GPUTarget("cuda", 90, 32)
-INT32_POINTERS = (
-    "block_tables",
-    "context_lens",
-    "cu_seqlens",
-    "topk_ids",
-    "sorted_token_ids",
-    "expert_ids",
-    "num_tokens_post_padded",
-    "counts",
-)
-INT64_POINTERS = ("slot_mapping", "positions")
-FLOAT32_POINTERS = ("inv_freq", "partial_", "topk_weights", "_scale")
-FLOAT_SCALARS = ("eps", "scale_log2")
+H100_MULTIPROCESSORS = 132
+H100_MAX_SHARED_BYTES = 232448  # per block, with the opt-in Triton asks for (227 KiB)
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+# Qwen3-VL-30B-A3B
+HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 4, 128
+EXPERTS, TOP_K, MOE_INTERMEDIATE = 128, 8, 768
+MROPE_SECTION = (24, 20, 20)
+VISION_HEADS, VISION_HEAD_DIM = 16, 72
+CACHE_BLOCKS, BLOCK_SIZE, MAX_MODEL_LEN = 4096, 16, 32768
+FP8_BLOCK = (128, 128)
+BF16, FP32, FP8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
 
 
-FP8_CACHE = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}  # an FP8 (e4m3) paged KV cache
+@dataclass
+class Launch:
+    kernel: JITFunction
+    arguments: dict[str, object]  # every parameter by name, defaults applied
+    options: dict[str, int] = field(default_factory=dict)  # num_warps, num_stages, ...
 
 
-def signature(kernel, dtype: str, constexprs: dict, pointer_types: dict | None = None) -> dict[str, str]:
-    """Argument types from argument names: pointers of `dtype` unless the name says otherwise
-    or `pointer_types` names the argument."""
-    types = {}
-    for name in kernel.arg_names:
-        if pointer_types and name in pointer_types:
-            types[name] = pointer_types[name]
-        elif name in constexprs:
-            types[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            if any(part in name for part in INT32_POINTERS):
-                types[name] = "*i32"
-            elif any(part in name for part in INT64_POINTERS):
-                types[name] = "*i64"
-            elif any(part in name for part in FLOAT32_POINTERS):
-                types[name] = "*fp32"
-            else:
-                types[name] = f"*{dtype}"
-        elif name in FLOAT_SCALARS:
-            types[name] = "fp32"
-        else:
-            types[name] = "i32"
-    return types
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list[Launch]]:
+    """Every `kernel[grid](...)` inside is recorded instead of run; the wrappers size their
+    grids and split counts for an H100."""
+    decode = importlib.import_module("kernels.paged_decode_attention")  # the package re-exports a function by that name
+
+    launches: list[Launch] = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        options = {name: kwargs.pop(name) for name in LAUNCH_OPTIONS if name in kwargs}
+        bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        bound.apply_defaults()
+        launches.append(Launch(self, dict(bound.arguments), options))
+
+    saved_run, saved_count = JITFunction.run, decode.multiprocessor_count
+    JITFunction.run = record
+    decode.multiprocessor_count = lambda device: H100_MULTIPROCESSORS
+    try:
+        yield launches
+    finally:
+        JITFunction.run, decode.multiprocessor_count = saved_run, saved_count
 
 
-def kernel_specs(include_float32: bool):
-    """(label, kernel, pointer dtype, constexprs, launch options[, pointer types]) at
-    Qwen3-VL-30B-A3B shapes; the attention and cache-write kernels also with an FP8 cache.
-    float32 attention (exact `tl.dot`, for float32 parity runs) compiles slowly: opt-in."""
-    from kernels.fp8 import fp8_block_k
-    from kernels.fp8_linear import dense_fp8_config
-    from kernels.jit.activation import silu_and_mul_kernel
-    from kernels.jit.fp8_linear import fp8_linear_kernel
-    from kernels.jit.fp8_quant import quantize_activations_kernel
-    from kernels.jit.fused_moe import moe_down_kernel, moe_gate_up_silu_kernel
-    from kernels.jit.kv_cache import reshape_and_cache_kernel
-    from kernels.jit.moe_align import moe_count_kernel, moe_scatter_kernel
-    from kernels.jit.moe_routing import route_topk_align_kernel, route_topk_kernel
-    from kernels.jit.paged_decode_attention import (
-        paged_decode_reduce_kernel,
-        paged_decode_split_kernel,
-    )
-    from kernels.jit.paged_prefill_attention import paged_prefill_attention_kernel
-    from kernels.jit.rms_norm import rms_norm_kernel
-    from kernels.jit.rotary import qk_norm_mrope_kernel
-    from kernels.jit.varlen_attention import varlen_attention_kernel
-    from kernels.jit.vision_rotary import vision_rotary_kernel
-    from kernels.moe.configs import heuristic_moe_config
-
-    specs = [
-        (
-            "rms_norm",
-            rms_norm_kernel,
-            "bf16",
-            {"BLOCK_SIZE": 2048, "ADD_RESIDUAL": False, "NUM_TERMS": 1},
-            {"num_warps": 8},
-        ),
-        (
-            "fused_add_rms_norm",
-            rms_norm_kernel,
-            "bf16",
-            {"BLOCK_SIZE": 2048, "ADD_RESIDUAL": True, "NUM_TERMS": 1},
-            {"num_warps": 8},
-        ),
-        (
-            "fused_sum_add_rms_norm[K=8]",  # the fused MoE's 8 expert terms summed in the next norm
-            rms_norm_kernel,
-            "bf16",
-            {"BLOCK_SIZE": 2048, "ADD_RESIDUAL": True, "NUM_TERMS": 8},
-            {"num_warps": 8},
-        ),
-        (
-            "qk_norm_mrope",
-            qk_norm_mrope_kernel,
-            "bf16",
-            {
-                "HEAD_DIM": 128,
-                "BLOCK_HALF": 64,
-                "BLOCK_Q_HEADS": 32,
-                "BLOCK_KV_HEADS": 4,
-                "SECTION_H": 20,
-                "SECTION_W": 20,
-            },
-            {"num_warps": 4},
-        ),
-        (
-            "vision_rotary[D=72]",
-            vision_rotary_kernel,
-            "bf16",
-            {"HEAD_DIM": 72, "BLOCK_HALF": 64, "BLOCK_HEADS": 16},
-            {"num_warps": 4},
-            {"cos_ptr": "*fp32", "sin_ptr": "*fp32"},
-        ),
-        ("silu_and_mul", silu_and_mul_kernel, "bf16", {"BLOCK_SIZE": 1024}, {"num_warps": 4}),
-        (
-            "quantize_activations[fp8]",
-            quantize_activations_kernel,
-            "bf16",
-            {"GROUP": 128, "BLOCK_ROWS": 32},
-            {"num_warps": 4},
-            {"quantized_ptr": "*fp8e4nv"},
-        ),
-        (
-            "reshape_and_cache",
-            reshape_and_cache_kernel,
-            "bf16",
-            {"HEAD_DIM": 128, "BLOCK_HEADS": 4, "BLOCK_D": 128, "SATURATE_FP8": False},
-            {"num_warps": 4},
-        ),
-        (
-            "reshape_and_cache[fp8 cache]",
-            reshape_and_cache_kernel,
-            "bf16",
-            {"HEAD_DIM": 128, "BLOCK_HEADS": 4, "BLOCK_D": 128, "SATURATE_FP8": True},
-            {"num_warps": 4},
-            FP8_CACHE,
-        ),
-        (
-            "route_topk",
-            route_topk_kernel,
-            "bf16",
-            {"TOP_K": 8, "BLOCK_K": 8, "BLOCK_EXPERTS": 128, "RENORMALIZE": True},
-            {"num_warps": 1},
-        ),
-        (
-            "route_topk[bf16 weights]",  # as the model calls it: weights in the hidden dtype
-            route_topk_kernel,
-            "bf16",
-            {"TOP_K": 8, "BLOCK_K": 8, "BLOCK_EXPERTS": 128, "RENORMALIZE": True},
-            {"num_warps": 1},
-            {"topk_weights_ptr": "*bf16"},
-        ),
-        *(
-            (
-                f"route_topk_align[T={tokens}]",  # a decode batch's routing and align in one launch
-                route_topk_align_kernel,
-                "bf16",
-                {"TOP_K": 8, "BLOCK_K": 8, "BLOCK_T": tokens, "BLOCK_EXPERTS": 128, "RENORMALIZE": True,
-                 "BLOCK": max(tokens, 16)},
-                {"num_warps": max(1, tokens // 2)},  # as route_topk_and_align_triton launches it
-                {"topk_weights_ptr": "*bf16"},
-            )
-            for tokens in (1, 32)
-        ),
-        ("moe_count", moe_count_kernel, "bf16", {"BLOCK": 1024}, {"num_warps": 4}),
-        (
-            "moe_scatter",
-            moe_scatter_kernel,
-            "bf16",
-            {"BLOCK": 1024, "BLOCK_EXPERTS": 128, "COUNT_HERE": False, "COUNT_BLOCK": 64},
-            {"num_warps": 4},
-        ),
-        (
-            "moe_scatter[counts here, T=1]",  # a decode token's align in one launch
-            moe_scatter_kernel,
-            "bf16",
-            {"BLOCK": 8, "BLOCK_EXPERTS": 128, "COUNT_HERE": True, "COUNT_BLOCK": 8},
-            {"num_warps": 4},
-        ),
-        (
-            "moe_scatter[counts here, T=32]",
-            moe_scatter_kernel,
-            "bf16",
-            {"BLOCK": 256, "BLOCK_EXPERTS": 128, "COUNT_HERE": True, "COUNT_BLOCK": 64},
-            {"num_warps": 4},
-        ),
-        (
-            "paged_decode_reduce",
-            paged_decode_reduce_kernel,
-            "bf16",
-            {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SPLITS": 64},
-            {"num_warps": 4},
-        ),
-    ]
-    attention_dtypes = [("bf16", "tf32")] + ([("fp32", "ieee")] if include_float32 else [])
-    for dtype, precision in attention_dtypes:
-        for cache, cache_types in (("", None), (",fp8 cache", FP8_CACHE)):
-            for fuse, single in ((False, False), (True, False), (True, True)):  # single: no reduce launch
-                specs.append(
-                    (
-                        f"paged_decode_split[{dtype}{cache},fuse={fuse}{',single split' if single else ''}]",
-                        paged_decode_split_kernel,
-                        dtype,
-                        {
-                            "HEAD_DIM": 128,
-                            "BLOCK_D": 128,
-                            "BLOCK_G": 16,
-                            "BLOCK_N": 64,
-                            "FUSE_CACHE_WRITE": fuse,
-                            "SATURATE_FP8": cache_types is not None,
-                            "DOT_PRECISION": precision,
-                            "SINGLE_SPLIT": single,
-                        },
-                        {"num_warps": 4, "num_stages": 2},
-                        cache_types,
-                    )
-                )
-            specs.append(
-                (
-                    f"paged_prefill[{dtype}{cache}]",
-                    paged_prefill_attention_kernel,
-                    dtype,
-                    {
-                        "HEAD_DIM": 128,
-                        "BLOCK_D": 128,
-                        "BLOCK_M": 64,
-                        "BLOCK_N": 64,
-                        "DOT_PRECISION": precision,
-                    },
-                    {"num_warps": 4, "num_stages": 2},
-                    cache_types,
-                )
-            )
-    specs.append(
-        (
-            "varlen_attention[bf16,D=72]",
-            varlen_attention_kernel,
-            "bf16",
-            {"HEAD_DIM": 72, "BLOCK_D": 128, "BLOCK_M": 64, "BLOCK_N": 64, "DOT_PRECISION": "tf32"},
-            {"num_warps": 4, "num_stages": 2},
+def specialized_source(launch: Launch) -> ASTSource:
+    """The launch as Triton's launcher would compile it: types, constants and attributes
+    from the argument values."""
+    kernel = launch.kernel
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(kernel.params):
+        value = launch.arguments[param.name]
+        if param.is_constexpr:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+            continue
+        kind, attribute = native_specialize_impl(
+            BaseBackend, value, False, not param.do_not_specialize, not param.do_not_specialize_on_alignment
         )
+        signature[param.name] = kind
+        if kind == "constexpr":  # an integer equal to 1, or None
+            constexprs[param.name] = value
+        elif attribute:
+            attrs[(index,)] = BaseBackend.parse_attr(attribute)
+    return ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+
+
+@dataclass
+class Compiled:
+    registers: int | None  # None where ptxas printed no log (older Triton)
+    spill_stores: int | None
+    spill_loads: int | None
+    shared: int
+    num_warps: int
+    num_stages: int
+
+    def summary(self) -> str:
+        registers = "?" if self.registers is None else self.registers
+        spills = "?" if self.spill_stores is None else f"{self.spill_stores}/{self.spill_loads}"
+        return (f"{registers} registers, spills {spills} B (stores/loads), {self.shared} B shared, "
+                f"{self.num_warps} warps, {self.num_stages} stages")
+
+
+def compile_launch(launch: Launch) -> Compiled:
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):  # Triton prints ptxas' -v log here
+        compiled = triton.compile(specialized_source(launch), target=H100, options=launch.options)
+    registers = re.search(r"Used (\d+) registers", log.getvalue())
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue())
+    return Compiled(
+        registers=int(registers.group(1)) if registers else None,
+        spill_stores=int(spills.group(1)) if spills else None,
+        spill_loads=int(spills.group(2)) if spills else None,
+        shared=compiled.metadata.shared,
+        num_warps=compiled.metadata.num_warps,
+        num_stages=compiled.metadata.num_stages,
     )
-    for num_tokens in (1, 256, 8192):
-        config = heuristic_moe_config(num_tokens, 128, 8)
-        # bf16 experts; FP8 experts (128 x 128 scale blocks); FP8 experts and FP8 activations
-        for variant in ("", "fp8 experts", "w8a8"):
-            fp8 = variant != ""
-            meta = {
-                "BLOCK_M": config.block_size_m,
-                "BLOCK_N": config.block_size_n,
-                "BLOCK_K": fp8_block_k(config.block_size_k, 128) if fp8 else config.block_size_k,
-                "GROUP_M": config.group_size_m,
-                "DOT_PRECISION": "tf32",
-                "FP8_WEIGHTS": fp8,
-                "FP8_ACTIVATIONS": variant == "w8a8",
-                "QUANT_N": 128 if fp8 else 1,
-                "QUANT_K": 128 if fp8 else 1,
-            }
-            for label, kernel, weight, inputs in (
-                ("moe_gate_up_silu", moe_gate_up_silu_kernel, "w13_ptr", "hidden_ptr"),
-                ("moe_down", moe_down_kernel, "w2_ptr", "activated_ptr"),
-            ):
-                pointer_types = {weight: "*fp8e4nv"} if fp8 else None
-                if variant == "w8a8":
-                    pointer_types[inputs] = "*fp8e4nv"
+
+
+# --------------------------------------------------------------------------- cases
+def empty(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def qkv_views(tokens: int, dtype: torch.dtype = BF16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k and v [T, Hkv, D]: views of one fused projection, as the decoder makes them."""
+    q, k, v = empty(tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=dtype).split(
+        [Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1
+    )
+    return (q.view(tokens, Q_HEADS, HEAD_DIM), k.view(tokens, KV_HEADS, HEAD_DIM),
+            v.view(tokens, KV_HEADS, HEAD_DIM))
+
+
+def kv_cache(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return empty(CACHE_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype), \
+        empty(CACHE_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)
+
+
+def block_tables(batch: int) -> torch.Tensor:
+    """[B, max_model_len / block_size]: as the CUDA graphs hold them."""
+    return torch.arange(batch * (MAX_MODEL_LEN // BLOCK_SIZE), dtype=torch.int32).remainder(CACHE_BLOCKS).view(batch, -1)
+
+
+def routing(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_weights [T, K] in the hidden dtype, topk_ids [T, K] int32, as the model routes."""
+    ids = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)]).to(torch.int32)
+    return torch.full((tokens, TOP_K), 1 / TOP_K, dtype=BF16), ids
+
+
+def moe_case(tokens: int, variant: str):
+    """The model's MoE call (terms left unsummed) with bf16 experts, or FP8 experts with
+    128 x 128 block scales (`w8a8`: and FP8 GEMM inputs)."""
+    from kernels.moe.fused_moe import fused_moe_triton
+
+    weight_dtype, fp8 = (BF16, {}) if variant == "bf16" else (FP8, {
+        "w13_scale": torch.ones(EXPERTS, 2 * MOE_INTERMEDIATE // FP8_BLOCK[0], HIDDEN // FP8_BLOCK[1]),
+        "w2_scale": torch.ones(EXPERTS, HIDDEN // FP8_BLOCK[0], MOE_INTERMEDIATE // FP8_BLOCK[1]),
+        "block_shape": FP8_BLOCK,
+        "fp8_activations": variant == "w8a8",
+    })
+    w13 = empty(EXPERTS, 2 * MOE_INTERMEDIATE, HIDDEN, dtype=weight_dtype)
+    w2 = empty(EXPERTS, HIDDEN, MOE_INTERMEDIATE, dtype=weight_dtype)
+    fused_moe_triton(empty(tokens, HIDDEN), w13, w2, *routing(tokens), **fp8, sum_experts=False)
+
+
+def decode_case(batch: int, context: int, cache_dtype: torch.dtype, fused_write: bool, dtype: torch.dtype = BF16):
+    from kernels.paged_decode_attention import (
+        paged_decode_attention_triton,
+        paged_decode_attention_with_kv_write_triton,
+    )
+
+    q, k, v = qkv_views(batch, dtype)
+    k_cache, v_cache = kv_cache(cache_dtype)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    tables = block_tables(batch)
+    hints = {"max_context_len": MAX_MODEL_LEN}  # what the captured graphs pass
+    if fused_write:
+        slots = torch.arange(batch, dtype=torch.int64)
+        paged_decode_attention_with_kv_write_triton(q, k, v, k_cache, v_cache, slots, tables, lens, HEAD_DIM**-0.5,
+                                                    **hints)
+    else:
+        paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, HEAD_DIM**-0.5, **hints)
+
+
+def prefill_case(cache_dtype: torch.dtype, dtype: torch.dtype = BF16):
+    from kernels.paged_prefill_attention import paged_prefill_attention_triton
+
+    q, _, _ = qkv_views(1024, dtype)  # two chunks of 512 after 1000 cached tokens each
+    k_cache, v_cache = kv_cache(cache_dtype)
+    cu_seqlens = torch.tensor([0, 512, 1024], dtype=torch.int32)
+    lens = torch.tensor([1512, 1512], dtype=torch.int32)
+    paged_prefill_attention_triton(q, k_cache, v_cache, block_tables(2), cu_seqlens, lens, HEAD_DIM**-0.5,
+                                   max_query_len=512)
+
+
+def vision_attention_case(dtype: torch.dtype = BF16):
+    from kernels.varlen_attention import varlen_attention_triton
+    from kernels.vision_rotary import vision_rotary_triton
+
+    patches = 4 * 1024
+    qkv = empty(patches, 3, VISION_HEADS, VISION_HEAD_DIM, dtype=dtype)  # [N, 3, h, d]
+    q, k, v = qkv.unbind(dim=1)
+    cos, sin = empty(patches, VISION_HEAD_DIM, dtype=FP32), empty(patches, VISION_HEAD_DIM, dtype=FP32)
+    if dtype == BF16:
+        q, k = vision_rotary_triton(q, k, cos, sin)
+    else:
+        q, k = q.contiguous(), k.contiguous()
+    cu_seqlens = torch.arange(0, patches + 1, 1024, dtype=torch.int32)
+    varlen_attention_triton(q, k, v, cu_seqlens, VISION_HEAD_DIM**-0.5, max_seqlen=1024)
+
+
+def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
+    """(label, a call of Triton wrappers at the model's shapes)."""
+    from kernels.activation import silu_and_mul_triton
+    from kernels.fp8 import quantize_activations_triton
+    from kernels.fp8_linear import fp8_linear_triton
+    from kernels.kv_cache import reshape_and_cache_triton
+    from kernels.moe.align import moe_align_block_size_triton
+    from kernels.moe.fused_moe import moe_gemm_config
+    from kernels.moe.routing import route_topk_and_align_triton, route_topk_triton
+    from kernels.rms_norm import (
+        fused_add_rms_norm_triton,
+        fused_sum_add_rms_norm_triton,
+        rms_norm_triton,
+    )
+    from kernels.rotary import qk_norm_mrope_triton
+
+    tokens = 256
+    weight = empty(HIDDEN)
+    specs: list[tuple[str, Callable[[], object]]] = [
+        ("rms_norm", lambda: rms_norm_triton(empty(tokens, HIDDEN), weight, 1e-6)),
+        ("fused_add_rms_norm", lambda: fused_add_rms_norm_triton(empty(tokens, HIDDEN), empty(tokens, HIDDEN),
+                                                                 weight, 1e-6)),
+        ("fused_sum_add_rms_norm[K=8]", lambda: fused_sum_add_rms_norm_triton(  # the MoE's terms, summed in the norm
+            empty(tokens, TOP_K, HIDDEN), empty(tokens, HIDDEN), weight, 1e-6)),
+        ("qk_norm_mrope", lambda: qk_norm_mrope_triton(
+            *qkv_views(tokens)[:2], empty(HEAD_DIM), empty(HEAD_DIM), torch.zeros(3, tokens, dtype=torch.int64),
+            empty(HEAD_DIM // 2, dtype=FP32), MROPE_SECTION, 1e-6)),
+        ("silu_and_mul", lambda: silu_and_mul_triton(empty(tokens, 2 * MOE_INTERMEDIATE))),
+        ("quantize_activations[fp8]", lambda: quantize_activations_triton(empty(tokens, HIDDEN), 128)),
+        *((f"reshape_and_cache[{name} cache]",
+           lambda dtype=dtype: reshape_and_cache_triton(*qkv_views(tokens)[1:], *kv_cache(dtype),
+                                                        torch.arange(tokens, dtype=torch.int64)))
+          for name, dtype in (("bf16", BF16), ("fp8", FP8))),
+        ("route_topk[bf16 weights]", lambda: route_topk_triton(empty(tokens, EXPERTS), TOP_K, True, BF16)),
+        *((f"route_topk_and_align[T={count}]",
+           lambda count=count: route_topk_and_align_triton(
+               empty(count, EXPERTS), TOP_K, True, BF16,
+               moe_gemm_config(count, empty(EXPERTS, 2 * MOE_INTERMEDIATE, HIDDEN), TOP_K).block_size_m))
+          for count in (1, 16)),
+        *((f"moe_align_block_size[T={count}]",
+           lambda count=count: moe_align_block_size_triton(routing(count)[1], EXPERTS, 16))
+          for count in (1, 32, 4096)),
+        ("vision_rotary + varlen_attention[bf16, D=72]", vision_attention_case),
+    ]
+    attention_dtypes = [BF16] + ([FP32] if include_float32 else [])
+    for dtype in attention_dtypes:
+        name = "bf16" if dtype == BF16 else "fp32"
+        for cache_name, cache_dtype in ((name, dtype), ("fp8", FP8)):
+            for batch, context, fused in ((1, 27000, True), (128, 1000, True), (32, 2000, False)):
                 specs.append((
-                    f"{label}[T={num_tokens}{',' + variant if variant else ''}]", kernel, "bf16", meta,
-                    config.launch_options(), pointer_types,
+                    f"paged_decode[{name}, {cache_name} cache, B={batch}, ctx {context}, fused write={fused}]",
+                    lambda b=batch, c=context, cd=cache_dtype, f=fused, d=dtype: decode_case(b, c, cd, f, d),
                 ))
-    for num_tokens in (1, 256, 8192):  # the dense FP8 linear (qkv_proj / o_proj), W8A16 and W8A8
-        config = dense_fp8_config(num_tokens)
-        for variant in ("fp8 weights", "w8a8"):
-            pointer_types = {"w_ptr": "*fp8e4nv", "x_ptr": "*fp8e4nv" if variant == "w8a8" else "*bf16"}
-            meta = {
-                "BLOCK_M": config.block_size_m,
-                "BLOCK_N": config.block_size_n,
-                "BLOCK_K": fp8_block_k(config.block_size_k, 128),
-                "GROUP_M": config.group_size_m,
-                "DOT_PRECISION": "tf32",
-                "FP8_ACTIVATIONS": variant == "w8a8",
-                "HAS_BIAS": num_tokens == 256,  # once with a bias
-                "QUANT_N": 128,
-                "QUANT_K": 128,
-            }
-            specs.append((f"fp8_linear[T={num_tokens},{variant}]", fp8_linear_kernel, "bf16", meta,
-                          config.launch_options(), pointer_types))
+            specs.append((f"paged_prefill[{name}, {cache_name} cache]",
+                          lambda cd=cache_dtype, d=dtype: prefill_case(cd, d)))
+        if dtype == FP32:
+            specs.append(("varlen_attention[fp32, D=72]", lambda: vision_attention_case(FP32)))
+    for count in (1, 256, 8192):
+        for variant in ("bf16", "fp8", "w8a8"):
+            specs.append((
+                f"fused_moe[T={count}, {variant} experts{', fp8 activations' if variant == 'w8a8' else ''}]",
+                lambda count=count, variant=variant: moe_case(count, variant),
+            ))
+    for count in (1, 256, 8192):  # the dense FP8 linear (qkv_proj), W8A16 and W8A8
+        for fp8_activations in (False, True):
+            out_features = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+            specs.append((
+                f"fp8_linear[T={count}, {'w8a8' if fp8_activations else 'fp8 weights'}]",
+                lambda count=count, a=fp8_activations, n=out_features: fp8_linear_triton(
+                    empty(count, HIDDEN), empty(n, HIDDEN, dtype=FP8),
+                    torch.ones(n // FP8_BLOCK[0], HIDDEN // FP8_BLOCK[1]), FP8_BLOCK,
+                    bias=empty(n) if count == 256 else None, fp8_activations=a),
+            ))
     return specs
 
 
 def main(argv: list[str]) -> int:
     failures = 0
-    for label, kernel, dtype, constexprs, options, *pointer_types in kernel_specs(
-        include_float32="--float32" in argv
-    ):
-        start = time.perf_counter()
+    torch.manual_seed(0)
+    for label, call in cases(include_float32="--float32" in argv):
         try:
-            types = signature(kernel, dtype, constexprs, *pointer_types)
-            source = ASTSource(kernel, types, constexprs=constexprs)
-            compiled = triton.compile(source, target=H100, options=options)
-            status = f"ok ({len(compiled.asm['cubin'])} bytes of cubin)"
-        except Exception:  # noqa: BLE001 - report every kernel, then fail
+            with recorded_launches() as launches:
+                call()
+        except Exception:  # noqa: BLE001 - report every case, then fail
             failures += 1
-            status = "FAILED\n" + traceback.format_exc()
-        print(f"{label}: {status} [{time.perf_counter() - start:.1f}s]", flush=True)
+            print(f"{label}: FAILED before any compile\n{traceback.format_exc()}", flush=True)
+            continue
+        for launch in launches:
+            start = time.perf_counter()
+            name = f"{label} / {launch.kernel.fn.__name__}"
+            try:
+                compiled = compile_launch(launch)
+            except Exception:  # noqa: BLE001
+                failures += 1
+                print(f"{name}: FAILED\n{traceback.format_exc()}", flush=True)
+                continue
+            status = "ok"
+            if compiled.shared > H100_MAX_SHARED_BYTES:
+                failures += 1
+                status = f"FAILED (more shared memory than an H100 block has: {H100_MAX_SHARED_BYTES} B)"
+            print(f"{name}: {status} ({compiled.summary()}) [{time.perf_counter() - start:.1f}s]", flush=True)
     return 1 if failures else 0
 
 
