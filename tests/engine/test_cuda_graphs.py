@@ -2,12 +2,14 @@
 leaves the engine decoding eagerly, and replay equals eager (GPU)."""
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.engine.conftest import mixed_conversations
-from vlm_catalog import LLM, SamplingParams
 from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner, default_buckets
 from vlm_catalog.engine.paged_attention import (
     DecodeBatch,
@@ -19,6 +21,7 @@ from vlm_catalog.engine.paged_attention import (
 from vlm_catalog.model.loader import load_model
 
 BLOCK = 4
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def prefilled(model, device, num_sequences=5, prompt_len=9):
@@ -115,17 +118,30 @@ def test_graph_replay_equals_eager_on_gpu(engine_checkpoint):
     assert set(runner.graphs) == {2, 8}
 
 
+EAGER_AFTER_FAILED_CAPTURE = """
+import sys
+from tests.engine.conftest import mixed_conversations
+from vlm_catalog import LLM, SamplingParams
+
+settings = {"device": "cuda", "dtype": "float32", "max_num_batched_tokens": 96, "kv_cache_memory_bytes": 64 * 2**20}
+failed_capture = LLM(sys.argv[1], **settings)
+assert failed_capture.engine.runner.graph_runner is None, "the capture did not fail"
+prompts, params = mixed_conversations(4), SamplingParams(max_tokens=8, ignore_eos=True)
+eager = LLM(sys.argv[1], enforce_eager=True, **settings)
+assert [o.token_ids for o in failed_capture.chat(prompts, params)] == [o.token_ids for o in eager.chat(prompts, params)]
+print("same answers")
+"""
+
+
 @pytest.mark.gpu
-def test_engine_decodes_eagerly_when_a_kernel_turned_off_cannot_be_captured(engine_checkpoint, monkeypatch):
+def test_engine_decodes_eagerly_when_a_kernel_turned_off_cannot_be_captured(engine_checkpoint):
     """fused_moe named in VLM_CATALOG_KERNELS_OFF: its torch reference syncs with the host, which
     a CUDA-graph capture refuses; the engine starts anyway, without graphs, and answers as the
-    engine that never captured (enforce_eager)."""
+    engine that never captured (enforce_eager). In a process of its own, so that a capture
+    failure that did poison the CUDA context fails this test alone."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "fused_moe")
-    settings = {"device": "cuda", "dtype": "float32", "max_num_batched_tokens": 96, "kv_cache_memory_bytes": 64 * 2**20}
-    failed_capture = LLM(engine_checkpoint, **settings)
-    assert failed_capture.engine.runner.graph_runner is None
-    prompts, params = mixed_conversations(4), SamplingParams(max_tokens=8, ignore_eos=True)
-    eager = LLM(engine_checkpoint, enforce_eager=True, **settings)
-    assert [o.token_ids for o in failed_capture.chat(prompts, params)] == [o.token_ids for o in eager.chat(prompts, params)]
+    env = {**os.environ, "VLM_CATALOG_KERNELS_OFF": "fused_moe"}
+    result = subprocess.run([sys.executable, "-c", EAGER_AFTER_FAILED_CAPTURE, str(engine_checkpoint)],
+                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0 and "same answers" in result.stdout, result.stdout + result.stderr
