@@ -63,10 +63,19 @@ def test_triton_backend_is_forced(monkeypatch):
     assert dispatch.use_triton(torch.randn(2), op="rms_norm")
 
 
-def test_unknown_backend_is_an_error(monkeypatch):
-    monkeypatch.setenv(dispatch.BACKEND_ENV_VAR, "cuda")
-    with pytest.raises(ValueError, match="VLM_CATALOG_KERNELS"):
+@pytest.mark.parametrize(("variable", "value", "message"), [
+    ("VLM_CATALOG_KERNELS", "cuda", "VLM_CATALOG_KERNELS='cuda' is not one of"),
+    ("VLM_CATALOG_KERNELS_OFF", "fused_moe,flash_attention", "VLM_CATALOG_KERNELS_OFF names flash_attention.*fused_moe"),
+])
+def test_a_wrong_setting_is_an_error_naming_it(monkeypatch, variable, value, message):
+    """On the first op, and before: an engine refuses to start (a typo must not fail every request)."""
+    from vlm_catalog.engine.config import EngineConfig, EngineConfigError
+
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=message):
         dispatch.use_triton(torch.randn(2), op="rms_norm")
+    with pytest.raises(EngineConfigError, match=message):
+        EngineConfig()
 
 
 def test_forced_triton_without_triton_is_an_error(monkeypatch):
@@ -87,11 +96,6 @@ def test_ops_named_off_take_the_reference_and_the_rest_keep_triton(monkeypatch):
     monkeypatch.setenv(dispatch.KERNELS_OFF_ENV_VAR, "")
     assert dispatch.use_triton(torch.randn(2), op="rms_norm")
 
-
-def test_unknown_op_named_off_is_an_error_listing_the_ops(monkeypatch):
-    monkeypatch.setenv(dispatch.KERNELS_OFF_ENV_VAR, "fused_moe,flash_attention")
-    with pytest.raises(ValueError, match="VLM_CATALOG_KERNELS_OFF names flash_attention.*fused_moe"):
-        dispatch.use_triton(torch.randn(2), op="rms_norm")
 
 
 def test_an_op_outside_the_registry_is_refused():

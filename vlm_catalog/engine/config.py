@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.dispatch import kernel_backend, kernels_off
 from kernels.fp8 import FP8_DTYPE
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 
@@ -105,6 +106,11 @@ class EngineConfig:
             raise EngineConfigError(f"image_prefetch_bytes must be >= 0 (0: off), got {self.image_prefetch_bytes}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise EngineConfigError("kv_cache_memory_bytes must be positive")
+        try:  # the kernel switches (environment), read on every op: a typo fails here, not in a request
+            kernel_backend()
+            kernels_off()
+        except ValueError as exc:
+            raise EngineConfigError(str(exc)) from None
 
     @property
     def torch_dtype(self) -> torch.dtype:
