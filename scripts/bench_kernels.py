@@ -12,7 +12,8 @@ attention at or above PyTorch SDPA on pre-gathered (contiguous) K/V.
 
     python scripts/bench_kernels.py                  # table
     python scripts/bench_kernels.py --json out.json  # + numbers as JSON
-    python scripts/bench_kernels.py --tune-moe [--fp8]   # best MoE block sizes per token bucket
+    python scripts/bench_kernels.py --tune-moe [--fp8] [--buckets 1 256] [--compile-workers 8]
+                                                     # best MoE block sizes per token bucket
     python scripts/bench_kernels.py --interpret      # CPU smoke run: tiny shapes, interpreter
 
 Other scripts can call `run_kernel_benchmarks(device)` (returns the JSON dict)
@@ -818,13 +819,63 @@ def candidate_configs(rows_per_expert: float):
                             )
 
 
+def _moe_tuning_inputs(num_tokens: int, shapes: Shapes, dtype, device, fp8: bool) -> tuple[tuple, dict]:
+    """fused_moe's positional inputs for one bucket, and its FP8 keyword arguments (or none)."""
+    inputs = _moe_inputs(num_tokens, shapes, dtype, device)
+    return _fp8_experts(inputs, shapes) if fp8 else (inputs, {})
+
+
+def _compile_moe_configs(device: str, num_tokens: int, shapes: Shapes, dtype_name: str, fp8: bool,
+                         configs: list) -> int:
+    """In a worker process: run fused_moe once per config, so Triton compiles it into its on-disk
+    cache; returns how many ran (a config that fails is left to the timing loop to report)."""
+    import torch
+
+    from kernels.moe.fused_moe import fused_moe_triton
+
+    inputs, scales = _moe_tuning_inputs(num_tokens, shapes, getattr(torch, dtype_name), torch.device(device), fp8)
+    ran = 0
+    for config in configs:
+        try:
+            fused_moe_triton(*inputs, config=config, **scales)
+            ran += 1
+        except Exception:  # noqa: BLE001 - e.g. out of shared memory: the timing loop skips it too
+            pass
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return ran
+
+
+def precompile_moe_configs(device, num_tokens: int, shapes: Shapes, dtype, fp8: bool, configs: list,
+                           workers: int) -> int:
+    """Compile `configs` in `workers` processes before they are timed: compiling, not timing, is
+    most of a tuning run, and Triton's on-disk cache hands the timing loop what the workers built.
+    Returns the configs that compiled; a worker that fails only costs its share of the speed-up."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    shares = [configs[index::workers] for index in range(workers) if configs[index::workers]]
+    compiled = 0
+    context = multiprocessing.get_context("spawn")  # a forked CUDA context is unusable
+    with ProcessPoolExecutor(len(shares), mp_context=context) as pool:
+        futures = [pool.submit(_compile_moe_configs, str(device), num_tokens, shapes, str(dtype).removeprefix("torch."),
+                               fp8, share) for share in shares]
+        for future in futures:
+            try:
+                compiled += future.result()
+            except Exception as error:  # noqa: BLE001 - the timing loop compiles what is missing
+                print(f"  T={num_tokens}: a compile worker failed: {type(error).__name__}: {error}", file=sys.stderr)
+    return compiled
+
+
 def tune_moe(
     device, shapes: Shapes = GPU_SHAPES, dtype=None, buckets=None, max_candidates: int | None = None,
-    fp8: bool = False,
+    fp8: bool = False, compile_workers: int = 0,
 ) -> dict[int, tuple]:
     """Times every candidate config per token bucket; prints and returns the best.
     All buckets at the model shape take a while (a few hundred compilations): pass
-    `buckets` to split the work over several runs. `fp8`: FP8 experts (their own entries)."""
+    `buckets` to split the work over several runs, and `compile_workers` to compile each
+    bucket's candidates in that many processes first. `fp8`: FP8 experts (their own entries)."""
     import torch
 
     from kernels.moe.configs import TOKEN_BUCKETS, format_config_entry
@@ -835,13 +886,16 @@ def tune_moe(
     timer = make_timer(device)
     best = {}
     for bucket in buckets or TOKEN_BUCKETS:
-        inputs, scales = _moe_inputs(bucket, shapes, dtype, device), {}
-        if fp8:
-            inputs, scales = _fp8_experts(inputs, shapes)
+        inputs, scales = _moe_tuning_inputs(bucket, shapes, dtype, device, fp8)
         results = []
         candidates = list(candidate_configs(bucket * shapes.top_k / shapes.num_experts))[
             :max_candidates
         ]
+        if compile_workers > 1:
+            started = time.perf_counter()
+            compiled = precompile_moe_configs(device, bucket, shapes, dtype, fp8, candidates, compile_workers)
+            print(f"# T={bucket}: {compiled} of {len(candidates)} configs compiled by {compile_workers} "
+                  f"workers in {time.perf_counter() - started:.1f} s", flush=True)
         for config in candidates:
             try:
                 results.append((timer(partial(fused_moe_triton, *inputs, config=config, **scales)), config))
@@ -873,6 +927,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--fp8", action="store_true", help="--tune-moe with FP8 experts (128 x 128 scales)")
     parser.add_argument(
+        "--compile-workers", type=int, default=None,
+        help="--tune-moe: processes compiling each bucket's configs before they are timed "
+             "(default: min(8, CPUs) on a GPU, none with --interpret)",
+    )
+    parser.add_argument(
         "--interpret",
         action="store_true",
         help="smoke run on CPU under the Triton interpreter with tiny shapes",
@@ -900,12 +959,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.tune_moe:
+        workers = args.compile_workers
+        if workers is None:
+            workers = 0 if args.interpret else min(8, os.cpu_count() or 1)
         if args.interpret:  # the smoke run tries two configs per bucket
-            tune_moe(
-                device, shapes, buckets=args.buckets or shapes.moe_token_counts, max_candidates=2, fp8=args.fp8
-            )
+            tune_moe(device, shapes, buckets=args.buckets or shapes.moe_token_counts, max_candidates=2, fp8=args.fp8,
+                     compile_workers=workers)
         else:
-            tune_moe(device, shapes, buckets=args.buckets, fp8=args.fp8)
+            tune_moe(device, shapes, buckets=args.buckets, fp8=args.fp8, compile_workers=workers)
         return 0
     report = run_kernel_benchmarks(device, shapes)
     print_table(report)

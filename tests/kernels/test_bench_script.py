@@ -68,6 +68,38 @@ def test_interpret_smoke_run_writes_json(tmp_path):
     assert all(row["triton_ms"] > 0 and row["baseline_ms"] > 0 for row in report["rows"])
 
 
+def test_tune_moe_compiles_in_workers_and_prints_entries_to_paste():
+    """--tune-moe with compile workers (the GPU default): each bucket's candidates are compiled
+    in worker processes first, then timed; each bucket ends in a line for MOE_CONFIGS."""
+    pytest.importorskip("triton")
+    from kernels.moe.configs import MoeKernelConfig
+
+    result = run_script("--interpret", "--tune-moe", "--buckets", "4", "64", "--compile-workers", "2", interpret=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "# T=4: 2 of 2 configs compiled by 2 workers" in result.stdout
+    entries = [line for line in result.stdout.splitlines() if "MoeKernelConfig(" in line]
+    assert len(entries) == 2
+    for bucket, entry in zip((4, 64), entries):
+        table = eval("{" + entry.strip() + "}", {"MoeKernelConfig": MoeKernelConfig})  # as pasted into the dict
+        ((key, config),) = table.items()
+        assert key[-1] == bucket and config.tuned
+
+
+def test_a_compile_worker_skips_a_config_that_fails(triton_device):
+    """One bad config costs a worker nothing but that config (the timing loop reports it)."""
+    spec = importlib.util.spec_from_file_location("bench_kernels_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look the module up there
+    try:
+        spec.loader.exec_module(module)
+        good = next(iter(module.candidate_configs(0.25)))
+        ran = module._compile_moe_configs(str(triton_device), 4, module.TINY_SHAPES, "float32", False,
+                                          [good, {"block_size_m": 16}])
+    finally:
+        sys.modules.pop(spec.name, None)
+    assert ran == 1
+
+
 def test_bench_gpu_loads_bench_kernels_as_a_registered_module():
     """bench_gpu.py once exec'd bench_kernels.py without a sys.modules entry: its
     @dataclass then failed (dataclasses look the defining module up there)."""
