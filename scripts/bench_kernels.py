@@ -23,6 +23,7 @@ and `tune_moe(device)`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -846,25 +847,30 @@ def _compile_moe_configs(device: str, num_tokens: int, shapes: Shapes, dtype_nam
     return ran
 
 
-def precompile_moe_configs(device, num_tokens: int, shapes: Shapes, dtype, fp8: bool, configs: list,
-                           workers: int) -> int:
-    """Compile `configs` in `workers` processes before they are timed: compiling, not timing, is
-    most of a tuning run, and Triton's on-disk cache hands the timing loop what the workers built.
-    Returns the configs that compiled; a worker that fails only costs its share of the speed-up."""
+def moe_compile_pool(workers: int):
+    """`workers` processes for `precompile_moe_configs`, reused over the buckets (each costs an
+    interpreter, torch and a CUDA context to start)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))  # a forked CUDA context is unusable
+
+
+def precompile_moe_configs(pool, workers: int, device, num_tokens: int, shapes: Shapes, dtype, fp8: bool,
+                           configs: list) -> int:
+    """Compile `configs` in the pool's `workers` processes before they are timed: compiling, not
+    timing, is most of a tuning run, and Triton's on-disk cache hands the timing loop what the
+    workers built. Returns the configs that compiled; a worker that fails only costs its share of
+    the speed-up."""
     shares = [configs[index::workers] for index in range(workers) if configs[index::workers]]
+    futures = [pool.submit(_compile_moe_configs, str(device), num_tokens, shapes, str(dtype).removeprefix("torch."),
+                           fp8, share) for share in shares]
     compiled = 0
-    context = multiprocessing.get_context("spawn")  # a forked CUDA context is unusable
-    with ProcessPoolExecutor(len(shares), mp_context=context) as pool:
-        futures = [pool.submit(_compile_moe_configs, str(device), num_tokens, shapes, str(dtype).removeprefix("torch."),
-                               fp8, share) for share in shares]
-        for future in futures:
-            try:
-                compiled += future.result()
-            except Exception as error:  # noqa: BLE001 - the timing loop compiles what is missing
-                print(f"  T={num_tokens}: a compile worker failed: {type(error).__name__}: {error}", file=sys.stderr)
+    for future in futures:
+        try:
+            compiled += future.result()
+        except Exception as error:  # noqa: BLE001 - the timing loop compiles what is missing
+            print(f"  T={num_tokens}: a compile worker failed: {type(error).__name__}: {error}", file=sys.stderr)
     return compiled
 
 
@@ -878,39 +884,50 @@ def tune_moe(
     bucket's candidates in that many processes first. `fp8`: FP8 experts (their own entries)."""
     import torch
 
-    from kernels.moe.configs import TOKEN_BUCKETS, format_config_entry
-    from kernels.moe.fused_moe import fused_moe_triton
+    from kernels.moe.configs import TOKEN_BUCKETS
 
     device = torch.device(device)
     dtype = dtype or torch.bfloat16
     timer = make_timer(device)
     best = {}
-    for bucket in buckets or TOKEN_BUCKETS:
-        inputs, scales = _moe_tuning_inputs(bucket, shapes, dtype, device, fp8)
-        results = []
-        candidates = list(candidate_configs(bucket * shapes.top_k / shapes.num_experts))[
-            :max_candidates
-        ]
-        if compile_workers > 1:
-            started = time.perf_counter()
-            compiled = precompile_moe_configs(device, bucket, shapes, dtype, fp8, candidates, compile_workers)
-            print(f"# T={bucket}: {compiled} of {len(candidates)} configs compiled by {compile_workers} "
-                  f"workers in {time.perf_counter() - started:.1f} s", flush=True)
-        for config in candidates:
-            try:
-                results.append((timer(partial(fused_moe_triton, *inputs, config=config, **scales)), config))
-            except Exception as error:  # noqa: BLE001 - e.g. out of shared memory: skip the config
-                print(f"  T={bucket}: skipped {config}: {type(error).__name__}", file=sys.stderr)
-        ms, config = min(results, key=lambda item: item[0])
-        best[bucket] = (ms, config)
-        print(f"# T={bucket}: {ms:.4f} ms (of {len(results)} configs)")
-        print(
-            format_config_entry(
-                shapes.num_experts, shapes.hidden, shapes.moe_intermediate, inputs[1].dtype, bucket, config
-            ),
-            flush=True,
-        )
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(moe_compile_pool(compile_workers)) if compile_workers > 1 else None
+        for bucket in buckets or TOKEN_BUCKETS:
+            best[bucket] = _tune_moe_bucket(bucket, device, shapes, dtype, fp8, timer, max_candidates, pool,
+                                            compile_workers)
     return best
+
+
+def _tune_moe_bucket(bucket: int, device, shapes: Shapes, dtype, fp8: bool, timer, max_candidates: int | None,
+                     pool, compile_workers: int) -> tuple:
+    """The fastest candidate for one bucket, (ms, config); printed with its line for MOE_CONFIGS."""
+    from kernels.moe.configs import format_config_entry
+    from kernels.moe.fused_moe import fused_moe_triton
+
+    inputs, scales = _moe_tuning_inputs(bucket, shapes, dtype, device, fp8)
+    results = []
+    candidates = list(candidate_configs(bucket * shapes.top_k / shapes.num_experts))[
+        :max_candidates
+    ]
+    if pool is not None:
+        started = time.perf_counter()
+        compiled = precompile_moe_configs(pool, compile_workers, device, bucket, shapes, dtype, fp8, candidates)
+        print(f"# T={bucket}: {compiled} of {len(candidates)} configs compiled by {compile_workers} "
+              f"workers in {time.perf_counter() - started:.1f} s", flush=True)
+    for config in candidates:
+        try:
+            results.append((timer(partial(fused_moe_triton, *inputs, config=config, **scales)), config))
+        except Exception as error:  # noqa: BLE001 - e.g. out of shared memory: skip the config
+            print(f"  T={bucket}: skipped {config}: {type(error).__name__}", file=sys.stderr)
+    ms, config = min(results, key=lambda item: item[0])
+    print(f"# T={bucket}: {ms:.4f} ms (of {len(results)} configs)")
+    print(
+        format_config_entry(
+            shapes.num_experts, shapes.hidden, shapes.moe_intermediate, inputs[1].dtype, bucket, config
+        ),
+        flush=True,
+    )
+    return ms, config
 
 
 # --------------------------------------------------------------------------- main
