@@ -46,8 +46,7 @@ os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton._C.libtriton import native_specialize_impl  # noqa: E402
-from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
@@ -96,6 +95,28 @@ def recorded_launches() -> Iterator[list[Launch]]:
         JITFunction.run, decode.multiprocessor_count = saved_run, saved_count
 
 
+POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+                 torch.float8_e4m3fn: "*fp8e4nv", torch.int32: "*i32", torch.int64: "*i64"}
+DIVISIBLE_BY_16 = [["tt.divisibility", 16]]
+
+
+def specialize(value: object, specialize_value: bool, specialize_alignment: bool) -> tuple[str, bool]:
+    """(Triton type, divisible by 16) of a launch argument, by the launcher's rules: a tensor is
+    a pointer, aligned when its address is a multiple of 16 bytes; an integer equal to 1 (or None)
+    becomes a constant, and one divisible by 16 says so. Written out here rather than imported
+    from Triton's private C++ binding, so that the check runs on every Triton the project takes."""
+    if isinstance(value, torch.Tensor):
+        return POINTER_TYPES[value.dtype], specialize_alignment and value.data_ptr() % 16 == 0
+    if value is None or (specialize_value and isinstance(value, int) and not isinstance(value, bool) and value == 1):
+        return "constexpr", False
+    if isinstance(value, float):
+        return "fp32", False
+    if isinstance(value, int) and not isinstance(value, bool):
+        kind = "i32" if -(2**31) <= value < 2**31 else "i64"
+        return kind, specialize_value and specialize_alignment and value % 16 == 0
+    raise TypeError(f"no specialization rule for a launch argument of type {type(value).__name__}")
+
+
 def specialized_source(launch: Launch) -> ASTSource:
     """The launch as Triton's launcher would compile it: types, constants and attributes
     from the argument values."""
@@ -106,14 +127,12 @@ def specialized_source(launch: Launch) -> ASTSource:
         if param.is_constexpr:
             signature[param.name], constexprs[param.name] = "constexpr", value
             continue
-        kind, attribute = native_specialize_impl(
-            BaseBackend, value, False, not param.do_not_specialize, not param.do_not_specialize_on_alignment
-        )
+        kind, divisible = specialize(value, not param.do_not_specialize, not param.do_not_specialize_on_alignment)
         signature[param.name] = kind
         if kind == "constexpr":  # an integer equal to 1, or None
             constexprs[param.name] = value
-        elif attribute:
-            attrs[(index,)] = BaseBackend.parse_attr(attribute)
+        elif divisible:
+            attrs[(index,)] = DIVISIBLE_BY_16
     return ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
 
 
