@@ -31,14 +31,15 @@ test-slow: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu
 
-# The oldest versions the project declares (transformers 5.17, Pillow 12.3, as on the
-# GPU image), in a venv of their own so .venv stays as it is.
+# The oldest versions the project declares (transformers 5.17, Pillow 12.3, Triton 3.6, as on
+# the GPU image), in a venv of their own so .venv stays as it is.
 FLOOR_VENV ?= /tmp/vlm-catalog-floor
+FLOOR_PINS := 'transformers==5.17.*' 'pillow==12.3.*' 'triton==3.6.*'
 test-floor:
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
-	$(FLOOR_VENV)/bin/python -m pip install -q $(PIP_CONSTRAINT_FLAG) torch 'transformers==5.17.*' 'pillow==12.3.*'
-	$(FLOOR_VENV)/bin/python -m pip install -q $(PIP_CONSTRAINT_FLAG) -e ".[dev]" 'transformers==5.17.*' 'pillow==12.3.*'
-	$(FLOOR_VENV)/bin/python -m pytest -q tests/preprocess tests/model tests/engine
+	$(FLOOR_VENV)/bin/python -m pip install -q $(PIP_CONSTRAINT_FLAG) torch $(FLOOR_PINS)
+	$(FLOOR_VENV)/bin/python -m pip install -q $(PIP_CONSTRAINT_FLAG) -e ".[dev]" $(FLOOR_PINS)
+	$(FLOOR_VENV)/bin/python -m pytest -q tests/preprocess tests/model tests/engine tests/kernels
 
 clean:
 	rm -rf $(VENV) scratch .pytest_cache
