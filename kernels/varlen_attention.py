@@ -30,7 +30,12 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_common import LOG2_E, dot_precision, forced_attention_backend
+from kernels.attention_common import (
+    LOG2_E,
+    common_power_of_two,
+    dot_precision,
+    forced_attention_backend,
+)
 from kernels.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -98,6 +103,12 @@ def varlen_attention_triton(
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     block_m = 64 if max_seqlen > 32 else 16
+    # float32 tiles take twice the registers: at 64 x 64 and 4 warps ptxas spills ~30 KB
+    # (tests/kernels/sm90_compile.py --float32); 64 x 32 on 8 warps spills nothing.
+    wide_elements = q.element_size() > 2
+    block_n = 32 if head_dim > 128 or wide_elements else 64
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               out.stride(0), out.stride(1))
     grid = (triton.cdiv(max(max_seqlen, 1), block_m), num_segments, num_heads)
     varlen_attention_kernel[grid](
         # pointers
@@ -110,21 +121,15 @@ def varlen_attention_triton(
         scale * LOG2_E,
         max_segment_len if max_segment_len is not None else num_tokens,
         # strides
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
+        *strides,
         # meta-parameters
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m,
-        BLOCK_N=64 if head_dim <= 128 else 32,
+        BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4,
+        STRIDE_MULTIPLE=common_power_of_two(strides, at_most=16),
+        num_warps=8 if wide_elements else 4,
         num_stages=2,
     )
     return out

@@ -32,7 +32,11 @@ def varlen_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    STRIDE_MULTIPLE: tl.constexpr,  # every stride above is a multiple of this (a power of two <= 16)
 ):
+    # Row offsets carry STRIDE_MULTIPLE as a hint so that loads vectorize when a stride is a
+    # multiple of 8 but not of 16 (the launcher marks only multiples of 16): the vision
+    # tower's head stride of 72. Without it every bf16 element is its own load.
     query_tile = tl.program_id(0)
     segment = tl.program_id(1)
     head = tl.program_id(2)
@@ -48,8 +52,9 @@ def varlen_attention_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     q_mask = row_mask[:, None] & dim_mask[None, :]
+    q_rows = tl.multiple_of(rows * stride_q_token + head * stride_q_head, STRIDE_MULTIPLE)  # [BLOCK_M]
     q = tl.load(
-        q_ptr + rows[:, None] * stride_q_token + head * stride_q_head + dims[None, :],
+        q_ptr + q_rows[:, None] + dims[None, :],
         mask=q_mask,
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
@@ -61,8 +66,9 @@ def varlen_attention_kernel(
         keys = (tile_start + tl.arange(0, BLOCK_N)).to(tl.int64)
         key_mask = keys < segment_end
         kv_mask = key_mask[:, None] & dim_mask[None, :]  # [BLOCK_N, BLOCK_D]
+        k_rows = tl.multiple_of(keys * stride_k_token + head * stride_k_head, STRIDE_MULTIPLE)  # [BLOCK_N]
         k = tl.load(
-            k_ptr + keys[:, None] * stride_k_token + head * stride_k_head + dims[None, :],
+            k_ptr + k_rows[:, None] + dims[None, :],
             mask=kv_mask,
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
@@ -77,16 +83,18 @@ def varlen_attention_kernel(
         running_sum = running_sum * rescale + tl.sum(probs, axis=1)
         running_max = new_max
 
+        v_rows = tl.multiple_of(keys * stride_v_token + head * stride_v_head, STRIDE_MULTIPLE)  # [BLOCK_N]
         v = tl.load(
-            v_ptr + keys[:, None] * stride_v_token + head * stride_v_head + dims[None, :],
+            v_ptr + v_rows[:, None] + dims[None, :],
             mask=kv_mask,
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
         acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
 
     out = acc / running_sum[:, None]
+    out_rows = tl.multiple_of(rows * stride_out_token + head * stride_out_head, STRIDE_MULTIPLE)  # [BLOCK_M]
     tl.store(
-        out_ptr + rows[:, None] * stride_out_token + head * stride_out_head + dims[None, :],
+        out_ptr + out_rows[:, None] + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=q_mask,
     )
