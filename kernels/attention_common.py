@@ -26,15 +26,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def common_power_of_two(values: tuple[int, ...], at_most: int) -> int:
-    """The largest power of two, at most `at_most`, that divides every value: a safe
-    `tl.multiple_of` hint for strides (0 is divisible by anything)."""
-    multiple = at_most
-    while multiple > 1 and any(value % multiple for value in values):
-        multiple //= 2
-    return multiple
-
-
 @functools.cache
 def _cuda_multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

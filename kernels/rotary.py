@@ -30,6 +30,7 @@ from kernels.checks import (
 )
 from kernels.dispatch import use_triton
 from kernels.rms_norm import rms_norm_reference
+from kernels.strides import common_power_of_two
 
 MRopeSection = Sequence[int]  # (s_t, s_h, s_w), with s_t + s_h + s_w == D // 2
 
@@ -167,6 +168,8 @@ def qk_norm_mrope_triton(
         BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
         SECTION_H=mrope_section[1],
         SECTION_W=mrope_section[2],
+        HEAD_STRIDE_MULTIPLE=common_power_of_two(
+            (q.stride(1), k.stride(1), q_out.stride(1), k_out.stride(1))),
         num_warps=4,
     )
     return q_out, k_out

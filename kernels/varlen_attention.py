@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 from kernels.attention_common import (
     LOG2_E,
-    common_power_of_two,
     dot_precision,
     forced_attention_backend,
 )
@@ -46,6 +45,7 @@ from kernels.checks import (
 )
 from kernels.dispatch import kernel_backend, use_triton
 from kernels.flash_varlen import flash_varlen_usable, try_flash_varlen_attention
+from kernels.strides import common_power_of_two
 
 VARLEN_BACKEND_ENV_VAR = "VLM_CATALOG_VARLEN_ATTENTION"
 VARLEN_BACKENDS = ("flash", "triton", "sdpa")
@@ -128,7 +128,7 @@ def varlen_attention_triton(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
-        STRIDE_MULTIPLE=common_power_of_two(strides, at_most=16),
+        STRIDE_MULTIPLE=common_power_of_two(strides),
         num_warps=8 if wide_elements else 4,
         num_stages=2,
     )

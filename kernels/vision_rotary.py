@@ -29,6 +29,7 @@ from kernels.checks import (
 )
 from kernels.dispatch import use_triton
 from kernels.rotary import rotate_half
+from kernels.strides import common_power_of_two
 
 
 # --------------------------------------------------------------------------- reference
@@ -98,6 +99,7 @@ def vision_rotary_triton(
         HEAD_DIM=head_dim,
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         BLOCK_HEADS=triton.next_power_of_2(num_heads),
+        STRIDE_MULTIPLE=common_power_of_two((q.stride(1), k.stride(1), q_out.stride(1), cos.stride(0), sin.stride(0))),
         num_warps=4,
     )
     return q_out, k_out

@@ -21,12 +21,16 @@ def load_head_halves(
     half_mask,  # [BLOCK_HALF]
     HEAD_DIM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
+    HEAD_STRIDE_MULTIPLE: tl.constexpr,  # stride_x_head is a multiple of this
 ):
     """Every head's first and second half in float32 ([BLOCK_HEADS, BLOCK_HALF] each), and
-    the mask of the real heads and columns."""
+    the mask of the real heads and columns. The stride hint lets the loads vectorize when
+    the head stride is a multiple of 8 but not of 16 (the vision tower's 72), which the
+    launcher does not mark."""
     heads = tl.arange(0, BLOCK_HEADS)
     mask = (heads[:, None] < num_heads) & half_mask[None, :]  # [BLOCK_HEADS, BLOCK_HALF]
-    first = heads[:, None] * stride_x_head + half_cols[None, :]
+    head_rows = tl.multiple_of(heads * stride_x_head, HEAD_STRIDE_MULTIPLE)  # [BLOCK_HEADS]
+    first = head_rows[:, None] + half_cols[None, :]
     x1 = tl.load(x_ptr + first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + first + HEAD_DIM // 2, mask=mask, other=0.0).to(tl.float32)
     return x1, x2, mask
@@ -42,11 +46,13 @@ def store_head_halves(
     half_cols,
     HEAD_DIM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
+    HEAD_STRIDE_MULTIPLE: tl.constexpr,  # stride_out_head is a multiple of this
 ):
     """Round both halves once to the output's dtype and store them."""
     heads = tl.arange(0, BLOCK_HEADS)
     out_dtype = out_ptr.dtype.element_ty
-    out_first = heads[:, None] * stride_out_head + half_cols[None, :]
+    out_rows = tl.multiple_of(heads * stride_out_head, HEAD_STRIDE_MULTIPLE)  # [BLOCK_HEADS]
+    out_first = out_rows[:, None] + half_cols[None, :]
     tl.store(out_ptr + out_first, out1.to(out_dtype), mask=mask)
     tl.store(out_ptr + out_first + HEAD_DIM // 2, out2.to(out_dtype), mask=mask)
 
@@ -71,9 +77,11 @@ def _norm_rope_heads(
     # meta-parameters
     HEAD_DIM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
+    HEAD_STRIDE_MULTIPLE: tl.constexpr,
 ):
     """Normalise and rotate all heads of one token."""
-    x1, x2, mask = load_head_halves(x_ptr, num_heads, stride_x_head, half_cols, half_mask, HEAD_DIM, BLOCK_HEADS)
+    x1, x2, mask = load_head_halves(x_ptr, num_heads, stride_x_head, half_cols, half_mask, HEAD_DIM, BLOCK_HEADS,
+                                    HEAD_STRIDE_MULTIPLE)
 
     variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM  # [BLOCK_HEADS]
     inv_rms = tl.math.rsqrt(variance + eps)[:, None]
@@ -86,7 +94,8 @@ def _norm_rope_heads(
 
     out1 = (n1 * cos).to(out_dtype).to(tl.float32) + (-n2 * sin).to(out_dtype).to(tl.float32)
     out2 = (n2 * cos).to(out_dtype).to(tl.float32) + (n1 * sin).to(out_dtype).to(tl.float32)
-    store_head_halves(out_ptr, out1, out2, mask, stride_out_head, half_cols, HEAD_DIM, BLOCK_HEADS)
+    store_head_halves(out_ptr, out1, out2, mask, stride_out_head, half_cols, HEAD_DIM, BLOCK_HEADS,
+                      HEAD_STRIDE_MULTIPLE)
 
 
 @triton.jit
@@ -122,6 +131,7 @@ def qk_norm_mrope_kernel(
     BLOCK_KV_HEADS: tl.constexpr,
     SECTION_H: tl.constexpr,  # mrope_section[1]
     SECTION_W: tl.constexpr,  # mrope_section[2]
+    HEAD_STRIDE_MULTIPLE: tl.constexpr,  # every head stride is a multiple of this
 ):
     token = tl.program_id(0).to(tl.int64)
 
@@ -154,6 +164,7 @@ def qk_norm_mrope_kernel(
         half_mask,
         HEAD_DIM,
         BLOCK_Q_HEADS,
+        HEAD_STRIDE_MULTIPLE,
     )
     _norm_rope_heads(
         k_ptr + token * stride_k_token,
@@ -169,4 +180,5 @@ def qk_norm_mrope_kernel(
         half_mask,
         HEAD_DIM,
         BLOCK_KV_HEADS,
+        HEAD_STRIDE_MULTIPLE,
     )

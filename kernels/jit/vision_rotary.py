@@ -33,11 +33,14 @@ def _rotate_heads(
     # meta-parameters
     HEAD_DIM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
+    HEAD_STRIDE_MULTIPLE: tl.constexpr,
 ):
-    x1, x2, mask = load_head_halves(x_ptr, num_heads, stride_x_head, half_cols, half_mask, HEAD_DIM, BLOCK_HEADS)
+    x1, x2, mask = load_head_halves(x_ptr, num_heads, stride_x_head, half_cols, half_mask, HEAD_DIM, BLOCK_HEADS,
+                                    HEAD_STRIDE_MULTIPLE)
     out1 = x1 * cos1 - x2 * sin1
     out2 = x2 * cos2 + x1 * sin2
-    store_head_halves(out_ptr, out1, out2, mask, stride_out_head, half_cols, HEAD_DIM, BLOCK_HEADS)
+    store_head_halves(out_ptr, out1, out2, mask, stride_out_head, half_cols, HEAD_DIM, BLOCK_HEADS,
+                      HEAD_STRIDE_MULTIPLE)
 
 
 @triton.jit
@@ -64,12 +67,13 @@ def vision_rotary_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,  # next power of two >= D/2
     BLOCK_HEADS: tl.constexpr,  # next power of two >= H
+    STRIDE_MULTIPLE: tl.constexpr,  # the head strides and cos/sin's token strides are multiples of this
 ):
     token = tl.program_id(0).to(tl.int64)
     half_cols = tl.arange(0, BLOCK_HALF)
     half_mask = half_cols < HEAD_DIM // 2
-    cos_row = cos_ptr + token * stride_cos_token + half_cols
-    sin_row = sin_ptr + token * stride_sin_token + half_cols
+    cos_row = cos_ptr + tl.multiple_of(token * stride_cos_token, STRIDE_MULTIPLE) + half_cols
+    sin_row = sin_ptr + tl.multiple_of(token * stride_sin_token, STRIDE_MULTIPLE) + half_cols
     cos1 = tl.load(cos_row, mask=half_mask, other=0.0)[None, :]
     cos2 = tl.load(cos_row + HEAD_DIM // 2, mask=half_mask, other=0.0)[None, :]
     sin1 = tl.load(sin_row, mask=half_mask, other=0.0)[None, :]
@@ -88,6 +92,7 @@ def vision_rotary_kernel(
         half_mask,
         HEAD_DIM,
         BLOCK_HEADS,
+        STRIDE_MULTIPLE,
     )
     _rotate_heads(
         k_ptr + token * stride_k_token,
@@ -103,4 +108,5 @@ def vision_rotary_kernel(
         half_mask,
         HEAD_DIM,
         BLOCK_HEADS,
+        STRIDE_MULTIPLE,
     )

@@ -16,7 +16,8 @@ registers, spills and shared memory. A hand-written signature without them
 compiles a slower, unpipelined variant that uses less shared memory.
 
 One line per launch: ptxas' registers and spill bytes (from its `-v` log), the
-shared memory, warps and stages. A kernel fails when it does not compile or
+shared memory, warps and stages, and the global accesses of a single 8- or
+16-bit element in the PTX (loads the compiler could not vectorize). A kernel fails when it does not compile or
 needs more shared memory per block than an H100 grants (227 KiB): its launch
 would raise `OutOfResources` on the GPU.
 
@@ -144,12 +145,27 @@ class Compiled:
     shared: int
     num_warps: int
     num_stages: int
+    narrow_accesses: int  # global loads and stores of one 8- or 16-bit element (in the PTX)
 
     def summary(self) -> str:
         registers = "?" if self.registers is None else self.registers
         spills = "?" if self.spill_stores is None else f"{self.spill_stores}/{self.spill_loads}"
         return (f"{registers} registers, spills {spills} B (stores/loads), {self.shared} B shared, "
-                f"{self.num_warps} warps, {self.num_stages} stages")
+                f"{self.num_warps} warps, {self.num_stages} stages, {self.narrow_accesses} narrow accesses")
+
+
+GLOBAL_ACCESS = re.compile(r"\b(?:ld|st)\.global[\w.:]*")
+
+
+def narrow_accesses(ptx: str) -> int:
+    """Global loads and stores that move a single 8- or 16-bit element: what a tile's loads
+    become when the compiler cannot prove them aligned (one instruction per element)."""
+    count = 0
+    for instruction in GLOBAL_ACCESS.findall(ptx):
+        parts = instruction.split(".")
+        if not any(part in ("v2", "v4", "v8") for part in parts) and parts[-1][1:] in ("8", "16"):
+            count += 1
+    return count
 
 
 def compile_launch(launch: Launch) -> Compiled:
@@ -165,6 +181,7 @@ def compile_launch(launch: Launch) -> Compiled:
         shared=compiled.metadata.shared,
         num_warps=compiled.metadata.num_warps,
         num_stages=compiled.metadata.num_stages,
+        narrow_accesses=narrow_accesses(compiled.asm["ptx"]),
     )
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import kernels
-from kernels.attention_common import common_power_of_two
 from kernels.flash_varlen import flash_varlen_attention, flash_varlen_function, flash_varlen_usable
 from kernels.varlen_attention import (
     SDPA_MIN_SEGMENT_LEN,
@@ -73,14 +72,6 @@ def test_triton_strided_views_of_a_fused_qkv(triton_device):
         varlen_attention_reference(q, k, v, cu_seqlens, 0.3),
         rel=1e-4,
     )
-
-
-@pytest.mark.parametrize(
-    ("strides", "expected"),
-    [((1152, 72, 3456, 0), 8), ((2048, 128), 16), ((216, 72), 8), ((12, 4), 4), ((7, 16), 1), ((0,), 16)],
-)
-def test_stride_multiple_hint_is_the_largest_power_of_two_dividing_every_stride(strides, expected):
-    assert common_power_of_two(strides, at_most=16) == expected
 
 
 def test_triton_head_stride_a_multiple_of_8_not_16(triton_device):
