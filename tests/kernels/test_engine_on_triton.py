@@ -3,12 +3,16 @@ and the FlashAttention varlen calls through the CPU stand-in, against the engine
 reference path. It exercises, end to end and with real step metadata, the paths that only a GPU
 takes: prompts with and without a prefix-cache hit in one varlen call (packed contexts), chunked
 prefill, the vision tower's varlen call, the MoE's expert sum inside the next norm, routing
-and align in one launch for decode batches, and paged decode attention."""
+and align in one launch for decode batches, and paged decode attention. It also takes the
+census of a decode step's launches."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.engine.conftest import conversation
 from tests.kernels.flash_fakes import FakeFlashVarlen
@@ -115,3 +119,85 @@ def count_calls(monkeypatch) -> dict[str, int]:
 
         monkeypatch.setattr(module, function_name, spy)
     return taken
+
+
+VIEW_AND_ALLOCATION_OPS = {  # aten ops that launch no kernel on a GPU
+    "empty", "empty_like", "new_empty", "empty_strided", "view", "reshape", "_unsafe_view", "slice", "select",
+    "split", "split_with_sizes", "unsqueeze", "squeeze", "transpose", "t", "expand", "as_strided", "alias",
+    "detach", "unbind", "permute", "promote_types", "result_type",
+}
+
+
+class ComputeOps(TorchDispatchMode):
+    """Counts the torch ops that would launch a kernel (views and allocations left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in VIEW_AND_ALLOCATION_OPS:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decode_step_launches_ten_kernels_per_layer_and_never_syncs(
+    checkpoint, triton_device, fake_flash, monkeypatch
+):
+    """The decode step's census on the GPU paths: the embedding and the first layer's input norm,
+    then per layer three cuBLAS linears (qkv, o, router), q/k norm with MRoPE, paged decode
+    with the cache write inside, routing with align, the two MoE GEMMs and two add-and-norms
+    (after attention; after the MoE, which sums its terms: the next layer's input norm or the
+    final norm). Nothing reads a device value on the host (a sync that CUDA-graph capture
+    refuses). A new launch in the step must be added here on purpose."""
+    if triton_device.type != "cpu":
+        pytest.skip("runs the GPU paths on CPU tensors, which needs the Triton interpreter")
+    from torch.utils._python_dispatch import _disable_current_modes
+    from triton.runtime.interpreter import InterpretedFunction
+
+    monkeypatch.setenv("VLM_CATALOG_KERNELS", "auto")
+    monkeypatch.setattr("kernels.dispatch.AUTO_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr("kernels.flash_varlen.FLASH_DTYPES", (torch.float32, torch.float16, torch.bfloat16))
+    fake_flash(FakeFlashVarlen())
+    llm = LLM(checkpoint, max_num_batched_tokens=128)
+    model = llm.engine.runner.model
+    layers = model.config.text.num_layers
+
+    steps: list[tuple[int, collections.Counter, collections.Counter]] = []  # (tokens, Triton launches, torch ops)
+    launches: collections.Counter[str] = collections.Counter()
+    interpreted_run = InterpretedFunction.run
+
+    def counted_run(self, *args, **kwargs):
+        launches[self.fn.__name__] += 1
+        with _disable_current_modes():  # the interpreter's own tensor work is not the model's
+            return interpreted_run(self, *args, **kwargs)
+
+    model_forward = type(model).forward
+
+    def counted_forward(self, input_ids, *args, **kwargs):
+        launches.clear()
+        with ComputeOps() as ops:
+            hidden = model_forward(self, input_ids, *args, **kwargs)
+        steps.append((input_ids.shape[0], launches.copy(), ops.counts))
+        return hidden
+
+    monkeypatch.setattr(InterpretedFunction, "run", counted_run)
+    monkeypatch.setattr(type(model), "forward", counted_forward)
+    conversations = [conversation(index, images=0, words=5) for index in range(2)]
+    llm.chat(conversations, SamplingParams(max_tokens=4, ignore_eos=True))
+
+    decode_steps = [step for step in steps if step[0] == len(conversations)]
+    assert len(decode_steps) == 3  # tokens 2 to 4 of both answers
+    for _, triton_launches, torch_ops in decode_steps:
+        assert triton_launches == {
+            "rms_norm_kernel": 2 * layers + 1,
+            "qk_norm_mrope_kernel": layers,
+            "paged_decode_split_kernel": layers,  # short contexts: one split, no merge launch
+            "route_topk_align_kernel": layers,
+            "moe_gate_up_silu_kernel": layers,
+            "moe_down_kernel": layers,
+        }
+        assert torch_ops == {"linear": 3 * layers, "embedding": 1}
+    host_reads = {"_local_scalar_dense", "item", "nonzero"}
+    assert not any(host_reads & set(torch_ops) for _, _, torch_ops in steps)  # prefill steps too
