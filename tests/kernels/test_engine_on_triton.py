@@ -26,6 +26,20 @@ def checkpoint(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("triton_engine") / "tiny", build_tokenizer(1000), seed=5)
 
 
+@pytest.fixture
+def gpu_paths_on_cpu(triton_device, fake_flash, monkeypatch) -> FakeFlashVarlen:
+    """The engine takes the GPU paths on CPU tensors: `auto` makes the CUDA choices (Triton,
+    then FlashAttention where an op prefers it), every kernel runs interpreted, and the
+    FlashAttention stand-in, which takes float32 so that the varlen paths run at all, is
+    returned to count its calls."""
+    if triton_device.type != "cpu":
+        pytest.skip("runs the GPU paths on CPU tensors, which needs the Triton interpreter")
+    monkeypatch.setenv("VLM_CATALOG_KERNELS", "auto")
+    monkeypatch.setattr("kernels.dispatch.AUTO_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr("kernels.flash_varlen.FLASH_DTYPES", (torch.float32, torch.float16, torch.bfloat16))
+    return fake_flash(FakeFlashVarlen())
+
+
 def run(checkpoint, conversations, waves: int = 2, **options) -> list[tuple[list[int], str]]:
     """Greedy answers for `conversations` sent in `waves` (the later ones hit the prefix cache)."""
     llm = LLM(checkpoint, max_num_batched_tokens=128, enable_prefix_caching=True, **options)  # float32
@@ -42,18 +56,9 @@ VARIANTS = {"defaults": {}, "FP8 KV cache": {"kv_cache_dtype": "fp8"}, "FP8 weig
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_engine_on_the_gpu_paths_answers_as_on_the_reference_path(
-    checkpoint, triton_device, fake_flash, monkeypatch, variant
-):
-    # exact greedy tokens: both paths compute in float32 (the kernels' float32 tolerance is 1e-4).
-    # `auto` makes the CUDA choices for CPU tensors here (Triton, then FlashAttention where an op
-    # prefers it), and the stand-in takes float32 so that the varlen paths run at all
-    if triton_device.type != "cpu":
-        pytest.skip("runs the GPU paths on CPU tensors, which needs the Triton interpreter")
-    monkeypatch.setenv("VLM_CATALOG_KERNELS", "auto")
-    monkeypatch.setattr("kernels.dispatch.AUTO_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr("kernels.flash_varlen.FLASH_DTYPES", (torch.float32, torch.float16, torch.bfloat16))
-    kernel = fake_flash(FakeFlashVarlen())
+def test_engine_on_the_gpu_paths_answers_as_on_the_reference_path(checkpoint, gpu_paths_on_cpu, monkeypatch, variant):
+    # exact greedy tokens: both paths compute in float32 (the kernels' float32 tolerance is 1e-4)
+    kernel = gpu_paths_on_cpu
     taken = count_calls(monkeypatch)
     system = "You are a careful catalogue assistant. " * 6  # a shared prefix: later prompts hit the cache
     conversations = [conversation(index, images=index % 2, words=4 + 7 * (index % 3), system=system)
@@ -72,18 +77,10 @@ def test_engine_on_the_gpu_paths_answers_as_on_the_reference_path(
     assert all(taken.values()), taken
 
 
-def test_engine_with_kernels_turned_off_answers_as_on_the_reference_path(
-    checkpoint, triton_device, fake_flash, monkeypatch
-):
+def test_engine_with_kernels_turned_off_answers_as_on_the_reference_path(checkpoint, gpu_paths_on_cpu, monkeypatch):
     """VLM_CATALOG_KERNELS_OFF, the way out when one kernel fails on a GPU: the ops named take
     their references inside the GPU paths (the MoE's unsummed terms, the one-launch routing, the
     fused decode write all give way), the rest stay on Triton, and the answers do not change."""
-    if triton_device.type != "cpu":
-        pytest.skip("runs the GPU paths on CPU tensors, which needs the Triton interpreter")
-    monkeypatch.setenv("VLM_CATALOG_KERNELS", "auto")
-    monkeypatch.setattr("kernels.dispatch.AUTO_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr("kernels.flash_varlen.FLASH_DTYPES", (torch.float32, torch.float16, torch.bfloat16))
-    fake_flash(FakeFlashVarlen())
     monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "fused_moe,route_topk_and_align,paged_decode_attention_with_kv_write")
     taken = count_calls(monkeypatch)
     conversations = [conversation(index, images=index % 2, words=5) for index in range(3)]
@@ -142,24 +139,16 @@ class ComputeOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_decode_step_launches_ten_kernels_per_layer_and_never_syncs(
-    checkpoint, triton_device, fake_flash, monkeypatch
-):
+def test_a_decode_step_launches_ten_kernels_per_layer_and_never_syncs(checkpoint, gpu_paths_on_cpu, monkeypatch):
     """The decode step's census on the GPU paths: the embedding and the first layer's input norm,
     then per layer three cuBLAS linears (qkv, o, router), q/k norm with MRoPE, paged decode
     with the cache write inside, routing with align, the two MoE GEMMs and two add-and-norms
     (after attention; after the MoE, which sums its terms: the next layer's input norm or the
     final norm). Nothing reads a device value on the host (a sync that CUDA-graph capture
     refuses). A new launch in the step must be added here on purpose."""
-    if triton_device.type != "cpu":
-        pytest.skip("runs the GPU paths on CPU tensors, which needs the Triton interpreter")
     from torch.utils._python_dispatch import _disable_current_modes
     from triton.runtime.interpreter import InterpretedFunction
 
-    monkeypatch.setenv("VLM_CATALOG_KERNELS", "auto")
-    monkeypatch.setattr("kernels.dispatch.AUTO_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr("kernels.flash_varlen.FLASH_DTYPES", (torch.float32, torch.float16, torch.bfloat16))
-    fake_flash(FakeFlashVarlen())
     llm = LLM(checkpoint, max_num_batched_tokens=128)
     model = llm.engine.runner.model
     layers = model.config.text.num_layers
