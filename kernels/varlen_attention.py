@@ -30,11 +30,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_common import (
-    LOG2_E,
-    dot_precision,
-    forced_attention_backend,
-)
+from kernels.attention_common import LOG2_E, dot_precision, forced_attention_backend
 from kernels.checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
