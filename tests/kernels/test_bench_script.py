@@ -40,6 +40,13 @@ def run_script(*args: str, script: Path = SCRIPT, interpret: bool = False) -> su
     )
 
 
+def load_bench_gpu():
+    spec = importlib.util.spec_from_file_location("bench_gpu_under_test", REPO_ROOT / "scripts" / "bench_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_without_a_gpu_it_says_so_and_exits_0():
     result = run_script()
     assert result.returncode == 0, result.stderr
@@ -87,25 +94,17 @@ def test_tune_moe_compiles_in_workers_and_prints_entries_to_paste():
 
 def test_a_compile_worker_skips_a_config_that_fails(triton_device):
     """One bad config costs a worker nothing but that config (the timing loop reports it)."""
-    spec = importlib.util.spec_from_file_location("bench_kernels_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look the module up there
-    try:
-        spec.loader.exec_module(module)
-        good = next(iter(module.candidate_configs(0.25)))
-        ran = module._compile_moe_configs(str(triton_device), 4, module.TINY_SHAPES, "float32", False,
-                                          [good, {"block_size_m": 16}])
-    finally:
-        sys.modules.pop(spec.name, None)
+    bench_kernels = load_bench_gpu().load_bench_kernels()
+    good = next(iter(bench_kernels.candidate_configs(0.25)))
+    ran = bench_kernels._compile_moe_configs(str(triton_device), 4, bench_kernels.TINY_SHAPES, "float32", False,
+                                             [good, {"block_size_m": 16}])
     assert ran == 1
 
 
 def test_bench_gpu_loads_bench_kernels_as_a_registered_module():
     """bench_gpu.py once exec'd bench_kernels.py without a sys.modules entry: its
     @dataclass then failed (dataclasses look the defining module up there)."""
-    spec = importlib.util.spec_from_file_location("bench_gpu_under_test", REPO_ROOT / "scripts" / "bench_gpu.py")
-    bench_gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_gpu)
+    bench_gpu = load_bench_gpu()
     sys.modules.pop("bench_kernels", None)
     try:
         module = bench_gpu.load_bench_kernels()
@@ -127,13 +126,6 @@ def test_bench_gpu_kernels_phase_runs_on_cpu(tmp_path):
     report = json.loads(out.read_text())["kernels"]
     assert report["device"] == "cpu (Triton interpreter)"
     assert {"fused_moe", "paged_decode_attention", "varlen_attention"} <= {row["name"] for row in report["rows"]}
-
-
-def load_bench_gpu():
-    spec = importlib.util.spec_from_file_location("bench_gpu_under_test", REPO_ROOT / "scripts" / "bench_gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_vision_flops_match_torch_flop_counter(monkeypatch):

@@ -97,7 +97,6 @@ def test_ops_named_off_take_the_reference_and_the_rest_keep_triton(monkeypatch):
     assert dispatch.use_triton(torch.randn(2), op="rms_norm")
 
 
-
 def test_an_op_outside_the_registry_is_refused():
     with pytest.raises(ValueError, match="'rms_norm_v2' is not in kernels.dispatch.KERNEL_OPS"):
         dispatch.use_triton(torch.randn(2), op="rms_norm_v2")
