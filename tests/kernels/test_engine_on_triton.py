@@ -12,7 +12,7 @@ import collections
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from tests.engine.conftest import conversation
 from tests.kernels.flash_fakes import FakeFlashVarlen
@@ -146,7 +146,6 @@ def test_a_decode_step_launches_ten_kernels_per_layer_and_never_syncs(checkpoint
     (after attention; after the MoE, which sums its terms: the next layer's input norm or the
     final norm). Nothing reads a device value on the host (a sync that CUDA-graph capture
     refuses). A new launch in the step must be added here on purpose."""
-    from torch.utils._python_dispatch import _disable_current_modes
     from triton.runtime.interpreter import InterpretedFunction
 
     llm = LLM(checkpoint, max_num_batched_tokens=128)
