@@ -5,8 +5,10 @@ dtype name, token-count bucket). A batch of T tokens uses the entry of the
 smallest bucket >= T (the largest bucket above that); shapes without an entry
 use `heuristic_moe_config`.
 
-STATUS: NOT YET TUNED. Every entry below is a reasoned default (tuned=False),
-written without a GPU. Reasoning, for H100/H200 and bf16:
+STATUS: the bf16 30B-A3B shape has entries measured on an H100 (tuned=True) for
+the buckets 1, 64, 256, 4096 and 16384 (2026-11-25); every other entry is a
+reasoned default (tuned=False), written without a GPU. Reasoning, for H100/H200
+and bf16:
 
 * rows per expert ~ T * top_k / E (8/128 of the tokens for Qwen3-VL-MoE). Up to
   ~16 rows (T <= 256) every expert's weights are streamed once for a handful of
@@ -19,12 +21,17 @@ written without a GPU. Reasoning, for H100/H200 and bf16:
 
 Measure with ``python scripts/bench_kernels.py --tune-moe`` on the target GPU:
 it prints one ready-to-paste line per bucket (tuned=True).
+
+Every config `get_moe_config` returns fits an H100 block's shared memory for
+the weights' element size (`fit_shared_memory`): the table is written for
+2-byte weights, and the same tiles in float32 (the CPU-sized test models on a
+GPU) need twice the bytes per pipeline stage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -43,6 +50,32 @@ class MoeKernelConfig:
 
     def launch_options(self) -> dict[str, int]:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+# Shared memory one block may use on an H100 (227 KiB, with the opt-in Triton asks for).
+MAX_SHARED_MEMORY_BYTES = 232448
+
+
+def gate_up_shared_memory_bytes(config: MoeKernelConfig, element_bytes: int) -> int:
+    """What the gate/up kernel (the larger of the two GEMMs) keeps in shared memory: Triton's
+    software pipeline holds num_stages - 1 copies of the A tile [BLOCK_M, BLOCK_K] and the
+    gate and up weight tiles [BLOCK_K, BLOCK_N] each. (This matched the 245,760 B an H100
+    reported for BLOCK_M 32, BLOCK_N 64, BLOCK_K 128, 4 stages in float32.)"""
+    tile_elements = config.block_size_k * (config.block_size_m + 2 * config.block_size_n)
+    return (max(config.num_stages, 2) - 1) * tile_elements * element_bytes
+
+
+def fit_shared_memory(config: MoeKernelConfig, element_bytes: int) -> MoeKernelConfig:
+    """`config`, with fewer pipeline stages (down to 2), then a shorter BLOCK_K (down to 16),
+    until its gate/up tiles fit `MAX_SHARED_MEMORY_BYTES`; unchanged when it already fits."""
+    while gate_up_shared_memory_bytes(config, element_bytes) > MAX_SHARED_MEMORY_BYTES:
+        if config.num_stages > 2:
+            config = replace(config, num_stages=config.num_stages - 1)
+        elif config.block_size_k > 16:
+            config = replace(config, block_size_k=config.block_size_k // 2)
+        else:
+            break
+    return config
 
 
 def as_moe_config(config: MoeKernelConfig | Mapping[str, int]) -> MoeKernelConfig:
@@ -82,7 +115,7 @@ def _reasoned_table(
     }
 
 
-# (E, H, I, expert weight dtype, bucket) -> config. NOT YET TUNED: reasoned defaults only.
+# (E, H, I, expert weight dtype, bucket) -> config: reasoned defaults, then the measured entries.
 MOE_CONFIGS: dict[tuple[int, int, int, str, int], MoeKernelConfig] = {
     # Qwen3-VL-30B-A3B: 128 experts, top-8, hidden 2048, expert intermediate 768
     **_reasoned_table(128, 2048, 768, "bfloat16", top_k=8),
@@ -92,6 +125,13 @@ MOE_CONFIGS: dict[tuple[int, int, int, str, int], MoeKernelConfig] = {
     **_reasoned_table(128, 2048, 768, "float8_e4m3fn", top_k=8),
     **_reasoned_table(128, 4096, 1536, "float8_e4m3fn", top_k=8),
     # Paste measured entries from `scripts/bench_kernels.py --tune-moe` below this line.
+    # H100 80GB, bf16, 2026-11-25 (docs/results/gpu/tune_moe.txt): 0.244, 0.418, 0.442, 0.936 and
+    # 3.07 ms per call at T = 1, 64, 256, 4096 and 16384 (the reasoned default: 1.15 ms at 4096)
+    (128, 2048, 768, 'bfloat16', 1): MoeKernelConfig(block_size_m=32, block_size_n=128, block_size_k=64, group_size_m=8, num_warps=8, num_stages=3, tuned=True),
+    (128, 2048, 768, 'bfloat16', 64): MoeKernelConfig(block_size_m=16, block_size_n=128, block_size_k=128, group_size_m=1, num_warps=4, num_stages=3, tuned=True),
+    (128, 2048, 768, 'bfloat16', 256): MoeKernelConfig(block_size_m=32, block_size_n=128, block_size_k=128, group_size_m=1, num_warps=8, num_stages=3, tuned=True),
+    (128, 2048, 768, 'bfloat16', 4096): MoeKernelConfig(block_size_m=128, block_size_n=128, block_size_k=64, group_size_m=8, num_warps=8, num_stages=3, tuned=True),
+    (128, 2048, 768, 'bfloat16', 16384): MoeKernelConfig(block_size_m=128, block_size_n=128, block_size_k=64, group_size_m=1, num_warps=8, num_stages=3, tuned=True),
 }
 
 
@@ -107,12 +147,11 @@ def get_moe_config(
     dtype: torch.dtype,
     top_k: int = 8,
 ) -> MoeKernelConfig:
-    """The table entry for this shape and batch size, else the heuristic."""
+    """The table entry for this shape and batch size, else the heuristic, fitted to shared
+    memory for `dtype`'s element size."""
     key = (num_experts, hidden, intermediate, dtype_name(dtype), token_bucket(num_tokens))
-    config = MOE_CONFIGS.get(key)
-    if config is not None:
-        return config
-    return heuristic_moe_config(num_tokens, num_experts, top_k)
+    config = MOE_CONFIGS.get(key) or heuristic_moe_config(num_tokens, num_experts, top_k)
+    return fit_shared_memory(config, dtype.itemsize)
 
 
 def format_config_entry(

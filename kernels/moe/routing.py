@@ -8,11 +8,11 @@ which `weights_dtype` does at the store (one launch fewer per MoE layer).
 
 `route_topk_and_align` also lays the (token, k) pairs out by expert for the
 fused MoE's GEMMs (`kernels.moe.align`); on the Triton path, for decode batches
-(up to `ROUTE_ALIGN_MAX_TOKENS` = 16 tokens), both in one launch: each of its E
+(up to `ROUTE_ALIGN_MAX_TOKENS` = 32 tokens), both in one launch: each of its E
 programs routes every token itself and writes its own expert's segment. That is
 one launch fewer per MoE layer of a decode step (48 at 30B-A3B). The threshold
-is a placeholder until a GPU measures the crossover (`scripts/bench_kernels.py`,
-rows `route_topk_and_align[one launch]`).
+comes from the H100 crossover (`scripts/bench_kernels.py`, rows
+`route_topk_and_align[one launch]`; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -23,11 +23,9 @@ from kernels.checks import FLOAT_DTYPES, check_dtype, check_shape, check_unit_st
 from kernels.dispatch import use_triton
 from kernels.moe.align import MoeAlignment, empty_alignment
 
-# NOT YET MEASURED on a GPU: a placeholder. Every program routes every token, about 1.5k sm_90
-# instructions per token row (PTX of the compiled kernel), so a program's work grows with T while
-# the two launches it replaces spread the rows over the SMs: an estimate puts the crossover near
-# 16 tokens (~3 us of routing per program against a launch of ~2 us in a CUDA graph).
-ROUTE_ALIGN_MAX_TOKENS = 16
+# Measured on an H100 (2026-11-25, docs/results/gpu/bench_gpu.json): one launch is 1.8-1.9x faster
+# than route-then-align at 16 and 32 tokens and 0.94x at 64, so the crossover lies between 32 and 64.
+ROUTE_ALIGN_MAX_TOKENS = 32
 ROUTE_ALIGN_MAX_TILE = 8192  # logits one program of the fused kernel holds: [BLOCK_T, BLOCK_EXPERTS]
 
 

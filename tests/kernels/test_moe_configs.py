@@ -5,11 +5,14 @@ from __future__ import annotations
 import torch
 
 from kernels.moe.configs import (
+    MAX_SHARED_MEMORY_BYTES,
     MOE_CONFIGS,
     TOKEN_BUCKETS,
     MoeKernelConfig,
     as_moe_config,
+    fit_shared_memory,
     format_config_entry,
+    gate_up_shared_memory_bytes,
     get_moe_config,
     heuristic_moe_config,
     token_bucket,
@@ -24,11 +27,38 @@ def test_token_bucket_is_the_smallest_bucket_at_or_above():
     assert token_bucket(10**6) == TOKEN_BUCKETS[-1]
 
 
-def test_table_covers_the_model_shapes_and_is_marked_untuned():
+def test_table_covers_the_model_shapes_and_marks_only_the_measured_entries_tuned():
     for bucket in TOKEN_BUCKETS:
         assert (128, 2048, 768, "bfloat16", bucket) in MOE_CONFIGS
         assert (128, 2048, 768, "float8_e4m3fn", bucket) in MOE_CONFIGS  # FP8 experts: entries of their own
-    assert not any(config.tuned for config in MOE_CONFIGS.values())
+    tuned = sorted(key for key, config in MOE_CONFIGS.items() if config.tuned)
+    # the H100 run of 2026-11-25 tuned the bf16 30B-A3B experts at these buckets, nothing else
+    assert tuned == [(128, 2048, 768, "bfloat16", bucket) for bucket in (1, 64, 256, 4096, 16384)]
+
+
+def test_shared_memory_estimate_matches_what_an_h100_reported():
+    # BLOCK_M 32, BLOCK_N 64, BLOCK_K 128, 4 stages in float32: "Required: 245760" on the H100
+    assert gate_up_shared_memory_bytes(MoeKernelConfig(32, 64, 128, 4, 4, 4), element_bytes=4) == 245760
+
+
+def test_every_config_fits_shared_memory_for_its_element_size():
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        for num_experts, hidden, intermediate in ((128, 2048, 768), (128, 4096, 1536), (4, 64, 32)):
+            for bucket in TOKEN_BUCKETS:
+                config = get_moe_config(bucket, num_experts, hidden, intermediate, dtype)
+                assert gate_up_shared_memory_bytes(config, dtype.itemsize) <= MAX_SHARED_MEMORY_BYTES, (dtype, config)
+
+
+def test_fit_shared_memory_drops_stages_then_block_k_and_keeps_what_fits():
+    too_big = MoeKernelConfig(32, 64, 128, 4, 4, 4)  # 245,760 B in float32
+    assert fit_shared_memory(too_big, 4) == MoeKernelConfig(32, 64, 128, 4, 4, 3)  # 163,840 B
+    assert fit_shared_memory(too_big, 2) is too_big  # 2-byte weights: it fits as written
+    wide = MoeKernelConfig(128, 256, 128, 1, 8, 2)  # one stage of 640 x 128 float32 elements: 327,680 B
+    assert fit_shared_memory(wide, 4) == MoeKernelConfig(128, 256, 64, 1, 8, 2)  # 163,840 B
+    # the tiny test model (8 experts, top-2) in float32, decode batch 96 of a CUDA-graph capture:
+    # 24 rows per expert take the 4-stage heuristic, whose capture failed on the H100
+    assert heuristic_moe_config(96, 8, 2) == MoeKernelConfig(32, 64, 128, 4, 4, 4)
+    assert get_moe_config(96, 8, 64, 32, torch.float32, top_k=2) == MoeKernelConfig(32, 64, 128, 4, 4, 3)
 
 
 def test_fp8_experts_look_up_their_own_entries():
