@@ -170,11 +170,23 @@ def test_triton_rejects_bad_fp8_arguments(triton_device):
                          block_shape=(32, 16))
 
 
+# W8A8 rounds the bf16 SiLU product to e4m3 (3 mantissa bits) before the down GEMM, so a one-unit
+# bf16 difference upstream (any change of summation order) can move an input by a whole e4m3 step
+# (up to 2^-3 of it). Measured on an H100 (docs/results/gpu/fp8_moe_reproducibility.txt): the
+# reference itself, run on the GPU and on the CPU, differs by 2.1-2.7e-2 of max |expected| at
+# T = 256 and 4096; the Triton path is 0.26-1.44e-2 from the GPU reference (the activation
+# quantizer matches the torch one code for code). 1e-2 is below that floor (T=4096 measured
+# 1.03e-2); 3e-2 is just above the reference's own spread.
+W8A8_MODEL_SHAPES_TOLERANCE = 3e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8_activations", [False, True])
 @pytest.mark.parametrize("num_tokens", [1, 256, 4096])
 def test_gpu_fp8_experts_model_shapes(cuda_device, num_tokens, fp8_activations):
-    # tolerance: 1e-2 (bfloat16); Qwen3-VL-30B-A3B expert shapes, 128 x 128 scale blocks
+    # Qwen3-VL-30B-A3B expert shapes, 128 x 128 scale blocks. Tolerance: 1e-2 (bfloat16) with
+    # FP8 weights; W8A8_MODEL_SHAPES_TOLERANCE with FP8 activations too.
     args, scales, _ = fp8_inputs(num_tokens, 2048, 768, 128, 8, torch.bfloat16, cuda_device, (128, 128))
     scales["fp8_activations"] = fp8_activations
-    assert_close(kernels.fused_moe(*args, **scales), fused_moe_reference(*args, **scales), rel=1e-2)
+    rel = W8A8_MODEL_SHAPES_TOLERANCE if fp8_activations else 1e-2
+    assert_close(kernels.fused_moe(*args, **scales), fused_moe_reference(*args, **scales), rel=rel)
