@@ -17,20 +17,24 @@ the host (the engine does). First choice, for 16-bit queries with a head size
 it takes: every chunk of the call in one causal FlashAttention varlen launch
 (`kernels.flash_varlen`).
 * When every chunk is fresh (nothing cached before it: a whole prompt, the
-  usual prefill of the benchmark, which runs without prefix caching), on the
-  chunks' own k/v.
+  usual prefill of the benchmark, which runs without prefix caching) and none
+  reaches `SDPA_MIN_PREFILL_LEN` tokens, on the chunks' own k/v. A call with a
+  longer fresh chunk goes per chunk instead (below).
 * Otherwise (a prompt after a prefix-cache hit, the tail of a chunked prompt),
   on every sequence's whole context read out of the cache and packed
   (`PackedContexts`: one gather for K and one for V, at most `GATHER_MAX_KEYS`
   keys; the causal mask aligned bottom-right, which is checked once per device).
   Past that many keys, the fresh chunks take the varlen launch on their own k/v
   and the others one Triton launch that overwrites their rows.
-Without the varlen kernel (or after it raised once), fresh chunks of at least
-`SDPA_MIN_PREFILL_LEN` tokens run causal SDPA each, and everything else goes
-through the Triton launch. On the vision tower's similar kernel SDPA was 8x
-faster on long segments in the first H100 run; the threshold is a placeholder
-until `scripts/bench_kernels.py` measures the crossover (rows
-`paged_prefill_attention[fresh]`, which time the varlen kernel too).
+Per chunk (without the varlen kernel, after it raised once, or for fresh calls
+with a long chunk): fresh chunks of at least `SDPA_MIN_PREFILL_LEN` tokens run
+causal SDPA each, and everything else goes through the Triton launch. Measured
+on an H100 (bf16, 32 query heads of 128 over 4 KV heads, 2026-11-25,
+docs/results/gpu/bench_gpu.json, rows `paged_prefill_attention[fresh]`):
+per-prompt SDPA against the varlen kernel / the Triton kernel is 0.11x / 0.10x
+at 16 x 256 tokens, 0.31x / 0.28x at 8 x 512, 1.05x / 1.10x at 4 x 1024, 1.46x /
+1.82x at 2 x 2048 and 1.69x / 2.29x at 1 x 8192: the threshold, 1024, is the
+crossover.
 `VLM_CATALOG_PREFILL_ATTENTION` (``auto`` | ``flash`` | ``triton`` | ``sdpa``)
 forces one backend for the fresh chunks; `VLM_CATALOG_KERNELS=triton` forces the kernel.
 """
@@ -68,7 +72,7 @@ from kernels.paged_decode_attention import paged_attention_rows
 
 PREFILL_BACKEND_ENV_VAR = "VLM_CATALOG_PREFILL_ATTENTION"
 PREFILL_BACKENDS = ("flash", "triton", "sdpa")
-SDPA_MIN_PREFILL_LEN = 1024  # NOT YET MEASURED on a GPU: placeholder, see the module docstring
+SDPA_MIN_PREFILL_LEN = 1024  # from the H100 crossover, see the module docstring
 NEVER = 2**31 - 1  # a chunk length no step reaches: the kernel skips nothing
 GATHER_MAX_KEYS = 32768  # contexts packed for the varlen kernel: 64 MiB of K and V at 30B-A3B in bf16
 
@@ -266,7 +270,7 @@ def paged_prefill_attention_triton(
 # --------------------------------------------------------------------------- dispatch
 def sdpa_min_prefill_len() -> int:
     """The shortest fresh chunk (nothing cached before it) that runs SDPA on CUDA when the varlen
-    kernel does not: the placeholder constant, 1 when the environment forces SDPA, never when it
+    kernel does not: the measured constant, 1 when the environment forces SDPA, never when it
     forces Triton."""
     forced = forced_attention_backend(PREFILL_BACKEND_ENV_VAR, PREFILL_BACKENDS)
     if forced in (None, "flash"):
@@ -295,7 +299,8 @@ def paged_prefill_attention_per_sequence(
     contexts: PackedContexts | None = None,
     flash: bool = True,
 ) -> torch.Tensor:
-    """Fresh chunks through the causal varlen kernel when it can take them, else those of at
+    """Fresh chunks through the causal varlen kernel when it can take them and none is long
+    enough for SDPA (unless the environment forces the kernel), else those of at
     least `threshold` (default `sdpa_min_prefill_len()`) tokens through causal SDPA each, all on
     their own k/v (new_k/new_v [T, Hkv, D], rounded as the cache stores them); the rest in one
     Triton launch that skips them. `query_lens`/`kv_lens`: cu_seqlens_q's lengths and
@@ -310,7 +315,10 @@ def paged_prefill_attention_per_sequence(
         if extended and sum(kv_lens) <= GATHER_MAX_KEYS and causal_with_context_supported(q):
             contexts = contexts or PackedContexts(block_tables, context_lens, kv_lens)
             out = _chunks_over_packed_contexts(q, k_cache, v_cache, cu_seqlens_q, scale, max(query_lens), contexts)
-        elif any(n and n == total for n, total in zip(query_lens, kv_lens)):
+        elif any(n and n == total for n, total in zip(query_lens, kv_lens)) and (
+            forced_attention_backend(PREFILL_BACKEND_ENV_VAR, PREFILL_BACKENDS) == "flash"
+            or not any(n == total and n >= sdpa_min_prefill_len() for n, total in zip(query_lens, kv_lens))
+        ):
             out = _fresh_chunks_through_flash(q, new_k, new_v, k_cache, v_cache, block_tables, cu_seqlens_q,
                                               context_lens, scale, max(query_lens), extended)
         if out is not None:

@@ -2,18 +2,20 @@
 rows ``cu_seqlens[i]:cu_seqlens[i+1]`` (vision tower: each image attends only to
 itself).
 
-Backends on CUDA. First choice, for 16-bit inputs with a head size FlashAttention
-takes: PyTorch's FlashAttention varlen kernel (`kernels.flash_varlen`), all
-segments in one launch with nothing copied. Without it, per
-segment: `F.scaled_dot_product_attention` (FlashAttention too: far ahead on
-long segments, but one launch per segment) for segments of at least
-`SDPA_MIN_SEGMENT_LEN` rows, and one Triton launch for all the shorter ones (the
-kernel skips the long segments, so the two write disjoint rows). Measured on an
-H100 (bf16, 16 heads of 72), before the varlen kernel was used: Triton was
-0.12x SDPA at 1 x 15625 and 4 x 4096 patches and 4x at 32 x 256 patches; the
-threshold between is a placeholder until `scripts/bench_kernels.py` measures
-the crossover (its `varlen_attention[flash varlen]` rows time the varlen kernel
-too). If the varlen kernel raises (a torch without it, an argument it refuses),
+Backends on CUDA. For 16-bit inputs with a head size FlashAttention takes, and
+every segment shorter than `SDPA_MIN_SEGMENT_LEN` rows: PyTorch's FlashAttention
+varlen kernel (`kernels.flash_varlen`), all segments in one launch with nothing
+copied. Otherwise, per segment: `F.scaled_dot_product_attention` (FlashAttention
+too, one launch per segment) for segments of at least `SDPA_MIN_SEGMENT_LEN`
+rows, and one Triton launch for all the shorter ones (the kernel skips the long
+segments, so the two write disjoint rows). Measured on an H100 (bf16, 16 heads
+of 72, 2026-11-25, docs/results/gpu/bench_gpu.json): per-segment SDPA against
+the varlen kernel / the Triton kernel is 0.46x / 0.45x at 8 x 1024 patches,
+1.38x / 1.72x at 4 x 4096 and 1.32x / 1.60x at 1 x 15625; the threshold, 2048,
+lies between, and a call with one long image takes the per-segment path, where
+the long segments carry most of the work (attention grows with the square of
+the segment).
+If the varlen kernel raises (a torch without it, an argument it refuses),
 the per-segment path takes over for the rest of the process, with a warning.
 `VLM_CATALOG_VARLEN_ATTENTION` (``auto`` | ``flash`` | ``triton`` | ``sdpa``)
 forces one backend; `VLM_CATALOG_KERNELS` still wins: ``reference`` forces
@@ -45,7 +47,7 @@ from kernels.strides import common_power_of_two
 
 VARLEN_BACKEND_ENV_VAR = "VLM_CATALOG_VARLEN_ATTENTION"
 VARLEN_BACKENDS = ("flash", "triton", "sdpa")
-SDPA_MIN_SEGMENT_LEN = 1024  # NOT YET MEASURED on a GPU: placeholder, see the module docstring
+SDPA_MIN_SEGMENT_LEN = 2048  # from the H100 crossover, see the module docstring
 
 
 # --------------------------------------------------------------------------- reference
@@ -207,14 +209,16 @@ def varlen_attention_on_device(
     max_seqlen: int | None = None,
     seqlens: list[int] | None = None,
 ) -> torch.Tensor:
-    """The CUDA choice: the varlen kernel when it can take the call, else segment by segment."""
+    """The CUDA choice: the varlen kernel when it can take the call and no segment is long
+    enough for SDPA (or the environment forces it), else segment by segment."""
     forced = forced_attention_backend(VARLEN_BACKEND_ENV_VAR, VARLEN_BACKENDS)
     if forced in (None, "flash") and flash_varlen_usable(q, "bidirectional"):
         if max_seqlen is None:
             max_seqlen = max(seqlens) if seqlens is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        out = try_flash_varlen_attention("bidirectional", q, k, v, cu_seqlens, scale, max_seqlen)
-        if out is not None:
-            return out
+        if forced == "flash" or max_seqlen < SDPA_MIN_SEGMENT_LEN:
+            out = try_flash_varlen_attention("bidirectional", q, k, v, cu_seqlens, scale, max_seqlen)
+            if out is not None:
+                return out
     if seqlens is None:
         seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     return varlen_attention_per_segment(q, k, v, cu_seqlens, scale, seqlens)

@@ -23,9 +23,11 @@ Expert ids must lie in [0, num_experts).
 The Triton path takes two launches (count, then scatter); up to
 `SINGLE_LAUNCH_MAX_PAIRS` pairs (decode batches) it takes one, whose programs
 each count all experts' pairs themselves (E x T*K compares per program: cheap
-for a few pairs, not for a prefill's). The threshold is a placeholder until a
-GPU measures the crossover (`scripts/bench_kernels.py`, rows
-`moe_align_block_size[one launch]`).
+for a few pairs, not for a prefill's). The threshold comes from the H100
+crossover (`scripts/bench_kernels.py`, rows `moe_align_block_size[one launch]`;
+docs/benchmarks.md). On the Triton path, decode batches of up to
+`ROUTE_ALIGN_MAX_TOKENS` tokens (`kernels.moe.routing`) do not come here:
+`route_topk_and_align` routes and aligns them in one launch.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ import torch
 from kernels.checks import INDEX_DTYPES, check_dtype
 from kernels.dispatch import use_triton
 
-SINGLE_LAUNCH_MAX_PAIRS = 256  # NOT YET MEASURED on a GPU: placeholder (32 decode tokens at K=8)
+# Measured on an H100 (2026-11-25, docs/results/gpu/bench_gpu.json): one launch is 1.30x and 1.03x
+# two at 8 and 128 pairs (1 and 16 tokens at K=8) and 0.35x at 2048, so the crossover is near 128.
+SINGLE_LAUNCH_MAX_PAIRS = 128
 COUNT_TILE = 8192  # compares per step of the in-program count: [BLOCK_EXPERTS, COUNT_TILE // BLOCK_EXPERTS]
 
 
