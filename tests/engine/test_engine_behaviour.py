@@ -1,6 +1,7 @@
 """Engine behaviour: batch invariance, constrained decoding, jump-forward, errors, stops, leaks."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -8,6 +9,8 @@ from schemas import ProductMetadata
 from tests.engine.conftest import conversation, mixed_conversations, run_waves_with_aborts
 from tests.model.helpers import noise_image
 from vlm_catalog import LLM, SamplingParams
+from vlm_catalog.engine.config import EngineConfig
+from vlm_catalog.engine.llm_engine import LLMEngine
 from vlm_catalog.structured import catalogue_schema
 
 
@@ -81,6 +84,35 @@ def test_jump_forward_on_and_off_give_the_same_text_with_fewer_steps(engine_chec
     steps_off = sum(o.metrics["num_model_steps"] for o in outputs_off)
     assert steps_on <= 0.7 * steps_off
     assert on.engine.stats.num_jump_forward_tokens == steps_off - steps_on
+
+
+def test_jump_forward_auto_is_on_for_eager_decoding_and_off_where_decode_replays_cuda_graphs():
+    config = EngineConfig()
+    assert config.enable_jump_forward is None  # auto
+    assert config.jump_forward(decode_graphs=False) and not config.jump_forward(decode_graphs=True)
+    for setting in (True, False):  # an explicit setting wins either way
+        config = EngineConfig(enable_jump_forward=setting)
+        assert config.jump_forward(decode_graphs=False) == config.jump_forward(decode_graphs=True) == setting
+
+
+def test_an_engine_with_decode_graphs_leaves_jump_forward_off_and_answers_the_same(engine_checkpoint, monkeypatch):
+    """With captured decode graphs, forced tokens would make every step multi-token and eager;
+    auto then samples them one step at a time. A stand-in graph runner that never replays
+    (max_batch 0) shows the engine's choice on CPU."""
+    prompts, params = [], []
+    rng = random.Random(3)
+    for index in range(6):
+        messages, candidates = product_prompt(index, rng)
+        prompts.append(messages)
+        params.append(SamplingParams(max_tokens=80, json_schema=catalogue_schema(candidates).json_schema))
+    eager = LLM(engine_checkpoint)
+    assert eager.engine.jump_forward
+    monkeypatch.setattr(LLMEngine, "_decode_graphs", lambda self: SimpleNamespace(max_batch=0))
+    with_graphs = LLM(engine_checkpoint)
+    assert not with_graphs.engine.jump_forward
+    outputs_eager, outputs_graphs = eager.chat(prompts, params), with_graphs.chat(prompts, params)
+    assert [o.token_ids for o in outputs_graphs] == [o.token_ids for o in outputs_eager]
+    assert eager.engine.stats.num_jump_forward_tokens > 0 and with_graphs.engine.stats.num_jump_forward_tokens == 0
 
 
 def test_bad_requests_fail_alone(engine_checkpoint):

@@ -177,6 +177,7 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert constrained["constrained_over_unconstrained"] > 0
     assert report["engine"]["kv_cache_tokens"] > 0
     assert report["engine"]["decode_cuda_graph_batches"] == []  # graphs are CUDA-only
+    assert report["constrained"]["jump_forward"]  # so every step runs eagerly, and jump-forward is on
     assert report["kernels_off"] == [] and report["versions"]["torch"] and report["versions"]["xgrammar"]
     # the engine phases sample as the benchmark does (the checkpoint's generation_config)
     assert report["engine"]["sampling"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}

@@ -126,6 +126,7 @@ class LLMEngine:
             self.encoder_cache, config.image_workers, self._decode_graphs(), config.image_prefetch_bytes,
             config.max_num_seqs, config.max_model_len,
         )
+        self.jump_forward = config.jump_forward(decode_graphs=self.runner.graph_runner is not None)
         self.generator = torch.Generator(device=config.torch_device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, Detokenizer] = {}
@@ -475,7 +476,7 @@ class LLMEngine:
             request.output_logprobs.append(logprobs)
         self.stats.num_sampled_tokens += 1
         self._take_tokens(request, [token], appended)
-        if not request.is_finished and self.config.enable_jump_forward and request.grammar is not None:
+        if not request.is_finished and self.jump_forward and request.grammar is not None:
             forced = request.grammar.forced_tokens()[: request.max_total_tokens - request.num_tokens]
             if forced:
                 request.metrics.num_jump_forward_tokens += len(forced)
