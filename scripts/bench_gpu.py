@@ -19,7 +19,9 @@ call; `--json FILE` merges the phases' results into FILE.
                   top-k 20; `--engine-sampling greedy` for argmax, as the first H100 run);
                   the KV capacity in tokens and the memory profile. `--async-scheduling`:
                   the engine phases schedule and launch each step before reading the
-                  previous step's tokens (recorded as `async_scheduling`)
+                  previous step's tokens (recorded as `async_scheduling`). Every engine
+                  phase (constrained too) first runs `--warmup-records` (32 on CUDA) other
+                  records untimed (recorded as `warmup`): a process's first steps compile kernels
 - engine_fp8_kv   the same with an FP8 (e4m3) KV cache: twice the tokens in the same memory,
                   so more records decode together
 - engine_fp8      FP8 experts (128 x 128 block scales, as Qwen's -FP8 checkpoints; the random
@@ -222,6 +224,20 @@ def run_engine(engine: LLMEngine, conversations, params) -> tuple[float, float, 
     return queued - start, time.perf_counter() - queued, outputs
 
 
+CUDA_WARMUP_RECORDS = 32  # about two 16k-token prefill steps of benchmark records, and their decodes
+
+
+def warm_up(engine: LLMEngine, conversations, params) -> dict:
+    """An untimed run of other records before the timed one. A process's first steps pay one-time
+    costs (Triton compiles each kernel config and specialization on first use, and the fused-MoE
+    config differs per token bucket): on the H100 (2026-11-25) the first engine run of a process
+    took 38.7 s, and the same work later in the process 30.2 s."""
+    if not conversations:
+        return {"records": 0, "seconds": 0.0}
+    _, seconds, outputs = run_engine(engine, conversations, params)
+    return {"records": len(outputs), "seconds": seconds}
+
+
 def engine_run_summary(engine: LLMEngine, conversations, params) -> tuple[dict, dict[int, object]]:
     before = dict(engine.stats.as_dict())
     queue_seconds, seconds, outputs = run_engine(engine, conversations, params)
@@ -281,14 +297,17 @@ def memory_summary(engine: LLMEngine, device: torch.device) -> dict:
 
 def measure_engine(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
                    kv_cache_dtype: str = "auto", sampling: Sampling = QWEN3_VL_SAMPLING,
-                   async_scheduling: bool = False) -> dict:
+                   async_scheduling: bool = False, warmup_records=()) -> dict:
     """Offline throughput with `output_tokens` (150) output tokens per record (ignore_eos), drawn
-    with `sampling`; `kv_cache_dtype="fp8"`: the same with an e4m3 KV cache (twice the tokens of bf16)."""
+    with `sampling`, after an untimed run of `warmup_records` (`warm_up`); `kv_cache_dtype="fp8"`:
+    the same with an e4m3 KV cache (twice the tokens of bf16)."""
     engine = make_engine(checkpoint, model, device, kv_cache_dtype, async_scheduling)
+    fixed = sampling.params(max_tokens=output_tokens, ignore_eos=True)
+    warmup = warm_up(engine, [build_messages(record) for record in warmup_records], [fixed] * len(warmup_records))
     conversations = [build_messages(record) for record in records]
-    fixed = [sampling.params(max_tokens=output_tokens, ignore_eos=True)] * len(records)
-    results = {"fixed_150_tokens": engine_run_summary(engine, conversations, fixed)[0], "sampling": asdict(sampling),
-               "async_scheduling": async_scheduling}
+    results = {"warmup": warmup,
+               "fixed_150_tokens": engine_run_summary(engine, conversations, [fixed] * len(records))[0],
+               "sampling": asdict(sampling), "async_scheduling": async_scheduling}
     results.update(memory_summary(engine, device))
     engine.close()
     return results
@@ -296,7 +315,7 @@ def measure_engine(checkpoint: Path, model, device: torch.device, records, outpu
 
 def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
                        fp8_activations: bool = False, sampling: Sampling = QWEN3_VL_SAMPLING,
-                       async_scheduling: bool = False) -> dict:
+                       async_scheduling: bool = False, warmup_records=()) -> dict:
     """`measure_engine` with FP8 experts (quantized in place, one layer at a time, unless already
     FP8) and an FP8 KV cache; `fp8_activations`: what `--quantization fp8_w8a8` loads, the dense
     projections in FP8 too (`Fp8Linear`) and every FP8 GEMM's input quantized."""
@@ -322,24 +341,28 @@ def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, o
         decoder.use_fp8_linears(fitting_block(*dense_row_counts(decoder.config)), quantize_present=True)
         release_memory(device)
     results = measure_engine(checkpoint, model, device, records, output_tokens, kv_cache_dtype="fp8", sampling=sampling,
-                             async_scheduling=async_scheduling)
+                             async_scheduling=async_scheduling, warmup_records=warmup_records)
     results["before"] = before
     results["after"] = sizes()
     return results
 
 
 def measure_constrained(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
-                        async_scheduling: bool = False) -> dict:
-    """The per-record schema (real stop) against unconstrained decoding of the same token counts.
+                        async_scheduling: bool = False, warmup_records=()) -> dict:
+    """The per-record schema (real stop) against unconstrained decoding of the same token counts,
+    after an untimed constrained run of `warmup_records` (`warm_up`).
 
     The unconstrained run gives each record `max_tokens` = what its constrained run generated
     (ignore_eos), so the two runs generate the same tokens and differ only in the grammar work.
     """
+    def schema_params(chosen) -> list[SamplingParams]:
+        return [SamplingParams(max_tokens=output_tokens, json_schema=catalogue_schema(r.candidate_categories))
+                for r in chosen]
+
     engine = make_engine(checkpoint, model, device, async_scheduling=async_scheduling)
+    results = {"warmup": warm_up(engine, [build_messages(r) for r in warmup_records], schema_params(warmup_records))}
     conversations = [build_messages(record) for record in records]
-    constrained = [SamplingParams(max_tokens=output_tokens, json_schema=catalogue_schema(r.candidate_categories))
-                   for r in records]
-    results = {}
+    constrained = schema_params(records)
     results["constrained_real_stop"], outputs = engine_run_summary(engine, conversations, constrained)
     matched = [SamplingParams(max_tokens=max(1, len(outputs[i].token_ids)), ignore_eos=True)
                for i in range(len(records))]
@@ -497,6 +520,9 @@ def kernel_benchmarks(device: torch.device) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", type=int, default=256)
+    parser.add_argument("--warmup-records", type=int, default=None,
+                        help="engine phases: an untimed run of this many other records first "
+                             "(default 32 on CUDA, 0 on CPU, where nothing is compiled on first use)")
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {', '.join(PHASES)}")
@@ -523,6 +549,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(phases) - set(PHASES)
     if unknown:
         parser.error(f"unknown phases: {', '.join(sorted(unknown))}")
+    if args.warmup_records is None:
+        args.warmup_records = CUDA_WARMUP_RECORDS if device.type == "cuda" else 0
+    if args.warmup_records < 0:
+        parser.error(f"--warmup-records must be >= 0 (0: no warm-up), got {args.warmup_records}")
     if device.type == "cpu" and "kernels" in phases:
         # the kernels run under the Triton interpreter on CPU; it is chosen when kernels.jit is
         # first imported, which has not happened yet (only the Triton wrappers import it)
@@ -569,10 +599,11 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = benchmark_checkpoint_dir(Path(scratch) / "checkpoint", shapes)
         records = []
         if NEEDS_RECORDS & set(phases):
-            count = max(args.records, args.vision_images if "vision_encoder" in phases else 0)
+            count = max(args.records + args.warmup_records, args.vision_images if "vision_encoder" in phases else 0)
             catalogue = make_catalog(Path(scratch) / "catalogue", count, args.seed, image_size=args.image_size)
             records = list(load_catalogue(catalogue))
         engine_records = records[: args.records]
+        warmup_records = records[args.records : args.records + args.warmup_records]  # others, untimed
         needs_ceilings = {"ceilings", "roofline", "vision_encoder"} & set(phases)
         if "ceilings" in phases or (needs_ceilings and "ceilings" not in results):
             run_phase("ceilings", lambda: measure_ceilings(device))
@@ -592,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
                 for phase in model_phases:
                     failed.append(phase)
                     record(phase, time.perf_counter(), {"error": f"building the model failed: {failure}"})
-            engine_options = {"sampling": engine_sampling, "async_scheduling": args.async_scheduling}
+            engine_options = {"sampling": engine_sampling, "async_scheduling": args.async_scheduling,
+                              "warmup_records": warmup_records}
             measures = {
                 "roofline": lambda: measure_roofline(model, device, results["ceilings"]),
                 "engine": lambda: measure_engine(
@@ -602,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
                     **engine_options),
                 "constrained": lambda: measure_constrained(
                     checkpoint, model, device, engine_records, args.output_tokens,
-                    async_scheduling=args.async_scheduling),
+                    async_scheduling=args.async_scheduling, warmup_records=warmup_records),
                 # last (PHASES order): they quantize the model in place
                 "engine_fp8": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records, args.output_tokens, **engine_options),

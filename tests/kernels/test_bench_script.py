@@ -159,7 +159,7 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     roofline: the slow test below), each written to the JSON as it finishes."""
     out = tmp_path / "bench_gpu.json"
     result = run_script("--tiny", "--device", "cpu", "--records", "2", "--vision-images", "2", "--hf-records", "2",
-                        "--image-size", "small", "--output-tokens", "4",
+                        "--image-size", "small", "--output-tokens", "4", "--warmup-records", "1",
                         "--phases", "vision_encoder,engine,engine_fp8_kv,constrained,engine_fp8,engine_w8a8,transformers",
                         "--json", str(out),
                         script=REPO_ROOT / "scripts" / "bench_gpu.py")
@@ -178,6 +178,9 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert report["engine"]["kv_cache_tokens"] > 0
     assert report["engine"]["decode_cuda_graph_batches"] == []  # graphs are CUDA-only
     assert report["constrained"]["jump_forward"]  # so every step runs eagerly, and jump-forward is on
+    # one other record runs untimed before each engine phase's timed run
+    for phase in ("engine", "engine_fp8_kv", "constrained", "engine_fp8", "engine_w8a8"):
+        assert report[phase]["warmup"]["records"] == 1 and report[phase]["warmup"]["seconds"] > 0, phase
     assert report["kernels_off"] == [] and report["versions"]["torch"] and report["versions"]["xgrammar"]
     # the engine phases sample as the benchmark does (the checkpoint's generation_config)
     assert report["engine"]["sampling"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
@@ -222,6 +225,7 @@ def test_bench_gpu_engine_sampling_greedy_is_recorded(tmp_path):
                         script=REPO_ROOT / "scripts" / "bench_gpu.py")
     assert result.returncode == 0, result.stdout + result.stderr
     engine = json.loads(out.read_text())["engine"]
+    assert engine["warmup"] == {"records": 0, "seconds": 0.0}  # none by default on CPU
     assert engine["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
     assert engine["fixed_150_tokens"]["generated_tokens"] == 2 and engine["async_scheduling"] is False
 
@@ -288,3 +292,9 @@ def test_bench_kernels_a_failing_group_keeps_the_other_rows(monkeypatch, capsys)
     assert {"rms_norm", "vision_rotary", "silu_and_mul"} <= {row["name"] for row in report["rows"]}
     bench_kernels.print_table(report)
     assert "FAILED attention: RuntimeError: triton compile failed" in capsys.readouterr().out
+
+
+def test_bench_gpu_refuses_a_negative_warmup(capsys):
+    with pytest.raises(SystemExit):
+        load_bench_gpu().main(["--tiny", "--device", "cpu", "--phase", "engine", "--warmup-records", "-1"])
+    assert "--warmup-records must be >= 0 (0: no warm-up), got -1" in capsys.readouterr().err
