@@ -278,6 +278,18 @@ def sdpa_min_prefill_len() -> int:
     return 1 if forced == "sdpa" else NEVER
 
 
+def whole_prompts_take_the_varlen_kernel(query_lens: list[int], kv_lens: list[int]) -> bool:
+    """Whether a call's whole prompts (nothing cached before them) go through the varlen kernel:
+    there are some, and none reaches `sdpa_min_prefill_len()` tokens, where per-prompt SDPA is
+    faster (module doc), unless the environment forces the kernel."""
+    whole = [n for n, total in zip(query_lens, kv_lens) if n and n == total]
+    if not whole:
+        return False
+    return forced_attention_backend(PREFILL_BACKEND_ENV_VAR, PREFILL_BACKENDS) == "flash" or (
+        max(whole) < sdpa_min_prefill_len()
+    )
+
+
 def fresh_prefill_through_flash() -> bool:
     """Whether the environment leaves fresh chunks to the varlen kernel (auto or flash)."""
     return forced_attention_backend(PREFILL_BACKEND_ENV_VAR, PREFILL_BACKENDS) in (None, "flash")
@@ -315,10 +327,7 @@ def paged_prefill_attention_per_sequence(
         if extended and sum(kv_lens) <= GATHER_MAX_KEYS and causal_with_context_supported(q):
             contexts = contexts or PackedContexts(block_tables, context_lens, kv_lens)
             out = _chunks_over_packed_contexts(q, k_cache, v_cache, cu_seqlens_q, scale, max(query_lens), contexts)
-        elif any(n and n == total for n, total in zip(query_lens, kv_lens)) and (
-            forced_attention_backend(PREFILL_BACKEND_ENV_VAR, PREFILL_BACKENDS) == "flash"
-            or not any(n == total and n >= sdpa_min_prefill_len() for n, total in zip(query_lens, kv_lens))
-        ):
+        elif whole_prompts_take_the_varlen_kernel(query_lens, kv_lens):
             out = _fresh_chunks_through_flash(q, new_k, new_v, k_cache, v_cache, block_tables, cu_seqlens_q,
                                               context_lens, scale, max(query_lens), extended)
         if out is not None:
