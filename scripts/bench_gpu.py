@@ -93,6 +93,7 @@ PHASES = ("ceilings", "kernels", "roofline", "vision_encoder", "engine", "engine
 FP8_MODEL_PHASES = {"engine_fp8", "engine_w8a8"}  # they quantize the experts in place: after the others
 NEEDS_RECORDS = {"vision_encoder", "engine", "engine_fp8_kv", "constrained", "transformers", *FP8_MODEL_PHASES}
 NEEDS_MODEL = {"roofline", "engine", "engine_fp8_kv", "constrained", *FP8_MODEL_PHASES}
+ENGINE_PHASES = NEEDS_MODEL - {"roofline"}  # they run the engine, after a warm-up (`warm_up`)
 OUTPUT_TOKENS = 150
 
 
@@ -599,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = benchmark_checkpoint_dir(Path(scratch) / "checkpoint", shapes)
         records = []
         if NEEDS_RECORDS & set(phases):
-            count = max(args.records + args.warmup_records, args.vision_images if "vision_encoder" in phases else 0)
+            warmup_count = args.warmup_records if ENGINE_PHASES & set(phases) else 0
+            count = max(args.records + warmup_count, args.vision_images if "vision_encoder" in phases else 0)
             catalogue = make_catalog(Path(scratch) / "catalogue", count, args.seed, image_size=args.image_size)
             records = list(load_catalogue(catalogue))
         engine_records = records[: args.records]

@@ -54,7 +54,7 @@ class EngineConfig:
     # append the tokens a grammar forces without model steps. None (auto): on, unless decode steps
     # replay CUDA graphs. A request with forced tokens makes the next step a multi-token (prefill)
     # step, which runs eagerly: on the H100 the constrained run took 62 ms per step against 33 ms
-    # unconstrained (docs/benchmarks.md). The answers are the same either way.
+    # unconstrained (docs/benchmarks.md). Greedy and seeded answers are the same either way.
     enable_jump_forward: bool | None = None
     encoder_cache_tokens: int = 32768  # image embeddings kept, in language-model tokens
     max_images_per_prompt: int = 8
