@@ -290,7 +290,7 @@ def memory_summary(engine: LLMEngine, device: torch.device) -> dict:
     graphs = engine.runner.graph_runner
     summary = {"kv_cache_tokens": stats["kv_capacity_tokens"], "memory_profile": stats["memory_profile"],
                "decode_cuda_graph_batches": sorted(graphs.graphs) if graphs is not None else [],
-               "jump_forward": engine.jump_forward}
+               "jump_forward": engine.jump_forward, "engine_warmup": stats["warmup"]}
     if device.type == "cuda":
         summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     return summary

@@ -299,3 +299,21 @@ def test_async_scheduling_reaches_the_engine_and_changes_no_answer(small_catalog
     assert [line["response"] for line in read_lines(plain)] == [line["response"] for line in read_lines(pipelined)]
     assert extract(small_catalogue, pipelined, "--limit", "4") == 0  # resumed without the flag
     assert len(read_lines(pipelined)) == 4
+
+
+def test_the_warmup_flag_reaches_the_engine_and_changes_no_answer(small_catalogue, tmp_path, monkeypatch):
+    from vlm_catalog.engine import llm_engine
+
+    reports = []
+    real_init = llm_engine.LLMEngine.__init__
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        reports.append(self.warmup_report)
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", recording_init)
+    plain, warmed = tmp_path / "plain.jsonl", tmp_path / "warmed.jsonl"
+    assert extract(small_catalogue, plain, "--limit", "2") == 0
+    assert extract(small_catalogue, warmed, "--limit", "2", "--warmup", "on") == 0
+    assert reports[0] is None and reports[1] is not None and reports[1].num_requests > 0
+    assert [line["response"] for line in read_lines(plain)] == [line["response"] for line in read_lines(warmed)]

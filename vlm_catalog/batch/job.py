@@ -54,6 +54,7 @@ class BatchSettings:
     quantization: str = "auto"  # MoE expert weights (EngineConfig.quantization)
     gpu_memory_utilization: float = 0.9
     async_scheduling: bool = False  # EngineConfig.async_scheduling (the same answers either way)
+    warmup: bool | None = None  # EngineConfig.warmup (None: on CUDA only)
     shard: Shard = WHOLE
     overwrite: bool = False
     ray_address: str | None = None  # None: this process; "": Ray (running cluster or local); else its address

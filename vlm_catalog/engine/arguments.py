@@ -1,5 +1,5 @@
 """Command-line options for how the engine uses the device (KV-cache dtype, FP8 experts, the
-memory fraction, async scheduling), shared by the front doors (`serve`, `extract`, `bench`) so
+memory fraction, async scheduling, the start-up warm-up), shared by the front doors (`serve`, `extract`, `bench`) so
 each spells and checks them the same way."""
 
 from __future__ import annotations
@@ -9,7 +9,14 @@ import argparse
 from vlm_catalog.engine.config import KV_CACHE_DTYPES, QUANTIZATION_MODES, EngineConfig
 
 # the EngineConfig fields these options set
-DEVICE_OPTIONS = ("kv_cache_dtype", "gpu_memory_utilization", "quantization", "async_scheduling")
+DEVICE_OPTIONS = ("kv_cache_dtype", "gpu_memory_utilization", "quantization", "async_scheduling", "warmup")
+WARMUP_SETTINGS = {"auto": None, "on": True, "off": False}  # --warmup -> EngineConfig.warmup
+
+
+def warmup_setting(text: str) -> bool | None:
+    if text not in WARMUP_SETTINGS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(WARMUP_SETTINGS)}, got {text!r}")
+    return WARMUP_SETTINGS[text]
 
 
 def add_device_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -34,6 +41,11 @@ def add_device_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         "--async-scheduling", action="store_true",
         help="schedule and launch each engine step before reading the previous step's tokens, so the "
              "host's per-token work overlaps the device (same answers for greedy and seeded requests)",
+    )
+    parser.add_argument(
+        "--warmup", type=warmup_setting, default=None, metavar="{auto,on,off}",
+        help="run dummy requests at start-up so the GPU kernels of every step size compile before the "
+             "first real request (auto: on CUDA only)",
     )
 
 

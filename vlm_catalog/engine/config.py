@@ -72,6 +72,9 @@ class EngineConfig:
     # and seeded requests, outputs one step later. Off: each step reads its tokens first
     async_scheduling: bool = False
     cuda_graph_max_batch: int = 256  # largest decode batch captured (capped at max_num_seqs)
+    # run dummy requests at start-up so Triton compiles each step size's kernels before serving
+    # (engine/warmup.py). None (auto): on CUDA, off on CPU (whose torch path compiles nothing)
+    warmup: bool | None = None
     tune_cpu_allocator: bool = True  # on CPU, keep freed memory for reuse (see engine/cpu_allocator.py)
     # hand the host heap's free pages back to the kernel this often (glibc; 0: never), so a
     # fragmenting heap over a long job does not hold ever more idle memory
@@ -122,6 +125,10 @@ class EngineConfig:
         if self.enable_jump_forward is None:
             return not decode_graphs
         return self.enable_jump_forward
+
+    def warms_up(self) -> bool:
+        """Whether the engine runs the start-up warm-up: the setting, or on auto (None) on CUDA only."""
+        return self.torch_device.type == "cuda" if self.warmup is None else self.warmup
 
     @property
     def torch_dtype(self) -> torch.dtype:

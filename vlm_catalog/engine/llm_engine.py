@@ -25,7 +25,7 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from vlm_catalog.engine.request import FinishReason, Request
 from vlm_catalog.engine.sampler import sample, sample_tokens
 from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.engine.scheduler import Scheduler, SchedulerOutput
+from vlm_catalog.engine.warmup import WarmupReport, warm_up
 from vlm_catalog.model.config import ModelConfig
 from vlm_catalog.model.loader import load_model
 from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel
@@ -141,6 +142,7 @@ class LLMEngine:
         self._grammars_compiled: deque[Request] = deque()
         self._next_memory_release = time.monotonic() + config.release_host_memory_every_s
         self._pending: PendingTokens | None = None  # sampled tokens not yet read (async_scheduling)
+        self.warmup_report: WarmupReport | None = warm_up(self) if config.warms_up() else None
 
     # ---------------------------------------------------------------- setup
     def _eos_token_ids(self) -> frozenset[int]:
@@ -579,6 +581,8 @@ class LLMEngine:
             "images_encoded": self.runner.num_images_encoded,
             # the profiling pass that sized the KV pool (CUDA); None when it was not profiled
             "memory_profile": self.memory_budget.as_dict() if self.memory_budget is not None else None,
+            # the start-up warm-up (engine/warmup.py); None when it did not run
+            "warmup": asdict(self.warmup_report) if self.warmup_report is not None else None,
         }
 
 

@@ -62,6 +62,7 @@ class BenchConfig:
     gpu_memory_utilization: float = 0.9
     quantization: str = "auto"
     async_scheduling: bool = False  # EngineConfig.async_scheduling
+    warmup: bool | None = None  # EngineConfig.warmup (None: on CUDA only)
 
 
 @dataclass

@@ -1,0 +1,95 @@
+"""The start-up warm-up (engine/warmup.py): which step sizes it runs, and that it leaves the
+engine as if just started, answering exactly as an engine without it."""
+
+import pytest
+
+from kernels.moe.configs import TOKEN_BUCKETS, token_bucket
+from tests.engine.conftest import mixed_conversations
+from vlm_catalog import SamplingParams
+from vlm_catalog.engine.config import EngineConfig
+from vlm_catalog.engine.llm_engine import EngineStats, LLMEngine
+from vlm_catalog.engine.warmup import warm_up, warmup_token_counts
+
+
+@pytest.mark.parametrize("largest", [1, 15, 16, 100, 512, 1000, 16384])
+def test_token_counts_reach_every_bucket_up_to_the_largest_step_aligned_and_not(largest):
+    counts = warmup_token_counts(largest, max_prompt_tokens=10**6)
+    assert counts == sorted(set(counts)) and max(counts) == largest and min(counts) == 1
+    buckets = [b for b in TOKEN_BUCKETS if b <= largest] + ([token_bucket(largest)] if largest not in TOKEN_BUCKETS else [])
+    assert {token_bucket(c) for c in counts} == set(buckets)
+    for bucket in buckets:
+        in_bucket = [c for c in counts if token_bucket(c) == bucket]
+        if bucket >= 32 and largest >= bucket:  # room for both Triton specialisations of the token count
+            assert any(c % 16 == 0 for c in in_bucket) and any(c % 16 for c in in_bucket), (bucket, in_bucket)
+
+
+def test_token_counts_are_capped_by_the_prompt_room_and_go_past_the_table():
+    assert max(warmup_token_counts(16384, max_prompt_tokens=3000)) == 3000
+    beyond = warmup_token_counts(20000, max_prompt_tokens=10**6)
+    assert beyond[-2:] == [19999, 20000]  # the last bucket's config at the step's own size
+    assert 16384 in beyond
+
+
+def test_warmup_is_on_by_default_on_cuda_only():
+    assert EngineConfig(device="cuda").warms_up() and not EngineConfig(device="cpu").warms_up()
+    for setting in (True, False):
+        assert EngineConfig(device="cpu", warmup=setting).warms_up() == setting
+        assert EngineConfig(device="cuda", warmup=setting).warms_up() == setting
+
+
+def small_engine(checkpoint, **overrides) -> LLMEngine:
+    return LLMEngine(model=checkpoint, max_num_batched_tokens=300, max_num_seqs=8, **overrides)
+
+
+def test_a_warmed_up_engine_is_as_if_just_started_and_answers_the_same(engine_checkpoint):
+    warmed = small_engine(engine_checkpoint, warmup=True)
+    report = warmed.warmup_report
+    assert report is not None and report.num_images_encoded == 1  # the image request ran
+    assert report.token_counts == tuple(warmup_token_counts(300, 10**6))
+    assert report.num_requests == len(report.token_counts) + 5 and report.num_steps > report.num_requests
+    assert warmed.stats == EngineStats() and not warmed.requests and not warmed.has_unfinished_requests()
+    assert warmed.block_manager.num_free_blocks == warmed.num_blocks and not warmed.block_manager.tables
+    assert not warmed.block_manager.cached and set(warmed.block_manager.stats.values()) == {0}
+    assert len(warmed.encoder_cache) == 0 and warmed.encoder_cache.hits == warmed.encoder_cache.misses == 0
+    assert warmed.runner.num_images_encoded == 0 and warmed.runner.vision_timer.seconds == 0.0
+    assert warmed.cache_stats()["warmup"]["num_requests"] == report.num_requests
+
+    cold = small_engine(engine_checkpoint)
+    assert cold.warmup_report is None and cold.cache_stats()["warmup"] is None
+    conversations = mixed_conversations(6)
+    params = [SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.9, seed=None if i % 2 else i)
+              for i in range(len(conversations))]
+    unseeded = SamplingParams(max_tokens=8, temperature=1.0)  # draws from the engine's generator
+
+    def answers(engine: LLMEngine) -> list[list[int]]:
+        for i, (conversation, p) in enumerate(zip(conversations, params)):
+            engine.add_request(conversation, p, request_id=f"r{i}")
+        engine.add_request(conversations[0], unseeded, request_id="unseeded")
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        return [finished[key] for key in sorted(finished)]
+
+    assert answers(warmed) == answers(cold)
+    assert warmed.stats.num_prompt_tokens_computed == cold.stats.num_prompt_tokens_computed
+
+
+def test_warmup_refuses_an_engine_with_requests(engine_checkpoint):
+    engine = small_engine(engine_checkpoint)
+    engine.add_request(mixed_conversations(1)[0], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        warm_up(engine)
+
+
+def test_the_warmup_option_of_the_front_doors():
+    import argparse
+
+    from vlm_catalog.engine.arguments import add_device_arguments, device_options
+
+    parser = argparse.ArgumentParser()
+    add_device_arguments(parser)
+    assert device_options(parser.parse_args([]))["warmup"] is None
+    assert device_options(parser.parse_args(["--warmup", "on"]))["warmup"] is True
+    assert device_options(parser.parse_args(["--warmup", "off"]))["warmup"] is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--warmup", "yes"])
