@@ -19,7 +19,9 @@ Every public op in `kernels` is a small function of the form::
 
 ``VLM_CATALOG_KERNELS_OFF`` names ops (comma-separated, from `KERNEL_OPS`) that take
 their torch reference even where Triton would run: the way out when one kernel fails
-on a GPU (a compile error, a crash, a wrong answer) while the others stay fast. A
+on a GPU (a compile error, a crash, a wrong answer) while the others stay fast. It
+also takes the names in `LIBRARY_OPS`, library GEMMs an op prefers where they pass
+a check (``fp8_linear_cublas``): off, the op runs its Triton kernel instead. A
 reference path may sync with the host, which CUDA-graph capture cannot take; the
 engine then runs its decode steps eagerly (`engine/cuda_graphs.py`).
 
@@ -44,6 +46,9 @@ KERNEL_OPS = frozenset({  # every op that dispatches here: the names VLM_CATALOG
     "paged_prefill_attention", "varlen_attention", "vision_rotary", "route_topk", "route_topk_and_align",
     "moe_align_block_size", "fused_moe", "fp8_linear", "quantize_activations",
 })
+# library GEMMs an op prefers to its Triton kernel where they pass a check; VLM_CATALOG_KERNELS_OFF
+# takes their names too, and then the op runs its Triton kernel
+LIBRARY_OPS = frozenset({"fp8_linear_cublas"})  # kernels/fp8_linear_cublas.py
 AUTO_DEVICE_TYPES = ("cuda",)  # where `auto` picks Triton; a test adds "cpu" to run the GPU choices interpreted
 
 
@@ -63,11 +68,11 @@ def kernels_off() -> frozenset[str]:
 @functools.cache
 def _parse_kernels_off(value: str) -> frozenset[str]:
     names = frozenset(name.strip().lower() for name in value.split(",") if name.strip())
-    unknown = names - KERNEL_OPS
+    unknown = names - KERNEL_OPS - LIBRARY_OPS
     if unknown:
         raise ValueError(
             f"{KERNELS_OFF_ENV_VAR} names {', '.join(sorted(unknown))}, which is not a kernel op; "
-            f"the ops are {', '.join(sorted(KERNEL_OPS))}"
+            f"the ops are {', '.join(sorted(KERNEL_OPS | LIBRARY_OPS))}"
         )
     return names
 

@@ -66,19 +66,25 @@ def quantize_activations(values: torch.Tensor, group: int) -> tuple[torch.Tensor
     return quantize_activations_reference(values, group)
 
 
-def quantize_activations_triton(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations_triton(
+    values: torch.Tensor, group: int, quantized: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activations` on the Triton kernel, into `quantized` [T, K] (unit column stride)
+    and `scale` [T, ceil(K/group)] (any strides) when given, new row-major tensors otherwise."""
     import triton
 
     from kernels.jit.fp8_quant import quantize_activations_kernel
 
     rows, cols = values.shape
-    quantized = torch.empty((rows, cols), dtype=FP8_DTYPE, device=values.device)
-    scale = torch.empty((rows, -(-cols // group)), dtype=torch.float32, device=values.device)
+    if quantized is None:
+        quantized = torch.empty((rows, cols), dtype=FP8_DTYPE, device=values.device)
+    if scale is None:
+        scale = torch.empty((rows, -(-cols // group)), dtype=torch.float32, device=values.device)
     if rows == 0:
         return quantized, scale
     block_rows = max(1, min(32, 4096 // group))
     quantize_activations_kernel[(triton.cdiv(rows, block_rows), scale.shape[1])](
-        values, quantized, scale, rows, cols, values.stride(0), quantized.stride(0), scale.stride(0),
+        values, quantized, scale, rows, cols, values.stride(0), quantized.stride(0), scale.stride(0), scale.stride(1),
         GROUP=group, BLOCK_ROWS=block_rows, num_warps=4,
     )
     return quantized, scale

@@ -699,10 +699,13 @@ def _align_ms(timer, align_args, single_launch_max_pairs: int) -> float:
 
 def bench_dense_fp8(shapes: Shapes, dtype, device, timer) -> list[Row]:
     """The decoder's attention projections with FP8 weights (128-column blocks, rows cut to the
-    fused q/k/v parts), W8A16 and W8A8 (input quantization included), against bf16 cuBLAS."""
+    fused q/k/v parts), W8A16 and W8A8 (input quantization included), against bf16 cuBLAS; on a
+    Hopper GPU also W8A8 on cuBLAS's block-scaled FP8 GEMM (kernels/fp8_linear_cublas.py), which
+    `kernels.fp8_linear` takes where it passed its check."""
     import torch
     import torch.nn.functional as F
 
+    from kernels import fp8_linear_cublas as cublas
     from kernels.fp8 import quantize
     from kernels.fp8_linear import fp8_linear_triton
     from vlm_catalog.model.fp8 import fitting_block
@@ -718,8 +721,12 @@ def bench_dense_fp8(shapes: Shapes, dtype, device, timer) -> list[Row]:
             x = torch.randn(num_tokens, in_features, device=device, dtype=dtype)
             baseline_ms = timer(partial(F.linear, x, weight))
             flops = 2 * num_tokens * in_features * out_features
-            for variant, activations in (("w8a16", False), ("w8a8", True)):
-                ms = timer(partial(fp8_linear_triton, x, quantized, scale, block, None, activations))
+            variants = [("w8a16", partial(fp8_linear_triton, x, quantized, scale, block, None, False)),
+                        ("w8a8", partial(fp8_linear_triton, x, quantized, scale, block, None, True))]
+            if cublas.usable(x, quantized, scale, block):
+                variants.append(("w8a8, cublas", partial(cublas.fp8_linear_cublas, x, quantized, scale)))
+            for variant, run in variants:
+                ms = timer(run)
                 rows.append(Row(
                     f"fp8_linear[{variant}]", f"{label} T={num_tokens} ({in_features}->{out_features})", ms,
                     "bf16 F.linear (cuBLAS)", baseline_ms,

@@ -23,7 +23,7 @@ def quantize_activations_kernel(
     # pointers
     x_ptr,  # [rows, cols]
     quantized_ptr,  # [rows, cols] e4m3 out
-    scale_ptr,  # [rows, cols / GROUP] float32 out
+    scale_ptr,  # [rows, cols / GROUP] float32 out (any strides: cuBLAS wants them row-index-major)
     # sizes
     rows,
     cols,
@@ -31,6 +31,7 @@ def quantize_activations_kernel(
     stride_x_row,
     stride_quantized_row,
     stride_scale_row,
+    stride_scale_group,
     # meta-parameters
     GROUP: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -50,4 +51,4 @@ def quantize_activations_kernel(
         quantized.to(quantized_ptr.dtype.element_ty),
         mask=mask,
     )
-    tl.store(scale_ptr + row * stride_scale_row + group, scale, mask=row_mask)
+    tl.store(scale_ptr + row * stride_scale_row + group * stride_scale_group, scale, mask=row_mask)

@@ -95,6 +95,10 @@ def test_ops_named_off_take_the_reference_and_the_rest_keep_triton(monkeypatch):
     assert dispatch.use_triton(torch.randn(2), op="fused_add_rms_norm")
     monkeypatch.setenv(dispatch.KERNELS_OFF_ENV_VAR, "")
     assert dispatch.use_triton(torch.randn(2), op="rms_norm")
+    # a library GEMM's name is taken too (its op then runs the Triton kernel; test_fp8_linear_cublas.py)
+    monkeypatch.setenv(dispatch.KERNELS_OFF_ENV_VAR, "fp8_linear_cublas")
+    assert dispatch.kernels_off() == {"fp8_linear_cublas"} <= dispatch.LIBRARY_OPS
+    assert dispatch.use_triton(torch.randn(2), op="fp8_linear")
 
 
 def test_an_op_outside_the_registry_is_refused():

@@ -143,6 +143,19 @@ def test_triton_activation_quantization_matches_the_reference(triton_device, dty
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
 
 
+def test_triton_activation_quantization_writes_into_given_outputs_of_any_scale_layout(triton_device):
+    """As cuBLAS's block-scaled GEMM wants them (kernels/fp8_linear_cublas.py): the scales with the
+    row index fastest, in the first rows of larger, padded outputs that stay untouched beyond."""
+    values = (torch.randn(5, 256) * 3).to(torch.bfloat16).to(triton_device)
+    quantized = torch.zeros(8, 256, dtype=FP8_DTYPE, device=triton_device)  # [8, K], 5 rows written
+    scale = torch.full((2, 8), -1.0, device=triton_device).t()  # [8, K / 128], strides (1, 8)
+    quantize_activations_triton(values, 128, quantized[:5], scale[:5])
+    want_q, want_scale = quantize_activations_reference(values, 128)
+    assert torch.equal(scale[:5], want_scale) and (scale[5:] == -1.0).all()
+    assert torch.equal(quantized[:5].view(torch.uint8), want_q.view(torch.uint8))
+    assert (quantized[5:].view(torch.uint8) == 0).all()
+
+
 def test_fp8_activations_error_against_fp8_weights_alone():
     """W8A8 against W8A16 at 128 x 128 blocks: the activations' own rounding moves the output
     by 4.3% relative L2 over three seeds (bound 6%); fp8_activations needs FP8 experts."""

@@ -1,0 +1,161 @@
+"""The W8A8 block-FP8 dense GEMM through cuBLAS (`torch.nn.functional.scaled_mm`), on Hopper.
+
+On the H100 the Triton block-FP8 GEMM (kernels/fp8_linear.py) ran at 0.35-0.74x
+of bf16 cuBLAS at the decoder's q/k/v and o shapes (docs/benchmarks.md), so
+W8A8 dense projections cost time instead of saving it. cuBLASLt (12.9 and
+later) has block-scaled FP8 GEMMs for sm_90 in exactly our W8A8 recipe, the
+one of Qwen's and DeepSeek's FP8 checkpoints: one activation scale per row and
+128 columns ("1x128"), one weight scale per 128 x 128 block. torch 2.10 and
+later expose them as `F.scaled_mm(..., BlockWise1x128, ..., BlockWise128x128)`.
+
+The operands, as torch checks them (`_check_scaled_mm_sizes_v2` in
+torch/_meta_registrations.py; `tests/kernels/test_fp8_linear_cublas.py` runs
+those checks on CPU):
+- a: the activations quantized by our kernel, [M4, K] e4m3 row-major, M4 = M
+  rounded up to a multiple of 4 (cuBLASLt's requirement, which torch does not
+  check); the padding rows are zeros with scale 1;
+- scale_a: [M4, ceil(K/128)] float32 with strides (1, M4) (row index fastest);
+- b: W^T, [K, N] column-major (W [N, K] as stored);
+- scale_b: [L4, ceil(N/128)] float32 with strides (1, L4): the weight's scales
+  transposed, their K side zero-padded to L4 = ceil(K/128) rounded up to 4.
+Scales are dequantization multipliers (real = fp8 x scale), as ours are. No
+fast accumulation (cuBLAS refuses it with block scales): fp32 accumulation and
+one rounding to x's dtype, the Triton kernel's contract, so the same tolerance
+against `fp8_linear_reference` holds.
+
+When it runs (`usable`): x on a CUDA device of compute capability 9.x, torch
+with block-wise `F.scaled_mm`, 128 x 128 weight blocks, K and N multiples of
+16, x in bf16 or fp16, and not turned off (`VLM_CATALOG_KERNELS_OFF=fp8_linear_cublas`).
+The first call for each (device, weight shape, dtype) checks it against the
+reference on PROBE_ROWS rows (so with padding); an error or a mismatch logs a
+warning and that shape keeps the Triton kernel. While a CUDA graph is being
+captured an unchecked shape takes the Triton kernel for that call (the check
+reads results on the host); the engine's start-up runs every shape before its
+capture, so in practice none is unchecked then.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dispatch import kernels_off
+from kernels.fp8 import FP8_DTYPE, quantize_activations_reference, quantize_activations_triton
+
+logger = logging.getLogger(__name__)
+
+CUBLAS_BLOCK = (128, 128)  # the only weight blocks cuBLAS's block-scaled FP8 GEMM takes
+CUBLAS_DTYPES = (torch.bfloat16, torch.float16)
+ROW_MULTIPLE = 4  # cuBLASLt's row alignment for the 1x128 scales
+PROBE_ROWS = 6  # the check's rows: not a multiple of ROW_MULTIPLE, so the padding is checked too
+PROBE_TOLERANCE = 1e-2  # of max |reference|: x's rounding (bf16: 2^-8) plus accumulation order
+OFF_SWITCH = "fp8_linear_cublas"  # the name VLM_CATALOG_KERNELS_OFF takes
+
+_checked: dict[tuple[torch.device, tuple[int, int], torch.dtype], bool] = {}
+
+
+@functools.cache
+def device_supported(device: torch.device) -> bool:
+    """A Hopper GPU (compute capability 9.x) and a torch with block-wise `F.scaled_mm`."""
+    scaling = getattr(F, "ScalingType", None)
+    if device.type != "cuda" or not hasattr(F, "scaled_mm") or not hasattr(scaling, "BlockWise128x128"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def eligible(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether the operands are of a kind the cuBLAS GEMM takes (before the first-call check)."""
+    out_features, in_features = weight.shape
+    return (
+        tuple(block) == CUBLAS_BLOCK
+        and x.dtype in CUBLAS_DTYPES
+        and in_features % 16 == 0
+        and out_features % 16 == 0
+        and OFF_SWITCH not in kernels_off()
+        and device_supported(x.device)
+    )
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int]) -> bool:
+    """`eligible`, and the first-call check passed for this shape (module doc)."""
+    if not eligible(x, weight, block):
+        return False
+    key = (x.device, tuple(weight.shape), x.dtype)
+    verdict = _checked.get(key)
+    if verdict is None:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False  # checked outside a capture, on a later call
+        verdict = _checked[key] = _matches_reference(x.dtype, weight, weight_scale)
+    return verdict
+
+
+def _matches_reference(dtype: torch.dtype, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    from kernels.fp8_linear import fp8_linear_reference
+
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn(PROBE_ROWS, weight.shape[1], generator=generator).to(weight.device, dtype)  # [rows, K]
+    shape = f"{tuple(weight.shape)} {str(dtype).removeprefix('torch.')}"
+    try:
+        got = fp8_linear_cublas(probe, weight, weight_scale).float()
+    except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
+        logger.warning("cuBLAS block-FP8 GEMM unavailable for weight %s (%s); the Triton kernel runs", shape, exc)
+        return False
+    expected = fp8_linear_reference(probe, weight, weight_scale, CUBLAS_BLOCK, fp8_activations=True).float()
+    error = ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+    if not error <= PROBE_TOLERANCE:  # NaN fails too
+        logger.warning(
+            "cuBLAS block-FP8 GEMM for weight %s is %.3g (of max |reference|) from the reference, above %g; "
+            "the Triton kernel runs", shape, error, PROBE_TOLERANCE,
+        )
+        return False
+    logger.info("cuBLAS block-FP8 GEMM checked for weight %s (error %.2g)", shape, error)
+    return True
+
+
+def cublas_operands(
+    flat: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a, scale_a, b, scale_b) for `F.scaled_mm` from x [M, K] and W [N, K] with its scales
+    [ceil(N/128), ceil(K/128)], laid out as the module doc says."""
+    rows, in_features = flat.shape
+    k_blocks = weight_scale.shape[1]
+    padded_rows = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+    quantized = torch.empty((padded_rows, in_features), dtype=FP8_DTYPE, device=flat.device)  # [M4, K]
+    scale = torch.empty((k_blocks, padded_rows), dtype=torch.float32, device=flat.device).t()  # [M4, Kb], M-major
+    if padded_rows > rows:
+        quantized[rows:].zero_()
+        scale[rows:].fill_(1.0)
+    if flat.is_cuda:
+        quantize_activations_triton(flat, CUBLAS_BLOCK[1], quantized[:rows], scale[:rows])
+    else:  # CPU: only tests get here (with a stand-in for F.scaled_mm)
+        reference_quantized, reference_scale = quantize_activations_reference(flat, CUBLAS_BLOCK[1])
+        quantized[:rows].copy_(reference_quantized)
+        scale[:rows].copy_(reference_scale)
+    padded_k_blocks = -(-k_blocks // 4) * 4
+    if padded_k_blocks > k_blocks:
+        weight_scale = F.pad(weight_scale, (0, padded_k_blocks - k_blocks))  # [Nb, L4]
+    return quantized, scale, weight.t(), weight_scale.t()  # b [K, N], scale_b [L4, Nb]
+
+
+def fp8_linear_cublas(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype: W8A8 with 1x128 / 128x128 scales on cuBLAS."""
+    out_features, in_features = weight.shape
+    flat = x.reshape(-1, in_features)  # [M, K]
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    rows = flat.shape[0]
+    if rows == 0:
+        return x.new_empty(*x.shape[:-1], out_features)
+    a, scale_a, b, scale_b = cublas_operands(flat, weight, weight_scale)
+    scaling = F.ScalingType
+    out = F.scaled_mm(
+        a, b, scale_a, scaling.BlockWise1x128, scale_b, scaling.BlockWise128x128, output_dtype=x.dtype
+    )[:rows]  # [M, N]
+    if bias is not None:  # added in float32 as the reference does (one more rounding)
+        out = (out.float() + bias.float()).to(x.dtype)
+    return out.view(*x.shape[:-1], out_features)  # [..., N]

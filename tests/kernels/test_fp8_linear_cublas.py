@@ -1,0 +1,190 @@
+"""The W8A8 dense GEMM on cuBLAS (kernels/fp8_linear_cublas.py), checked on CPU three ways:
+
+- the operands it builds pass torch's own shape and stride checks for block-scaled
+  `F.scaled_mm` (its meta function, run under FakeTensorMode);
+- with a stand-in for `F.scaled_mm` that computes what torch documents (each
+  operand times its block scales, one float32 GEMM), the result matches
+  `fp8_linear_reference` at TOLERANCE[dtype], as the Triton kernel does;
+- the first-call check accepts a correct GEMM once per shape and turns a wrong or
+  failing one into the Triton kernel.
+The GPU run (`tests/kernels/test_gpu.py`) checks the real cuBLAS GEMM against the reference.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import kernels
+from kernels import fp8_linear_cublas as cublas
+from kernels.fp8 import quantize
+from kernels.fp8_linear import fp8_linear_reference
+from tests.kernels.helpers import TOLERANCE, assert_close
+
+BLOCK = (128, 128)
+SHAPES = [(1, 2048, 5120), (6, 1152, 1152), (256, 4096, 2048), (4, 256, 384)]  # (M, K, N); 1152: 9 K-blocks
+
+
+def inputs(rows, in_features, out_features, dtype=torch.bfloat16):
+    x = torch.randn(rows, in_features).to(dtype)
+    weight, scale = quantize(torch.randn(out_features, in_features) / in_features**0.5, BLOCK)
+    return x, weight, scale
+
+
+def documented_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=torch.bfloat16, **_):
+    """What torch documents block-scaled `F.scaled_mm` to compute: (a x scale_a) @ (b x scale_b),
+    scale_a [M, ceil(K/128)] per row and 128 columns, scale_b [>= ceil(K/128), ceil(N/128)] per 128 x 128."""
+    assert recipe_a == F.ScalingType.BlockWise1x128 and recipe_b == F.ScalingType.BlockWise128x128
+    depth, columns = a.shape[1], b.shape[1]
+    per_element_a = scale_a.repeat_interleave(128, dim=1)[:, :depth]  # [M, K]
+    per_element_b = scale_b.repeat_interleave(128, dim=0)[:depth].repeat_interleave(128, dim=1)[:, :columns]  # [K, N]
+    return ((a.float() * per_element_a) @ (b.float() * per_element_b)).to(output_dtype)
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """A CPU that passes for a Hopper GPU with a block-scaled `F.scaled_mm` (the documented one)."""
+    monkeypatch.setattr(cublas, "device_supported", lambda device: True)
+    monkeypatch.setattr(F, "scaled_mm", documented_scaled_mm)
+    monkeypatch.setattr(cublas, "_checked", {})
+
+
+@pytest.mark.parametrize("rows,in_features,out_features", SHAPES)
+def test_operands_pass_torchs_own_checks_for_block_scaled_scaled_mm(rows, in_features, out_features):
+    x, weight, scale = inputs(rows, in_features, out_features)
+    a, scale_a, b, scale_b = cublas.cublas_operands(x, weight, scale)
+    padded = -(-rows // 4) * 4
+    assert a.shape == (padded, in_features) and scale_a.stride() == (1, padded)
+    assert (a[rows:].view(torch.uint8) == 0).all() and (scale_a[rows:] == 1).all()  # padding rows
+    with FakeTensorMode() as mode:  # torch's meta function for _scaled_mm_v2 checks shapes and strides
+        fake_a, fake_scale_a, fake_b, fake_scale_b = (mode.from_tensor(t) for t in (a, scale_a, b, scale_b))
+        out = F.scaled_mm(fake_a, fake_b, fake_scale_a, F.ScalingType.BlockWise1x128, fake_scale_b,
+                          F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+    assert out.shape == (padded, out_features)
+
+
+def test_an_unpadded_weight_scale_fails_torchs_check():
+    """Why the K side of the weight's scales is padded: 9 K-blocks are not accepted as they are."""
+    x, weight, scale = inputs(4, 1152, 1152)
+    a, scale_a, b, _ = cublas.cublas_operands(x, weight, scale)
+    unpadded = scale.t()  # [9, 9]: the weight's scales transposed, K side not padded to 12
+    with FakeTensorMode() as mode, pytest.raises(RuntimeError, match="blockwise"):
+        F.scaled_mm(mode.from_tensor(a), mode.from_tensor(b), mode.from_tensor(scale_a), F.ScalingType.BlockWise1x128,
+                    mode.from_tensor(unpadded), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,in_features,out_features", SHAPES)
+def test_the_documented_gemm_on_these_operands_matches_the_reference(hopper, dtype, rows, in_features, out_features):
+    x, weight, scale = inputs(rows, in_features, out_features, dtype)
+    bias = (torch.randn(out_features) * 0.1).to(dtype)
+    expected = fp8_linear_reference(x, weight, scale, BLOCK, bias, fp8_activations=True)
+    # tolerance: TOLERANCE[dtype] of max |expected|, as for the Triton kernel (the same operands,
+    # float32 accumulation; one more rounding where the bias is added)
+    assert_close(cublas.fp8_linear_cublas(x, weight, scale, bias), expected, rel=TOLERANCE[dtype])
+    stacked = cublas.fp8_linear_cublas(x.view(1, rows, in_features), weight, scale)  # leading dims kept
+    assert stacked.shape == (1, rows, out_features)
+    assert cublas.fp8_linear_cublas(x[:0], weight, scale).shape == (0, out_features)
+
+
+def test_the_first_call_check_runs_once_per_shape(hopper, monkeypatch):
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return documented_scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_mm", counting)
+    x, weight, scale = inputs(8, 256, 384)
+    assert cublas.usable(x, weight, scale, BLOCK) and cublas.usable(x, weight, scale, BLOCK)
+    assert len(calls) == 1 and calls[0][0] == -(-cublas.PROBE_ROWS // 4) * 4  # the probe, with padding
+    other = inputs(8, 512, 384)
+    assert cublas.usable(other[0], other[1], other[2], BLOCK) and len(calls) == 2
+
+
+def test_a_wrong_or_failing_gemm_keeps_the_triton_kernel_with_a_warning(hopper, monkeypatch, caplog):
+    x, weight, scale = inputs(8, 256, 384)
+
+    def scales_ignored(a, b, *args, output_dtype=torch.bfloat16, **kwargs):
+        return (a.float() @ b.float()).to(output_dtype)
+
+    monkeypatch.setattr(F, "scaled_mm", scales_ignored)
+    with caplog.at_level(logging.WARNING, logger="kernels.fp8_linear_cublas"):
+        assert not cublas.usable(x, weight, scale, BLOCK)
+    assert "from the reference" in caplog.text
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(cublas, "_checked", {})
+    monkeypatch.setattr(F, "scaled_mm", failing)
+    with caplog.at_level(logging.WARNING, logger="kernels.fp8_linear_cublas"):
+        assert not cublas.usable(x, weight, scale, BLOCK)
+    assert "CUBLAS_STATUS_NOT_SUPPORTED" in caplog.text
+
+
+def test_only_eligible_operands_and_devices_take_cublas(hopper, monkeypatch):
+    x, weight, scale = inputs(8, 256, 384)
+    assert cublas.eligible(x, weight, BLOCK)
+    assert not cublas.eligible(x.float(), weight, BLOCK)  # float32 activations
+    assert not cublas.eligible(x, weight, (64, 128))  # other weight blocks
+    odd_weight, _ = quantize(torch.randn(40, 256), BLOCK)
+    assert not cublas.eligible(x, odd_weight, BLOCK)  # N not a multiple of 16
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "fp8_linear_cublas")
+    assert not cublas.eligible(x, weight, BLOCK)
+    monkeypatch.undo()
+    assert not cublas.device_supported(torch.device("cpu"))
+
+
+def test_fp8_linear_sends_w8a8_to_cublas_where_usable(monkeypatch):
+    dense = importlib.import_module("kernels.fp8_linear")  # the module (kernels.fp8_linear is the function)
+
+    x, weight, scale = inputs(8, 256, 384)
+    taken = []
+    monkeypatch.setattr(dense, "use_triton", lambda *tensors, op: True)
+    monkeypatch.setattr(cublas, "usable", lambda *args: True)
+    monkeypatch.setattr(cublas, "fp8_linear_cublas", lambda *args: taken.append("cublas") or "cublas")
+    monkeypatch.setattr(dense, "fp8_linear_triton", lambda *args: taken.append("triton") or "triton")
+    assert kernels.fp8_linear(x, weight, scale, BLOCK, fp8_activations=True) == "cublas"
+    assert kernels.fp8_linear(x, weight, scale, BLOCK, fp8_activations=False) == "triton"  # W8A16: Triton
+    monkeypatch.setattr(cublas, "usable", lambda *args: False)
+    assert kernels.fp8_linear(x, weight, scale, BLOCK, fp8_activations=True) == "triton"
+    assert taken == ["cublas", "triton", "triton"]
+
+
+# --------------------------------------------------------------------------- on a GPU
+def on_hopper(device: torch.device) -> None:
+    if not cublas.device_supported(device):
+        pytest.skip("needs a Hopper GPU and a torch with block-scaled F.scaled_mm (2.10 or later)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 256, 4096])
+@pytest.mark.parametrize("in_features,out_features", [(2048, 5120), (4096, 2048), (1152, 1152)])
+def test_gpu_cublas_matches_the_reference(cuda_device, rows, in_features, out_features):
+    # tolerance: 1e-2 (bfloat16) of max |expected|; qkv_proj and o_proj of Qwen3-VL-30B-A3B, and
+    # 9 K-blocks (the padded weight scales)
+    on_hopper(cuda_device)
+    x, weight, scale = (t.to(cuda_device) for t in inputs(rows, in_features, out_features))
+    assert cublas.usable(x, weight, scale, BLOCK)  # the first-call check passed
+    expected = fp8_linear_reference(x, weight, scale, BLOCK, fp8_activations=True)
+    assert_close(cublas.fp8_linear_cublas(x, weight, scale), expected, rel=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_cublas_replays_in_a_cuda_graph(cuda_device):
+    on_hopper(cuda_device)
+    x, weight, scale = (t.to(cuda_device) for t in inputs(8, 2048, 5120))
+    eager = kernels.fp8_linear(x, weight, scale, BLOCK, fp8_activations=True)  # checks the shape, outside capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        captured = kernels.fp8_linear(x, weight, scale, BLOCK, fp8_activations=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(captured, eager, rel=1e-2)
