@@ -301,11 +301,14 @@ def _launch_decode(
     if max_context_len is None:  # an upper bound known without a device sync
         max_context_len = block_tables.shape[1] * block_size
     max_context_len = max(max_context_len, 1)
+    # each sequence shares its own length over the splits (jit/paged_decode_attention.py,
+    # split_length); splits chosen here are at least MIN_TOKENS_PER_SPLIT long, an override's
+    # as short as one tile
+    min_split_tokens = block_n
     if num_splits is None:
         num_splits = choose_num_splits(batch * num_kv_heads, max_context_len, q.device)
-    num_splits = max(1, min(num_splits, MAX_SPLITS))
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context_len, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_context_len, tokens_per_split)
+        min_split_tokens = triton.cdiv(MIN_TOKENS_PER_SPLIT, block_n) * block_n
+    num_splits = max(1, min(num_splits, MAX_SPLITS, triton.cdiv(max_context_len, block_n)))
 
     single_split = num_splits == 1  # the split kernel writes `out` itself: no partials, no reduce launch
     if single_split:  # placeholders, never touched
@@ -342,7 +345,7 @@ def _launch_decode(
         # sizes
         scale * LOG2_E,
         block_size,
-        tokens_per_split,
+        min_split_tokens,
         queries_per_kv,
         # strides
         q.stride(0),
@@ -387,7 +390,8 @@ def _launch_decode(
         context_lens,
         out,
         # sizes
-        tokens_per_split,
+        num_splits,
+        min_split_tokens,
         # strides
         partial_out.stride(0),
         partial_out.stride(1),
@@ -400,6 +404,7 @@ def _launch_decode(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+        BLOCK_N=block_n,
         num_warps=4,
     )
     return out

@@ -3,9 +3,16 @@
 Phase 1, `paged_decode_split_kernel`, grid (B, Hkv, num_splits): each program owns
 one sequence, one KV head with all of its query heads (GQA: the K/V tiles are
 read once for the whole group, and the group forms the M dimension of `tl.dot`),
-and one contiguous range of `tokens_per_split` cache positions. It runs an online
-softmax over that range and writes the unnormalised partial output plus its
-running max and sum (base-2 exponent domain).
+and one contiguous range of cache positions. It runs an online softmax over that
+range and writes the unnormalised partial output plus its running max and sum
+(base-2 exponent domain).
+
+The ranges are sized per sequence (`split_length`): the sequence's own length
+shared over the grid's splits, in BLOCK_N multiples and at least
+`min_split_tokens`. A CUDA graph fixes the grid for the longest context it may
+see (`max_model_len`), so splits sized from that bound left a 2k-token
+sequence in one split of the 16-32 launched; sized from its own length, it
+uses as many as `min_split_tokens` allows.
 
 Phase 2, `paged_decode_reduce_kernel`, grid (B, Hq): merges the splits of one
 (sequence, query head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
@@ -32,6 +39,13 @@ from kernels.jit.fp8_quant import saturate_fp8
 
 
 @triton.jit
+def split_length(context_len, num_splits, min_split_tokens, BLOCK_N: tl.constexpr):
+    """Cache positions per split for a sequence of `context_len` tokens (both kernels use it)."""
+    shared = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(shared, min_split_tokens)
+
+
+@triton.jit
 def paged_decode_split_kernel(
     # pointers
     q_ptr,  # [B, Hq, D]
@@ -49,7 +63,7 @@ def paged_decode_split_kernel(
     # sizes
     scale_log2,  # softmax scale * log2(e)
     block_size,
-    tokens_per_split,  # a multiple of BLOCK_N
+    min_split_tokens,  # a multiple of BLOCK_N (split_length)
     queries_per_kv,  # Hq // Hkv
     # strides
     stride_q_seq,
@@ -95,6 +109,7 @@ def paged_decode_split_kernel(
     out_mask = group_mask[:, None] & dim_mask[None, :]
 
     context_len = tl.load(context_lens_ptr + seq)
+    tokens_per_split = split_length(context_len, tl.num_programs(2), min_split_tokens, BLOCK_N)
     split_start = split * tokens_per_split
     split_end = tl.minimum(split_start + tokens_per_split, context_len)
     if split_start >= split_end:
@@ -222,7 +237,8 @@ def paged_decode_reduce_kernel(
     context_lens_ptr,  # [B] int32
     out_ptr,  # [B, Hq, D]
     # sizes
-    tokens_per_split,
+    num_splits,
+    min_split_tokens,
     # strides
     stride_partial_out_seq,
     stride_partial_out_head,
@@ -235,11 +251,12 @@ def paged_decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,  # next power of two >= num_splits
+    BLOCK_N: tl.constexpr,  # the split kernel's (split_length)
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
-    splits_used = tl.cdiv(context_len, tokens_per_split)
+    splits_used = tl.cdiv(context_len, split_length(context_len, num_splits, min_split_tokens, BLOCK_N))
 
     splits = tl.arange(0, BLOCK_SPLITS)
     split_mask = splits < splits_used

@@ -98,6 +98,31 @@ def test_triton_split_heuristic_with_context_hint(triton_device):
     assert_close(kernels.paged_decode_attention(*args, max_context_len=300), expected, rel=1e-4)
 
 
+@pytest.mark.parametrize("fused_write", [False, True])
+def test_triton_splits_follow_each_sequences_length_under_a_far_larger_bound(triton_device, fused_write):
+    """As in a CUDA graph captured for max_model_len: the grid's 8 splits are shared over each
+    sequence's own length (700 tokens: 6 of 128, 130: 3 of 64, 5: one), not over the bound."""
+    # tolerance: TOLERANCE[float32]
+    context_lens, block_size, num_kv_heads, head_dim = [700, 5, 130, 0], 4, 2, 32
+    paged = build_paged_kv(context_lens, block_size, num_kv_heads, head_dim, torch.float32, triton_device)
+    q = torch.randn(len(context_lens), 8, head_dim, device=triton_device)
+    args = (paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, 0.2)
+    if not fused_write:
+        out = paged_decode_attention_triton(q, *args, max_context_len=8192, num_splits=8)
+        assert_close(out, paged_decode_attention_reference(q, *args), rel=TOLERANCE[torch.float32])
+        return
+    k, v = torch.randn(2, len(context_lens), num_kv_heads, head_dim, device=triton_device)
+    slots = [int(paged.block_tables[seq, (n - 1) // block_size]) * block_size + (n - 1) % block_size if n else -1
+             for seq, n in enumerate(context_lens)]
+    slot_mapping = torch.tensor(slots, device=triton_device)
+    k_cache, v_cache = paged.k_cache.clone(), paged.v_cache.clone()
+    out = paged_decode_attention_with_kv_write_triton(q, k, v, k_cache, v_cache, slot_mapping, *args[2:],
+                                                      max_context_len=8192, num_splits=8)
+    expected = paged_decode_attention_with_kv_write_reference(q, k, v, *args[:2], slot_mapping, *args[2:])
+    assert_close(out, expected, rel=TOLERANCE[torch.float32])
+    torch.testing.assert_close(k_cache, paged.k_cache, rtol=0, atol=0, equal_nan=True)  # as the reference wrote
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_triton_fused_cache_write(triton_device, poison_allocations, dtype, num_splits):
