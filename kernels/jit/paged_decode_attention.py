@@ -10,8 +10,8 @@ range and writes the unnormalised partial output plus its running max and sum
 The ranges are sized per sequence (`split_length`): the sequence's own length
 shared over the grid's splits, in BLOCK_N multiples and at least
 `min_split_tokens`. A CUDA graph fixes the grid for the longest context it may
-see (`max_model_len`), so splits sized from that bound left a 2k-token
-sequence in one split of the 16-32 launched; sized from its own length, it
+see (`max_model_len`), so splits sized from that bound put a 2k-token sequence
+in one split of the 3-9 launched at batch 8-32; sized from its own length, it
 uses as many as `min_split_tokens` allows.
 
 Phase 2, `paged_decode_reduce_kernel`, grid (B, Hq): merges the splits of one
