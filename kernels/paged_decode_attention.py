@@ -31,9 +31,14 @@ from kernels.kv_cache import (
     check_reshape_and_cache_args,
     reshape_and_cache_reference,
 )
+from kernels.paged_decode_configs import (
+    MIN_TOKENS_PER_SPLIT,
+    PROGRAMS_PER_SM,
+    DecodeKernelConfig,
+    get_decode_config,
+)
 
 MAX_SPLITS = 64  # the reduce kernel holds all splits of one head in registers
-MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism
 
 
 # --------------------------------------------------------------------------- reference
@@ -264,11 +269,17 @@ def _check_decode_args(
     check_same_device(q=q, k_cache=k_cache, block_tables=block_tables, context_lens=context_lens)
 
 
-def choose_num_splits(num_programs: int, max_context_len: int, device: torch.device) -> int:
-    """Enough (sequence, KV head, split) programs to fill the GPU about twice over,
-    without splits shorter than MIN_TOKENS_PER_SPLIT."""
-    wanted = -(-2 * multiprocessor_count(device) // max(num_programs, 1))
-    longest_useful = max(1, max_context_len // MIN_TOKENS_PER_SPLIT)
+def choose_num_splits(
+    num_programs: int,
+    max_context_len: int,
+    device: torch.device,
+    programs_per_sm: int = PROGRAMS_PER_SM,
+    min_split_tokens: int = MIN_TOKENS_PER_SPLIT,
+) -> int:
+    """Enough (sequence, KV head, split) programs to fill the GPU `programs_per_sm` times over,
+    without splits shorter than `min_split_tokens`."""
+    wanted = -(-programs_per_sm * multiprocessor_count(device) // max(num_programs, 1))
+    longest_useful = max(1, max_context_len // min_split_tokens)
     return max(1, min(wanted, longest_useful, MAX_SPLITS))
 
 
@@ -282,6 +293,7 @@ def _launch_decode(
     max_context_len: int | None,
     num_splits: int | None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    config: DecodeKernelConfig | None = None,
 ) -> torch.Tensor:
     import triton
 
@@ -297,17 +309,19 @@ def _launch_decode(
     if batch == 0:
         return out
 
-    block_n = 64 if head_dim <= 128 else 32
+    config = config or get_decode_config(k_cache.dtype, head_dim, batch)
+    block_n = config.block_n
     if max_context_len is None:  # an upper bound known without a device sync
         max_context_len = block_tables.shape[1] * block_size
     max_context_len = max(max_context_len, 1)
     # each sequence shares its own length over the splits (jit/paged_decode_attention.py,
-    # split_length); splits chosen here are at least MIN_TOKENS_PER_SPLIT long, an override's
-    # as short as one tile
+    # split_length); splits chosen here are at least the config's min_split_tokens long, an
+    # override's as short as one tile
     min_split_tokens = block_n
     if num_splits is None:
-        num_splits = choose_num_splits(batch * num_kv_heads, max_context_len, q.device)
-        min_split_tokens = triton.cdiv(MIN_TOKENS_PER_SPLIT, block_n) * block_n
+        num_splits = choose_num_splits(batch * num_kv_heads, max_context_len, q.device, config.programs_per_sm,
+                                       config.min_split_tokens)
+        min_split_tokens = triton.cdiv(config.min_split_tokens, block_n) * block_n
     num_splits = max(1, min(num_splits, MAX_SPLITS, triton.cdiv(max_context_len, block_n)))
 
     single_split = num_splits == 1  # the split kernel writes `out` itself: no partials, no reduce launch
@@ -377,8 +391,7 @@ def _launch_decode(
         SATURATE_FP8=k_cache.dtype == FP8_DTYPE,
         DOT_PRECISION=dot_precision(q.dtype),
         SINGLE_SPLIT=single_split,
-        num_warps=4,
-        num_stages=2,
+        **config.launch_options(),
     )
     if single_split:
         return out
@@ -420,9 +433,11 @@ def paged_decode_attention_triton(
     *,
     max_context_len: int | None = None,
     num_splits: int | None = None,
+    config: DecodeKernelConfig | None = None,
 ) -> torch.Tensor:
     """`max_context_len`: optional host-side upper bound of context_lens (sizes the KV
-    split without a device sync); `num_splits`: override the split heuristic."""
+    split without a device sync); `num_splits`: override the split heuristic; `config`:
+    override the table's launch settings (kernels/paged_decode_configs.py)."""
     _check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
     return _launch_decode(
         q,
@@ -434,6 +449,7 @@ def paged_decode_attention_triton(
         max_context_len,
         num_splits,
         new_kv=None,
+        config=config,
     )
 
 
@@ -450,6 +466,7 @@ def paged_decode_attention_with_kv_write_triton(
     *,
     max_context_len: int | None = None,
     num_splits: int | None = None,
+    config: DecodeKernelConfig | None = None,
 ) -> torch.Tensor:
     _check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
     check_reshape_and_cache_args(k, v, k_cache, v_cache, slot_mapping)
@@ -465,6 +482,7 @@ def paged_decode_attention_with_kv_write_triton(
         max_context_len,
         num_splits,
         new_kv=(k, v, slot_mapping),
+        config=config,
     )
 
 

@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -61,6 +61,11 @@ class Shapes:
         (32, 2048),
         (128, 1024),
     )  # (batch, context)
+    # --tune-decode: the engine's decode conditions, a benchmark-sized context under the bound the
+    # decode CUDA graphs are captured with (max_model_len), per batch bucket
+    decode_tuning_context: int = 2048
+    decode_graph_bound: int = 32768
+    decode_tuning_batches: tuple[int, ...] = (1, 8, 32, 64, 128, 256)
     prefill_cases: tuple[tuple[int, int, int], ...] = (
         (4, 2048, 0),
         (1, 2048, 6144),
@@ -98,6 +103,9 @@ TINY_SHAPES = Shapes(  # --interpret smoke run: every code path, seconds on a CP
     moe_token_counts=(4, 16),
     moe_target_tokens=16,
     decode_cases=((2, 40),),
+    decode_tuning_context=40,
+    decode_graph_bound=64,
+    decode_tuning_batches=(1, 2),
     prefill_cases=((2, 16, 8),),
     fresh_prefill_cases=((2, 24),),
     vision_cases=((2, 20),),
@@ -937,6 +945,85 @@ def _tune_moe_bucket(bucket: int, device, shapes: Shapes, dtype, fp8: bool, time
     return ms, config
 
 
+# --------------------------------------------------------------------------- decode tuning
+def decode_candidates(max_candidates: int | None = None):
+    """Launch settings `--tune-decode` tries (kernels/paged_decode_configs.py)."""
+    from kernels.paged_decode_configs import DecodeKernelConfig
+
+    candidates = [
+        DecodeKernelConfig(block_n, num_warps, num_stages, programs_per_sm, min_split_tokens, tuned=True)
+        for block_n in (32, 64, 128)
+        for num_warps in (4, 8)
+        for num_stages in (2, 3, 4)
+        for programs_per_sm in (2, 4, 8)
+        for min_split_tokens in (128, 256)
+    ]
+    return candidates[:max_candidates]
+
+
+def tune_decode(device, shapes: Shapes = GPU_SHAPES, dtype=None, batches=None, fp8: bool = False,
+                max_candidates: int | None = None) -> dict[int, tuple]:
+    """Times the split kernel's launch settings per batch bucket as the engine runs it (fused
+    cache write, `decode_graph_bound` as the host's bound, a `decode_tuning_context` context);
+    candidates that launch the same grid are timed once. Prints each bucket's best against the
+    default with its line for DECODE_CONFIGS, and returns {batch: (ms, default ms, config)}.
+    `fp8`: an FP8 (e4m3) cache."""
+    import torch
+
+    from kernels.attention_common import multiprocessor_count
+    from kernels.paged_decode_attention import (
+        choose_num_splits,
+        paged_decode_attention_with_kv_write_triton,
+    )
+    from kernels.paged_decode_configs import (
+        decode_batch_bucket,
+        default_decode_config,
+        format_decode_config_entry,
+    )
+
+    device = torch.device(device)
+    dtype = dtype or torch.bfloat16
+    timer = make_timer(device)
+    context, bound = shapes.decode_tuning_context, shapes.decode_graph_bound
+    best = {}
+    for batch in batches or shapes.decode_tuning_batches:
+        k_cache, v_cache, block_tables, context_lens = _paged_cache(batch, context, shapes, dtype, device)
+        if fp8:
+            k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        q = torch.randn(batch, shapes.num_q_heads, shapes.head_dim, dtype=dtype, device=device)
+        k, v = (torch.randn(batch, shapes.num_kv_heads, shapes.head_dim, dtype=dtype, device=device) for _ in "kv")
+        last = context - 1
+        slots = block_tables[:, last // shapes.block_size].long() * shapes.block_size + last % shapes.block_size
+
+        def run(config, batch=batch, args=(q, k, v, k_cache, v_cache, slots, block_tables, context_lens)):
+            return paged_decode_attention_with_kv_write_triton(*args, shapes.head_dim**-0.5, max_context_len=bound,
+                                                               config=config)
+
+        default = default_decode_config(shapes.head_dim)
+        default_ms = timer(partial(run, default))
+        seen, results = set(), []
+        for config in [replace(default, tuned=True), *decode_candidates(max_candidates)]:  # the default competes too
+            splits = choose_num_splits(batch * shapes.num_kv_heads, bound, device, config.programs_per_sm,
+                                       config.min_split_tokens)
+            launch = (config.block_n, config.num_warps, config.num_stages, splits,
+                      -(-config.min_split_tokens // config.block_n) * config.block_n if splits > 1 else 0)
+            if launch in seen:
+                continue
+            seen.add(launch)
+            try:
+                results.append((timer(partial(run, config)), config))
+            except Exception as error:  # noqa: BLE001 - e.g. out of shared memory: skip the config
+                print(f"  B={batch}: skipped {config}: {type(error).__name__}", file=sys.stderr)
+        ms, config = min(results, key=lambda item: item[0])
+        kv_bytes = 2 * batch * context * shapes.num_kv_heads * shapes.head_dim * k_cache.element_size()
+        print(f"# B={batch} ctx={context} (bound {bound}, {multiprocessor_count(device)} SMs): {ms:.4f} ms, "
+              f"{gigabytes_per_second(kv_bytes, ms)}, against {default_ms:.4f} ms with the default "
+              f"(of {len(results)} launches)")
+        print(format_decode_config_entry(k_cache.dtype, shapes.head_dim, decode_batch_bucket(batch), config), flush=True)
+        best[batch] = (ms, default_ms, config)
+    return best
+
+
 # --------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -947,9 +1034,15 @@ def main(argv: list[str] | None = None) -> int:
         "--tune-moe", action="store_true", help="search MoE block sizes per token bucket"
     )
     parser.add_argument(
-        "--buckets", type=int, nargs="*", help="token buckets for --tune-moe (default: all)"
+        "--buckets", type=int, nargs="*",
+        help="token buckets for --tune-moe, batch buckets for --tune-decode (default: all)",
     )
-    parser.add_argument("--fp8", action="store_true", help="--tune-moe with FP8 experts (128 x 128 scales)")
+    parser.add_argument(
+        "--tune-decode", action="store_true",
+        help="search the paged decode attention's launch settings per batch bucket",
+    )
+    parser.add_argument("--fp8", action="store_true",
+                        help="--tune-moe with FP8 experts (128 x 128 scales); --tune-decode with an FP8 KV cache")
     parser.add_argument(
         "--compile-workers", type=int, default=None,
         help="--tune-moe: processes compiling each bucket's configs before they are timed "
@@ -982,6 +1075,9 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_kernels: triton is not installed; install the 'gpu' extra.")
         return 0
 
+    if args.tune_decode:
+        tune_decode(device, shapes, batches=args.buckets, fp8=args.fp8, max_candidates=2 if args.interpret else None)
+        return 0
     if args.tune_moe:
         workers = args.compile_workers
         if workers is None:

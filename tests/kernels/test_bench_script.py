@@ -92,6 +92,22 @@ def test_tune_moe_compiles_in_workers_and_prints_entries_to_paste():
         assert key[-1] == bucket and config.tuned
 
 
+def test_tune_decode_prints_entries_to_paste():
+    """--tune-decode: per batch bucket, the best launch (the default competing) and its line for
+    DECODE_CONFIGS."""
+    pytest.importorskip("triton")
+    from kernels.paged_decode_configs import DecodeKernelConfig, decode_batch_bucket
+
+    result = run_script("--interpret", "--tune-decode", "--fp8", interpret=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("with the default") == 2  # the tiny shapes' two batches
+    entries = [line for line in result.stdout.splitlines() if "DecodeKernelConfig(" in line]
+    assert len(entries) == 2
+    for batch, entry in zip((1, 2), entries):
+        ((key, config),) = eval("{" + entry.strip() + "}", {"DecodeKernelConfig": DecodeKernelConfig}).items()
+        assert key == ("float8_e4m3fn", 32, decode_batch_bucket(batch)) and config.tuned
+
+
 def test_a_compile_worker_skips_a_config_that_fails(triton_device):
     """One bad config costs a worker nothing but that config (the timing loop reports it)."""
     bench_kernels = load_bench_gpu().load_bench_kernels()

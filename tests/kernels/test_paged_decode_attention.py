@@ -13,6 +13,14 @@ from kernels.paged_decode_attention import (
     paged_decode_attention_with_kv_write_reference,
     paged_decode_attention_with_kv_write_triton,
 )
+from kernels.paged_decode_configs import (
+    DECODE_CONFIGS,
+    DecodeKernelConfig,
+    decode_batch_bucket,
+    default_decode_config,
+    format_decode_config_entry,
+    get_decode_config,
+)
 from tests.kernels.helpers import TOLERANCE, assert_close
 from tests.kernels.paged import build_paged_kv, dense_attention_float64
 
@@ -86,6 +94,35 @@ def test_triton_paged_decode(
     args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, scale)
     out = paged_decode_attention_triton(*args, num_splits=num_splits)
     assert_close(out, paged_decode_attention_reference(*args), rel=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("config", [
+    DecodeKernelConfig(block_n=16, num_warps=2, num_stages=1, programs_per_sm=8, min_split_tokens=16),
+    DecodeKernelConfig(block_n=32, num_warps=8, num_stages=4, programs_per_sm=1, min_split_tokens=128),
+    DecodeKernelConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=4, min_split_tokens=128),
+])
+def test_triton_paged_decode_with_other_launch_settings(triton_device, config):
+    """Any launch setting `--tune-decode` may pick computes the same attention (the split heuristic
+    included: no `num_splits` override)."""
+    # tolerance: TOLERANCE[float32]
+    paged = build_paged_kv([300, 20, 0, 77], 8, 2, 16, torch.float32, triton_device)
+    q = torch.randn(4, 4, 16, device=triton_device)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, 0.25)
+    out = paged_decode_attention_triton(*args, max_context_len=1024, config=config)
+    assert_close(out, paged_decode_attention_reference(*args), rel=TOLERANCE[torch.float32])
+
+
+def test_launch_settings_come_from_the_table_by_kv_dtype_head_dim_and_batch_bucket(monkeypatch):
+    assert [decode_batch_bucket(b) for b in (1, 2, 8, 9, 256, 1000)] == [1, 8, 8, 32, 256, 256]
+    assert get_decode_config(torch.bfloat16, 128, 5) == default_decode_config(128)  # no entries
+    assert default_decode_config(128).block_n == 64 and default_decode_config(256).block_n == 32
+    tuned = DecodeKernelConfig(block_n=128, num_stages=3, tuned=True)
+    monkeypatch.setitem(DECODE_CONFIGS, ("float8_e4m3fn", 128, 32), tuned)
+    assert get_decode_config(torch.float8_e4m3fn, 128, 20) is tuned
+    assert get_decode_config(torch.bfloat16, 128, 20) == default_decode_config(128)  # another dtype
+    line = format_decode_config_entry(torch.float8_e4m3fn, 128, 32, tuned)
+    assert eval("{" + line.strip() + "}", {"DecodeKernelConfig": DecodeKernelConfig}) == {
+        ("float8_e4m3fn", 128, 32): tuned}
 
 
 def test_triton_split_heuristic_with_context_hint(triton_device):
