@@ -12,12 +12,14 @@ attention at or above PyTorch SDPA on pre-gathered (contiguous) K/V.
 
     python scripts/bench_kernels.py                  # table
     python scripts/bench_kernels.py --json out.json  # + numbers as JSON
-    python scripts/bench_kernels.py --tune-moe [--fp8] [--buckets 1 256] [--compile-workers 8]
+    python scripts/bench_kernels.py --tune-moe [--fp8 [--w8a8]] [--buckets 1 256] [--compile-workers 8]
                                                      # best MoE block sizes per token bucket
+    python scripts/bench_kernels.py --tune-decode [--fp8] [--buckets 1 256]
+                                                     # best decode attention launch per batch bucket
     python scripts/bench_kernels.py --interpret      # CPU smoke run: tiny shapes, interpreter
 
 Other scripts can call `run_kernel_benchmarks(device)` (returns the JSON dict)
-and `tune_moe(device)`.
+`tune_moe(device)` and `tune_decode(device)`.
 """
 
 from __future__ import annotations
@@ -835,21 +837,27 @@ def candidate_configs(rows_per_expert: float):
                             )
 
 
-def _moe_tuning_inputs(num_tokens: int, shapes: Shapes, dtype, device, fp8: bool) -> tuple[tuple, dict]:
-    """fused_moe's positional inputs for one bucket, and its FP8 keyword arguments (or none)."""
+def _moe_tuning_inputs(num_tokens: int, shapes: Shapes, dtype, device, fp8: bool,
+                       w8a8: bool = False) -> tuple[tuple, dict]:
+    """fused_moe's positional inputs for one bucket, and its FP8 keyword arguments (or none);
+    `w8a8`: FP8 activations too (needs `fp8`)."""
     inputs = _moe_inputs(num_tokens, shapes, dtype, device)
-    return _fp8_experts(inputs, shapes) if fp8 else (inputs, {})
+    if not fp8:
+        return inputs, {}
+    inputs, scales = _fp8_experts(inputs, shapes)
+    return inputs, {**scales, "fp8_activations": w8a8}
 
 
 def _compile_moe_configs(device: str, num_tokens: int, shapes: Shapes, dtype_name: str, fp8: bool,
-                         configs: list) -> int:
+                         configs: list, w8a8: bool = False) -> int:
     """In a worker process: run fused_moe once per config, so Triton compiles it into its on-disk
     cache; returns how many ran (a config that fails is left to the timing loop to report)."""
     import torch
 
     from kernels.moe.fused_moe import fused_moe_triton
 
-    inputs, scales = _moe_tuning_inputs(num_tokens, shapes, getattr(torch, dtype_name), torch.device(device), fp8)
+    inputs, scales = _moe_tuning_inputs(num_tokens, shapes, getattr(torch, dtype_name), torch.device(device), fp8,
+                                        w8a8)
     ran = 0
     for config in configs:
         try:
@@ -872,14 +880,14 @@ def moe_compile_pool(workers: int):
 
 
 def precompile_moe_configs(pool, workers: int, device, num_tokens: int, shapes: Shapes, dtype, fp8: bool,
-                           configs: list) -> int:
+                           configs: list, w8a8: bool = False) -> int:
     """Compile `configs` in the pool's `workers` processes before they are timed: compiling, not
     timing, is most of a tuning run, and Triton's on-disk cache hands the timing loop what the
     workers built. Returns the configs that compiled; a worker that fails only costs its share of
     the speed-up."""
     shares = [configs[index::workers] for index in range(workers) if configs[index::workers]]
     futures = [pool.submit(_compile_moe_configs, str(device), num_tokens, shapes, str(dtype).removeprefix("torch."),
-                           fp8, share) for share in shares]
+                           fp8, share, w8a8) for share in shares]
     compiled = 0
     for future in futures:
         try:
@@ -891,12 +899,15 @@ def precompile_moe_configs(pool, workers: int, device, num_tokens: int, shapes: 
 
 def tune_moe(
     device, shapes: Shapes = GPU_SHAPES, dtype=None, buckets=None, max_candidates: int | None = None,
-    fp8: bool = False, compile_workers: int = 0,
+    fp8: bool = False, compile_workers: int = 0, w8a8: bool = False,
 ) -> dict[int, tuple]:
     """Times every candidate config per token bucket; prints and returns the best.
     All buckets at the model shape take a while (a few hundred compilations): pass
     `buckets` to split the work over several runs, and `compile_workers` to compile each
-    bucket's candidates in that many processes first. `fp8`: FP8 experts (their own entries)."""
+    bucket's candidates in that many processes first. `fp8`: FP8 experts (their own entries);
+    `w8a8`: with FP8 activations too (the W8A8 engine's GEMMs, entries of their own again)."""
+    if w8a8 and not fp8:
+        raise ValueError("w8a8 tunes FP8 experts with FP8 activations: it needs fp8")
     import torch
 
     from kernels.moe.configs import TOKEN_BUCKETS
@@ -909,24 +920,24 @@ def tune_moe(
         pool = stack.enter_context(moe_compile_pool(compile_workers)) if compile_workers > 1 else None
         for bucket in buckets or TOKEN_BUCKETS:
             best[bucket] = _tune_moe_bucket(bucket, device, shapes, dtype, fp8, timer, max_candidates, pool,
-                                            compile_workers)
+                                            compile_workers, w8a8)
     return best
 
 
 def _tune_moe_bucket(bucket: int, device, shapes: Shapes, dtype, fp8: bool, timer, max_candidates: int | None,
-                     pool, compile_workers: int) -> tuple:
+                     pool, compile_workers: int, w8a8: bool = False) -> tuple:
     """The fastest candidate for one bucket, (ms, config); printed with its line for MOE_CONFIGS."""
     from kernels.moe.configs import format_config_entry
     from kernels.moe.fused_moe import fused_moe_triton
 
-    inputs, scales = _moe_tuning_inputs(bucket, shapes, dtype, device, fp8)
+    inputs, scales = _moe_tuning_inputs(bucket, shapes, dtype, device, fp8, w8a8)
     results = []
     candidates = list(candidate_configs(bucket * shapes.top_k / shapes.num_experts))[
         :max_candidates
     ]
     if pool is not None:
         started = time.perf_counter()
-        compiled = precompile_moe_configs(pool, compile_workers, device, bucket, shapes, dtype, fp8, candidates)
+        compiled = precompile_moe_configs(pool, compile_workers, device, bucket, shapes, dtype, fp8, candidates, w8a8)
         print(f"# T={bucket}: {compiled} of {len(candidates)} configs compiled by {compile_workers} "
               f"workers in {time.perf_counter() - started:.1f} s", flush=True)
     for config in candidates:
@@ -938,7 +949,7 @@ def _tune_moe_bucket(bucket: int, device, shapes: Shapes, dtype, fp8: bool, time
     print(f"# T={bucket}: {ms:.4f} ms (of {len(results)} configs)")
     print(
         format_config_entry(
-            shapes.num_experts, shapes.hidden, shapes.moe_intermediate, inputs[1].dtype, bucket, config
+            shapes.num_experts, shapes.hidden, shapes.moe_intermediate, inputs[1].dtype, bucket, config, w8a8
         ),
         flush=True,
     )
@@ -1043,6 +1054,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--fp8", action="store_true",
                         help="--tune-moe with FP8 experts (128 x 128 scales); --tune-decode with an FP8 KV cache")
+    parser.add_argument("--w8a8", action="store_true",
+                        help="--tune-moe --fp8 with FP8 activations too (--quantization fp8_w8a8's GEMMs)")
     parser.add_argument(
         "--compile-workers", type=int, default=None,
         help="--tune-moe: processes compiling each bucket's configs before they are timed "
@@ -1054,6 +1067,8 @@ def main(argv: list[str] | None = None) -> int:
         help="smoke run on CPU under the Triton interpreter with tiny shapes",
     )
     args = parser.parse_args(argv)
+    if args.w8a8 and not (args.tune_moe and args.fp8):
+        parser.error("--w8a8 goes with --tune-moe --fp8")
 
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
@@ -1084,9 +1099,9 @@ def main(argv: list[str] | None = None) -> int:
             workers = 0 if args.interpret else min(8, os.cpu_count() or 1)
         if args.interpret:  # the smoke run tries two configs per bucket
             tune_moe(device, shapes, buckets=args.buckets or shapes.moe_token_counts, max_candidates=2, fp8=args.fp8,
-                     compile_workers=workers)
+                     compile_workers=workers, w8a8=args.w8a8)
         else:
-            tune_moe(device, shapes, buckets=args.buckets, fp8=args.fp8, compile_workers=workers)
+            tune_moe(device, shapes, buckets=args.buckets, fp8=args.fp8, compile_workers=workers, w8a8=args.w8a8)
         return 0
     report = run_kernel_benchmarks(device, shapes)
     print_table(report)

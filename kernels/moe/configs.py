@@ -1,7 +1,8 @@
 """Block sizes for the fused-MoE grouped GEMMs, per model shape and batch size.
 
 Like vLLM's per-GPU JSON tables: keyed by (num_experts, hidden, intermediate,
-dtype name, token-count bucket). A batch of T tokens uses the entry of the
+dtype name, token-count bucket); the dtype name is the experts' weight dtype,
+with "_w8a8" appended for FP8 weights met by FP8 activations (`table_dtype`). A batch of T tokens uses the entry of the
 smallest bucket >= T (the largest bucket above that); shapes without an entry
 use `heuristic_moe_config`.
 
@@ -19,8 +20,8 @@ and bf16:
   (the gate/up kernel holds two weight tiles and two accumulators).
 * GROUP_SIZE_M > 1 only helps when an expert has several M blocks.
 
-Measure with ``python scripts/bench_kernels.py --tune-moe`` on the target GPU:
-it prints one ready-to-paste line per bucket (tuned=True).
+Measure with ``python scripts/bench_kernels.py --tune-moe [--fp8 [--w8a8]]`` on
+the target GPU: it prints one ready-to-paste line per bucket (tuned=True).
 
 Every config `get_moe_config` returns fits an H100 block's shared memory for
 the weights' element size (`fit_shared_memory`): the table is written for
@@ -36,6 +37,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+W8A8_SUFFIX = "_w8a8"  # the dtype field of FP8 experts' entries for FP8 activations (table_dtype)
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,9 @@ MOE_CONFIGS: dict[tuple[int, int, int, str, int], MoeKernelConfig] = {
     # the same with FP8 experts (Qwen's -FP8 checkpoints, --quantization fp8)
     **_reasoned_table(128, 2048, 768, "float8_e4m3fn", top_k=8),
     **_reasoned_table(128, 4096, 1536, "float8_e4m3fn", top_k=8),
+    # and with FP8 activations too (--quantization fp8_w8a8): both dot operands FP8, tiles of their own
+    **_reasoned_table(128, 2048, 768, "float8_e4m3fn" + W8A8_SUFFIX, top_k=8),
+    **_reasoned_table(128, 4096, 1536, "float8_e4m3fn" + W8A8_SUFFIX, top_k=8),
     # Paste measured entries from `scripts/bench_kernels.py --tune-moe` below this line.
     # H100 80GB, bf16, 2026-11-25 (docs/results/gpu/tune_moe.txt): 0.244, 0.418, 0.442, 0.936 and
     # 3.07 ms per call at T = 1, 64, 256, 4096 and 16384 (the reasoned default: 1.15 ms at 4096)
@@ -139,6 +144,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def table_dtype(dtype: torch.dtype, fp8_activations: bool = False) -> str:
+    """The table's dtype field: the experts' weight dtype, plus W8A8_SUFFIX where FP8 activations
+    meet FP8 weights (the W8A8 GEMMs load half the bytes per activation tile: tiles of their own)."""
+    return dtype_name(dtype) + (W8A8_SUFFIX if fp8_activations else "")
+
+
 def get_moe_config(
     num_tokens: int,
     num_experts: int,
@@ -146,10 +157,11 @@ def get_moe_config(
     intermediate: int,
     dtype: torch.dtype,
     top_k: int = 8,
+    fp8_activations: bool = False,
 ) -> MoeKernelConfig:
-    """The table entry for this shape and batch size, else the heuristic, fitted to shared
-    memory for `dtype`'s element size."""
-    key = (num_experts, hidden, intermediate, dtype_name(dtype), token_bucket(num_tokens))
+    """The table entry for this shape and batch size (`fp8_activations`: the W8A8 entries), else
+    the heuristic, fitted to shared memory for `dtype`'s element size."""
+    key = (num_experts, hidden, intermediate, table_dtype(dtype, fp8_activations), token_bucket(num_tokens))
     config = MOE_CONFIGS.get(key) or heuristic_moe_config(num_tokens, num_experts, top_k)
     return fit_shared_memory(config, dtype.itemsize)
 
@@ -161,10 +173,11 @@ def format_config_entry(
     dtype: torch.dtype,
     bucket: int,
     config: MoeKernelConfig,
+    fp8_activations: bool = False,
 ) -> str:
     """One line to paste into MOE_CONFIGS."""
     fields = ", ".join(f"{name}={value!r}" for name, value in asdict(config).items())
     return (
-        f"    ({num_experts}, {hidden}, {intermediate}, {dtype_name(dtype)!r}, {bucket}): "
+        f"    ({num_experts}, {hidden}, {intermediate}, {table_dtype(dtype, fp8_activations)!r}, {bucket}): "
         f"MoeKernelConfig({fields}),"
     )

@@ -218,13 +218,19 @@ def fused_moe_triton(
 
 
 def moe_gemm_config(
-    num_tokens: int, w13: torch.Tensor, top_k: int, config: MoeKernelConfig | Mapping[str, int] | None = None
+    num_tokens: int,
+    w13: torch.Tensor,
+    top_k: int,
+    config: MoeKernelConfig | Mapping[str, int] | None = None,
+    fp8_activations: bool = False,
 ) -> MoeKernelConfig:
     """The GEMM block sizes `fused_moe` uses for `num_tokens` tokens with these gate/up weights
-    (keyed by their dtype: FP8 experts have entries of their own), unless `config` is given."""
+    (keyed by their dtype: FP8 experts have entries of their own, and W8A8 others again), unless
+    `config` is given."""
     if config is None:
         num_experts, two_intermediate, hidden_size = w13.shape
-        config = get_moe_config(num_tokens, num_experts, hidden_size, two_intermediate // 2, w13.dtype, top_k)
+        config = get_moe_config(num_tokens, num_experts, hidden_size, two_intermediate // 2, w13.dtype, top_k,
+                                fp8_activations)
     return as_moe_config(config)
 
 
@@ -252,7 +258,7 @@ def _fused_moe_chunk(
     intermediate = two_intermediate // 2
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
-    config = moe_gemm_config(num_tokens, w13, top_k, config)
+    config = moe_gemm_config(num_tokens, w13, top_k, config, fp8_activations)
     block_k = config.block_size_k
     if scales is None:  # placeholders, never read when FP8_WEIGHTS is False
         w13_scale, w2_scale, (quant_n, quant_k) = hidden, hidden, (1, 1)

@@ -75,6 +75,18 @@ def test_interpret_smoke_run_writes_json(tmp_path):
     assert all(row["triton_ms"] > 0 and row["baseline_ms"] > 0 for row in report["rows"])
 
 
+def test_tune_moe_w8a8_prints_entries_of_its_own():
+    """--tune-moe --fp8 --w8a8 times the W8A8 GEMMs and keys their lines 'float8_e4m3fn_w8a8'."""
+    pytest.importorskip("triton")
+    result = run_script("--interpret", "--tune-moe", "--fp8", "--w8a8", "--buckets", "4", "--compile-workers", "0",
+                        interpret=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (entry,) = [line for line in result.stdout.splitlines() if "MoeKernelConfig(" in line]
+    assert "'float8_e4m3fn_w8a8', 4)" in entry
+    refused = run_script("--interpret", "--tune-moe", "--w8a8", interpret=True)
+    assert refused.returncode == 2 and "--w8a8 goes with --tune-moe --fp8" in refused.stderr
+
+
 def test_tune_moe_compiles_in_workers_and_prints_entries_to_paste():
     """--tune-moe with compile workers (the GPU default): each bucket's candidates are compiled
     in worker processes first, then timed; each bucket ends in a line for MOE_CONFIGS."""

@@ -8,6 +8,7 @@ from kernels.moe.configs import (
     MAX_SHARED_MEMORY_BYTES,
     MOE_CONFIGS,
     TOKEN_BUCKETS,
+    W8A8_SUFFIX,
     MoeKernelConfig,
     as_moe_config,
     fit_shared_memory,
@@ -17,6 +18,7 @@ from kernels.moe.configs import (
     heuristic_moe_config,
     token_bucket,
 )
+from kernels.moe.fused_moe import moe_gemm_config
 
 
 def test_token_bucket_is_the_smallest_bucket_at_or_above():
@@ -70,6 +72,22 @@ def test_fp8_experts_look_up_their_own_entries():
         assert get_moe_config(200, 128, 2048, 768, torch.bfloat16) is not marker
     finally:
         MOE_CONFIGS[key] = original
+
+
+def test_w8a8_looks_up_entries_of_its_own(monkeypatch):
+    """FP8 activations meeting FP8 weights have their own tiles ('float8_e4m3fn_w8a8'), found by
+    the GEMMs and by the model's routing alike (the layouts must agree)."""
+    marker = MoeKernelConfig(64, 128, 128, 1, 4, 3, tuned=True)
+    monkeypatch.setitem(MOE_CONFIGS, (128, 2048, 768, "float8_e4m3fn" + W8A8_SUFFIX, 256), marker)
+    assert get_moe_config(200, 128, 2048, 768, torch.float8_e4m3fn, fp8_activations=True) is marker
+    assert get_moe_config(200, 128, 2048, 768, torch.float8_e4m3fn) is not marker  # W8A16
+    w13 = torch.empty(128, 2 * 768, 2048, dtype=torch.float8_e4m3fn)
+    assert moe_gemm_config(200, w13, 8, fp8_activations=True) is marker
+    line = format_config_entry(128, 2048, 768, torch.float8_e4m3fn, 256, marker, fp8_activations=True)
+    assert eval(line.strip().rstrip(",").split(": ", 1)[0]) == (128, 2048, 768, "float8_e4m3fn_w8a8", 256)
+    # every shape with FP8 entries has W8A8 ones too
+    fp8_keys = {key[:3] + key[4:] for key in MOE_CONFIGS if key[3] == "float8_e4m3fn"}
+    assert fp8_keys == {key[:3] + key[4:] for key in MOE_CONFIGS if key[3] == "float8_e4m3fn" + W8A8_SUFFIX}
 
 
 def test_lookup_uses_the_table_then_the_heuristic():

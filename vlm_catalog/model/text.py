@@ -216,7 +216,9 @@ class SparseMoE(nn.Module):
         router_logits = self.gate(hidden)  # [T, E]
         experts = self.experts
         # decode batches on the Triton path: routing and the pairs' layout for the GEMMs in one launch
-        block_size = kernels.moe_gemm_config(hidden.shape[0], experts.gate_up_proj, self.top_k).block_size_m
+        block_size = kernels.moe_gemm_config(
+            hidden.shape[0], experts.gate_up_proj, self.top_k, fp8_activations=experts.fp8_activations
+        ).block_size_m
         # the weights in the hidden dtype, as transformers casts them for the experts
         weights, expert_ids, alignment = kernels.route_topk_and_align(
             router_logits, self.top_k, self.renormalize, weights_dtype=router_logits.dtype, block_size=block_size
