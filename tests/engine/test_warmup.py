@@ -41,6 +41,16 @@ def small_engine(checkpoint, **overrides) -> LLMEngine:
     return LLMEngine(model=checkpoint, max_num_batched_tokens=300, max_num_seqs=8, **overrides)
 
 
+def run_to_the_end(engine: LLMEngine, requests: list[tuple[list[dict], SamplingParams]]) -> list[list[int]]:
+    """The token ids of each request's answer, in request order."""
+    for i, (conversation, params) in enumerate(requests):
+        engine.add_request(conversation, params, request_id=f"r{i:03d}")
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return [finished[key] for key in sorted(finished)]
+
+
 def test_a_warmed_up_engine_is_as_if_just_started_and_answers_the_same(engine_checkpoint):
     warmed = small_engine(engine_checkpoint, warmup=True)
     report = warmed.warmup_report
@@ -57,20 +67,11 @@ def test_a_warmed_up_engine_is_as_if_just_started_and_answers_the_same(engine_ch
     cold = small_engine(engine_checkpoint)
     assert cold.warmup_report is None and cold.cache_stats()["warmup"] is None
     conversations = mixed_conversations(6)
-    params = [SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.9, seed=None if i % 2 else i)
-              for i in range(len(conversations))]
-    unseeded = SamplingParams(max_tokens=8, temperature=1.0)  # draws from the engine's generator
-
-    def answers(engine: LLMEngine) -> list[list[int]]:
-        for i, (conversation, p) in enumerate(zip(conversations, params)):
-            engine.add_request(conversation, p, request_id=f"r{i}")
-        engine.add_request(conversations[0], unseeded, request_id="unseeded")
-        finished = {}
-        while engine.has_unfinished_requests():
-            finished.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-        return [finished[key] for key in sorted(finished)]
-
-    assert answers(warmed) == answers(cold)
+    requests = [(conversation, SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.9,
+                                              seed=None if i % 2 else i))
+                for i, conversation in enumerate(conversations)]
+    requests.append((conversations[0], SamplingParams(max_tokens=8, temperature=1.0)))  # the engine's generator
+    assert run_to_the_end(warmed, requests) == run_to_the_end(cold, requests)
     assert warmed.stats.num_prompt_tokens_computed == cold.stats.num_prompt_tokens_computed
 
 
@@ -93,3 +94,18 @@ def test_the_warmup_option_of_the_front_doors():
     assert device_options(parser.parse_args(["--warmup", "off"]))["warmup"] is False
     with pytest.raises(SystemExit):
         parser.parse_args(["--warmup", "yes"])
+
+
+@pytest.mark.gpu
+def test_gpu_engine_warms_up_by_default_and_answers_as_one_without(engine_checkpoint):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    settings = {"device": "cuda", "dtype": "float32", "max_num_batched_tokens": 96, "kv_cache_memory_bytes": 64 * 2**20}
+    warmed, cold = LLMEngine(model=engine_checkpoint, **settings), LLMEngine(model=engine_checkpoint, warmup=False,
+                                                                             **settings)
+    assert warmed.warmup_report is not None and warmed.warmup_report.num_images_encoded == 1
+    assert cold.warmup_report is None and warmed.stats == EngineStats()
+    requests = [(conversation, SamplingParams(max_tokens=8, ignore_eos=True)) for conversation in mixed_conversations(4)]
+    assert run_to_the_end(warmed, requests) == run_to_the_end(cold, requests)
