@@ -139,7 +139,8 @@ def _run_until_idle(engine: LLMEngine) -> None:
         steps_before = engine.stats.num_steps
         for output in engine.step():
             if output.finished and output.error:  # a warm-up request must not fail: the engine would not serve
-                raise RuntimeError(f"warm-up request {output.request_id} failed: {output.error}")
+                raise RuntimeError(f"warm-up request {output.request_id} failed: {output.error} "
+                                   "(EngineConfig(warmup=False), --warmup off, starts without the warm-up)")
         if engine.stats.num_steps == steps_before:  # only a grammar still compiling: let its thread run
             time.sleep(0.001)
 
