@@ -75,6 +75,19 @@ def test_a_warmed_up_engine_is_as_if_just_started_and_answers_the_same(engine_ch
     assert warmed.stats.num_prompt_tokens_computed == cold.stats.num_prompt_tokens_computed
 
 
+def test_a_failing_warmup_request_stops_the_start_with_the_way_out(engine_checkpoint, monkeypatch):
+    engine = small_engine(engine_checkpoint)
+    real_encode = engine.runner.encode_images
+
+    def images_fail(chunks):
+        found, failures = real_encode(chunks)
+        return {}, {**failures, **dict.fromkeys(found, "cannot decode the picture")}
+
+    monkeypatch.setattr(engine.runner, "encode_images", images_fail)
+    with pytest.raises(RuntimeError, match=r"warm-up request warmup-\d+ failed: cannot decode .*--warmup off"):
+        warm_up(engine)
+
+
 def test_warmup_refuses_an_engine_with_requests(engine_checkpoint):
     engine = small_engine(engine_checkpoint)
     engine.add_request(mixed_conversations(1)[0], SamplingParams(max_tokens=2))
