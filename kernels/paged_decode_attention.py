@@ -283,6 +283,27 @@ def choose_num_splits(
     return max(1, min(wanted, longest_useful, MAX_SPLITS))
 
 
+def split_plan(
+    batch: int,
+    num_kv_heads: int,
+    max_context_len: int,
+    device: torch.device,
+    config: DecodeKernelConfig,
+    num_splits: int | None = None,
+) -> tuple[int, int]:
+    """(splits in the grid, the shortest split in tokens) of a launch. Each sequence shares its own
+    length over the splits (jit/paged_decode_attention.py, split_length); splits the heuristic
+    chooses are at least the config's min_split_tokens long, an override's (`num_splits`) as short
+    as one tile."""
+    block_n = config.block_n
+    min_split_tokens = block_n
+    if num_splits is None:
+        num_splits = choose_num_splits(batch * num_kv_heads, max_context_len, device, config.programs_per_sm,
+                                       config.min_split_tokens)
+        min_split_tokens = -(-config.min_split_tokens // block_n) * block_n
+    return max(1, min(num_splits, MAX_SPLITS, -(-max_context_len // block_n))), min_split_tokens
+
+
 def _launch_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -314,15 +335,7 @@ def _launch_decode(
     if max_context_len is None:  # an upper bound known without a device sync
         max_context_len = block_tables.shape[1] * block_size
     max_context_len = max(max_context_len, 1)
-    # each sequence shares its own length over the splits (jit/paged_decode_attention.py,
-    # split_length); splits chosen here are at least the config's min_split_tokens long, an
-    # override's as short as one tile
-    min_split_tokens = block_n
-    if num_splits is None:
-        num_splits = choose_num_splits(batch * num_kv_heads, max_context_len, q.device, config.programs_per_sm,
-                                       config.min_split_tokens)
-        min_split_tokens = triton.cdiv(config.min_split_tokens, block_n) * block_n
-    num_splits = max(1, min(num_splits, MAX_SPLITS, triton.cdiv(max_context_len, block_n)))
+    num_splits, min_split_tokens = split_plan(batch, num_kv_heads, max_context_len, q.device, config, num_splits)
 
     single_split = num_splits == 1  # the split kernel writes `out` itself: no partials, no reduce launch
     if single_split:  # placeholders, never touched

@@ -983,8 +983,8 @@ def tune_decode(device, shapes: Shapes = GPU_SHAPES, dtype=None, batches=None, f
 
     from kernels.attention_common import multiprocessor_count
     from kernels.paged_decode_attention import (
-        choose_num_splits,
         paged_decode_attention_with_kv_write_triton,
+        split_plan,
     )
     from kernels.paged_decode_configs import (
         decode_batch_bucket,
@@ -1006,7 +1006,7 @@ def tune_decode(device, shapes: Shapes = GPU_SHAPES, dtype=None, batches=None, f
         last = context - 1
         slots = block_tables[:, last // shapes.block_size].long() * shapes.block_size + last % shapes.block_size
 
-        def run(config, batch=batch, args=(q, k, v, k_cache, v_cache, slots, block_tables, context_lens)):
+        def run(config, args=(q, k, v, k_cache, v_cache, slots, block_tables, context_lens)):
             return paged_decode_attention_with_kv_write_triton(*args, shapes.head_dim**-0.5, max_context_len=bound,
                                                                config=config)
 
@@ -1014,10 +1014,8 @@ def tune_decode(device, shapes: Shapes = GPU_SHAPES, dtype=None, batches=None, f
         default_ms = timer(partial(run, default))
         seen, results = set(), []
         for config in [replace(default, tuned=True), *decode_candidates(max_candidates)]:  # the default competes too
-            splits = choose_num_splits(batch * shapes.num_kv_heads, bound, device, config.programs_per_sm,
-                                       config.min_split_tokens)
-            launch = (config.block_n, config.num_warps, config.num_stages, splits,
-                      -(-config.min_split_tokens // config.block_n) * config.block_n if splits > 1 else 0)
+            splits, min_split_tokens = split_plan(batch, shapes.num_kv_heads, bound, device, config)
+            launch = (config.block_n, config.num_warps, config.num_stages, splits, min_split_tokens if splits > 1 else 0)
             if launch in seen:
                 continue
             seen.add(launch)

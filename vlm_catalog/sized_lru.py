@@ -56,3 +56,8 @@ class SizedLRU(Generic[V]):
     def clear(self) -> None:
         self._entries.clear()
         self.size = 0
+
+    def reset(self) -> None:
+        """Empty, with the hit and miss counts at zero: as new."""
+        self.clear()
+        self.hits = self.misses = 0

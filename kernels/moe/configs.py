@@ -2,15 +2,14 @@
 
 Like vLLM's per-GPU JSON tables: keyed by (num_experts, hidden, intermediate,
 dtype name, token-count bucket); the dtype name is the experts' weight dtype,
-with "_w8a8" appended for FP8 weights met by FP8 activations (`table_dtype`). A batch of T tokens uses the entry of the
-smallest bucket >= T (the largest bucket above that); shapes without an entry
-use `heuristic_moe_config`.
+with "_w8a8" appended for FP8 weights met by FP8 activations (`table_dtype`).
+A batch of T tokens uses the entry of the smallest bucket >= T (the largest
+bucket above that); shapes without an entry use `heuristic_moe_config`.
 
 STATUS: the bf16 30B-A3B shape has entries measured on an H100 (tuned=True) for
 the buckets 1, 64, 256, 4096 and 16384 (2026-11-25), and at 8192 the tile its
 tuned neighbours agree on; every other entry is a reasoned default
-(tuned=False), written without a GPU. Reasoning, for H100/H200
-and bf16:
+(tuned=False), written without a GPU. Reasoning, for H100/H200 and bf16:
 
 * rows per expert ~ T * top_k / E (8/128 of the tokens for Qwen3-VL-MoE). Up to
   ~16 rows (T <= 256) every expert's weights are streamed once for a handful of

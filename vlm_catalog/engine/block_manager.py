@@ -113,6 +113,9 @@ class BlockManager:
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
 
+    def reset_stats(self) -> None:
+        self.stats = dict.fromkeys(self.stats, 0)
+
     def record_lookup(self, queried: int, hits: int) -> None:
         self.stats["queried_blocks"] += queried
         self.stats["hit_blocks"] += hits

@@ -67,6 +67,10 @@ class ImagePrefetcher:
         self.num_dropped = 0  # prefetches no longer wanted
         self.seconds_waiting = 0.0  # time `take` waited for pixels
 
+    def reset_counters(self) -> None:
+        self.num_prefetch_hits = self.num_decoded_on_demand = self.num_dropped = 0
+        self.seconds_waiting = 0.0
+
     def close(self) -> None:
         for pool in (self._prefetch_pool, self._now_pool):
             pool.shutdown(wait=False, cancel_futures=True)

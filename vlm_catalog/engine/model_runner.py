@@ -87,6 +87,12 @@ class ModelRunner:
     def close(self) -> None:
         self.images.close()
 
+    def reset_counters(self) -> None:
+        """Images encoded, the vision tower's device time and the image decoder's counts, at zero."""
+        self.num_images_encoded = 0
+        self.vision_timer = DeviceTimer(self.device)
+        self.images.reset_counters()
+
     # ------------------------------------------------------------ vision
     def encode_images(self, chunks: list[ScheduledChunk]) -> tuple[dict[str, ImageEmbedding], dict[str, str]]:
         """Features of every image the chunks touch ({content hash: embedding}), and failures.

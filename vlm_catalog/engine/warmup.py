@@ -32,7 +32,6 @@ import torch
 from PIL import Image
 
 from kernels.moe.configs import TOKEN_BUCKETS
-from vlm_catalog.engine.device_timer import DeviceTimer
 from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.preprocess.processor import ProcessedPrompt
 
@@ -65,7 +64,8 @@ def warmup_token_counts(max_num_batched_tokens: int, max_prompt_tokens: int) -> 
     largest = min(max_num_batched_tokens, max_prompt_tokens)
     counts: set[int] = set()
     previous = 0
-    for bucket in TOKEN_BUCKETS:
+    # past the table the last bucket's config runs: the step's own size closes the list
+    for bucket in (*TOKEN_BUCKETS, largest):
         low, high = previous + 1, min(bucket, largest)  # the token counts that use this bucket's config
         previous = bucket
         if low > high:
@@ -75,8 +75,6 @@ def warmup_token_counts(max_num_batched_tokens: int, max_prompt_tokens: int) -> 
         unaligned = high if high % 16 else high - 1
         if unaligned >= low:
             counts.add(unaligned)
-    if largest > TOKEN_BUCKETS[-1]:  # beyond the table: the last bucket's config, at the step's size
-        counts.update({largest, largest - 1 if largest % 16 == 0 else largest})
     return sorted(counts)
 
 
@@ -185,12 +183,7 @@ def _forget(engine: LLMEngine) -> None:
 
     engine.stats = EngineStats()
     engine.block_manager.reset_prefix_cache()
-    engine.block_manager.stats = dict.fromkeys(engine.block_manager.stats, 0)
-    engine.encoder_cache.clear()
-    engine.encoder_cache.hits = engine.encoder_cache.misses = 0
-    runner = engine.runner
-    runner.num_images_encoded = 0
-    runner.vision_timer = DeviceTimer(runner.device)
-    runner.images.num_prefetch_hits = 0
-    runner.images.seconds_waiting = 0.0
+    engine.block_manager.reset_stats()
+    engine.encoder_cache.reset()
+    engine.runner.reset_counters()
     engine.generator.manual_seed(engine.config.seed)
