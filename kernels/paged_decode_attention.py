@@ -371,7 +371,6 @@ def _launch_decode(
         slot_mapping,
         # sizes
         scale * LOG2_E,
-        block_size,
         min_split_tokens,
         queries_per_kv,
         # strides
@@ -396,6 +395,7 @@ def _launch_decode(
         new_v.stride(0),
         new_v.stride(1),
         # meta-parameters
+        BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)),
@@ -404,6 +404,7 @@ def _launch_decode(
         SATURATE_FP8=k_cache.dtype == FP8_DTYPE,
         DOT_PRECISION=dot_precision(q.dtype),
         SINGLE_SPLIT=single_split,
+        FP16_DOTS=k_cache.dtype == FP8_DTYPE and q.dtype in (torch.bfloat16, torch.float16),
         **config.launch_options(),
     )
     if single_split:

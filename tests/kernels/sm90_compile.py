@@ -16,8 +16,10 @@ registers, spills and shared memory. A hand-written signature without them
 compiles a slower, unpipelined variant that uses less shared memory.
 
 One line per launch: ptxas' registers and spill bytes (from its `-v` log), the
-shared memory, warps and stages, and the global accesses of a single 8- or
-16-bit element in the PTX (loads the compiler could not vectorize). A kernel fails when it does not compile or
+shared memory, warps and stages, the global accesses of a single 8- or
+16-bit element in the PTX (loads the compiler could not vectorize), and the
+scalar float16 -> bfloat16 conversions (Triton widens e4m3 to bfloat16 through
+float16, one scalar instruction per element on sm_90). A kernel fails when it does not compile or
 needs more shared memory per block than an H100 grants (227 KiB): its launch
 would raise `OutOfResources` on the GPU.
 
@@ -146,12 +148,14 @@ class Compiled:
     num_warps: int
     num_stages: int
     narrow_accesses: int  # global loads and stores of one 8- or 16-bit element (in the PTX)
+    bf16_from_f16: int  # scalar float16 -> bfloat16 conversions (in the PTX; how Triton widens e4m3 to bf16)
 
     def summary(self) -> str:
         registers = "?" if self.registers is None else self.registers
         spills = "?" if self.spill_stores is None else f"{self.spill_stores}/{self.spill_loads}"
         return (f"{registers} registers, spills {spills} B (stores/loads), {self.shared} B shared, "
-                f"{self.num_warps} warps, {self.num_stages} stages, {self.narrow_accesses} narrow accesses")
+                f"{self.num_warps} warps, {self.num_stages} stages, {self.narrow_accesses} narrow accesses, "
+                f"{self.bf16_from_f16} f16->bf16 conversions")
 
 
 GLOBAL_ACCESS = re.compile(r"\b(?:ld|st)\.global[\w.:]*")
@@ -168,6 +172,9 @@ def narrow_accesses(ptx: str) -> int:
     return count
 
 
+BF16_FROM_F16 = re.compile(r"\bcvt(?:\.rn)?\.bf16\.f16\b")
+
+
 def compile_launch(launch: Launch) -> Compiled:
     log = io.StringIO()
     with contextlib.redirect_stdout(log):  # Triton prints ptxas' -v log here
@@ -182,6 +189,7 @@ def compile_launch(launch: Launch) -> Compiled:
         num_warps=compiled.metadata.num_warps,
         num_stages=compiled.metadata.num_stages,
         narrow_accesses=narrow_accesses(compiled.asm["ptx"]),
+        bf16_from_f16=len(BF16_FROM_F16.findall(compiled.asm["ptx"])),
     )
 
 

@@ -113,6 +113,26 @@ def test_triton_decode_over_fp8_cache(
     assert_close(out, expected, rel=TOLERANCE[query_dtype])
 
 
+@pytest.mark.parametrize("query_scale", [300.0, 1e-4])
+def test_triton_decode_over_fp8_cache_with_large_and_tiny_bf16_queries(triton_device, query_scale):
+    """A bf16 query over an FP8 cache runs both dots in float16: large queries (scores in the
+    thousands: a one-hot softmax) and tiny ones (many below float16's smallest normal, 6e-5:
+    a flat softmax) still match the reference."""
+    # tolerance: TOLERANCE[bfloat16] against the reference on the widened cache. The interpreter
+    # rounds a float16 dot's running sum to float16 (the GPU accumulates in float32), so scores
+    # stay below float16's largest value here.
+    context_lens, block_size, num_q_heads, num_kv_heads, head_dim = [70, 9], 16, 32, 4, 128
+    paged = build_paged_kv(context_lens, block_size, num_kv_heads, head_dim, FP8_DTYPE, triton_device)
+    q = (torch.randn(len(context_lens), num_q_heads, head_dim) * query_scale).to(torch.bfloat16).to(triton_device)
+    scale = head_dim**-0.5
+    out = paged_decode_attention_triton(
+        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, scale, num_splits=2
+    )
+    k_wide, v_wide = _widened(paged, torch.bfloat16)
+    expected = paged_decode_attention_reference(q, k_wide, v_wide, paged.block_tables, paged.context_lens, scale)
+    assert_close(out, expected, rel=TOLERANCE[torch.bfloat16])
+
+
 def test_reference_decode_over_fp8_cache_equals_the_widened_cache():
     # the CPU path widens to float32 itself: exactly the same numbers
     paged = build_paged_kv([5, 33, 0], 4, 2, 16, FP8_DTYPE, torch.device("cpu"))
