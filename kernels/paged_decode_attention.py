@@ -283,6 +283,13 @@ def choose_num_splits(
     return max(1, min(wanted, longest_useful, MAX_SPLITS))
 
 
+def reads_fp8_words(v_cache: torch.Tensor) -> bool:
+    """Whether the decode kernel may read an FP8 V cache as 4-byte words (rows and strides
+    aligned to 4 bytes), to widen it in the layout it was loaded in."""
+    return v_cache.data_ptr() % 4 == 0 and v_cache.shape[-1] % 4 == 0 and v_cache.stride(-1) == 1 and all(
+        stride % 4 == 0 for stride in v_cache.stride()[:-1])
+
+
 def split_plan(
     batch: int,
     num_kv_heads: int,
@@ -317,6 +324,7 @@ def _launch_decode(
     config: DecodeKernelConfig | None = None,
 ) -> torch.Tensor:
     import triton
+    from triton.runtime.jit import JITFunction
 
     from kernels.jit.paged_decode_attention import (
         paged_decode_reduce_kernel,
@@ -355,6 +363,7 @@ def _launch_decode(
         new_k, new_v, slot_mapping = new_kv
 
     block_d = triton.next_power_of_2(head_dim)
+    fp16_dots = k_cache.dtype == FP8_DTYPE and q.dtype in (torch.bfloat16, torch.float16) and reads_fp8_words(v_cache)
     paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
         # pointers
         q,
@@ -404,7 +413,8 @@ def _launch_decode(
         SATURATE_FP8=k_cache.dtype == FP8_DTYPE,
         DOT_PRECISION=dot_precision(q.dtype),
         SINGLE_SPLIT=single_split,
-        FP16_DOTS=k_cache.dtype == FP8_DTYPE and q.dtype in (torch.bfloat16, torch.float16),
+        FP16_DOTS=fp16_dots,
+        WIDEN_WITH_PTX=fp16_dots and isinstance(paged_decode_split_kernel, JITFunction),  # not interpreted
         **config.launch_options(),
     )
     if single_split:

@@ -28,25 +28,58 @@ is read by no other program: other splits cover other positions, and other
 sequences never map the last, partially filled block of this one (no prefix
 sharing of a block that is still being written).
 
-K/V tiles are converted to the query's dtype after loading, so the cache may
-hold FP8 (e4m3); the fused write rounds the new K/V as `reshape_and_cache` does
-and attends to the rounded values, exactly what later steps read back. With an
-FP8 cache and a 16-bit query both dots run in float16 (FP16_DOTS): e4m3 widens
-to float16 exactly and in one packed instruction per pair on sm_89+, where
-widening to bfloat16 takes one more scalar conversion per element (160 per loop
-iteration in the sm_90 SASS at B=128, on a pipe that converts 16 per clock). A bfloat16 query loses nothing on the way
-(float16 has more mantissa; only magnitudes below 6e-5 lose bits and those past
-65504 saturate, and a normed query has neither), and the probabilities in
-[0, 1] gain precision.
+FP8 caches: K/V tiles are widened to the query's dtype after loading, so the
+cache may hold FP8 (e4m3); the fused write rounds the new K/V as
+`reshape_and_cache` does and attends to the rounded values, exactly what later
+steps read back. With a 16-bit query both dots run in float16 (FP16_DOTS):
+- e4m3 widens to float16 exactly, two values per instruction on sm_89+. Widening
+  to bfloat16 added a scalar conversion per element: 160 per loop iteration in
+  the sm_90 SASS at B=128, on a pipe the CUDA guide rates at 16 per clock per SM.
+- A bfloat16 query loses nothing on the way: float16 has more mantissa; only
+  magnitudes below 6e-5 lose bits and those past 65504 saturate, and a normed
+  query has neither. The probabilities in [0, 1] gain precision.
+- V is read as 4-byte words and widened where it lands (`e4m3_words_to_float16`).
+  The second dot sums over positions, which are V's rows; loaded as bytes, V went
+  through shared memory one byte at a time (64 single-byte loads per thread per
+  iteration) before it was widened. Widened first, it takes a bfloat16 cache's
+  16-bit path.
 
 The block size is a compile-time constant, so a position's block and offset are a
 shift and a mask rather than a division by a runtime value.
+
+In the sm_90 SASS at B=128 with the fused write, one loop iteration is 481
+instructions per warp with an FP8 cache and 529 with a bfloat16 one (965 and 997
+before the float16 dots, the word loads, the constant block size and the current
+token's move out of the loop).
 """
 
 import triton
 import triton.language as tl
 
 from kernels.jit.fp8_quant import saturate_fp8
+
+
+@triton.jit
+def e4m3_words_to_float16(words, WITH_PTX: tl.constexpr):
+    """[R, W] int32 of four e4m3 values each, the lowest byte first -> [R, 4 W] float16 (exact).
+
+    On the GPU (WITH_PTX) sm_89's packed conversion widens two values per instruction. The
+    interpreter, which runs no PTX, takes each byte through Triton's own conversion; the
+    rest (the word loads, the order of the values) is the same code on both."""
+    if WITH_PTX:
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(
+            asm="{ .reg .b32 a, b; .reg .b16 l, h; mov.b32 {l, h}, $4; cvt.rn.f16x2.e4m3x2 a, l; "
+                "cvt.rn.f16x2.e4m3x2 b, h; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            constraints="=h,=h,=h,=h,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1)
+    else:
+        v0 = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        v1 = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        v2 = ((words >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        v3 = ((words >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    # join adds a last axis: [R, W, 2] -> [R, W, 2, 2], where [r, w, i, j] is value 4 w + 2 i + j
+    quads = tl.join(tl.join(v0, v2), tl.join(v1, v3))
+    return tl.reshape(quads, (words.shape[0], words.shape[1] * 4))  # [R, 4 W]
 
 
 @triton.jit
@@ -107,6 +140,7 @@ def paged_decode_split_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, "tf32" otherwise (ignored for 16-bit)
     SINGLE_SPLIT: tl.constexpr,  # one split holds the whole context: normalise and write out_ptr here
     FP16_DOTS: tl.constexpr,  # FP8 cache, 16-bit query: both dots in float16 (see the module docstring)
+    WIDEN_WITH_PTX: tl.constexpr,  # FP16_DOTS on a GPU: V widened by inline PTX (the interpreter runs none)
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -199,7 +233,18 @@ def paged_decode_split_kernel(
             + kv_head * stride_v_cache_head
             + dims[None, :]
         )
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        if FP16_DOTS:  # an FP8 V read as words and widened where it lands (see the module docstring)
+            words = tl.arange(0, BLOCK_D // 4)
+            v_rows = (v_cache_ptr + blocks * stride_v_cache_block + offsets * stride_v_cache_offset
+                      + kv_head * stride_v_cache_head)  # [BLOCK_N]
+            v_words = tl.load(
+                v_rows.to(tl.pointer_type(tl.int32))[:, None] + words[None, :],
+                mask=position_mask[:, None] & (words < HEAD_DIM // 4)[None, :],
+                other=0,
+            )  # [BLOCK_N, BLOCK_D // 4]
+            v = e4m3_words_to_float16(v_words, WIDEN_WITH_PTX)  # [BLOCK_N, BLOCK_D]
+        else:
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
 
     if FUSE_CACHE_WRITE:

@@ -19,7 +19,8 @@ One line per launch: ptxas' registers and spill bytes (from its `-v` log), the
 shared memory, warps and stages, the global accesses of a single 8- or
 16-bit element in the PTX (loads the compiler could not vectorize), and the
 scalar float16 -> bfloat16 conversions (Triton widens e4m3 to bfloat16 through
-float16, one scalar instruction per element on sm_90). A kernel fails when it does not compile or
+float16, one scalar instruction per element on sm_90) and the single-byte loads
+from shared memory (an 8-bit tile rearranged one byte at a time). A kernel fails when it does not compile or
 needs more shared memory per block than an H100 grants (227 KiB): its launch
 would raise `OutOfResources` on the GPU.
 
@@ -149,13 +150,14 @@ class Compiled:
     num_stages: int
     narrow_accesses: int  # global loads and stores of one 8- or 16-bit element (in the PTX)
     bf16_from_f16: int  # scalar float16 -> bfloat16 conversions (in the PTX; how Triton widens e4m3 to bf16)
+    shared_byte_loads: int  # single-byte loads from shared memory (in the PTX): an 8-bit tile moved byte by byte
 
     def summary(self) -> str:
         registers = "?" if self.registers is None else self.registers
         spills = "?" if self.spill_stores is None else f"{self.spill_stores}/{self.spill_loads}"
         return (f"{registers} registers, spills {spills} B (stores/loads), {self.shared} B shared, "
                 f"{self.num_warps} warps, {self.num_stages} stages, {self.narrow_accesses} narrow accesses, "
-                f"{self.bf16_from_f16} f16->bf16 conversions")
+                f"{self.bf16_from_f16} f16->bf16 conversions, {self.shared_byte_loads} shared byte loads")
 
 
 GLOBAL_ACCESS = re.compile(r"\b(?:ld|st)\.global[\w.:]*")
@@ -173,6 +175,7 @@ def narrow_accesses(ptx: str) -> int:
 
 
 BF16_FROM_F16 = re.compile(r"\bcvt(?:\.rn)?\.bf16\.f16\b")
+SHARED_BYTE_LOAD = re.compile(r"\bld\.shared\.[bsu]8\b")
 
 
 def compile_launch(launch: Launch) -> Compiled:
@@ -190,6 +193,7 @@ def compile_launch(launch: Launch) -> Compiled:
         num_stages=compiled.metadata.num_stages,
         narrow_accesses=narrow_accesses(compiled.asm["ptx"]),
         bf16_from_f16=len(BF16_FROM_F16.findall(compiled.asm["ptx"])),
+        shared_byte_loads=len(SHARED_BYTE_LOAD.findall(compiled.asm["ptx"])),
     )
 
 

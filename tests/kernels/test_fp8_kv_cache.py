@@ -25,6 +25,7 @@ from kernels.paged_decode_attention import (
     paged_decode_attention_triton,
     paged_decode_attention_with_kv_write_reference,
     paged_decode_attention_with_kv_write_triton,
+    reads_fp8_words,
 )
 from kernels.paged_prefill_attention import (
     paged_prefill_attention_reference,
@@ -92,7 +93,16 @@ DECODE_CASES = [
     ([1, 17, 40, 0], 4, 4, 4, 32, None),
     ([130, 7], 4, 8, 2, 32, 3),
     ([70], 16, 32, 4, 128, 2),  # model head dim and GQA ratio 8
+    ([13, 40], 4, 4, 2, 6, 2),  # a head dim that is not a whole number of words: V read as bytes
 ]
+
+
+def test_fp8_v_cache_is_read_as_words_only_where_rows_are_word_aligned():
+    cache = torch.zeros(4, 16, 2, 8, dtype=FP8_DTYPE)  # [blocks, block_size, Hkv, D]
+    assert reads_fp8_words(cache)
+    assert not reads_fp8_words(torch.zeros(4, 16, 2, 6, dtype=FP8_DTYPE))  # rows of 6 bytes
+    assert not reads_fp8_words(cache[..., 2:6])  # rows that start 2 bytes into a word
+    assert not reads_fp8_words(cache.transpose(1, 3))  # a head dim that is not the innermost
 
 
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
