@@ -61,6 +61,7 @@ from kernels.flash_varlen import (
     flash_varlen_usable,
     try_flash_varlen_attention,
 )
+from kernels.fp8 import FP8_DTYPE
 from kernels.kv_cache import (
     PackedContexts,
     check_paged_kv_cache,
@@ -240,7 +241,6 @@ def paged_prefill_attention_triton(
         out,
         # sizes
         scale * LOG2_E,
-        block_size,
         num_q_heads // num_kv_heads,
         skip_fresh_from,
         # strides
@@ -256,11 +256,13 @@ def paged_prefill_attention_triton(
         out.stride(0),
         out.stride(1),
         # meta-parameters
+        BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m,
         BLOCK_N=64 if head_dim <= 128 else 32,
         DOT_PRECISION=dot_precision(q.dtype),
+        FP16_DOTS=k_cache.dtype == FP8_DTYPE and q.dtype in (torch.bfloat16, torch.float16),
         num_warps=4,
         num_stages=2,
     )

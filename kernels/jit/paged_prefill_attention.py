@@ -7,7 +7,9 @@ the cache) sits at absolute position ``context_len - q_len + j`` and attends to
 cached positions <= its own, so the program walks cache tiles from position 0 up
 to its last query's position, masking only by causality and the sequence end.
 Online softmax in float32, base-2 exponent domain. K/V tiles are converted to
-the query's dtype after loading, so the cache may hold FP8 (e4m3).
+the query's dtype after loading, so the cache may hold FP8 (e4m3); with a 16-bit
+query over an FP8 cache both dots run in float16 (FP16_DOTS; the reasons are in
+jit/paged_decode_attention.py). The block size is a compile-time constant.
 
 Sequences with nothing cached before their chunk and at least `skip_fresh_from`
 new tokens are skipped (their output rows are left for SDPA, see
@@ -30,7 +32,6 @@ def paged_prefill_attention_kernel(
     out_ptr,  # [T, Hq, D]
     # sizes
     scale_log2,  # softmax scale * log2(e)
-    block_size,
     queries_per_kv,  # Hq // Hkv
     skip_fresh_from,  # fresh chunks (no cached prefix) of at least this many tokens are skipped
     # strides
@@ -46,11 +47,13 @@ def paged_prefill_attention_kernel(
     stride_out_token,
     stride_out_head,
     # meta-parameters
+    BLOCK_SIZE: tl.constexpr,  # cache positions per block: a constant, so // and % are shifts and masks
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
     BLOCK_M: tl.constexpr,  # query tokens per program
     BLOCK_N: tl.constexpr,  # cache positions per tile
     DOT_PRECISION: tl.constexpr,
+    FP16_DOTS: tl.constexpr,  # FP8 cache, 16-bit query: both dots in float16 (module docstring)
 ):
     query_tile = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -78,6 +81,8 @@ def paged_prefill_attention_kernel(
         mask=q_mask,
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
+    if FP16_DOTS:  # as in paged_decode_attention.py: an FP8 cache widens to float16 exactly
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -88,10 +93,10 @@ def paged_prefill_attention_kernel(
     for tile_start in range(0, kv_end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         position_mask = positions < kv_end
-        blocks = tl.load(block_table + positions // block_size, mask=position_mask, other=0).to(
+        blocks = tl.load(block_table + positions // BLOCK_SIZE, mask=position_mask, other=0).to(
             tl.int64
         )
-        offsets = positions % block_size
+        offsets = positions % BLOCK_SIZE
         kv_mask = position_mask[:, None] & dim_mask[None, :]  # [BLOCK_N, BLOCK_D]
 
         k = tl.load(
@@ -102,7 +107,7 @@ def paged_prefill_attention_kernel(
             + dims[None, :],
             mask=kv_mask,
             other=0.0,
-        ).to(q_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_D]; an FP8 cache is widened here
+        ).to(q.dtype)  # [BLOCK_N, BLOCK_D]; an FP8 cache is widened here
         scores = (
             tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         )  # [BLOCK_M, BLOCK_N]
@@ -124,7 +129,7 @@ def paged_prefill_attention_kernel(
             + dims[None, :],
             mask=kv_mask,
             other=0.0,
-        ).to(q_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_D]
+        ).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
 
     out = acc / running_sum[:, None]

@@ -63,10 +63,13 @@ def test_kernels_compile_for_sm90():
     # runs both dots in float16: widening to bf16 cost a scalar conversion per element, 160 per
     # loop iteration. V is read as words and widened before the dot: read as bytes, it went
     # through shared memory one byte at a time (64 loads per thread per iteration).
+    # The prefill kernel runs float16 dots over an FP8 cache too.
     fp8_decode = re.findall(r"paged_decode\[bf16, fp8 cache, .*\] / paged_decode_split_kernel: ok \((.*)\)",
                             result.stdout)
-    assert len(fp8_decode) == 3, result.stdout
-    for line in fp8_decode:
+    fp8_prefill = re.findall(r"paged_prefill\[bf16, fp8 cache\] / paged_prefill_attention_kernel: ok \((.*)\)",
+                             result.stdout)
+    assert len(fp8_decode) == 3 and len(fp8_prefill) == 1, result.stdout
+    for line in fp8_decode + fp8_prefill:
         assert " 0 f16->bf16 conversions" in line and " 0 shared byte loads" in line, result.stdout
     attention = re.search(r"D=72\] / varlen_attention_kernel: ok \(.* (\d+) B shared", result.stdout)
     assert attention and int(attention.group(1)) > 32 * 1024, result.stdout  # pipelined (cp.async stages)
