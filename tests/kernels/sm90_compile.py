@@ -19,8 +19,11 @@ One line per launch: ptxas' registers and spill bytes (from its `-v` log), the
 shared memory, warps and stages, the global accesses of a single 8- or
 16-bit element in the PTX (loads the compiler could not vectorize), and the
 scalar float16 -> bfloat16 conversions (Triton widens e4m3 to bfloat16 through
-float16, one scalar instruction per element on sm_90) and the single-byte loads
-from shared memory (an 8-bit tile rearranged one byte at a time). A kernel fails when it does not compile or
+float16, one scalar instruction per element on sm_90), the single-byte loads
+from shared memory (an 8-bit tile rearranged one byte at a time), and the SASS
+instructions of the longest loop body (by the `nvdisasm` Triton bundles): what
+a warp issues per iteration of a kernel's main loop, a static measure of its
+cost that a CPU can take. A kernel fails when it does not compile or
 needs more shared memory per block than an H100 grants (227 KiB): its launch
 would raise `OutOfResources` on the GPU.
 
@@ -38,11 +41,14 @@ import inspect
 import io
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # a cached binary would skip ptxas and its log
@@ -151,13 +157,15 @@ class Compiled:
     narrow_accesses: int  # global loads and stores of one 8- or 16-bit element (in the PTX)
     bf16_from_f16: int  # scalar float16 -> bfloat16 conversions (in the PTX; how Triton widens e4m3 to bf16)
     shared_byte_loads: int  # single-byte loads from shared memory (in the PTX): an 8-bit tile moved byte by byte
+    loop_instructions: int | None  # SASS instructions in the longest loop body (None: no nvdisasm)
 
     def summary(self) -> str:
         registers = "?" if self.registers is None else self.registers
         spills = "?" if self.spill_stores is None else f"{self.spill_stores}/{self.spill_loads}"
         return (f"{registers} registers, spills {spills} B (stores/loads), {self.shared} B shared, "
                 f"{self.num_warps} warps, {self.num_stages} stages, {self.narrow_accesses} narrow accesses, "
-                f"{self.bf16_from_f16} f16->bf16 conversions, {self.shared_byte_loads} shared byte loads")
+                f"{self.bf16_from_f16} f16->bf16 conversions, {self.shared_byte_loads} shared byte loads, "
+                f"longest loop {'?' if self.loop_instructions is None else self.loop_instructions} instructions")
 
 
 GLOBAL_ACCESS = re.compile(r"\b(?:ld|st)\.global[\w.:]*")
@@ -178,12 +186,49 @@ BF16_FROM_F16 = re.compile(r"\bcvt(?:\.rn)?\.bf16\.f16\b")
 SHARED_BYTE_LOAD = re.compile(r"\bld\.shared\.[bsu]8\b")
 
 
+NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+SASS_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+SASS_LABEL = re.compile(r"^\s*\.(L_x_\d+):")
+SASS_BACKWARD_BRANCH = re.compile(r"\bBRA\b.*`\(\.(L_x_\d+)\)")
+
+
+def longest_loop(sass: str) -> list[str]:
+    """The instructions of the longest loop body in an `nvdisasm -c` listing: from a label to a
+    branch back to it. In a kernel with one main loop, what each iteration issues per warp; empty
+    without a loop (the branch to itself that ends every kernel is not one)."""
+    instructions: list[str] = []
+    labels: dict[str, int] = {}
+    longest: tuple[int, int] = (0, -1)
+    for line in sass.splitlines():
+        if label := SASS_LABEL.match(line):
+            labels[label.group(1)] = len(instructions)
+        elif instruction := SASS_INSTRUCTION.match(line):
+            instructions.append(instruction.group(2))
+            branch = SASS_BACKWARD_BRANCH.search(instruction.group(2))
+            if branch and branch.group(1) in labels:
+                start, end = labels[branch.group(1)], len(instructions) - 1
+                if end > start and end - start > longest[1] - longest[0]:
+                    longest = (start, end)
+    return instructions[longest[0]:longest[1] + 1]
+
+
+def sass_of(cubin: bytes) -> str | None:
+    """The SASS listing of a cubin by the nvdisasm Triton bundles (None where it has none)."""
+    if not NVDISASM.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        return subprocess.run([str(NVDISASM), "-c", file.name], check=True, capture_output=True, text=True).stdout
+
+
 def compile_launch(launch: Launch) -> Compiled:
     log = io.StringIO()
     with contextlib.redirect_stdout(log):  # Triton prints ptxas' -v log here
         compiled = triton.compile(specialized_source(launch), target=H100, options=launch.options)
     registers = re.search(r"Used (\d+) registers", log.getvalue())
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue())
+    sass = sass_of(compiled.asm["cubin"])
     return Compiled(
         registers=int(registers.group(1)) if registers else None,
         spill_stores=int(spills.group(1)) if spills else None,
@@ -194,6 +239,7 @@ def compile_launch(launch: Launch) -> Compiled:
         narrow_accesses=narrow_accesses(compiled.asm["ptx"]),
         bf16_from_f16=len(BF16_FROM_F16.findall(compiled.asm["ptx"])),
         shared_byte_loads=len(SHARED_BYTE_LOAD.findall(compiled.asm["ptx"])),
+        loop_instructions=None if sass is None else len(longest_loop(sass)),
     )
 
 
