@@ -5,12 +5,13 @@ uses the entry of the smallest bucket >= B (the largest bucket above that), and
 shapes without an entry use `default_decode_config`.
 
 STATUS: no measured entries yet. The defaults are what ran on the H100 on
-2026-11-25, where the kernel ran at 0.64x / 0.84x / 0.98x the speed of SDPA on
+2026-11-25, where the kernel (as it was before the loop changes described in
+jit/paged_decode_attention.py) ran at 0.64x / 0.84x / 0.98x the speed of SDPA on
 gathered K/V (B=1 ctx 27k, B=32 ctx 2k, B=128 ctx 1k) and, with an FP8 cache,
 read 1.1 TB/s at B=128 (37% of the copy bandwidth). `python scripts/bench_kernels.py
 --tune-decode` on the target GPU times candidates under the engine's conditions
-(the fused cache write, the CUDA graphs' `max_model_len` bound, a 2k-token
-context) and prints one ready-to-paste line per (dtype, batch bucket).
+(the fused cache write, the CUDA graphs' `max_model_len` bound, contexts of 0.4-1.6x a
+2k-token mean) and prints one ready-to-paste line per (dtype, batch bucket).
 """
 
 from __future__ import annotations

@@ -163,11 +163,12 @@ def teraflops(flops: float, ms: float) -> str:
 
 
 # --------------------------------------------------------------------------- helpers
-def _paged_cache(batch: int, context: int, shapes: Shapes, dtype, device):
-    """Caches holding `batch` sequences of `context` tokens in shuffled blocks."""
+def _paged_cache(batch: int, context: int, shapes: Shapes, dtype, device, lengths: list[int] | None = None):
+    """Caches holding `batch` sequences of `context` tokens (or of `lengths`) in shuffled blocks."""
     import torch
 
-    blocks_per_seq = -(-context // shapes.block_size)
+    lengths = lengths or [context] * batch
+    blocks_per_seq = -(-max(lengths) // shapes.block_size)
     num_blocks = batch * blocks_per_seq
     cache_shape = (num_blocks, shapes.block_size, shapes.num_kv_heads, shapes.head_dim)
     k_cache = torch.randn(cache_shape, dtype=dtype, device=device)
@@ -175,8 +176,21 @@ def _paged_cache(batch: int, context: int, shapes: Shapes, dtype, device):
     block_tables = (
         torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).to(torch.int32)
     )
-    context_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    context_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
     return k_cache, v_cache, block_tables, context_lens
+
+
+def spread_lengths(batch: int, context: int) -> list[int]:
+    """`batch` context lengths evenly from 0.4 to 1.6 x `context` (mean `context`), in a fixed
+    shuffled order. A decode batch's prompts differ in length: with one split per sequence the
+    longest ones are the launch's tail, which equal lengths would hide from the tuner."""
+    import random
+
+    if batch == 1:
+        return [context]
+    lengths = [round(context * (0.4 + 1.2 * i / (batch - 1))) for i in range(batch)]
+    random.Random(0).shuffle(lengths)
+    return lengths
 
 
 def _gathered(cache, block_tables, context: int):
@@ -975,7 +989,8 @@ def decode_candidates(max_candidates: int | None = None):
 def tune_decode(device, shapes: Shapes = GPU_SHAPES, dtype=None, batches=None, fp8: bool = False,
                 max_candidates: int | None = None) -> dict[int, tuple]:
     """Times the split kernel's launch settings per batch bucket as the engine runs it (fused
-    cache write, `decode_graph_bound` as the host's bound, a `decode_tuning_context` context);
+    cache write, `decode_graph_bound` as the host's bound, contexts spread around
+    `decode_tuning_context`: `spread_lengths`);
     candidates that launch the same grid are timed once. Prints each bucket's best against the
     default with its line for DECODE_CONFIGS, and returns {batch: (ms, default ms, config)}.
     `fp8`: an FP8 (e4m3) cache."""
@@ -998,13 +1013,15 @@ def tune_decode(device, shapes: Shapes = GPU_SHAPES, dtype=None, batches=None, f
     context, bound = shapes.decode_tuning_context, shapes.decode_graph_bound
     best = {}
     for batch in batches or shapes.decode_tuning_batches:
-        k_cache, v_cache, block_tables, context_lens = _paged_cache(batch, context, shapes, dtype, device)
+        lengths = spread_lengths(batch, context)
+        k_cache, v_cache, block_tables, context_lens = _paged_cache(batch, context, shapes, dtype, device, lengths)
         if fp8:
             k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
         q = torch.randn(batch, shapes.num_q_heads, shapes.head_dim, dtype=dtype, device=device)
         k, v = (torch.randn(batch, shapes.num_kv_heads, shapes.head_dim, dtype=dtype, device=device) for _ in "kv")
-        last = context - 1
-        slots = block_tables[:, last // shapes.block_size].long() * shapes.block_size + last % shapes.block_size
+        last = context_lens.long() - 1  # [B]: each sequence's current token
+        slots = block_tables.long().gather(1, (last // shapes.block_size)[:, None])[:, 0] * shapes.block_size \
+            + last % shapes.block_size
 
         def run(config, args=(q, k, v, k_cache, v_cache, slots, block_tables, context_lens)):
             return paged_decode_attention_with_kv_write_triton(*args, shapes.head_dim**-0.5, max_context_len=bound,
@@ -1024,8 +1041,9 @@ def tune_decode(device, shapes: Shapes = GPU_SHAPES, dtype=None, batches=None, f
             except Exception as error:  # noqa: BLE001 - e.g. out of shared memory: skip the config
                 print(f"  B={batch}: skipped {config}: {type(error).__name__}", file=sys.stderr)
         ms, config = min(results, key=lambda item: item[0])
-        kv_bytes = 2 * batch * context * shapes.num_kv_heads * shapes.head_dim * k_cache.element_size()
-        print(f"# B={batch} ctx={context} (bound {bound}, {multiprocessor_count(device)} SMs): {ms:.4f} ms, "
+        kv_bytes = 2 * sum(lengths) * shapes.num_kv_heads * shapes.head_dim * k_cache.element_size()
+        print(f"# B={batch} ctx {min(lengths)}-{max(lengths)}, mean {context} (bound {bound}, "
+              f"{multiprocessor_count(device)} SMs): {ms:.4f} ms, "
               f"{gigabytes_per_second(kv_bytes, ms)}, against {default_ms:.4f} ms with the default "
               f"(of {len(results)} launches)")
         print(format_decode_config_entry(k_cache.dtype, shapes.head_dim, decode_batch_bucket(batch), config), flush=True)

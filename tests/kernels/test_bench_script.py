@@ -120,6 +120,17 @@ def test_tune_decode_prints_entries_to_paste():
         assert key == ("float8_e4m3fn", 32, decode_batch_bucket(batch)) and config.tuned
 
 
+def test_decode_tuning_spreads_context_lengths_around_the_mean():
+    """--tune-decode times batches whose contexts differ (0.4-1.6 x the mean), as a decode batch's
+    do: one split per sequence leaves the longest as the tail, which equal lengths would hide."""
+    spread_lengths = load_bench_gpu().load_bench_kernels().spread_lengths
+    lengths = spread_lengths(256, 2048)
+    assert len(lengths) == 256 and min(lengths) == round(0.4 * 2048) and max(lengths) == round(1.6 * 2048)
+    assert abs(sum(lengths) / 256 - 2048) < 1
+    assert lengths != sorted(lengths) and lengths == spread_lengths(256, 2048)  # shuffled, the same every run
+    assert spread_lengths(1, 2048) == [2048]
+
+
 def test_a_compile_worker_skips_a_config_that_fails(triton_device):
     """One bad config costs a worker nothing but that config (the timing loop reports it)."""
     bench_kernels = load_bench_gpu().load_bench_kernels()
