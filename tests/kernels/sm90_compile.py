@@ -158,6 +158,7 @@ class Compiled:
     bf16_from_f16: int  # scalar float16 -> bfloat16 conversions (in the PTX; how Triton widens e4m3 to bf16)
     shared_byte_loads: int  # single-byte loads from shared memory (in the PTX): an 8-bit tile moved byte by byte
     loop_instructions: int | None  # SASS instructions in the longest loop body (None: no nvdisasm)
+    block_n: int | None  # the launch's BLOCK_N, where it has one: the loop's tile width
 
     def summary(self) -> str:
         registers = "?" if self.registers is None else self.registers
@@ -165,7 +166,8 @@ class Compiled:
         return (f"{registers} registers, spills {spills} B (stores/loads), {self.shared} B shared, "
                 f"{self.num_warps} warps, {self.num_stages} stages, {self.narrow_accesses} narrow accesses, "
                 f"{self.bf16_from_f16} f16->bf16 conversions, {self.shared_byte_loads} shared byte loads, "
-                f"longest loop {'?' if self.loop_instructions is None else self.loop_instructions} instructions")
+                f"longest loop {'?' if self.loop_instructions is None else self.loop_instructions} instructions"
+                + ("" if self.block_n is None else f", BLOCK_N {self.block_n}"))
 
 
 GLOBAL_ACCESS = re.compile(r"\b(?:ld|st)\.global[\w.:]*")
@@ -240,6 +242,7 @@ def compile_launch(launch: Launch) -> Compiled:
         bf16_from_f16=len(BF16_FROM_F16.findall(compiled.asm["ptx"])),
         shared_byte_loads=len(SHARED_BYTE_LOAD.findall(compiled.asm["ptx"])),
         loop_instructions=None if sass is None else len(longest_loop(sass)),
+        block_n=launch.arguments.get("BLOCK_N"),
     )
 
 
