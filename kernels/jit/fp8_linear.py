@@ -19,6 +19,7 @@ fp32, as cuBLAS does in its epilogue.
 import triton
 import triton.language as tl
 
+from kernels.jit.block_scales import column_scales
 from kernels.jit.fused_moe import grouped_tile
 
 
@@ -63,7 +64,7 @@ def fp8_linear_kernel(
 
     x_ptrs = x_ptr + rows[:, None] * stride_x_row + ks[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_w_row + ks[:, None]  # [BLOCK_K, BLOCK_N]
-    w_scale_ptrs = w_scale_ptr + (cols // QUANT_N) * stride_w_scale_row  # [BLOCK_N]; K block added per step
+    n_start = n_block * BLOCK_N
     x_scale_ptrs = x_scale_ptr + rows * stride_x_scale_row  # [BLOCK_M] (FP8_ACTIVATIONS)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k_start in range(0, in_features, BLOCK_K):
@@ -71,12 +72,13 @@ def fp8_linear_kernel(
         x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         k_block = k_start // QUANT_K
-        w_scale = tl.load(w_scale_ptrs + k_block, mask=col_mask, other=0.0)  # [BLOCK_N]
+        w_scale = column_scales(w_scale_ptr, n_start, cols, col_mask, k_block, stride_w_scale_row,
+                                BLOCK_N, QUANT_N)  # a scalar or [1, BLOCK_N]
         if FP8_ACTIVATIONS:
-            x_scale = tl.load(x_scale_ptrs + k_block, mask=row_mask, other=0.0)  # [BLOCK_M]
-            acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
+            x_scale = tl.load(x_scale_ptrs + k_block, mask=row_mask, other=0.0)[:, None]  # [BLOCK_M, 1]
+            acc += tl.dot(x, w) * (x_scale * w_scale)
         else:
-            acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION) * w_scale[None, :]
+            acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION) * w_scale
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 

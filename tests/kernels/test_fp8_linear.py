@@ -79,6 +79,7 @@ CASES = [
     (37, 200, 72, (16, 32), MoeKernelConfig(16, 32, 32, 2, 4, 2)),  # ragged M, K and N; GROUP_M 2
     (70, 128, 96, (32, 64), None),  # the 64-row default tile: BLOCK_N 128 spans three scale rows
     (300, 96, 40, (16, 16), MoeKernelConfig(64, 32, 64, 4, 4, 2)),  # K step cut to 16 by the scale block
+    (5, 64, 96, (64, 32), MoeKernelConfig(16, 32, 32, 1, 4, 2)),  # a tile inside one scale row: one scalar scale
 ]
 
 
