@@ -226,17 +226,12 @@ def paged_decode_split_kernel(
         running_sum = running_sum * rescale + tl.sum(probs, axis=1)
         running_max = new_max
 
-        v_ptrs = (
-            v_cache_ptr
-            + blocks[:, None] * stride_v_cache_block
-            + offsets[:, None] * stride_v_cache_offset
+        v_rows = (
+            v_cache_ptr + blocks * stride_v_cache_block + offsets * stride_v_cache_offset
             + kv_head * stride_v_cache_head
-            + dims[None, :]
-        )
+        )  # [BLOCK_N]
         if FP16_DOTS:  # an FP8 V read as words and widened where it lands (see the module docstring)
             words = tl.arange(0, BLOCK_D // 4)
-            v_rows = (v_cache_ptr + blocks * stride_v_cache_block + offsets * stride_v_cache_offset
-                      + kv_head * stride_v_cache_head)  # [BLOCK_N]
             v_words = tl.load(
                 v_rows.to(tl.pointer_type(tl.int32))[:, None] + words[None, :],
                 mask=position_mask[:, None] & (words < HEAD_DIM // 4)[None, :],
@@ -244,7 +239,7 @@ def paged_decode_split_kernel(
             )  # [BLOCK_N, BLOCK_D // 4]
             v = e4m3_words_to_float16(v_words, WIDEN_WITH_PTX)  # [BLOCK_N, BLOCK_D]
         else:
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
 
     if FUSE_CACHE_WRITE:
