@@ -20,8 +20,9 @@ Every public op in `kernels` is a small function of the form::
 ``VLM_CATALOG_KERNELS_OFF`` names ops (comma-separated, from `KERNEL_OPS`) that take
 their torch reference even where Triton would run: the way out when one kernel fails
 on a GPU (a compile error, a crash, a wrong answer) while the others stay fast. It
-also takes the names in `LIBRARY_OPS`, library GEMMs an op prefers where they pass
-a check (``fp8_linear_cublas``): off, the op runs its Triton kernel instead. A
+also takes the names in `FAST_PATHS`, faster code an op prefers where it can: a library
+GEMM that passes a check (``fp8_linear_cublas``), inline PTX that widens e4m3 inside the
+kernels (``fp8_widen_ptx``). Off, the op runs its plain Triton code instead. A
 reference path may sync with the host, which CUDA-graph capture cannot take; the
 engine then runs its decode steps eagerly (`engine/cuda_graphs.py`).
 
@@ -48,7 +49,10 @@ KERNEL_OPS = frozenset({  # every op that dispatches here: the names VLM_CATALOG
 })
 # library GEMMs an op prefers to its Triton kernel where they pass a check; VLM_CATALOG_KERNELS_OFF
 # takes their names too, and then the op runs its Triton kernel
-LIBRARY_OPS = frozenset({"fp8_linear_cublas"})  # kernels/fp8_linear_cublas.py
+FAST_PATHS = frozenset({
+    "fp8_linear_cublas",  # kernels/fp8_linear_cublas.py
+    "fp8_widen_ptx",  # kernels/jit/fp8_widen.py, kernels/jit/paged_decode_attention.py
+})
 AUTO_DEVICE_TYPES = ("cuda",)  # where `auto` picks Triton; a test adds "cpu" to run the GPU choices interpreted
 
 
@@ -68,13 +72,21 @@ def kernels_off() -> frozenset[str]:
 @functools.cache
 def _parse_kernels_off(value: str) -> frozenset[str]:
     names = frozenset(name.strip().lower() for name in value.split(",") if name.strip())
-    unknown = names - KERNEL_OPS - LIBRARY_OPS
+    unknown = names - KERNEL_OPS - FAST_PATHS
     if unknown:
         raise ValueError(
             f"{KERNELS_OFF_ENV_VAR} names {', '.join(sorted(unknown))}, which is not a kernel op; "
-            f"the ops are {', '.join(sorted(KERNEL_OPS | LIBRARY_OPS))}"
+            f"the ops are {', '.join(sorted(KERNEL_OPS | FAST_PATHS))}"
         )
     return names
+
+
+def widens_with_ptx(kernel) -> bool:
+    """Whether a launch of the @triton.jit `kernel` may widen e4m3 with inline PTX: it is compiled
+    for a GPU (the interpreter runs no PTX) and ``fp8_widen_ptx`` is not turned off."""
+    from triton.runtime.jit import JITFunction
+
+    return isinstance(kernel, JITFunction) and "fp8_widen_ptx" not in kernels_off()
 
 
 @functools.cache

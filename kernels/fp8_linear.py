@@ -29,7 +29,7 @@ from kernels.checks import (
     check_shape,
     check_unit_stride_last_dim,
 )
-from kernels.dispatch import use_triton
+from kernels.dispatch import use_triton, widens_with_ptx
 from kernels.fp8 import FP8_DTYPE, dequantize, fp8_block_k, gemm_input, quantize_activations
 from kernels.moe.configs import MoeKernelConfig, as_moe_config
 
@@ -136,6 +136,7 @@ def fp8_linear_triton(
         HAS_BIAS=bias is not None,
         QUANT_N=quant_n,
         QUANT_K=quant_k,
+        WIDEN_WITH_PTX=widens_with_ptx(fp8_linear_kernel),
         **config.launch_options(),
     )
     return out.view(*x.shape[:-1], out_features)  # [..., N]

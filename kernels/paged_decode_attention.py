@@ -23,7 +23,7 @@ from kernels.checks import (
     check_shape,
     check_unit_stride_last_dim,
 )
-from kernels.dispatch import use_triton
+from kernels.dispatch import use_triton, widens_with_ptx
 from kernels.fp8 import FP8_DTYPE
 from kernels.kv_cache import (
     check_paged_kv_cache,
@@ -324,7 +324,6 @@ def _launch_decode(
     config: DecodeKernelConfig | None = None,
 ) -> torch.Tensor:
     import triton
-    from triton.runtime.jit import JITFunction
 
     from kernels.jit.paged_decode_attention import (
         paged_decode_reduce_kernel,
@@ -414,7 +413,7 @@ def _launch_decode(
         DOT_PRECISION=dot_precision(q.dtype),
         SINGLE_SPLIT=single_split,
         FP16_DOTS=fp16_dots,
-        WIDEN_WITH_PTX=fp16_dots and isinstance(paged_decode_split_kernel, JITFunction),  # not interpreted
+        WIDEN_WITH_PTX=fp16_dots and widens_with_ptx(paged_decode_split_kernel),
         **config.launch_options(),
     )
     if single_split:

@@ -10,7 +10,8 @@ FP8_ACTIVATIONS: x is e4m3 too, quantized per row and QUANT_K columns with its
 own float32 scales (`quantize_activations`); both dot operands are FP8 (the
 Hopper FP8 tensor cores) and each K step is scaled by the rows' and the
 columns' scales. Otherwise each W tile is widened to x's dtype after its load
-(exact) and the dot runs in x's dtype.
+(exact; to bf16 on a GPU by inline PTX, jit/fp8_widen.py) and the dot runs in
+x's dtype.
 
 The result is rounded once to the output dtype after the bias is added in
 fp32, as cuBLAS does in its epilogue.
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.jit.block_scales import column_scales
+from kernels.jit.fp8_widen import widen_e4m3
 from kernels.jit.fused_moe import grouped_tile
 
 
@@ -52,6 +54,7 @@ def fp8_linear_kernel(
     HAS_BIAS: tl.constexpr,
     QUANT_N: tl.constexpr,
     QUANT_K: tl.constexpr,
+    WIDEN_WITH_PTX: tl.constexpr,  # on a GPU: widen the weights to bf16 by inline PTX (jit/fp8_widen.py)
 ):
     m_block, n_block = grouped_tile(
         tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(out_features, BLOCK_N), GROUP_M
@@ -78,7 +81,7 @@ def fp8_linear_kernel(
             x_scale = tl.load(x_scale_ptrs + k_block, mask=row_mask, other=0.0)[:, None]  # [BLOCK_M, 1]
             acc += tl.dot(x, w) * (x_scale * w_scale)
         else:
-            acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION) * w_scale
+            acc += tl.dot(x, widen_e4m3(w, x.dtype, WIDEN_WITH_PTX), input_precision=DOT_PRECISION) * w_scale
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 

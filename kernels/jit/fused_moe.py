@@ -11,7 +11,7 @@ activation dtype, silu's result too, then the products.
 
 FP8_WEIGHTS: the expert weights are float8 e4m3 with one float32 scale per
 QUANT_N x QUANT_K block. Each weight tile is widened to the activation dtype
-after its load (exact), each K step's partial product is multiplied by the
+after its load (exact; to bf16 on a GPU by inline PTX, jit/fp8_widen.py), each K step's partial product is multiplied by the
 scales of its columns (BLOCK_K divides QUANT_K, so a step lies in one scale
 block) and then accumulated. Where a tile's columns lie in one scale block
 (QUANT_N a multiple of BLOCK_N) that is one scalar per step, folded into the
@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.jit.block_scales import column_scales
+from kernels.jit.fp8_widen import widen_e4m3
 
 
 @triton.jit
@@ -77,6 +78,7 @@ def moe_gate_up_silu_kernel(
     FP8_ACTIVATIONS: tl.constexpr,
     QUANT_N: tl.constexpr,
     QUANT_K: tl.constexpr,
+    WIDEN_WITH_PTX: tl.constexpr,  # FP8_WEIGHTS on a GPU: widen to bf16 by inline PTX (jit/fp8_widen.py)
 ):
     m_block, n_block = grouped_tile(
         tl.program_id(0), num_m_blocks, tl.cdiv(intermediate, BLOCK_N), GROUP_M
@@ -123,8 +125,8 @@ def moe_gate_up_silu_kernel(
             gate_acc += tl.dot(a, gate_w) * (a_scale * gate_scale)
             up_acc += tl.dot(a, up_w) * (a_scale * up_scale)
         elif FP8_WEIGHTS:
-            gate_part = tl.dot(a, gate_w.to(a.dtype), input_precision=DOT_PRECISION)
-            up_part = tl.dot(a, up_w.to(a.dtype), input_precision=DOT_PRECISION)
+            gate_part = tl.dot(a, widen_e4m3(gate_w, a.dtype, WIDEN_WITH_PTX), input_precision=DOT_PRECISION)
+            up_part = tl.dot(a, widen_e4m3(up_w, a.dtype, WIDEN_WITH_PTX), input_precision=DOT_PRECISION)
             gate_acc += gate_part * gate_scale
             up_acc += up_part * up_scale
         else:
@@ -179,6 +181,7 @@ def moe_down_kernel(
     FP8_ACTIVATIONS: tl.constexpr,
     QUANT_N: tl.constexpr,
     QUANT_K: tl.constexpr,
+    WIDEN_WITH_PTX: tl.constexpr,  # FP8_WEIGHTS on a GPU: widen to bf16 by inline PTX (jit/fp8_widen.py)
 ):
     m_block, n_block = grouped_tile(
         tl.program_id(0), num_m_blocks, tl.cdiv(hidden_size, BLOCK_N), GROUP_M
@@ -217,7 +220,7 @@ def moe_down_kernel(
             )[:, None]  # [BLOCK_M, 1]
             acc += tl.dot(a, w) * (a_scale * scale)
         elif FP8_WEIGHTS:
-            acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PRECISION) * scale
+            acc += tl.dot(a, widen_e4m3(w, a.dtype, WIDEN_WITH_PTX), input_precision=DOT_PRECISION) * scale
         else:
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K

@@ -56,7 +56,7 @@ from kernels.checks import (
     check_shape,
     check_unit_stride_last_dim,
 )
-from kernels.dispatch import use_triton
+from kernels.dispatch import use_triton, widens_with_ptx
 from kernels.fp8 import FP8_DTYPE, dequantize, fp8_block_k, gemm_input, quantize_activations
 from kernels.moe.align import MoeAlignment, max_padded_pairs
 from kernels.moe.configs import MoeKernelConfig, as_moe_config, get_moe_config
@@ -292,6 +292,7 @@ def _fused_moe_chunk(
         FP8_ACTIVATIONS=fp8_activations,
         QUANT_N=quant_n,
         QUANT_K=quant_k,
+        WIDEN_WITH_PTX=widens_with_ptx(moe_gate_up_silu_kernel),
         **config.launch_options(),
     )
 
