@@ -23,12 +23,16 @@ def _widened_pairs(words: torch.Tensor) -> torch.Tensor:
     return torch.stack([fields & 0xFFFF, fields >> 16], dim=1)
 
 
+def _float16_bits(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 e4m3 codes -> their float16 bits as int64 (what the packed conversion writes)."""
+    return codes.view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+
+
 def test_the_bit_arithmetic_widens_every_e4m3_pair_exactly():
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # all but the NaNs
     low, high = torch.meshgrid(codes, codes, indexing="ij")  # every ordered pair
     low, high = low.reshape(-1), high.reshape(-1)
-    as_f16_bits = (lambda c: c.view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF)
-    words = as_f16_bits(low) | (as_f16_bits(high) << 16)  # cvt.rn.f16x2.e4m3x2's result
+    words = _float16_bits(low) | (_float16_bits(high) << 16)  # cvt.rn.f16x2.e4m3x2's result
     bf16_bits = _widened_pairs(words)  # [N, 2]
     # the packed multiply by 2^112, in float32 (exact: a power of two, and every result is a bf16)
     rebias = torch.tensor([fp8_widen.BF16_TWO_POW_112 << 16], dtype=torch.int32).view(torch.float32)
