@@ -47,8 +47,8 @@ KERNEL_OPS = frozenset({  # every op that dispatches here: the names VLM_CATALOG
     "paged_prefill_attention", "varlen_attention", "vision_rotary", "route_topk", "route_topk_and_align",
     "moe_align_block_size", "fused_moe", "fp8_linear", "quantize_activations",
 })
-# library GEMMs an op prefers to its Triton kernel where they pass a check; VLM_CATALOG_KERNELS_OFF
-# takes their names too, and then the op runs its Triton kernel
+# faster code an op prefers where it can (a library GEMM that passes a check, inline PTX);
+# VLM_CATALOG_KERNELS_OFF takes their names too, and then the op runs its plain Triton code
 FAST_PATHS = frozenset({
     "fp8_linear_cublas",  # kernels/fp8_linear_cublas.py
     "fp8_widen_ptx",  # kernels/jit/fp8_widen.py, kernels/jit/paged_decode_attention.py

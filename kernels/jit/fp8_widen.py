@@ -2,7 +2,7 @@
 
 Triton widens e4m3 to bf16 through float16: one packed conversion per pair, then
 one scalar f16 -> bf16 conversion per element, on a pipe the CUDA guide rates at
-16 per clock per SM. `widen_e4m3_to_bf16` keeps the packed conversion and moves
+16 per clock per SM. `widen_e4m3` keeps the packed conversion and moves
 each pair's bits into bf16's fields with four 32-bit integer instructions and
 one packed bf16 multiply (inline PTX, sm_90). The result is exact: every e4m3
 value is a normal float16 whose mantissa ends in (at least) three zero bits, so

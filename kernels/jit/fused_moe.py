@@ -11,9 +11,9 @@ activation dtype, silu's result too, then the products.
 
 FP8_WEIGHTS: the expert weights are float8 e4m3 with one float32 scale per
 QUANT_N x QUANT_K block. Each weight tile is widened to the activation dtype
-after its load (exact; to bf16 on a GPU by inline PTX, jit/fp8_widen.py), each K step's partial product is multiplied by the
-scales of its columns (BLOCK_K divides QUANT_K, so a step lies in one scale
-block) and then accumulated. Where a tile's columns lie in one scale block
+after its load (exact; to bf16 on a GPU by inline PTX, jit/fp8_widen.py), each
+K step's partial product is multiplied by the scales of its columns (BLOCK_K
+divides QUANT_K, so a step lies in one scale block) and then accumulated. Where a tile's columns lie in one scale block
 (QUANT_N a multiple of BLOCK_N) that is one scalar per step, folded into the
 rows' factor (jit/block_scales.py): in the sm_90 SASS of the W8A8 GEMMs at
 T=8192 this took the loop from 278 to 167 instructions (gate/up) and 178 to
