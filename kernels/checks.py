@@ -35,9 +35,14 @@ def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int | None])
             )
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16' (messages, and the keys of the launch-settings tables)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def check_dtype(name: str, tensor: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
     if tensor.dtype not in allowed:
-        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        names = ", ".join(dtype_name(d) for d in allowed)
         raise ValueError(f"{name}: dtype {tensor.dtype} is not supported (expected one of {names})")
 
 

@@ -42,6 +42,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from kernels.checks import dtype_name
 from kernels.dispatch import kernels_off
 from kernels.fp8 import FP8_DTYPE, quantize_activations_reference, quantize_activations_triton
 
@@ -97,7 +98,7 @@ def _matches_reference(dtype: torch.dtype, weight: torch.Tensor, weight_scale: t
 
     generator = torch.Generator().manual_seed(0)
     probe = torch.randn(PROBE_ROWS, weight.shape[1], generator=generator).to(weight.device, dtype)  # [rows, K]
-    shape = f"{tuple(weight.shape)} {str(dtype).removeprefix('torch.')}"
+    shape = f"{tuple(weight.shape)} {dtype_name(dtype)}"
     try:
         got = fp8_linear_cublas(probe, weight, weight_scale).float()
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:

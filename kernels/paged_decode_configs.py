@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kernels.checks import dtype_name
+
 DECODE_BATCH_BUCKETS = (1, 8, 32, 64, 128, 256)
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism (default)
 PROGRAMS_PER_SM = 2  # the split count fills the GPU about this many times over (default)
@@ -40,10 +42,6 @@ class DecodeKernelConfig:
 
 # (KV-cache dtype name, head_dim, batch bucket) -> config
 DECODE_CONFIGS: dict[tuple[str, int, int], DecodeKernelConfig] = {}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def decode_batch_bucket(batch: int) -> int:

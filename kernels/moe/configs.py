@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from kernels.checks import dtype_name
+
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 W8A8_SUFFIX = "_w8a8"  # the dtype field of FP8 experts' entries for FP8 activations (table_dtype)
 
@@ -141,10 +143,6 @@ MOE_CONFIGS: dict[tuple[int, int, int, str, int], MoeKernelConfig] = {
     # 128 x 64 tiles took 1.15 ms at 4096 against 0.94 for this one); the roofline phase runs 8192
     (128, 2048, 768, 'bfloat16', 8192): MoeKernelConfig(block_size_m=128, block_size_n=128, block_size_k=64, group_size_m=8, num_warps=8, num_stages=3),
 }
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def table_dtype(dtype: torch.dtype, fp8_activations: bool = False) -> str:
