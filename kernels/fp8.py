@@ -108,6 +108,15 @@ def gemm_input(values: torch.Tensor, group: int, fp8_activations: bool) -> torch
     return dequantize_activations(*quantize_activations_reference(values, group), group)
 
 
+def per_channel_block(*reductions: int) -> tuple[int, int]:
+    """The block shape of per-channel FP8 weights: one row by at least every reduction size in
+    `reductions` (a power of two), so that one block spans each GEMM's whole K. The weights get
+    one scale per output row, and `quantize_activations` with this group one scale per token
+    (the usual "FP8 dynamic" recipe); the fused MoE then scales once, after its K loop."""
+    longest = max(reductions)
+    return 1, 1 << max(longest - 1, 15).bit_length()  # at least 16 (the tl.dot minimum)
+
+
 def fp8_block_k(block_size_k: int, quant_block_k: int) -> int:
     """The K step of a GEMM over FP8 weights (fused MoE, dense linear): a power of two dividing
     the scale block (one scale per step), at most the configured step and at least 16 (the

@@ -22,6 +22,18 @@ T=8192 this took the loop from 278 to 167 instructions (gate/up) and 178 to
 FP8_ACTIVATIONS (with FP8_WEIGHTS): the A operand is FP8 too, quantized per row
 and QUANT_K columns with its own float32 scales; both operands go to the dot
 as FP8 and the K step's product is scaled by the rows' and the columns' scales.
+
+SCALE_AFTER_LOOP (with FP8_WEIGHTS): the whole reduction is one scale block
+(QUANT_K >= K: per-channel weights, and per-token activations with
+FP8_ACTIVATIONS), so the scales do not change along K. The loop then
+accumulates the raw products with `tl.dot(a, b, acc)`, as the 16-bit GEMMs do,
+and the scales multiply the accumulator once after it. Scaling each step's
+product needs that product finished: in the sm_90 SASS every K step of the
+block-scaled W8A8 GEMMs waits for its wgmma (`WARPGROUP.DEPBAR.LE gsb0, 0x0`)
+before the next is issued; with the scales after the loop the wgmma chain stays
+asynchronous. FP8 x FP8 dots then accumulate in the tensor core's own (fast,
+not fully float32) accumulator across K, as vLLM's per-channel FP8 MoE does;
+the per-step scaling kept a float32 sum per K step.
 """
 
 import triton
@@ -79,6 +91,7 @@ def moe_gate_up_silu_kernel(
     QUANT_N: tl.constexpr,
     QUANT_K: tl.constexpr,
     WIDEN_WITH_PTX: tl.constexpr,  # FP8_WEIGHTS on a GPU: widen to bf16 by inline PTX (jit/fp8_widen.py)
+    SCALE_AFTER_LOOP: tl.constexpr,  # FP8_WEIGHTS with QUANT_K >= hidden_size: scales applied once (module doc)
 ):
     m_block, n_block = grouped_tile(
         tl.program_id(0), num_m_blocks, tl.cdiv(intermediate, BLOCK_N), GROUP_M
@@ -112,29 +125,47 @@ def moe_gate_up_silu_kernel(
         w_mask = k_mask[:, None] & col_mask[None, :]
         gate_w = tl.load(gate_ptrs, mask=w_mask, other=0.0)
         up_w = tl.load(up_ptrs, mask=w_mask, other=0.0)
-        if FP8_WEIGHTS:
+        if FP8_WEIGHTS and not SCALE_AFTER_LOOP:
             k_block = k_start // QUANT_K
             gate_scale = column_scales(gate_scales_ptr, n_start, cols, col_mask, k_block, stride_w13_scale_row,
                                        BLOCK_N, QUANT_N)  # a scalar or [1, BLOCK_N]
             up_scale = column_scales(up_scales_ptr, n_start, cols, col_mask, k_block, stride_w13_scale_row,
                                      BLOCK_N, QUANT_N)
-        if FP8_ACTIVATIONS:
-            a_scale = tl.load(
-                hidden_scale_ptr + tokens * stride_hidden_scale_token + k_block, mask=pair_mask, other=0.0
-            )[:, None]  # [BLOCK_M, 1]
-            gate_acc += tl.dot(a, gate_w) * (a_scale * gate_scale)
-            up_acc += tl.dot(a, up_w) * (a_scale * up_scale)
-        elif FP8_WEIGHTS:
-            gate_part = tl.dot(a, widen_e4m3(gate_w, a.dtype, WIDEN_WITH_PTX), input_precision=DOT_PRECISION)
-            up_part = tl.dot(a, widen_e4m3(up_w, a.dtype, WIDEN_WITH_PTX), input_precision=DOT_PRECISION)
-            gate_acc += gate_part * gate_scale
-            up_acc += up_part * up_scale
+            if FP8_ACTIVATIONS:
+                a_scale = tl.load(
+                    hidden_scale_ptr + tokens * stride_hidden_scale_token + k_block, mask=pair_mask, other=0.0
+                )[:, None]  # [BLOCK_M, 1]
+                gate_acc += tl.dot(a, gate_w) * (a_scale * gate_scale)
+                up_acc += tl.dot(a, up_w) * (a_scale * up_scale)
+            else:
+                gate_part = tl.dot(a, widen_e4m3(gate_w, a.dtype, WIDEN_WITH_PTX), input_precision=DOT_PRECISION)
+                up_part = tl.dot(a, widen_e4m3(up_w, a.dtype, WIDEN_WITH_PTX), input_precision=DOT_PRECISION)
+                gate_acc += gate_part * gate_scale
+                up_acc += up_part * up_scale
+        elif FP8_ACTIVATIONS:  # scales after the loop
+            gate_acc = tl.dot(a, gate_w, gate_acc)
+            up_acc = tl.dot(a, up_w, up_acc)
+        elif FP8_WEIGHTS:  # scales after the loop
+            gate_acc = tl.dot(a, widen_e4m3(gate_w, a.dtype, WIDEN_WITH_PTX), gate_acc, input_precision=DOT_PRECISION)
+            up_acc = tl.dot(a, widen_e4m3(up_w, a.dtype, WIDEN_WITH_PTX), up_acc, input_precision=DOT_PRECISION)
         else:
             gate_acc = tl.dot(a, gate_w, gate_acc, input_precision=DOT_PRECISION)
             up_acc = tl.dot(a, up_w, up_acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
+    if SCALE_AFTER_LOOP:  # one scale block along K: its scales multiply the whole sums
+        gate_factor = column_scales(gate_scales_ptr, n_start, cols, col_mask, 0, stride_w13_scale_row,
+                                    BLOCK_N, QUANT_N)  # a scalar or [1, BLOCK_N]
+        up_factor = column_scales(up_scales_ptr, n_start, cols, col_mask, 0, stride_w13_scale_row,
+                                  BLOCK_N, QUANT_N)
+        if FP8_ACTIVATIONS:
+            a_scale = tl.load(hidden_scale_ptr + tokens * stride_hidden_scale_token, mask=pair_mask,
+                              other=0.0)[:, None]  # [BLOCK_M, 1]
+            gate_factor = a_scale * gate_factor
+            up_factor = a_scale * up_factor
+        gate_acc = gate_acc * gate_factor
+        up_acc = up_acc * up_factor
 
     dtype = activated_ptr.dtype.element_ty
     gate = gate_acc.to(dtype).to(tl.float32)
@@ -182,6 +213,7 @@ def moe_down_kernel(
     QUANT_N: tl.constexpr,
     QUANT_K: tl.constexpr,
     WIDEN_WITH_PTX: tl.constexpr,  # FP8_WEIGHTS on a GPU: widen to bf16 by inline PTX (jit/fp8_widen.py)
+    SCALE_AFTER_LOOP: tl.constexpr,  # FP8_WEIGHTS with QUANT_K >= intermediate: scales applied once (module doc)
 ):
     m_block, n_block = grouped_tile(
         tl.program_id(0), num_m_blocks, tl.cdiv(hidden_size, BLOCK_N), GROUP_M
@@ -210,21 +242,32 @@ def moe_down_kernel(
         k_mask = ks < intermediate - k_start
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if FP8_WEIGHTS:
+        if FP8_WEIGHTS and not SCALE_AFTER_LOOP:
             scale = column_scales(scales_ptr, n_start, cols, col_mask, k_start // QUANT_K, stride_w2_scale_row,
                                   BLOCK_N, QUANT_N)  # a scalar or [1, BLOCK_N]
-        if FP8_ACTIVATIONS:
-            a_scale = tl.load(
-                activated_scale_ptr + pairs * stride_activated_scale_pair + k_start // QUANT_K,
-                mask=pair_mask, other=0.0,
-            )[:, None]  # [BLOCK_M, 1]
-            acc += tl.dot(a, w) * (a_scale * scale)
-        elif FP8_WEIGHTS:
-            acc += tl.dot(a, widen_e4m3(w, a.dtype, WIDEN_WITH_PTX), input_precision=DOT_PRECISION) * scale
+            if FP8_ACTIVATIONS:
+                a_scale = tl.load(
+                    activated_scale_ptr + pairs * stride_activated_scale_pair + k_start // QUANT_K,
+                    mask=pair_mask, other=0.0,
+                )[:, None]  # [BLOCK_M, 1]
+                acc += tl.dot(a, w) * (a_scale * scale)
+            else:
+                acc += tl.dot(a, widen_e4m3(w, a.dtype, WIDEN_WITH_PTX), input_precision=DOT_PRECISION) * scale
+        elif FP8_ACTIVATIONS:  # scales after the loop
+            acc = tl.dot(a, w, acc)
+        elif FP8_WEIGHTS:  # scales after the loop
+            acc = tl.dot(a, widen_e4m3(w, a.dtype, WIDEN_WITH_PTX), acc, input_precision=DOT_PRECISION)
         else:
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SCALE_AFTER_LOOP:  # one scale block along K: its scales multiply the whole sums
+        factor = column_scales(scales_ptr, n_start, cols, col_mask, 0, stride_w2_scale_row,
+                               BLOCK_N, QUANT_N)  # a scalar or [1, BLOCK_N]
+        if FP8_ACTIVATIONS:
+            factor = tl.load(activated_scale_ptr + pairs * stride_activated_scale_pair, mask=pair_mask,
+                             other=0.0)[:, None] * factor  # [BLOCK_M, 1] x the columns'
+        acc = acc * factor
 
     dtype = pair_out_ptr.dtype.element_ty
     routing_weight = tl.load(

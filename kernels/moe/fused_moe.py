@@ -37,6 +37,13 @@ dot operands are FP8 (twice the tensor-core rate of bf16 on Hopper); each K
 step's product is scaled by its rows' activation scales and its columns'
 weight scales. The reference quantizes the same way, widens both to float32
 and continues as for FP8 weights.
+
+Per-channel FP8 experts are the block layout with one block per weight row
+along the whole reduction: `block_shape = (1, K)` with K at least the hidden
+and the expert intermediate size (`per_channel_block`); the scales are then
+[E, 2I, 1] and [E, H, 1], and FP8 activations get one scale per token. The
+kernels see that the scales are constant along K and apply them once after
+their loops, which keeps Hopper's wgmma asynchronous (kernels/jit/fused_moe.py).
 """
 
 from __future__ import annotations
@@ -295,6 +302,9 @@ def _fused_moe_chunk(
         WIDEN_WITH_PTX=widens_with_ptx(moe_gate_up_silu_kernel),
         **config.launch_options(),
     )
+    # one scale block along a GEMM's whole reduction: the scales multiply its sums once (jit/fused_moe.py)
+    gate_up_scaled_after = scales is not None and quant_k >= hidden_size
+    down_scaled_after = scales is not None and quant_k >= intermediate
 
     moe_gate_up_silu_kernel[(num_m_blocks * triton.cdiv(intermediate, config.block_size_n),)](
         # pointers
@@ -321,6 +331,7 @@ def _fused_moe_chunk(
         scale_strides[1],
         activated.stride(0),
         **meta,
+        SCALE_AFTER_LOOP=gate_up_scaled_after,
     )
     gemm2_input, gemm2_scale = activated, activated
     if fp8_activations:
@@ -351,6 +362,7 @@ def _fused_moe_chunk(
         weights.stride(0),
         pair_out.stride(0),
         **meta,
+        SCALE_AFTER_LOOP=down_scaled_after,
     )
     terms = pair_out.view(num_tokens, top_k, hidden_size)  # [T*K, H] -> [T, K, H]
     if out is None:

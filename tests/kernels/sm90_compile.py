@@ -23,9 +23,11 @@ float16, one scalar instruction per element on sm_90), the single-byte loads
 from shared memory (an 8-bit tile rearranged one byte at a time), and the SASS
 instructions of the longest loop body (by the `nvdisasm` Triton bundles): what
 a warp issues per iteration of a kernel's main loop, a static measure of its
-cost that a CPU can take. A kernel fails when it does not compile or
-needs more shared memory per block than an H100 grants (227 KiB): its launch
-would raise `OutOfResources` on the GPU.
+cost that a CPU can take; and in that loop, the waits for every wgmma in
+flight, which leave the tensor cores idle while the rest of an iteration runs.
+A kernel fails when it does not compile or needs more shared memory per block
+than an H100 grants (227 KiB): its launch would raise `OutOfResources` on the
+GPU.
 
 Run as a script (``python -m tests.kernels.sm90_compile [--float32]``) with
 TRITON_INTERPRET unset (the interpreter replaces `triton.jit` functions);
@@ -158,6 +160,9 @@ class Compiled:
     bf16_from_f16: int  # scalar float16 -> bfloat16 conversions (in the PTX; how Triton widens e4m3 to bf16)
     shared_byte_loads: int  # single-byte loads from shared memory (in the PTX): an 8-bit tile moved byte by byte
     loop_instructions: int | None  # SASS instructions in the longest loop body (None: no nvdisasm)
+    # waits in that loop for every wgmma issued (`WARPGROUP.DEPBAR.LE gsb0, 0x0`): each K step's
+    # tensor-core work finishes before the next is issued (None: no nvdisasm)
+    loop_full_wgmma_waits: int | None
     block_n: int | None  # the launch's BLOCK_N, where it has one: the loop's tile width
 
     def summary(self) -> str:
@@ -167,7 +172,8 @@ class Compiled:
                 f"{self.num_warps} warps, {self.num_stages} stages, {self.narrow_accesses} narrow accesses, "
                 f"{self.bf16_from_f16} f16->bf16 conversions, {self.shared_byte_loads} shared byte loads, "
                 f"longest loop {'?' if self.loop_instructions is None else self.loop_instructions} instructions"
-                + ("" if self.block_n is None else f", BLOCK_N {self.block_n}"))
+                + ("" if self.block_n is None else f", BLOCK_N {self.block_n}")
+                + f", {'?' if self.loop_full_wgmma_waits is None else self.loop_full_wgmma_waits} full wgmma waits")
 
 
 GLOBAL_ACCESS = re.compile(r"\b(?:ld|st)\.global[\w.:]*")
@@ -192,6 +198,7 @@ NVDISASM = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdis
 SASS_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 SASS_LABEL = re.compile(r"^\s*\.(L_x_\d+):")
 SASS_BACKWARD_BRANCH = re.compile(r"\bBRA\b.*`\(\.(L_x_\d+)\)")
+FULL_WGMMA_WAIT = re.compile(r"^WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b")
 
 
 def longest_loop(sass: str) -> list[str]:
@@ -231,6 +238,7 @@ def compile_launch(launch: Launch) -> Compiled:
     registers = re.search(r"Used (\d+) registers", log.getvalue())
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue())
     sass = sass_of(compiled.asm["cubin"])
+    loop = None if sass is None else longest_loop(sass)
     return Compiled(
         registers=int(registers.group(1)) if registers else None,
         spill_stores=int(spills.group(1)) if spills else None,
@@ -241,7 +249,8 @@ def compile_launch(launch: Launch) -> Compiled:
         narrow_accesses=narrow_accesses(compiled.asm["ptx"]),
         bf16_from_f16=len(BF16_FROM_F16.findall(compiled.asm["ptx"])),
         shared_byte_loads=len(SHARED_BYTE_LOAD.findall(compiled.asm["ptx"])),
-        loop_instructions=None if sass is None else len(longest_loop(sass)),
+        loop_instructions=None if loop is None else len(loop),
+        loop_full_wgmma_waits=None if loop is None else sum(bool(FULL_WGMMA_WAIT.match(line)) for line in loop),
         block_n=launch.arguments.get("BLOCK_N"),
     )
 
@@ -278,14 +287,17 @@ def routing(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def moe_case(tokens: int, variant: str):
     """The model's MoE call (terms left unsummed) with bf16 experts, or FP8 experts with
-    128 x 128 block scales (`w8a8`: and FP8 GEMM inputs)."""
+    128 x 128 block scales (`w8a8`: and FP8 GEMM inputs); a "per-channel" variant has one
+    scale per weight row (and per token)."""
+    from kernels.fp8 import per_channel_block
     from kernels.moe.fused_moe import fused_moe_triton
 
+    block = per_channel_block(HIDDEN, MOE_INTERMEDIATE) if "per-channel" in variant else FP8_BLOCK
     weight_dtype, fp8 = (BF16, {}) if variant == "bf16" else (FP8, {
-        "w13_scale": torch.ones(EXPERTS, 2 * MOE_INTERMEDIATE // FP8_BLOCK[0], HIDDEN // FP8_BLOCK[1]),
-        "w2_scale": torch.ones(EXPERTS, HIDDEN // FP8_BLOCK[0], MOE_INTERMEDIATE // FP8_BLOCK[1]),
-        "block_shape": FP8_BLOCK,
-        "fp8_activations": variant == "w8a8",
+        "w13_scale": torch.ones(EXPERTS, -(-2 * MOE_INTERMEDIATE // block[0]), -(-HIDDEN // block[1])),
+        "w2_scale": torch.ones(EXPERTS, -(-HIDDEN // block[0]), -(-MOE_INTERMEDIATE // block[1])),
+        "block_shape": block,
+        "fp8_activations": variant.startswith("w8a8"),
     })
     w13 = empty(EXPERTS, 2 * MOE_INTERMEDIATE, HIDDEN, dtype=weight_dtype)
     w2 = empty(EXPERTS, HIDDEN, MOE_INTERMEDIATE, dtype=weight_dtype)
@@ -396,9 +408,9 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
         if dtype == FP32:
             specs.append(("varlen_attention[fp32, D=72]", lambda: vision_attention_case(FP32)))
     for count in (1, 256, 8192):
-        for variant in ("bf16", "fp8", "w8a8"):
+        for variant in ("bf16", "fp8", "w8a8", "fp8 per-channel", "w8a8 per-channel"):
             specs.append((
-                f"fused_moe[T={count}, {variant} experts{', fp8 activations' if variant == 'w8a8' else ''}]",
+                f"fused_moe[T={count}, {variant} experts{', fp8 activations' if variant.startswith('w8a8') else ''}]",
                 lambda count=count, variant=variant: moe_case(count, variant),
             ))
     for count in (1, 256, 8192):  # the dense FP8 linear (qkv_proj), W8A16 and W8A8
