@@ -12,6 +12,10 @@ Reference: W widened to float32, x as the quantization sees it (`gemm_input`),
 one float32 GEMM, the bias added in float32 and the result rounded once to x's
 dtype. The Triton kernel (kernels/jit/fp8_linear.py) accumulates each K step in
 fp32 and rounds once too, so it matches within TOLERANCE[dtype] at any size.
+
+Per-channel weights are blocks of one row spanning K (`kernels.fp8.per_channel_block`,
+scales [N, 1]); with `fp8_activations` each row of x then has one scale. The kernel
+applies such scales once after its K loop.
 """
 
 from __future__ import annotations
@@ -137,6 +141,7 @@ def fp8_linear_triton(
         QUANT_N=quant_n,
         QUANT_K=quant_k,
         WIDEN_WITH_PTX=widens_with_ptx(fp8_linear_kernel),
+        SCALE_AFTER_LOOP=quant_k >= in_features,
         **config.launch_options(),
     )
     return out.view(*x.shape[:-1], out_features)  # [..., N]

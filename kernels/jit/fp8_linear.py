@@ -13,6 +13,12 @@ columns' scales. Otherwise each W tile is widened to x's dtype after its load
 (exact; to bf16 on a GPU by inline PTX, jit/fp8_widen.py) and the dot runs in
 x's dtype.
 
+SCALE_AFTER_LOOP: one scale block spans the whole reduction (QUANT_K >= K:
+per-channel weights, per-token activations), so the loop accumulates the raw
+products with `tl.dot(x, w, acc)` and the scales multiply the sums once after
+it, which keeps Hopper's wgmma chain asynchronous (jit/fused_moe.py, whose GEMMs
+do the same).
+
 The result is rounded once to the output dtype after the bias is added in
 fp32, as cuBLAS does in its epilogue.
 """
@@ -55,6 +61,7 @@ def fp8_linear_kernel(
     QUANT_N: tl.constexpr,
     QUANT_K: tl.constexpr,
     WIDEN_WITH_PTX: tl.constexpr,  # on a GPU: widen the weights to bf16 by inline PTX (jit/fp8_widen.py)
+    SCALE_AFTER_LOOP: tl.constexpr,  # QUANT_K >= in_features: scales applied once (module doc)
 ):
     m_block, n_block = grouped_tile(
         tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(out_features, BLOCK_N), GROUP_M
@@ -74,16 +81,27 @@ def fp8_linear_kernel(
         k_mask = ks < in_features - k_start
         x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        k_block = k_start // QUANT_K
-        w_scale = column_scales(w_scale_ptr, n_start, cols, col_mask, k_block, stride_w_scale_row,
-                                BLOCK_N, QUANT_N)  # a scalar or [1, BLOCK_N]
-        if FP8_ACTIVATIONS:
-            x_scale = tl.load(x_scale_ptrs + k_block, mask=row_mask, other=0.0)[:, None]  # [BLOCK_M, 1]
-            acc += tl.dot(x, w) * (x_scale * w_scale)
+        if SCALE_AFTER_LOOP and FP8_ACTIVATIONS:
+            acc = tl.dot(x, w, acc)
+        elif SCALE_AFTER_LOOP:
+            acc = tl.dot(x, widen_e4m3(w, x.dtype, WIDEN_WITH_PTX), acc, input_precision=DOT_PRECISION)
         else:
-            acc += tl.dot(x, widen_e4m3(w, x.dtype, WIDEN_WITH_PTX), input_precision=DOT_PRECISION) * w_scale
+            k_block = k_start // QUANT_K
+            w_scale = column_scales(w_scale_ptr, n_start, cols, col_mask, k_block, stride_w_scale_row,
+                                    BLOCK_N, QUANT_N)  # a scalar or [1, BLOCK_N]
+            if FP8_ACTIVATIONS:
+                x_scale = tl.load(x_scale_ptrs + k_block, mask=row_mask, other=0.0)[:, None]  # [BLOCK_M, 1]
+                acc += tl.dot(x, w) * (x_scale * w_scale)
+            else:
+                acc += tl.dot(x, widen_e4m3(w, x.dtype, WIDEN_WITH_PTX), input_precision=DOT_PRECISION) * w_scale
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SCALE_AFTER_LOOP:  # one scale block along K: its scales multiply the whole sums
+        factor = column_scales(w_scale_ptr, n_start, cols, col_mask, 0, stride_w_scale_row,
+                               BLOCK_N, QUANT_N)  # a scalar or [1, BLOCK_N]
+        if FP8_ACTIVATIONS:
+            factor = tl.load(x_scale_ptrs, mask=row_mask, other=0.0)[:, None] * factor  # [BLOCK_M, 1] x the columns'
+        acc = acc * factor
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]

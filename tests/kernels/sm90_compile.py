@@ -353,7 +353,7 @@ def vision_attention_case(dtype: torch.dtype = BF16):
 def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
     """(label, a call of Triton wrappers at the model's shapes)."""
     from kernels.activation import silu_and_mul_triton
-    from kernels.fp8 import quantize_activations_triton
+    from kernels.fp8 import per_channel_block, quantize_activations_triton
     from kernels.fp8_linear import fp8_linear_triton
     from kernels.kv_cache import reshape_and_cache_triton
     from kernels.moe.align import moe_align_block_size_triton
@@ -413,16 +413,17 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
                 f"fused_moe[T={count}, {variant} experts{', fp8 activations' if variant.startswith('w8a8') else ''}]",
                 lambda count=count, variant=variant: moe_case(count, variant),
             ))
-    for count in (1, 256, 8192):  # the dense FP8 linear (qkv_proj), W8A16 and W8A8
+    for count in (1, 256, 8192):  # the dense FP8 linear (qkv_proj), W8A16 and W8A8, blocks and per-channel
         for fp8_activations in (False, True):
-            out_features = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
-            specs.append((
-                f"fp8_linear[T={count}, {'w8a8' if fp8_activations else 'fp8 weights'}]",
-                lambda count=count, a=fp8_activations, n=out_features: fp8_linear_triton(
-                    empty(count, HIDDEN), empty(n, HIDDEN, dtype=FP8),
-                    torch.ones(n // FP8_BLOCK[0], HIDDEN // FP8_BLOCK[1]), FP8_BLOCK,
-                    bias=empty(n) if count == 256 else None, fp8_activations=a),
-            ))
+            for block, blocks in ((FP8_BLOCK, ""), (per_channel_block(HIDDEN), " per-channel")):
+                out_features = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+                specs.append((
+                    f"fp8_linear[T={count}, {'w8a8' if fp8_activations else 'fp8 weights'}{blocks}]",
+                    lambda count=count, a=fp8_activations, n=out_features, block=block: fp8_linear_triton(
+                        empty(count, HIDDEN), empty(n, HIDDEN, dtype=FP8),
+                        torch.ones(-(-n // block[0]), -(-HIDDEN // block[1])), block,
+                        bias=empty(n) if count == 256 else None, fp8_activations=a),
+                ))
     return specs
 
 

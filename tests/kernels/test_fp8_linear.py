@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels.fp8 import dequantize, dequantize_activations, quantize, quantize_activations_reference
+from kernels.fp8 import (
+    dequantize,
+    dequantize_activations,
+    per_channel_block,
+    quantize,
+    quantize_activations_reference,
+)
 from kernels.fp8_linear import dense_fp8_config, fp8_linear_reference, fp8_linear_triton
 from kernels.moe.configs import MoeKernelConfig
 from tests.kernels.helpers import TOLERANCE, assert_close
@@ -80,6 +86,9 @@ CASES = [
     (70, 128, 96, (32, 64), None),  # the 64-row default tile: BLOCK_N 128 spans three scale rows
     (300, 96, 40, (16, 16), MoeKernelConfig(64, 32, 64, 4, 4, 2)),  # K step cut to 16 by the scale block
     (5, 64, 96, (64, 32), MoeKernelConfig(16, 32, 32, 1, 4, 2)),  # a tile inside one scale row: one scalar scale
+    # per-channel: one scale per weight row (and per input row), applied after the K loop
+    (37, 200, 72, per_channel_block(200), MoeKernelConfig(16, 32, 32, 2, 4, 2)),  # ragged K: the block is 256
+    (70, 128, 96, per_channel_block(128), None),
 ]
 
 
@@ -115,13 +124,16 @@ def test_default_tiles_grow_with_the_rows():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize("fp8_activations", [False, True])
 @pytest.mark.parametrize("rows", [1, 256, 4096])
 @pytest.mark.parametrize("in_features,out_features", [(2048, 5120), (4096, 2048)])
-def test_gpu_fp8_linear_model_shapes(cuda_device, rows, in_features, out_features, fp8_activations):
+def test_gpu_fp8_linear_model_shapes(cuda_device, rows, in_features, out_features, fp8_activations, per_channel):
     # tolerance: 1e-2 (bfloat16); Qwen3-VL-30B-A3B's fused qkv_proj and o_proj, 128 x 128 blocks
-    x, weight, scale, _ = linear_inputs(rows, in_features, out_features, (128, 128), torch.bfloat16, cuda_device,
+    # or per-channel (whose W8A8 dots accumulate across all of K in the tensor cores' own adder)
+    block = per_channel_block(in_features) if per_channel else (128, 128)
+    x, weight, scale, _ = linear_inputs(rows, in_features, out_features, block, torch.bfloat16, cuda_device,
                                         bias=False)
-    out = kernels.fp8_linear(x, weight, scale, (128, 128), fp8_activations=fp8_activations)
-    expected = fp8_linear_reference(x, weight, scale, (128, 128), fp8_activations=fp8_activations)
+    out = kernels.fp8_linear(x, weight, scale, block, fp8_activations=fp8_activations)
+    expected = fp8_linear_reference(x, weight, scale, block, fp8_activations=fp8_activations)
     assert_close(out, expected, rel=1e-2)

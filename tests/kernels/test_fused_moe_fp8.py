@@ -226,12 +226,14 @@ W8A8_MODEL_SHAPES_TOLERANCE = 3e-2
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize("fp8_activations", [False, True])
 @pytest.mark.parametrize("num_tokens", [1, 256, 4096])
-def test_gpu_fp8_experts_model_shapes(cuda_device, num_tokens, fp8_activations):
-    # Qwen3-VL-30B-A3B expert shapes, 128 x 128 scale blocks. Tolerance: 1e-2 (bfloat16) with
-    # FP8 weights; W8A8_MODEL_SHAPES_TOLERANCE with FP8 activations too.
-    args, scales, _ = fp8_inputs(num_tokens, 2048, 768, 128, 8, torch.bfloat16, cuda_device, (128, 128))
+def test_gpu_fp8_experts_model_shapes(cuda_device, num_tokens, fp8_activations, per_channel):
+    # Qwen3-VL-30B-A3B expert shapes, 128 x 128 scale blocks or per-channel. Tolerance: 1e-2
+    # (bfloat16) with FP8 weights; W8A8_MODEL_SHAPES_TOLERANCE with FP8 activations too.
+    block = per_channel_block(2048, 768) if per_channel else (128, 128)
+    args, scales, _ = fp8_inputs(num_tokens, 2048, 768, 128, 8, torch.bfloat16, cuda_device, block)
     scales["fp8_activations"] = fp8_activations
     rel = W8A8_MODEL_SHAPES_TOLERANCE if fp8_activations else 1e-2
     assert_close(kernels.fused_moe(*args, **scales), fused_moe_reference(*args, **scales), rel=rel)
