@@ -59,16 +59,16 @@ def test_unknown_kv_cache_dtype_is_a_config_error():
         EngineConfig(kv_cache_dtype="int8")
     assert EngineConfig(kv_cache_dtype="fp8_e4m3").torch_kv_cache_dtype == torch.float8_e4m3fn
     assert EngineConfig(device="cuda", kv_cache_dtype="auto").torch_kv_cache_dtype == torch.bfloat16
-    with pytest.raises(EngineConfigError, match="quantization must be one of auto, fp8, fp8_w8a8, none; got 'int4'"):
+    with pytest.raises(EngineConfigError, match="quantization must be one of auto, fp8, fp8_w8a8, fp8_w8a8_channel, none; got 'int4'"):
         EngineConfig(quantization="int4")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quantization", ["auto", "fp8", "fp8_w8a8"])
+@pytest.mark.parametrize("quantization", ["auto", "fp8", "fp8_w8a8", "fp8_w8a8_channel"])
 def test_fp8_engine_on_gpu_with_decode_graphs_answers_valid_json(engine_checkpoint, quantization):
     """The compiled kernels' FP8 paths end to end: prefill, decode CUDA graphs with the fused
     cache write, constrained sampling; with FP8 experts too, and with FP8 dense projections and
-    FP8 GEMM inputs (`fp8_w8a8`)."""
+    FP8 GEMM inputs (`fp8_w8a8`, with blocks or per-channel scales)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     llm = LLM(engine_checkpoint, device="cuda", kv_cache_dtype="fp8", quantization=quantization, **SMALL_STEPS)
@@ -76,7 +76,7 @@ def test_fp8_engine_on_gpu_with_decode_graphs_answers_valid_json(engine_checkpoi
     experts = llm.engine.model.language_model.moe_experts()[0]
     assert (experts.gate_up_proj.dtype == torch.float8_e4m3fn) == (quantization != "auto")
     qkv = llm.engine.model.language_model.layers[0].self_attn.qkv_proj
-    assert (qkv.weight.dtype == torch.float8_e4m3fn) == (quantization == "fp8_w8a8")
+    assert (qkv.weight.dtype == torch.float8_e4m3fn) == quantization.startswith("fp8_w8a8")
     assert llm.engine.runner.graph_runner is not None and llm.engine.runner.graph_runner.graphs
     candidates = ["Toys", "Tools > Drills", "Books"]
     schema = catalogue_schema(candidates).json_schema

@@ -52,7 +52,7 @@ def run(checkpoint, conversations, waves: int = 2, **options) -> list[tuple[list
 
 
 VARIANTS = {"defaults": {}, "FP8 KV cache": {"kv_cache_dtype": "fp8"}, "FP8 weights": {"quantization": "fp8_w8a8"},
-            "async scheduling": {"async_scheduling": True}}
+            "per-channel FP8 weights": {"quantization": "fp8_w8a8_channel"}, "async scheduling": {"async_scheduling": True}}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.fp8 import FP8_DTYPE, dequantize, quantize
+from kernels.fp8 import FP8_DTYPE, dequantize, per_channel_block, quantize
 from tests.model.helpers import build_checkpoint, write_fp8_checkpoint
 from vlm_catalog.model.config import ModelConfig, ModelConfigError
 from vlm_catalog.model.fp8 import Fp8BlockQuantization
@@ -120,7 +120,7 @@ def test_bad_fp8_checkpoints_are_clear_errors(checkpoints, tmp_path):
     (unannounced / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelConfigError, match="quant_method 'awq' is not supported"):
         load_model(unannounced)
-    with pytest.raises(CheckpointError, match="quantization must be one of auto, fp8, fp8_w8a8, none"):
+    with pytest.raises(CheckpointError, match="quantization must be one of auto, fp8, fp8_w8a8, fp8_w8a8_channel, none"):
         load_model(fp8, quantization="int4")
 
 
@@ -189,3 +189,40 @@ def test_w8a8_needs_whole_scale_blocks_per_fused_part(tmp_path, tiny_tokenizer):
         load_model(tmp_path / "fp8", quantization="fp8_w8a8")
     model = load_model(tmp_path / "fp8", quantization="fp8")  # FP8 experts alone need no such thing
     assert not _fp8_linears(model) and model.language_model.moe_experts()[0].fp8_block == (64, 32)
+
+
+def test_per_channel_w8a8_quantizes_an_unquantized_checkpoint_per_row(checkpoints):
+    """fp8_w8a8_channel: one scale per weight row (and per token) for the experts and the dense
+    projections, from the unquantized weights. The logits move by a little more than with
+    blocks (the test above: 8.4-9.8%): 9.6-10.2% over three inputs (bound 15%)."""
+    original, _, _ = checkpoints
+    model, plain = load_model(original, quantization="fp8_w8a8_channel"), load_model(original)
+    text = model.config.text  # hidden 64, moe_intermediate 32, 4 heads of 16
+    experts, plain_experts = model.language_model.moe_experts()[1], plain.language_model.moe_experts()[1]
+    assert experts.fp8_block == per_channel_block(64, 32) == (1, 64) and experts.fp8_activations
+    assert experts.gate_up_proj_scale.shape == (text.num_experts, 64, 1)  # [E, 2I, 1]: one per row
+    quantized, scale = quantize(plain_experts.down_proj[3], (1, 64))
+    assert torch.equal(experts.down_proj[3].view(torch.uint8), quantized.view(torch.uint8))
+    assert torch.equal(experts.down_proj_scale[3], scale)
+    qkv = model.language_model.layers[1].self_attn.qkv_proj
+    assert qkv.block == per_channel_block(text.hidden_size, text.num_heads * text.head_dim)
+    assert qkv.weight_scale.shape == (qkv.out_features, 1)
+    quantized, scale = quantize(plain.language_model.layers[1].self_attn.qkv_proj.weight, qkv.block)
+    assert torch.equal(qkv.weight.view(torch.uint8), quantized.view(torch.uint8))
+    for seed in range(3):
+        exact = _logits(plain, seed)
+        error = ((_logits(model, seed) - exact).norm() / exact.norm()).item()
+        assert 0 < error < 0.15
+
+
+def test_per_channel_w8a8_requantizes_an_fp8_checkpoint_per_row(checkpoints):
+    """From the checkpoint's 16 x 32 blocks: each weight is widened (exactly the widened
+    checkpoint's) and quantized again per row, so the model equals per-channel loading of the
+    widened checkpoint bit for bit."""
+    _, fp8, widened = checkpoints
+    got = load_model(fp8, quantization="fp8_w8a8_channel").state_dict()
+    expected = load_model(widened, quantization="fp8_w8a8_channel").state_dict()
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(got[name].view(torch.uint8) if got[name].dtype == FP8_DTYPE else got[name],
+                           expected[name].view(torch.uint8) if expected[name].dtype == FP8_DTYPE else expected[name]), name

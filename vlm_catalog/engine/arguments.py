@@ -30,7 +30,8 @@ def add_device_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
         help="FP8 weights: auto (an FP8 checkpoint's experts stay FP8 on CUDA), fp8 (FP8 experts "
              "anywhere; an unquantized checkpoint is quantized at load: half the expert memory), "
              "fp8_w8a8 (fp8, plus FP8 attention/dense projections and FP8 GEMM inputs: Hopper's FP8 "
-             "tensor cores), none",
+             "tensor cores), fp8_w8a8_channel (fp8_w8a8 with one scale per weight row and per token "
+             "instead of 128-wide blocks: the GEMMs scale once, after their K loops), none",
     )
     parser.add_argument(
         "--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization, metavar="FRACTION",

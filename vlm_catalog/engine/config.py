@@ -9,17 +9,18 @@ import torch
 
 from kernels.dispatch import kernel_backend, kernels_off
 from kernels.fp8 import FP8_DTYPE
+from vlm_catalog.model.loader import QUANTIZATION_MODES
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # what the paged KV cache stores: "auto" is the model's dtype; "fp8" (e4m3, as vLLM's
 # "fp8"/"fp8_e4m3") halves the bytes per token against bf16, so twice the tokens fit
 KV_CACHE_DTYPES = {"fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
-# how the MoE experts' weights are held (vlm_catalog/model/loader.py): "auto" keeps an FP8
-# checkpoint's experts in FP8 on CUDA; "fp8" holds them in FP8 anywhere, quantizing an
+# how the weights are held, QUANTIZATION_MODES (vlm_catalog/model/loader.py): "auto" keeps an
+# FP8 checkpoint's experts in FP8 on CUDA; "fp8" holds them in FP8 anywhere, quantizing an
 # unquantized checkpoint at load; "fp8_w8a8" also holds the dense projections in FP8 and
-# quantizes every FP8 GEMM's input (FP8 tensor cores); "none" widens everything to `dtype`
-QUANTIZATION_MODES = ("auto", "fp8", "fp8_w8a8", "none")
+# quantizes every FP8 GEMM's input (FP8 tensor cores); "fp8_w8a8_channel" is "fp8_w8a8" with
+# one scale per weight row and per token; "none" widens everything to `dtype`
 
 
 # the default image prefetch budget on CUDA: a 16k-token step of benchmark-sized images
@@ -42,7 +43,7 @@ class EngineConfig:
     # of a profiled worst-case step and non-torch memory (engine/memory_profile.py)
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (e4m3, no scales; kernels/kv_cache.py)
-    quantization: str = "auto"  # FP8 weights: "auto", "fp8", "fp8_w8a8" or "none" (QUANTIZATION_MODES above)
+    quantization: str = "auto"  # FP8 weights: one of QUANTIZATION_MODES (above)
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     # tokens per step (prefill chunks + decodes); on the offline benchmark (2 CPU cores)

@@ -29,6 +29,13 @@ says what the model holds.
   and o, dense MLPs) are FP8 too (`Fp8Linear`; an FP8 checkpoint's as they
   are, others quantized as they are read); every FP8 GEMM quantizes its input
   (per token and 128 columns), for Hopper's FP8 tensor cores.
+- "fp8_w8a8_channel": the same weights in FP8 with one scale per output
+  channel (weight row) instead of per 128 x 128 block, and one activation
+  scale per token (the "FP8 dynamic" recipe): the GEMMs apply the scales once,
+  after their K loops, which keeps Hopper's wgmma asynchronous
+  (kernels/jit/fused_moe.py). Unquantized weights are quantized as they are
+  read; an FP8 checkpoint's blocks are widened to float32 and requantized per
+  row, one weight (or expert) at a time.
 - "none": every weight in `dtype`.
 A float8 tensor without its scale, or a quantization method other than
 block-wise FP8, is a clear error, never a silently wrong model. Scales
@@ -57,18 +64,19 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kernels.fp8 import FP8_DTYPE, dequantize, quantize
+from kernels.fp8 import FP8_DTYPE, dequantize, per_channel_block, quantize
 from vlm_catalog.model.config import ModelConfig, TextConfig
 from vlm_catalog.model.fp8 import Fp8BlockQuantization, fitting_block
 from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel
-from vlm_catalog.model.text import Fp8Linear, MoEExperts, dense_row_counts
+from vlm_catalog.model.text import Fp8Linear, MoEExperts, dense_input_widths, dense_row_counts
 
 logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_GROUP_BYTES = 256 * 2**20
-QUANTIZATION_MODES = ("auto", "fp8", "fp8_w8a8", "none")
+QUANTIZATION_MODES = ("auto", "fp8", "fp8_w8a8", "fp8_w8a8_channel", "none")
+W8A8_MODES = ("fp8_w8a8", "fp8_w8a8_channel")  # FP8 dense projections and FP8 GEMM inputs
 SCALE_SUFFIX = "_scale_inv"  # `<weight name>_scale_inv`: the block scales of an FP8 weight
 FP8_SAFETENSORS_DTYPE = "F8_E4M3"
 
@@ -99,7 +107,7 @@ def load_model(
     config = ModelConfig.from_pretrained(checkpoint_dir)
     shards = checkpoint_shards(checkpoint_dir)
     fp8_experts = _fp8_experts(config, quantization, device)
-    fp8_dense = _fp8_dense(config) if quantization == "fp8_w8a8" else None
+    fp8_dense = _fp8_dense(config, quantization) if quantization in W8A8_MODES else None
 
     with torch.device("meta"):
         model = Qwen3VLMoeModel(config)
@@ -107,12 +115,12 @@ def load_model(
     if fp8_experts is not None:
         for experts in model.language_model.moe_experts():
             experts.use_fp8(fp8_experts)
-            experts.fp8_activations = quantization == "fp8_w8a8"
+            experts.fp8_activations = quantization in W8A8_MODES
     if fp8_dense is not None:
         try:
             model.language_model.use_fp8_linears(fp8_dense)
         except ValueError as exc:  # the block does not divide the fused parts
-            raise CheckpointError(f"quantization='fp8_w8a8': {exc}") from None
+            raise CheckpointError(f"quantization={quantization!r}: {exc}") from None
     model = model.to_empty(device=device)
     model.visual.reset_rotary_buffers()
     model.language_model.reset_rotary_buffers()
@@ -138,6 +146,8 @@ def _fp8_experts(config: ModelConfig, quantization: str, device: torch.device) -
         return None
     if quantization == "auto" and (config.quantization is None or device.type != "cuda"):
         return None
+    if quantization == "fp8_w8a8_channel":
+        return Fp8BlockQuantization(*per_channel_block(text.hidden_size, text.moe_intermediate_size))
     block = config.quantization or fitting_block(text.moe_intermediate_size)
     if text.moe_intermediate_size % block.block_n:
         if quantization != "auto":
@@ -150,10 +160,13 @@ def _fp8_experts(config: ModelConfig, quantization: str, device: torch.device) -
     return block
 
 
-def _fp8_dense(config: ModelConfig) -> Fp8BlockQuantization:
+def _fp8_dense(config: ModelConfig, quantization: str) -> Fp8BlockQuantization:
     """The block quantization of the dense projections under "fp8_w8a8": the checkpoint's, or
     128 x 128 with rows cut to divide the fused parts (q, k/v, the dense MLP's gate/up; the
-    model checks that the block divides them)."""
+    model checks that the block divides them). Under "fp8_w8a8_channel": a row by at least
+    every projection's input width."""
+    if quantization == "fp8_w8a8_channel":
+        return Fp8BlockQuantization(*per_channel_block(*dense_input_widths(config.text)))
     return config.quantization or fitting_block(*dense_row_counts(config.text))
 
 
@@ -266,10 +279,13 @@ class WeightPlan:
         if fp8_source:
             if target.transposed_experts:
                 raise CheckpointError(f"{source_name}: FP8 experts in the transposed fused layout are not supported")
-            if self.quantization is None or self.quantization.block != target.scale_block:
-                raise CheckpointError(f"{source_name}: block scales that config.json's quantization_config "
-                                      "does not describe")
+            if self.quantization is None:
+                raise CheckpointError(f"{source_name} is float8 but config.json has no FP8 quantization_config")
             scale = self._scale_of(source_name)
+            if self.quantization.block != target.scale_block:  # e.g. per-channel from 128 x 128 blocks
+                self._requantize(source, scale, destination, scales, target.scale_block)
+                self.filled[target.scale_name] += scales.numel()
+                return
             self._check_shape(source_name + SCALE_SUFFIX, tuple(scale.shape), tuple(scales.shape))
             for start, end in _row_chunks(destination, self.chunk_bytes):
                 destination[start:end].copy_(source[start:end])
@@ -285,6 +301,20 @@ class WeightPlan:
                 weight_out.copy_(quantized)
                 scale_out.copy_(scale)
         self.filled[target.scale_name] += scales.numel()
+
+    def _requantize(self, source, scale: torch.Tensor, destination: torch.Tensor, scales: torch.Tensor,
+                    block: tuple[int, int]) -> None:
+        """An FP8 weight in the checkpoint's blocks into the model's: widened to float32 (exact)
+        and quantized again, one weight or one expert at a time."""
+        checkpoint_block = self.quantization.block
+        if destination.dim() == 2:
+            parts = [(destination, scales, source[:], scale)]
+        else:  # fused experts [E, rows, cols] with scales [E, row blocks, col blocks]
+            parts = ((destination[e], scales[e], source[e], scale[e]) for e in range(destination.shape[0]))
+        for weight_out, scale_out, weight, weight_scale in parts:
+            quantized, new_scale = quantize(dequantize(weight, weight_scale, checkpoint_block, torch.float32), block)
+            weight_out.copy_(quantized)
+            scale_out.copy_(new_scale)
 
     def _scale_of(self, source_name: str) -> torch.Tensor:
         """The float32 block scales of FP8 weight `source_name`. The first call for a shard reads

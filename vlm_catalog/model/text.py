@@ -108,7 +108,8 @@ class Fp8Linear(nn.Module):
     """A bias-optional linear layer whose weight [out, in] is float8 e4m3 with float32 block
     scales `weight_scale [out/bn, in/bk]` (vlm_catalog/model/fp8.py), and whose GEMM quantizes
     its input per token and bk columns too ("W8A8", kernels/fp8_linear.py): the decoder's dense
-    projections under `quantization="fp8_w8a8"`. Built in place of an `nn.Linear`, on its
+    projections under `quantization="fp8_w8a8"` (or "fp8_w8a8_channel": blocks of one row spanning
+    the input, `kernels.fp8.per_channel_block`). Built in place of an `nn.Linear`, on its
     device, with uninitialised tensors the loader fills."""
 
     def __init__(self, linear: nn.Linear, quantization: Fp8BlockQuantization) -> None:
@@ -245,6 +246,15 @@ def dense_row_counts(config: TextConfig) -> list[int]:
     if any(not config.is_moe_layer(index) for index in range(config.num_layers)):
         counts.append(config.intermediate_size)
     return counts
+
+
+def dense_input_widths(config: TextConfig) -> list[int]:
+    """Input widths (the reduction sizes) of the dense projections: q/k/v take the hidden
+    state, o the attention heads, and with dense MLP layers down takes the intermediate size."""
+    widths = [config.hidden_size, config.num_heads * config.head_dim]
+    if any(not config.is_moe_layer(index) for index in range(config.num_layers)):
+        widths.append(config.intermediate_size)
+    return widths
 
 
 class DecoderLayer(nn.Module):
