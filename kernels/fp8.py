@@ -47,6 +47,14 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     return quantized.view(padded.shape)[:rows, :cols].contiguous(), scale
 
 
+def requantize(
+    quantized: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], new_block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 weight Q [N, K] with `block` scales -> the same weight with `new_block` scales: widened
+    to float32 (exact) and quantized again."""
+    return quantize(dequantize(quantized, scale, block, torch.float32), new_block)
+
+
 def quantize_experts(weights: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert weights [E, N, K] -> (Q [E, N, K] e4m3, scales [E, N/bn, K/bk]), one expert at a
     time (the float32 temporaries stay one expert's size)."""

@@ -29,6 +29,9 @@ call; `--json FILE` merges the phases' results into FILE.
                   and an FP8 KV cache: ~30 GB of weights instead of ~61, the rest for the cache
 - engine_w8a8     engine_fp8 with the decoder's dense projections in FP8 too and every FP8
                   GEMM's input quantized (FP8 tensor cores; `--quantization fp8_w8a8`)
+- engine_w8a8_channel  engine_w8a8 with one scale per weight row and per token instead of
+                  128-wide blocks (`--quantization fp8_w8a8_channel`): the GEMMs scale after
+                  their K loops, so Hopper's wgmma runs asynchronously (requantized in place)
 - constrained     the per-record schema (real stop) against an unconstrained run that
                   generates the same number of tokens per record (both counts reported;
                   target >= 0.95x)
@@ -63,6 +66,7 @@ from pathlib import Path
 import torch
 
 from kernels.dispatch import kernels_off
+from kernels.fp8 import per_channel_block
 from vlm_catalog.bench.random_model import (
     QWEN3_VL_30B_A3B,
     benchmark_checkpoint_dir,
@@ -82,15 +86,16 @@ from vlm_catalog.engine.paged_attention import (
     allocate_kv_caches,
 )
 from vlm_catalog.engine.sampling_params import SamplingParams
-from vlm_catalog.model.fp8 import fitting_block
-from vlm_catalog.model.text import Fp8Linear, dense_row_counts
+from vlm_catalog.model.fp8 import Fp8BlockQuantization, fitting_block
+from vlm_catalog.model.text import Fp8Linear, dense_input_widths, dense_row_counts
 from vlm_catalog.paths import DEFAULT_MODEL_DIR, REPO_ROOT
 from vlm_catalog.preprocess.prompt import build_messages
 from vlm_catalog.structured import catalogue_schema
 
 PHASES = ("ceilings", "kernels", "roofline", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
-          "engine_fp8", "engine_w8a8", "transformers")
-FP8_MODEL_PHASES = {"engine_fp8", "engine_w8a8"}  # they quantize the experts in place: after the others
+          "engine_fp8", "engine_w8a8", "engine_w8a8_channel", "transformers")
+# they quantize the experts in place: after the others
+FP8_MODEL_PHASES = {"engine_fp8", "engine_w8a8", "engine_w8a8_channel"}
 NEEDS_RECORDS = {"vision_encoder", "engine", "engine_fp8_kv", "constrained", "transformers", *FP8_MODEL_PHASES}
 NEEDS_MODEL = {"roofline", "engine", "engine_fp8_kv", "constrained", *FP8_MODEL_PHASES}
 ENGINE_PHASES = NEEDS_MODEL - {"roofline"}  # they run the engine, after a warm-up (`warm_up`)
@@ -316,10 +321,12 @@ def measure_engine(checkpoint: Path, model, device: torch.device, records, outpu
 
 def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
                        fp8_activations: bool = False, sampling: Sampling = QWEN3_VL_SAMPLING,
-                       async_scheduling: bool = False, warmup_records=()) -> dict:
+                       async_scheduling: bool = False, warmup_records=(), per_channel: bool = False) -> dict:
     """`measure_engine` with FP8 experts (quantized in place, one layer at a time, unless already
-    FP8) and an FP8 KV cache; `fp8_activations`: what `--quantization fp8_w8a8` loads, the dense
-    projections in FP8 too (`Fp8Linear`) and every FP8 GEMM's input quantized."""
+    FP8 in these blocks) and an FP8 KV cache; `fp8_activations`: what `--quantization fp8_w8a8`
+    loads, the dense projections in FP8 too (`Fp8Linear`) and every FP8 GEMM's input quantized;
+    `per_channel` (with it): `--quantization fp8_w8a8_channel`'s one scale per row and per token,
+    FP8 weights of other blocks requantized."""
     def weight_bytes(module) -> int:
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
@@ -332,19 +339,32 @@ def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, o
                 "dense_projection_bytes": dense}
 
     before = sizes()
-    block = fitting_block(model.config.text.moe_intermediate_size)
+    text = model.config.text
+    if per_channel:
+        block = Fp8BlockQuantization(*per_channel_block(text.hidden_size, text.moe_intermediate_size))
+        dense_block = Fp8BlockQuantization(*per_channel_block(*dense_input_widths(text)))
+    else:
+        block = fitting_block(text.moe_intermediate_size)
+        dense_block = fitting_block(*dense_row_counts(text))
     for layer_experts in experts:
-        if layer_experts.fp8_block is None:
+        if layer_experts.fp8_block != block.block:
             layer_experts.quantize_(block)
-            release_memory(device)  # the layer's bf16 experts
+            release_memory(device)  # the layer's bf16 (or other-block FP8) experts
         layer_experts.fp8_activations = fp8_activations
     if fp8_activations and not isinstance(decoder.layers[0].self_attn.qkv_proj, Fp8Linear):
-        decoder.use_fp8_linears(fitting_block(*dense_row_counts(decoder.config)), quantize_present=True)
+        decoder.use_fp8_linears(dense_block, quantize_present=True)
+        release_memory(device)
+    elif fp8_activations:
+        for module, name in decoder.dense_projections():
+            if getattr(module, name).block != dense_block.block:
+                getattr(module, name).requantize_(dense_block)
         release_memory(device)
     results = measure_engine(checkpoint, model, device, records, output_tokens, kv_cache_dtype="fp8", sampling=sampling,
                              async_scheduling=async_scheduling, warmup_records=warmup_records)
     results["before"] = before
     results["after"] = sizes()
+    results["expert_block"] = list(block.block)  # (rows, columns) per scale: [1, K] is per-channel
+    results["dense_block"] = list(dense_block.block) if fp8_activations else None
     return results
 
 
@@ -643,6 +663,9 @@ def main(argv: list[str] | None = None) -> int:
                 "engine_w8a8": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
                     **engine_options),
+                "engine_w8a8_channel": lambda: measure_engine_fp8(
+                    checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
+                    per_channel=True, **engine_options),
             }
             for phase in model_phases if model is not None else ():
                 run_phase(phase, measures[phase])

@@ -199,7 +199,8 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     out = tmp_path / "bench_gpu.json"
     result = run_script("--tiny", "--device", "cpu", "--records", "2", "--vision-images", "2", "--hf-records", "2",
                         "--image-size", "small", "--output-tokens", "4", "--warmup-records", "1",
-                        "--phases", "vision_encoder,engine,engine_fp8_kv,constrained,engine_fp8,engine_w8a8,transformers",
+                        "--phases", "vision_encoder,engine,engine_fp8_kv,constrained,engine_fp8,engine_w8a8,"
+                        "engine_w8a8_channel,transformers",
                         "--json", str(out),
                         script=REPO_ROOT / "scripts" / "bench_gpu.py")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -219,7 +220,7 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert report["constrained"]["jump_forward"]  # so every step runs eagerly, and jump-forward is on
     assert report["engine"]["engine_warmup"] is None  # the engine warm-up is CUDA-only by default
     # one other record runs untimed before each engine phase's timed run
-    for phase in ("engine", "engine_fp8_kv", "constrained", "engine_fp8", "engine_w8a8"):
+    for phase in ("engine", "engine_fp8_kv", "constrained", "engine_fp8", "engine_w8a8", "engine_w8a8_channel"):
         assert report[phase]["warmup"]["records"] == 1 and report[phase]["warmup"]["seconds"] > 0, phase
     assert report["kernels_off"] == [] and report["versions"]["torch"] and report["versions"]["xgrammar"]
     # the engine phases sample as the benchmark does (the checkpoint's generation_config)
@@ -238,11 +239,16 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert w8a8["before"] == fp8_experts["after"] and w8a8["fixed_150_tokens"]["errors"] == 0
     assert w8a8["after"]["dense_projection_bytes"] < 0.3 * w8a8["before"]["dense_projection_bytes"]
     assert w8a8["after"]["expert_weight_bytes"] == w8a8["before"]["expert_weight_bytes"]
+    # per-channel: the same FP8 weights requantized with one scale per row (a row of scales more)
+    channel = report["engine_w8a8_channel"]
+    assert channel["expert_block"][0] == 1 and channel["dense_block"][0] == 1 and w8a8["expert_block"][0] > 1
+    assert channel["before"] == w8a8["after"] and channel["fixed_150_tokens"]["errors"] == 0
+    assert channel["after"]["dense_projection_bytes"] < 0.3 * w8a8["before"]["dense_projection_bytes"]
     hf = report["transformers"]
     assert hf["batch_1_probe"]["samples_per_s"] > 0 and hf["batch_chosen"] >= 1 and hf["best_samples_per_s"] > 0
     # vision_encoder needs the matmul peak: ceilings are measured for it
     assert set(report["phase_seconds"]) == {"ceilings", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
-                                            "engine_fp8", "engine_w8a8", "transformers"}
+                                            "engine_fp8", "engine_w8a8", "engine_w8a8_channel", "transformers"}
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from tests.model.helpers import build_checkpoint, write_fp8_checkpoint
 from vlm_catalog.model.config import ModelConfig, ModelConfigError
 from vlm_catalog.model.fp8 import Fp8BlockQuantization
 from vlm_catalog.model.loader import CheckpointError, load_model
-from vlm_catalog.model.text import Fp8Linear
+from vlm_catalog.model.text import Fp8Linear, dense_input_widths
 
 BLOCK = (16, 32)  # tiny model: moe_intermediate 32, hidden 64; non-square on purpose
 
@@ -220,9 +220,29 @@ def test_per_channel_w8a8_requantizes_an_fp8_checkpoint_per_row(checkpoints):
     checkpoint's) and quantized again per row, so the model equals per-channel loading of the
     widened checkpoint bit for bit."""
     _, fp8, widened = checkpoints
-    got = load_model(fp8, quantization="fp8_w8a8_channel").state_dict()
-    expected = load_model(widened, quantization="fp8_w8a8_channel").state_dict()
-    assert got.keys() == expected.keys()
-    for name in expected:
-        assert torch.equal(got[name].view(torch.uint8) if got[name].dtype == FP8_DTYPE else got[name],
-                           expected[name].view(torch.uint8) if expected[name].dtype == FP8_DTYPE else expected[name]), name
+    _assert_same_state(load_model(fp8, quantization="fp8_w8a8_channel"),
+                       load_model(widened, quantization="fp8_w8a8_channel"))
+
+
+def _assert_same_state(got_model, expected_model) -> None:
+    """Every tensor of both models' state equal in dtype and bits (FP8 ones compared as bytes)."""
+    got, want = got_model.state_dict(), expected_model.state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        bits = (lambda t: t.view(torch.uint8)) if want[name].dtype == FP8_DTYPE else (lambda t: t)
+        assert torch.equal(bits(got[name]), bits(want[name])), name
+
+
+def test_fp8_weights_requantized_in_place_match_per_channel_loading(checkpoints):
+    """`MoEExperts.quantize_` and `Fp8Linear.requantize_` (the GPU benchmark switches a loaded
+    model's blocks in place): the same bytes and scales as loading the checkpoint per channel."""
+    _, fp8, _ = checkpoints
+    model = load_model(fp8, quantization="fp8_w8a8")
+    expected = load_model(fp8, quantization="fp8_w8a8_channel")
+    decoder, text = model.language_model, model.config.text
+    for experts in decoder.moe_experts():
+        experts.quantize_(Fp8BlockQuantization(*per_channel_block(text.hidden_size, text.moe_intermediate_size)))
+    for module, name in decoder.dense_projections():
+        getattr(module, name).requantize_(Fp8BlockQuantization(*per_channel_block(*dense_input_widths(text))))
+    _assert_same_state(model, expected)

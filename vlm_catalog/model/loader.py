@@ -64,7 +64,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kernels.fp8 import FP8_DTYPE, dequantize, per_channel_block, quantize
+from kernels.fp8 import FP8_DTYPE, dequantize, per_channel_block, quantize, requantize
 from vlm_catalog.model.config import ModelConfig, TextConfig
 from vlm_catalog.model.fp8 import Fp8BlockQuantization, fitting_block
 from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel
@@ -312,7 +312,7 @@ class WeightPlan:
         else:  # fused experts [E, rows, cols] with scales [E, row blocks, col blocks]
             parts = ((destination[e], scales[e], source[e], scale[e]) for e in range(destination.shape[0]))
         for weight_out, scale_out, weight, weight_scale in parts:
-            quantized, new_scale = quantize(dequantize(weight, weight_scale, checkpoint_block, torch.float32), block)
+            quantized, new_scale = requantize(weight, weight_scale, checkpoint_block, block)
             weight_out.copy_(quantized)
             scale_out.copy_(new_scale)
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import kernels
-from kernels.fp8 import FP8_DTYPE, quantize, quantize_experts
+from kernels.fp8 import FP8_DTYPE, quantize, quantize_experts, requantize
 from vlm_catalog.model.attention import AttentionBackend
 from vlm_catalog.model.config import TextConfig
 from vlm_catalog.model.fp8 import Fp8BlockQuantization
@@ -135,6 +135,16 @@ class Fp8Linear(nn.Module):
             fp8.bias.copy_(linear.bias)
         return fp8
 
+    @torch.no_grad()
+    def requantize_(self, quantization: Fp8BlockQuantization) -> None:
+        """The weight in other blocks (widened exactly, quantized again; benchmarks)."""
+        weight, scale = requantize(self.weight, self.weight_scale, self.block, quantization.block)
+        self.weight = _frozen(*weight.shape, dtype=FP8_DTYPE, device=weight.device)
+        self.weight.copy_(weight)
+        self.weight_scale = _frozen(*scale.shape, dtype=torch.float32, device=scale.device)
+        self.weight_scale.copy_(scale)
+        self.block = quantization.block
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias, fp8_activations=True)
 
@@ -190,15 +200,23 @@ class MoEExperts(nn.Module):
 
     @torch.no_grad()
     def quantize_(self, quantization: Fp8BlockQuantization) -> None:
-        """Quantize the present weights to FP8 in place (benchmarks with random weights; the
-        loader quantizes checkpoints as it reads them)."""
-        gate_up, down = self.gate_up_proj, self.down_proj
+        """Quantize the present weights to FP8 in place, or FP8 weights again in other blocks
+        (benchmarks with random weights; the loader quantizes checkpoints as it reads them)."""
+        sources = ((self.gate_up_proj, self.gate_up_proj_scale), (self.down_proj, self.down_proj_scale))
+        old_block = self.fp8_block
         self.use_fp8(quantization)
-        for source, weight, scale in ((gate_up, self.gate_up_proj, self.gate_up_proj_scale),
-                                      (down, self.down_proj, self.down_proj_scale)):
-            quantized, block_scales = quantize_experts(source, quantization.block)
-            weight.copy_(quantized)
-            scale.copy_(block_scales)
+        for (source, source_scale), weight, scale in zip(sources, (self.gate_up_proj, self.down_proj),
+                                                         (self.gate_up_proj_scale, self.down_proj_scale)):
+            if old_block is None:
+                quantized, block_scales = quantize_experts(source, quantization.block)
+                weight.copy_(quantized)
+                scale.copy_(block_scales)
+                continue
+            for expert in range(source.shape[0]):  # one expert's float32 copy at a time
+                quantized, block_scales = requantize(source[expert], source_scale[expert], old_block,
+                                                     quantization.block)
+                weight[expert].copy_(quantized)
+                scale[expert].copy_(block_scales)
 
 
 class SparseMoE(nn.Module):
