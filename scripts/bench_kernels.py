@@ -12,7 +12,7 @@ attention at or above PyTorch SDPA on pre-gathered (contiguous) K/V.
 
     python scripts/bench_kernels.py                  # table
     python scripts/bench_kernels.py --json out.json  # + numbers as JSON
-    python scripts/bench_kernels.py --tune-moe [--fp8 [--w8a8]] [--buckets 1 256] [--compile-workers 8]
+    python scripts/bench_kernels.py --tune-moe [--fp8 [--w8a8] [--per-channel]] [--buckets 1 256] [--compile-workers 8]
                                                      # best MoE block sizes per token bucket
     python scripts/bench_kernels.py --tune-decode [--fp8] [--buckets 1 256]
                                                      # best decode attention launch per batch bucket
@@ -567,13 +567,28 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
     return rows
 
 
-def _fp8_experts(inputs, shapes: Shapes):
-    """`inputs` with w13/w2 quantized to FP8 (block rows cut to divide the intermediate size),
-    or None when the shapes allow no block."""
-    from kernels.fp8 import quantize_experts
+@dataclass(frozen=True)
+class ExpertFormat:
+    """What `--tune-moe` times: FP8 expert weights (`fp8`, 128 x 128 blocks), FP8 activations too
+    (`w8a8`), one scale per weight row and per token instead of blocks (`per_channel`)."""
+
+    fp8: bool = False
+    w8a8: bool = False
+    per_channel: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.w8a8 or self.per_channel) and not self.fp8:
+            raise ValueError("w8a8 and per_channel tune FP8 experts: they need fp8")
+
+
+def _fp8_experts(inputs, shapes: Shapes, per_channel: bool = False):
+    """`inputs` with w13/w2 quantized to FP8 (block rows cut to divide the intermediate size, or
+    one scale per row with `per_channel`), or None when the shapes allow no block."""
+    from kernels.fp8 import per_channel_block, quantize_experts
     from vlm_catalog.model.fp8 import fitting_block
 
-    block = fitting_block(shapes.moe_intermediate).block
+    block = per_channel_block(shapes.hidden, shapes.moe_intermediate) if per_channel else \
+        fitting_block(shapes.moe_intermediate).block
     if shapes.moe_intermediate % block[0]:
         return None
     hidden, w13, w2, weights, ids = inputs
@@ -615,14 +630,17 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 target_speedup=target,
             )
         )
-        # the same experts in FP8 with 128 x 128 block scales (Qwen's -FP8): half the weight bytes
-        fp8 = _fp8_experts(inputs, shapes)
-        fp8_variants = (("fused_moe[fp8 experts]", False), ("fused_moe[fp8 w8a8]", True)) if fp8 else ()
-        for name, activations in fp8_variants:
-            fp8_ms = timer(partial(fused_moe_triton, *fp8[0], **fp8[1], fp8_activations=activations))
+        # the same experts in FP8 with 128 x 128 block scales (Qwen's -FP8): half the weight bytes;
+        # then with one scale per row (and per token), applied after the K loops
+        fp8, per_channel = _fp8_experts(inputs, shapes), _fp8_experts(inputs, shapes, per_channel=True)
+        fp8_variants = [(name, experts, activations) for experts, names in ((fp8, ("fp8 experts", "fp8 w8a8")),
+                        (per_channel, ("fp8 experts, per-channel", "fp8 w8a8, per-channel"))) if experts
+                        for name, activations in zip(names, (False, True))]
+        for name, experts, activations in fp8_variants:
+            fp8_ms = timer(partial(fused_moe_triton, *experts[0], **experts[1], fp8_activations=activations))
             rows.append(
                 Row(
-                    name,
+                    f"fused_moe[{name}]",
                     f"T={num_tokens}",
                     fp8_ms,
                     "bf16 experts (Triton)",
@@ -723,14 +741,14 @@ def _align_ms(timer, align_args, single_launch_max_pairs: int) -> float:
 
 def bench_dense_fp8(shapes: Shapes, dtype, device, timer) -> list[Row]:
     """The decoder's attention projections with FP8 weights (128-column blocks, rows cut to the
-    fused q/k/v parts), W8A16 and W8A8 (input quantization included), against bf16 cuBLAS; on a
-    Hopper GPU also W8A8 on cuBLAS's block-scaled FP8 GEMM (kernels/fp8_linear_cublas.py), which
-    `kernels.fp8_linear` takes where it passed its check."""
+    fused q/k/v parts; and one scale per row), W8A16 and W8A8 (input quantization included),
+    against bf16 cuBLAS; on a Hopper GPU also W8A8 on cuBLAS's block-scaled FP8 GEMM
+    (kernels/fp8_linear_cublas.py), which `kernels.fp8_linear` takes where it passed its check."""
     import torch
     import torch.nn.functional as F
 
     from kernels import fp8_linear_cublas as cublas
-    from kernels.fp8 import quantize
+    from kernels.fp8 import per_channel_block, quantize
     from kernels.fp8_linear import fp8_linear_triton
     from vlm_catalog.model.fp8 import fitting_block
 
@@ -741,12 +759,16 @@ def bench_dense_fp8(shapes: Shapes, dtype, device, timer) -> list[Row]:
                                              ("o_proj", q_size, shapes.hidden)):
         weight = torch.randn(out_features, in_features, device=device, dtype=dtype) / in_features**0.5
         quantized, scale = quantize(weight, block)
+        row_block = per_channel_block(in_features)
+        per_row, row_scale = quantize(weight, row_block)
         for num_tokens in sorted({1, shapes.moe_target_tokens, shapes.num_tokens}):
             x = torch.randn(num_tokens, in_features, device=device, dtype=dtype)
             baseline_ms = timer(partial(F.linear, x, weight))
             flops = 2 * num_tokens * in_features * out_features
             variants = [("w8a16", partial(fp8_linear_triton, x, quantized, scale, block, None, False)),
-                        ("w8a8", partial(fp8_linear_triton, x, quantized, scale, block, None, True))]
+                        ("w8a8", partial(fp8_linear_triton, x, quantized, scale, block, None, True)),
+                        ("w8a16, per-channel", partial(fp8_linear_triton, x, per_row, row_scale, row_block, None, False)),
+                        ("w8a8, per-channel", partial(fp8_linear_triton, x, per_row, row_scale, row_block, None, True))]
             if cublas.usable(x, quantized, scale, block):
                 variants.append(("w8a8, cublas", partial(cublas.fp8_linear_cublas, x, quantized, scale)))
             for variant, run in variants:
@@ -851,27 +873,26 @@ def candidate_configs(rows_per_expert: float):
                             )
 
 
-def _moe_tuning_inputs(num_tokens: int, shapes: Shapes, dtype, device, fp8: bool,
-                       w8a8: bool = False) -> tuple[tuple, dict]:
-    """fused_moe's positional inputs for one bucket, and its FP8 keyword arguments (or none);
-    `w8a8`: FP8 activations too (needs `fp8`)."""
+def _moe_tuning_inputs(num_tokens: int, shapes: Shapes, dtype, device,
+                       experts: ExpertFormat) -> tuple[tuple, dict]:
+    """fused_moe's positional inputs for one bucket, and its FP8 keyword arguments (or none)."""
     inputs = _moe_inputs(num_tokens, shapes, dtype, device)
-    if not fp8:
+    if not experts.fp8:
         return inputs, {}
-    inputs, scales = _fp8_experts(inputs, shapes)
-    return inputs, {**scales, "fp8_activations": w8a8}
+    inputs, scales = _fp8_experts(inputs, shapes, experts.per_channel)
+    return inputs, {**scales, "fp8_activations": experts.w8a8}
 
 
-def _compile_moe_configs(device: str, num_tokens: int, shapes: Shapes, dtype_name: str, fp8: bool,
-                         configs: list, w8a8: bool = False) -> int:
+def _compile_moe_configs(device: str, num_tokens: int, shapes: Shapes, dtype_name: str, experts: ExpertFormat,
+                         configs: list) -> int:
     """In a worker process: run fused_moe once per config, so Triton compiles it into its on-disk
     cache; returns how many ran (a config that fails is left to the timing loop to report)."""
     import torch
 
     from kernels.moe.fused_moe import fused_moe_triton
 
-    inputs, scales = _moe_tuning_inputs(num_tokens, shapes, getattr(torch, dtype_name), torch.device(device), fp8,
-                                        w8a8)
+    inputs, scales = _moe_tuning_inputs(num_tokens, shapes, getattr(torch, dtype_name), torch.device(device),
+                                        experts)
     ran = 0
     for config in configs:
         try:
@@ -893,15 +914,15 @@ def moe_compile_pool(workers: int):
     return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))  # a forked CUDA context is unusable
 
 
-def precompile_moe_configs(pool, workers: int, device, num_tokens: int, shapes: Shapes, dtype, fp8: bool,
-                           configs: list, w8a8: bool = False) -> int:
+def precompile_moe_configs(pool, workers: int, device, num_tokens: int, shapes: Shapes, dtype, experts: ExpertFormat,
+                           configs: list) -> int:
     """Compile `configs` in the pool's `workers` processes before they are timed: compiling, not
     timing, is most of a tuning run, and Triton's on-disk cache hands the timing loop what the
     workers built. Returns the configs that compiled; a worker that fails only costs its share of
     the speed-up."""
     shares = [configs[index::workers] for index in range(workers) if configs[index::workers]]
     futures = [pool.submit(_compile_moe_configs, str(device), num_tokens, shapes, str(dtype).removeprefix("torch."),
-                           fp8, share, w8a8) for share in shares]
+                           experts, share) for share in shares]
     compiled = 0
     for future in futures:
         try:
@@ -913,15 +934,13 @@ def precompile_moe_configs(pool, workers: int, device, num_tokens: int, shapes: 
 
 def tune_moe(
     device, shapes: Shapes = GPU_SHAPES, dtype=None, buckets=None, max_candidates: int | None = None,
-    fp8: bool = False, compile_workers: int = 0, w8a8: bool = False,
+    experts: ExpertFormat = ExpertFormat(), compile_workers: int = 0,
 ) -> dict[int, tuple]:
     """Times every candidate config per token bucket; prints and returns the best.
     All buckets at the model shape take a while (a few hundred compilations): pass
     `buckets` to split the work over several runs, and `compile_workers` to compile each
-    bucket's candidates in that many processes first. `fp8`: FP8 experts (their own entries);
-    `w8a8`: with FP8 activations too (the W8A8 engine's GEMMs, entries of their own again)."""
-    if w8a8 and not fp8:
-        raise ValueError("w8a8 tunes FP8 experts with FP8 activations: it needs fp8")
+    bucket's candidates in that many processes first. `experts`: FP8 experts, W8A8 and
+    per-channel ones each have entries of their own."""
     import torch
 
     from kernels.moe.configs import TOKEN_BUCKETS
@@ -933,25 +952,25 @@ def tune_moe(
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(moe_compile_pool(compile_workers)) if compile_workers > 1 else None
         for bucket in buckets or TOKEN_BUCKETS:
-            best[bucket] = _tune_moe_bucket(bucket, device, shapes, dtype, fp8, timer, max_candidates, pool,
-                                            compile_workers, w8a8)
+            best[bucket] = _tune_moe_bucket(bucket, device, shapes, dtype, experts, timer, max_candidates, pool,
+                                            compile_workers)
     return best
 
 
-def _tune_moe_bucket(bucket: int, device, shapes: Shapes, dtype, fp8: bool, timer, max_candidates: int | None,
-                     pool, compile_workers: int, w8a8: bool = False) -> tuple:
+def _tune_moe_bucket(bucket: int, device, shapes: Shapes, dtype, experts: ExpertFormat, timer,
+                     max_candidates: int | None, pool, compile_workers: int) -> tuple:
     """The fastest candidate for one bucket, (ms, config); printed with its line for MOE_CONFIGS."""
     from kernels.moe.configs import format_config_entry
     from kernels.moe.fused_moe import fused_moe_triton
 
-    inputs, scales = _moe_tuning_inputs(bucket, shapes, dtype, device, fp8, w8a8)
+    inputs, scales = _moe_tuning_inputs(bucket, shapes, dtype, device, experts)
     results = []
     candidates = list(candidate_configs(bucket * shapes.top_k / shapes.num_experts))[
         :max_candidates
     ]
     if pool is not None:
         started = time.perf_counter()
-        compiled = precompile_moe_configs(pool, compile_workers, device, bucket, shapes, dtype, fp8, candidates, w8a8)
+        compiled = precompile_moe_configs(pool, compile_workers, device, bucket, shapes, dtype, experts, candidates)
         print(f"# T={bucket}: {compiled} of {len(candidates)} configs compiled by {compile_workers} "
               f"workers in {time.perf_counter() - started:.1f} s", flush=True)
     for config in candidates:
@@ -963,7 +982,8 @@ def _tune_moe_bucket(bucket: int, device, shapes: Shapes, dtype, fp8: bool, time
     print(f"# T={bucket}: {ms:.4f} ms (of {len(results)} configs)")
     print(
         format_config_entry(
-            shapes.num_experts, shapes.hidden, shapes.moe_intermediate, inputs[1].dtype, bucket, config, w8a8
+            shapes.num_experts, shapes.hidden, shapes.moe_intermediate, inputs[1].dtype, bucket, config,
+            experts.w8a8, experts.per_channel,
         ),
         flush=True,
     )
@@ -1072,6 +1092,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--tune-moe with FP8 experts (128 x 128 scales); --tune-decode with an FP8 KV cache")
     parser.add_argument("--w8a8", action="store_true",
                         help="--tune-moe --fp8 with FP8 activations too (--quantization fp8_w8a8's GEMMs)")
+    parser.add_argument("--per-channel", action="store_true",
+                        help="--tune-moe --fp8 with one scale per weight row (and per token with --w8a8) "
+                             "instead of 128 x 128 blocks (--quantization fp8_w8a8_channel's GEMMs)")
     parser.add_argument(
         "--compile-workers", type=int, default=None,
         help="--tune-moe: processes compiling each bucket's configs before they are timed "
@@ -1085,6 +1108,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.w8a8 and not (args.tune_moe and args.fp8):
         parser.error("--w8a8 goes with --tune-moe --fp8")
+    if args.per_channel and not (args.tune_moe and args.fp8):
+        parser.error("--per-channel goes with --tune-moe --fp8")
 
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
@@ -1113,11 +1138,12 @@ def main(argv: list[str] | None = None) -> int:
         workers = args.compile_workers
         if workers is None:
             workers = 0 if args.interpret else min(8, os.cpu_count() or 1)
+        experts = ExpertFormat(args.fp8, args.w8a8, args.per_channel)
         if args.interpret:  # the smoke run tries two configs per bucket
-            tune_moe(device, shapes, buckets=args.buckets or shapes.moe_token_counts, max_candidates=2, fp8=args.fp8,
-                     compile_workers=workers, w8a8=args.w8a8)
+            tune_moe(device, shapes, buckets=args.buckets or shapes.moe_token_counts, max_candidates=2,
+                     experts=experts, compile_workers=workers)
         else:
-            tune_moe(device, shapes, buckets=args.buckets, fp8=args.fp8, compile_workers=workers, w8a8=args.w8a8)
+            tune_moe(device, shapes, buckets=args.buckets, experts=experts, compile_workers=workers)
         return 0
     report = run_kernel_benchmarks(device, shapes)
     print_table(report)

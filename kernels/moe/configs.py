@@ -2,7 +2,9 @@
 
 Like vLLM's per-GPU JSON tables: keyed by (num_experts, hidden, intermediate,
 dtype name, token-count bucket); the dtype name is the experts' weight dtype,
-with "_w8a8" appended for FP8 weights met by FP8 activations (`table_dtype`).
+with "_w8a8" appended for FP8 weights met by FP8 activations, then "_channel"
+for per-channel FP8 experts, whose GEMMs keep the wgmma asynchronous and
+want tiles of their own (`table_dtype`).
 A batch of T tokens uses the entry of the smallest bucket >= T (the largest
 bucket above that); shapes without an entry use `heuristic_moe_config`.
 
@@ -40,6 +42,7 @@ from kernels.checks import dtype_name
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 W8A8_SUFFIX = "_w8a8"  # the dtype field of FP8 experts' entries for FP8 activations (table_dtype)
+CHANNEL_SUFFIX = "_channel"  # ... and for per-channel FP8 experts (one scale per row spanning K)
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,9 @@ MOE_CONFIGS: dict[tuple[int, int, int, str, int], MoeKernelConfig] = {
     # and with FP8 activations too (--quantization fp8_w8a8): both dot operands FP8, tiles of their own
     **_reasoned_table(128, 2048, 768, "float8_e4m3fn" + W8A8_SUFFIX, top_k=8),
     **_reasoned_table(128, 4096, 1536, "float8_e4m3fn" + W8A8_SUFFIX, top_k=8),
+    # and per-channel (--quantization fp8_w8a8_channel)
+    **_reasoned_table(128, 2048, 768, "float8_e4m3fn" + W8A8_SUFFIX + CHANNEL_SUFFIX, top_k=8),
+    **_reasoned_table(128, 4096, 1536, "float8_e4m3fn" + W8A8_SUFFIX + CHANNEL_SUFFIX, top_k=8),
     # Paste measured entries from `scripts/bench_kernels.py --tune-moe` below this line.
     # H100 80GB, bf16, 2026-11-25 (docs/results/gpu/tune_moe.txt): 0.244, 0.418, 0.442, 0.936 and
     # 3.07 ms per call at T = 1, 64, 256, 4096 and 16384 (the reasoned default: 1.15 ms at 4096)
@@ -145,10 +151,11 @@ MOE_CONFIGS: dict[tuple[int, int, int, str, int], MoeKernelConfig] = {
 }
 
 
-def table_dtype(dtype: torch.dtype, fp8_activations: bool = False) -> str:
+def table_dtype(dtype: torch.dtype, fp8_activations: bool = False, per_channel: bool = False) -> str:
     """The table's dtype field: the experts' weight dtype, plus W8A8_SUFFIX where FP8 activations
-    meet FP8 weights (the W8A8 GEMMs load half the bytes per activation tile: tiles of their own)."""
-    return dtype_name(dtype) + (W8A8_SUFFIX if fp8_activations else "")
+    meet FP8 weights (the W8A8 GEMMs load half the bytes per activation tile: tiles of their own),
+    plus CHANNEL_SUFFIX for per-channel FP8 experts (their K loops run like 16-bit ones)."""
+    return dtype_name(dtype) + (W8A8_SUFFIX if fp8_activations else "") + (CHANNEL_SUFFIX if per_channel else "")
 
 
 def get_moe_config(
@@ -159,10 +166,13 @@ def get_moe_config(
     dtype: torch.dtype,
     top_k: int = 8,
     fp8_activations: bool = False,
+    per_channel: bool = False,
 ) -> MoeKernelConfig:
-    """The table entry for this shape and batch size (`fp8_activations`: the W8A8 entries), else
-    the heuristic, fitted to shared memory for `dtype`'s element size."""
-    key = (num_experts, hidden, intermediate, table_dtype(dtype, fp8_activations), token_bucket(num_tokens))
+    """The table entry for this shape and batch size (`fp8_activations`: the W8A8 entries;
+    `per_channel`: the per-channel FP8 ones), else the heuristic, fitted to shared memory for
+    `dtype`'s element size."""
+    key = (num_experts, hidden, intermediate, table_dtype(dtype, fp8_activations, per_channel),
+           token_bucket(num_tokens))
     config = MOE_CONFIGS.get(key) or heuristic_moe_config(num_tokens, num_experts, top_k)
     return fit_shared_memory(config, dtype.itemsize)
 
@@ -175,10 +185,12 @@ def format_config_entry(
     bucket: int,
     config: MoeKernelConfig,
     fp8_activations: bool = False,
+    per_channel: bool = False,
 ) -> str:
     """One line to paste into MOE_CONFIGS."""
     fields = ", ".join(f"{name}={value!r}" for name, value in asdict(config).items())
+    key_dtype = table_dtype(dtype, fp8_activations, per_channel)
     return (
-        f"    ({num_experts}, {hidden}, {intermediate}, {table_dtype(dtype, fp8_activations)!r}, {bucket}): "
+        f"    ({num_experts}, {hidden}, {intermediate}, {key_dtype!r}, {bucket}): "
         f"MoeKernelConfig({fields}),"
     )

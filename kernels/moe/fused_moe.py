@@ -230,15 +230,25 @@ def moe_gemm_config(
     top_k: int,
     config: MoeKernelConfig | Mapping[str, int] | None = None,
     fp8_activations: bool = False,
+    block_shape: tuple[int, int] | None = None,
 ) -> MoeKernelConfig:
     """The GEMM block sizes `fused_moe` uses for `num_tokens` tokens with these gate/up weights
-    (keyed by their dtype: FP8 experts have entries of their own, and W8A8 others again), unless
-    `config` is given."""
+    (keyed by their dtype: FP8 experts have entries of their own, W8A8 others again, and
+    per-channel FP8 experts, by `block_shape`, others still), unless `config` is given."""
     if config is None:
         num_experts, two_intermediate, hidden_size = w13.shape
         config = get_moe_config(num_tokens, num_experts, hidden_size, two_intermediate // 2, w13.dtype, top_k,
-                                fp8_activations)
+                                fp8_activations, per_channel_experts(w13, block_shape))
     return as_moe_config(config)
+
+
+def per_channel_experts(w13: torch.Tensor, block_shape: tuple[int, int] | None) -> bool:
+    """FP8 experts whose scale blocks are single rows spanning both GEMMs' reductions (H and I):
+    both kernels then scale after their K loops."""
+    if block_shape is None:
+        return False
+    _, two_intermediate, hidden_size = w13.shape
+    return block_shape[0] == 1 and block_shape[1] >= max(hidden_size, two_intermediate // 2)
 
 
 def _fused_moe_chunk(
@@ -265,7 +275,7 @@ def _fused_moe_chunk(
     intermediate = two_intermediate // 2
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
-    config = moe_gemm_config(num_tokens, w13, top_k, config, fp8_activations)
+    config = moe_gemm_config(num_tokens, w13, top_k, config, fp8_activations, None if scales is None else scales[2])
     block_k = config.block_size_k
     if scales is None:  # placeholders, never read when FP8_WEIGHTS is False
         w13_scale, w2_scale, (quant_n, quant_k) = hidden, hidden, (1, 1)

@@ -67,6 +67,8 @@ def test_interpret_smoke_run_writes_json(tmp_path):
         "varlen_attention",
         "fp8_linear[w8a16]",
         "fp8_linear[w8a8]",
+        "fp8_linear[w8a8, per-channel]",
+        "fused_moe[fp8 w8a8, per-channel]",
         "paged_prefill_attention[fresh]",
         "fused_sum_add_rms_norm",
         "moe_align_block_size[one launch]",
@@ -85,6 +87,19 @@ def test_tune_moe_w8a8_prints_entries_of_its_own():
     assert "'float8_e4m3fn_w8a8', 4)" in entry
     refused = run_script("--interpret", "--tune-moe", "--w8a8", interpret=True)
     assert refused.returncode == 2 and "--w8a8 goes with --tune-moe --fp8" in refused.stderr
+
+
+def test_tune_moe_per_channel_prints_entries_of_its_own():
+    """--tune-moe --fp8 --w8a8 --per-channel times the per-channel W8A8 GEMMs (the scales after
+    the K loop) and keys their lines 'float8_e4m3fn_w8a8_channel'."""
+    pytest.importorskip("triton")
+    result = run_script("--interpret", "--tune-moe", "--fp8", "--w8a8", "--per-channel", "--buckets", "4",
+                        "--compile-workers", "0", interpret=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (entry,) = [line for line in result.stdout.splitlines() if "MoeKernelConfig(" in line]
+    assert "'float8_e4m3fn_w8a8_channel', 4)" in entry
+    refused = run_script("--interpret", "--tune-moe", "--per-channel", interpret=True)
+    assert refused.returncode == 2 and "--per-channel goes with --tune-moe --fp8" in refused.stderr
 
 
 def test_tune_moe_compiles_in_workers_and_prints_entries_to_paste():
@@ -135,8 +150,8 @@ def test_a_compile_worker_skips_a_config_that_fails(triton_device):
     """One bad config costs a worker nothing but that config (the timing loop reports it)."""
     bench_kernels = load_bench_gpu().load_bench_kernels()
     good = next(iter(bench_kernels.candidate_configs(0.25)))
-    ran = bench_kernels._compile_moe_configs(str(triton_device), 4, bench_kernels.TINY_SHAPES, "float32", False,
-                                             [good, {"block_size_m": 16}])
+    ran = bench_kernels._compile_moe_configs(str(triton_device), 4, bench_kernels.TINY_SHAPES, "float32",
+                                             bench_kernels.ExpertFormat(), [good, {"block_size_m": 16}])
     assert ran == 1
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fp8 import per_channel_block
 from kernels.moe.configs import (
+    CHANNEL_SUFFIX,
     MAX_SHARED_MEMORY_BYTES,
     MOE_CONFIGS,
     TOKEN_BUCKETS,
@@ -18,7 +20,7 @@ from kernels.moe.configs import (
     heuristic_moe_config,
     token_bucket,
 )
-from kernels.moe.fused_moe import moe_gemm_config
+from kernels.moe.fused_moe import moe_gemm_config, per_channel_experts
 
 
 def test_token_bucket_is_the_smallest_bucket_at_or_above():
@@ -85,9 +87,28 @@ def test_w8a8_looks_up_entries_of_its_own(monkeypatch):
     assert moe_gemm_config(200, w13, 8, fp8_activations=True) is marker
     line = format_config_entry(128, 2048, 768, torch.float8_e4m3fn, 256, marker, fp8_activations=True)
     assert eval(line.strip().rstrip(",").split(": ", 1)[0]) == (128, 2048, 768, "float8_e4m3fn_w8a8", 256)
-    # every shape with FP8 entries has W8A8 ones too
+    # every shape with FP8 entries has W8A8 ones too, and per-channel W8A8 ones
     fp8_keys = {key[:3] + key[4:] for key in MOE_CONFIGS if key[3] == "float8_e4m3fn"}
     assert fp8_keys == {key[:3] + key[4:] for key in MOE_CONFIGS if key[3] == "float8_e4m3fn" + W8A8_SUFFIX}
+    assert fp8_keys == {key[:3] + key[4:] for key in MOE_CONFIGS
+                        if key[3] == "float8_e4m3fn" + W8A8_SUFFIX + CHANNEL_SUFFIX}
+
+
+def test_per_channel_experts_look_up_entries_of_their_own(monkeypatch):
+    """Per-channel FP8 experts (one scale row spanning H and I: the kernels scale after their K
+    loops) have their own tiles, keyed 'float8_e4m3fn_w8a8_channel'; 128 x 128 blocks do not."""
+    marker = MoeKernelConfig(128, 128, 128, 8, 8, 3, tuned=True)
+    key_dtype = "float8_e4m3fn" + W8A8_SUFFIX + CHANNEL_SUFFIX
+    monkeypatch.setitem(MOE_CONFIGS, (128, 2048, 768, key_dtype, 4096), marker)
+    w13 = torch.empty(128, 2 * 768, 2048, dtype=torch.float8_e4m3fn)
+    assert per_channel_experts(w13, per_channel_block(2048, 768))
+    assert not per_channel_experts(w13, (128, 128)) and not per_channel_experts(w13, None)
+    assert not per_channel_experts(w13, (1, 1024))  # spans I (768) but not H (2048)
+    assert moe_gemm_config(4000, w13, 8, fp8_activations=True, block_shape=per_channel_block(2048, 768)) is marker
+    assert moe_gemm_config(4000, w13, 8, fp8_activations=True, block_shape=(128, 128)) is not marker
+    line = format_config_entry(128, 2048, 768, torch.float8_e4m3fn, 4096, marker, fp8_activations=True,
+                               per_channel=True)
+    assert eval(line.strip().rstrip(",").split(": ", 1)[0]) == (128, 2048, 768, key_dtype, 4096)
 
 
 def test_lookup_uses_the_table_then_the_heuristic():

@@ -236,7 +236,8 @@ class SparseMoE(nn.Module):
         experts = self.experts
         # decode batches on the Triton path: routing and the pairs' layout for the GEMMs in one launch
         block_size = kernels.moe_gemm_config(
-            hidden.shape[0], experts.gate_up_proj, self.top_k, fp8_activations=experts.fp8_activations
+            hidden.shape[0], experts.gate_up_proj, self.top_k, fp8_activations=experts.fp8_activations,
+            block_shape=experts.fp8_block,
         ).block_size_m
         # the weights in the hidden dtype, as transformers casts them for the experts
         weights, expert_ids, alignment = kernels.route_topk_and_align(
