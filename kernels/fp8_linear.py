@@ -50,7 +50,7 @@ def fp8_linear(
     Hopper GPU runs on cuBLAS where it passed its check (kernels/fp8_linear_cublas.py)."""
     if use_triton(x, weight, op="fp8_linear"):
         if fp8_activations and fp8_linear_cublas.usable(x, weight, weight_scale, block):
-            return fp8_linear_cublas.fp8_linear_cublas(x, weight, weight_scale, bias)
+            return fp8_linear_cublas.fp8_linear_cublas(x, weight, weight_scale, bias, block)
         return fp8_linear_triton(x, weight, weight_scale, block, bias, fp8_activations)
     return fp8_linear_reference(x, weight, weight_scale, block, bias, fp8_activations)
 

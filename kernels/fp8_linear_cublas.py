@@ -1,4 +1,5 @@
-"""The W8A8 block-FP8 dense GEMM through cuBLAS (`torch.nn.functional.scaled_mm`), on Hopper.
+"""The W8A8 FP8 dense GEMM through cuBLAS (`torch.nn.functional.scaled_mm`), on Hopper: with
+128-wide block scales, or per-channel (row-wise) ones.
 
 On the H100 the Triton block-FP8 GEMM (kernels/fp8_linear.py) ran at 0.35-0.74x
 of bf16 cuBLAS at the decoder's q/k/v and o shapes (docs/benchmarks.md), so
@@ -23,9 +24,16 @@ fast accumulation (cuBLAS refuses it with block scales): fp32 accumulation and
 one rounding to x's dtype, the Triton kernel's contract, so the same tolerance
 against `fp8_linear_reference` holds.
 
+Per-channel weights (blocks of one row spanning K, `kernels.fp8.per_channel_block`,
+`--quantization fp8_w8a8_channel`) take the row-wise recipe: a [M4, K] with
+scale_a [M4, 1] (one per token, unit strides: torch checks them), b as above with scale_b [1, N] (one per weight
+row), `ScalingType.RowWise` for both, and fast accumulation, as the Triton
+kernel accumulates such GEMMs (kernels/jit/fp8_linear.py).
+
 When it runs (`usable`): x on a CUDA device of compute capability 9.x, torch
-with block-wise `F.scaled_mm`, 128 x 128 weight blocks, K and N multiples of
-16, x in bf16 or fp16, and not turned off (`VLM_CATALOG_KERNELS_OFF=fp8_linear_cublas`).
+with block-wise `F.scaled_mm`, 128 x 128 or per-channel weight blocks, K and N
+multiples of 16, x in bf16 or fp16, and not turned off
+(`VLM_CATALOG_KERNELS_OFF=fp8_linear_cublas`).
 The first call for each (device, weight shape, dtype) checks it against the
 reference on PROBE_ROWS rows (so with padding); an error or a mismatch logs a
 warning and that shape keeps the Triton kernel. While a CUDA graph is being
@@ -67,11 +75,16 @@ def device_supported(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
+def row_wise(block: tuple[int, int], in_features: int) -> bool:
+    """Per-channel weights: blocks of one row spanning the whole reduction (one scale per row)."""
+    return block[0] == 1 and block[1] >= in_features
+
+
 def eligible(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
     """Whether the operands are of a kind the cuBLAS GEMM takes (before the first-call check)."""
     out_features, in_features = weight.shape
     return (
-        tuple(block) == CUBLAS_BLOCK
+        (tuple(block) == CUBLAS_BLOCK or row_wise(block, in_features))
         and x.dtype in CUBLAS_DTYPES
         and in_features % 16 == 0
         and out_features % 16 == 0
@@ -84,27 +97,28 @@ def usable(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bl
     """`eligible`, and the first-call check passed for this shape (module doc)."""
     if not eligible(x, weight, block):
         return False
-    key = (x.device, tuple(weight.shape), x.dtype)
+    key = (x.device, tuple(weight.shape), x.dtype, tuple(block))
     verdict = _checked.get(key)
     if verdict is None:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return False  # checked outside a capture, on a later call
-        verdict = _checked[key] = _matches_reference(x.dtype, weight, weight_scale)
+        verdict = _checked[key] = _matches_reference(x.dtype, weight, weight_scale, tuple(block))
     return verdict
 
 
-def _matches_reference(dtype: torch.dtype, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+def _matches_reference(dtype: torch.dtype, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       block: tuple[int, int] = CUBLAS_BLOCK) -> bool:
     from kernels.fp8_linear import fp8_linear_reference
 
     generator = torch.Generator().manual_seed(0)
     probe = torch.randn(PROBE_ROWS, weight.shape[1], generator=generator).to(weight.device, dtype)  # [rows, K]
-    shape = f"{tuple(weight.shape)} {dtype_name(dtype)}"
+    shape = f"{tuple(weight.shape)} {dtype_name(dtype)} {'row-wise' if row_wise(block, weight.shape[1]) else 'block'}"
     try:
-        got = fp8_linear_cublas(probe, weight, weight_scale).float()
+        got = fp8_linear_cublas(probe, weight, weight_scale, block=block).float()
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
         logger.warning("cuBLAS block-FP8 GEMM unavailable for weight %s (%s); the Triton kernel runs", shape, exc)
         return False
-    expected = fp8_linear_reference(probe, weight, weight_scale, CUBLAS_BLOCK, fp8_activations=True).float()
+    expected = fp8_linear_reference(probe, weight, weight_scale, block, fp8_activations=True).float()
     error = ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
     if not error <= PROBE_TOLERANCE:  # NaN fails too
         logger.warning(
@@ -117,24 +131,30 @@ def _matches_reference(dtype: torch.dtype, weight: torch.Tensor, weight_scale: t
 
 
 def cublas_operands(
-    flat: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+    flat: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] = CUBLAS_BLOCK
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(a, scale_a, b, scale_b) for `F.scaled_mm` from x [M, K] and W [N, K] with its scales
-    [ceil(N/128), ceil(K/128)], laid out as the module doc says."""
+    [ceil(N/128), ceil(K/128)] (per-channel: [N, 1]), laid out as the module doc says."""
     rows, in_features = flat.shape
     k_blocks = weight_scale.shape[1]
     padded_rows = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
     quantized = torch.empty((padded_rows, in_features), dtype=FP8_DTYPE, device=flat.device)  # [M4, K]
-    scale = torch.empty((k_blocks, padded_rows), dtype=torch.float32, device=flat.device).t()  # [M4, Kb], M-major
+    if row_wise(block, in_features):
+        scale = torch.empty((padded_rows, 1), dtype=torch.float32, device=flat.device)  # [M4, 1], unit strides
+    else:
+        scale = torch.empty((k_blocks, padded_rows), dtype=torch.float32, device=flat.device).t()  # [M4, Kb], M-major
     if padded_rows > rows:
         quantized[rows:].zero_()
         scale[rows:].fill_(1.0)
+    group = block[1]  # 128 columns, or per-channel every column: one scale per token
     if flat.is_cuda:
-        quantize_activations_triton(flat, CUBLAS_BLOCK[1], quantized[:rows], scale[:rows])
+        quantize_activations_triton(flat, group, quantized[:rows], scale[:rows])
     else:  # CPU: only tests get here (with a stand-in for F.scaled_mm)
-        reference_quantized, reference_scale = quantize_activations_reference(flat, CUBLAS_BLOCK[1])
+        reference_quantized, reference_scale = quantize_activations_reference(flat, group)
         quantized[:rows].copy_(reference_quantized)
         scale[:rows].copy_(reference_scale)
+    if row_wise(block, in_features):
+        return quantized, scale, weight.t(), weight_scale.t()  # scale_a [M4, 1], b [K, N], scale_b [1, N]
     padded_k_blocks = -(-k_blocks // 4) * 4
     if padded_k_blocks > k_blocks:
         weight_scale = F.pad(weight_scale, (0, padded_k_blocks - k_blocks))  # [Nb, L4]
@@ -142,9 +162,11 @@ def cublas_operands(
 
 
 def fp8_linear_cublas(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+    block: tuple[int, int] = CUBLAS_BLOCK,
 ) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x's dtype: W8A8 with 1x128 / 128x128 scales on cuBLAS."""
+    """x [..., K] -> [..., N] in x's dtype: W8A8 with 1x128 / 128x128 scales on cuBLAS, or
+    row-wise ones for per-channel weights (`row_wise`)."""
     out_features, in_features = weight.shape
     flat = x.reshape(-1, in_features)  # [M, K]
     if flat.stride(-1) != 1:
@@ -152,11 +174,16 @@ def fp8_linear_cublas(
     rows = flat.shape[0]
     if rows == 0:
         return x.new_empty(*x.shape[:-1], out_features)
-    a, scale_a, b, scale_b = cublas_operands(flat, weight, weight_scale)
+    a, scale_a, b, scale_b = cublas_operands(flat, weight, weight_scale, block)
     scaling = F.ScalingType
-    out = F.scaled_mm(
-        a, b, scale_a, scaling.BlockWise1x128, scale_b, scaling.BlockWise128x128, output_dtype=x.dtype
-    )[:rows]  # [M, N]
+    if row_wise(block, in_features):
+        out = F.scaled_mm(
+            a, b, scale_a, scaling.RowWise, scale_b, scaling.RowWise, output_dtype=x.dtype, use_fast_accum=True
+        )[:rows]  # [M, N]
+    else:
+        out = F.scaled_mm(
+            a, b, scale_a, scaling.BlockWise1x128, scale_b, scaling.BlockWise128x128, output_dtype=x.dtype
+        )[:rows]  # [M, N]
     if bias is not None:  # added in float32 as the reference does (one more rounding)
         out = (out.float() + bias.float()).to(x.dtype)
     return out.view(*x.shape[:-1], out_features)  # [..., N]

@@ -1,7 +1,8 @@
-"""The W8A8 dense GEMM on cuBLAS (kernels/fp8_linear_cublas.py), checked on CPU three ways:
+"""The W8A8 dense GEMM on cuBLAS (kernels/fp8_linear_cublas.py), with 128 x 128 blocks and
+per-channel (row-wise) scales, checked on CPU three ways:
 
-- the operands it builds pass torch's own shape and stride checks for block-scaled
-  `F.scaled_mm` (its meta function, run under FakeTensorMode);
+- the operands it builds pass torch's own shape and stride checks for block-scaled and
+  row-wise `F.scaled_mm` (its meta function, run under FakeTensorMode);
 - with a stand-in for `F.scaled_mm` that computes what torch documents (each
   operand times its block scales, one float32 GEMM), the result matches
   `fp8_linear_reference` at TOLERANCE[dtype], as the Triton kernel does;
@@ -22,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kernels
 from kernels import fp8_linear_cublas as cublas
-from kernels.fp8 import quantize
+from kernels.fp8 import per_channel_block, quantize
 from kernels.fp8_linear import fp8_linear_reference
 from tests.kernels.helpers import TOLERANCE, assert_close
 
@@ -33,15 +34,20 @@ BLOCK = (128, 128)
 SHAPES = [(1, 2048, 5120), (6, 1152, 1152), (256, 4096, 2048), (4, 256, 384)]  # (M, K, N); 1152: 9 K-blocks
 
 
-def inputs(rows, in_features, out_features, dtype=torch.bfloat16):
+def inputs(rows, in_features, out_features, dtype=torch.bfloat16, block=BLOCK):
     x = torch.randn(rows, in_features).to(dtype)
-    weight, scale = quantize(torch.randn(out_features, in_features) / in_features**0.5, BLOCK)
+    weight, scale = quantize(torch.randn(out_features, in_features) / in_features**0.5, block)
     return x, weight, scale
 
 
 def documented_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=torch.bfloat16, **_):
-    """What torch documents block-scaled `F.scaled_mm` to compute: (a x scale_a) @ (b x scale_b),
-    scale_a [M, ceil(K/128)] per row and 128 columns, scale_b [>= ceil(K/128), ceil(N/128)] per 128 x 128."""
+    """What torch documents `F.scaled_mm` to compute: (a x scale_a) @ (b x scale_b). Block-scaled:
+    scale_a [M, ceil(K/128)] per row and 128 columns, scale_b [>= ceil(K/128), ceil(N/128)] per
+    128 x 128. Row-wise: scale_a [M, 1] per row of a, scale_b [1, N] per column of b."""
+    if recipe_a == F.ScalingType.RowWise:
+        assert recipe_b == F.ScalingType.RowWise and scale_a.shape == (a.shape[0], 1)
+        assert scale_b.shape == (1, b.shape[1])
+        return ((a.float() * scale_a) @ (b.float() * scale_b)).to(output_dtype)
     assert recipe_a == F.ScalingType.BlockWise1x128 and recipe_b == F.ScalingType.BlockWise128x128
     depth, columns = a.shape[1], b.shape[1]
     per_element_a = scale_a.repeat_interleave(128, dim=1)[:, :depth]  # [M, K]
@@ -81,18 +87,36 @@ def test_an_unpadded_weight_scale_fails_torchs_check():
                     mode.from_tensor(unpadded), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("rows,in_features,out_features", SHAPES)
+def test_row_wise_operands_pass_torchs_own_checks(rows, in_features, out_features):
+    block = per_channel_block(in_features)
+    x, weight, scale = inputs(rows, in_features, out_features, block=block)
+    a, scale_a, b, scale_b = cublas.cublas_operands(x, weight, scale, block)
+    padded = -(-rows // 4) * 4
+    assert a.shape == (padded, in_features) and scale_a.shape == (padded, 1) and scale_b.shape == (1, out_features)
+    with FakeTensorMode() as mode:
+        fake_a, fake_scale_a, fake_b, fake_scale_b = (mode.from_tensor(t) for t in (a, scale_a, b, scale_b))
+        out = F.scaled_mm(fake_a, fake_b, fake_scale_a, F.ScalingType.RowWise, fake_scale_b, F.ScalingType.RowWise,
+                          output_dtype=torch.bfloat16, use_fast_accum=True)
+    assert out.shape == (padded, out_features)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,in_features,out_features", SHAPES)
-def test_the_documented_gemm_on_these_operands_matches_the_reference(hopper, dtype, rows, in_features, out_features):
-    x, weight, scale = inputs(rows, in_features, out_features, dtype)
+def test_the_documented_gemm_on_these_operands_matches_the_reference(
+    hopper, dtype, rows, in_features, out_features, per_channel
+):
+    block = per_channel_block(in_features) if per_channel else BLOCK
+    x, weight, scale = inputs(rows, in_features, out_features, dtype, block)
     bias = (torch.randn(out_features) * 0.1).to(dtype)
-    expected = fp8_linear_reference(x, weight, scale, BLOCK, bias, fp8_activations=True)
+    expected = fp8_linear_reference(x, weight, scale, block, bias, fp8_activations=True)
     # tolerance: TOLERANCE[dtype] of max |expected|, as for the Triton kernel (the same operands,
     # float32 accumulation; one more rounding where the bias is added)
-    assert_close(cublas.fp8_linear_cublas(x, weight, scale, bias), expected, rel=TOLERANCE[dtype])
-    stacked = cublas.fp8_linear_cublas(x.view(1, rows, in_features), weight, scale)  # leading dims kept
+    assert_close(cublas.fp8_linear_cublas(x, weight, scale, bias, block), expected, rel=TOLERANCE[dtype])
+    stacked = cublas.fp8_linear_cublas(x.view(1, rows, in_features), weight, scale, block=block)  # leading dims kept
     assert stacked.shape == (1, rows, out_features)
-    assert cublas.fp8_linear_cublas(x[:0], weight, scale).shape == (0, out_features)
+    assert cublas.fp8_linear_cublas(x[:0], weight, scale, block=block).shape == (0, out_features)
 
 
 def test_the_first_call_check_runs_once_per_shape(hopper, monkeypatch):
@@ -136,6 +160,8 @@ def test_only_eligible_operands_and_devices_take_cublas(hopper, monkeypatch):
     assert cublas.eligible(x, weight, BLOCK)
     assert not cublas.eligible(x.float(), weight, BLOCK)  # float32 activations
     assert not cublas.eligible(x, weight, (64, 128))  # other weight blocks
+    assert cublas.eligible(x, weight, per_channel_block(256))  # per-channel: row-wise scales
+    assert not cublas.eligible(x, weight, (1, 128))  # rows of blocks that do not span K (256)
     odd_weight, _ = quantize(torch.randn(40, 256), BLOCK)
     assert not cublas.eligible(x, odd_weight, BLOCK)  # N not a multiple of 16
     monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "fp8_linear_cublas")
@@ -167,16 +193,18 @@ def on_hopper(device: torch.device) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 256, 4096])
 @pytest.mark.parametrize("in_features,out_features", [(2048, 5120), (4096, 2048), (1152, 1152)])
-def test_gpu_cublas_matches_the_reference(cuda_device, rows, in_features, out_features):
+def test_gpu_cublas_matches_the_reference(cuda_device, rows, in_features, out_features, per_channel):
     # tolerance: 1e-2 (bfloat16) of max |expected|; qkv_proj and o_proj of Qwen3-VL-30B-A3B, and
-    # 9 K-blocks (the padded weight scales)
+    # 9 K-blocks (the padded weight scales); per-channel: row-wise scales, fast accumulation
     on_hopper(cuda_device)
-    x, weight, scale = (t.to(cuda_device) for t in inputs(rows, in_features, out_features))
-    assert cublas.usable(x, weight, scale, BLOCK)  # the first-call check passed
-    expected = fp8_linear_reference(x, weight, scale, BLOCK, fp8_activations=True)
-    assert_close(cublas.fp8_linear_cublas(x, weight, scale), expected, rel=1e-2)
+    block = per_channel_block(in_features) if per_channel else BLOCK
+    x, weight, scale = (t.to(cuda_device) for t in inputs(rows, in_features, out_features, block=block))
+    assert cublas.usable(x, weight, scale, block)  # the first-call check passed
+    expected = fp8_linear_reference(x, weight, scale, block, fp8_activations=True)
+    assert_close(cublas.fp8_linear_cublas(x, weight, scale, block=block), expected, rel=1e-2)
 
 
 @pytest.mark.gpu
