@@ -29,7 +29,8 @@ A kernel fails when it does not compile or needs more shared memory per block
 than an H100 grants (227 KiB): its launch would raise `OutOfResources` on the
 GPU.
 
-Run as a script (``python -m tests.kernels.sm90_compile [--float32]``) with
+Run as a script (``python -m tests.kernels.sm90_compile [--float32] [--moe-tile M,N,K,WARPS,STAGES]``,
+the last to compile every fused-MoE GEMM with one tile) with
 TRITON_INTERPRET unset (the interpreter replaces `triton.jit` functions);
 `test_sm90_compile.py` does that in a subprocess. Exit status 0 when every
 kernel compiles and fits.
@@ -427,9 +428,25 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
     return specs
 
 
+MOE_KERNELS = ("moe_gate_up_silu_kernel", "moe_down_kernel")
+
+
+def with_moe_tile(launch: Launch, tile: tuple[int, ...] | None) -> Launch:
+    """The launch with `tile` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) where it is a
+    fused-MoE GEMM (`--moe-tile`: compare tiles on equal terms), else as it is."""
+    if tile is None or launch.kernel.fn.__name__ not in MOE_KERNELS:
+        return launch
+    block_m, block_n, block_k, num_warps, num_stages = tile
+    arguments = {**launch.arguments, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    return Launch(launch.kernel, arguments, {**launch.options, "num_warps": num_warps, "num_stages": num_stages})
+
+
 def main(argv: list[str]) -> int:
     failures = 0
     torch.manual_seed(0)
+    tile = None
+    if "--moe-tile" in argv:  # e.g. --moe-tile 128,64,64,8,3
+        tile = tuple(int(size) for size in argv[argv.index("--moe-tile") + 1].split(","))
     for label, call in cases(include_float32="--float32" in argv):
         try:
             with recorded_launches() as launches:
@@ -438,7 +455,7 @@ def main(argv: list[str]) -> int:
             failures += 1
             print(f"{label}: FAILED before any compile\n{traceback.format_exc()}", flush=True)
             continue
-        for launch in launches:
+        for launch in (with_moe_tile(launch, tile) for launch in launches):
             start = time.perf_counter()
             name = f"{label} / {launch.kernel.fn.__name__}"
             try:

@@ -89,7 +89,7 @@ def test_kernels_compile_for_sm90():
     # Per-channel W8A8 experts (one scale block along K) scale after the K loop, so their wgmma
     # chain stays asynchronous. Scaling each K step's product, as 128 x 128 blocks must, waits
     # for every wgmma once or twice per iteration (Triton 3.6 and 3.9), and those loops issue
-    # twice the instructions (gate/up 167 against 83 on Triton 3.6 at T=8192).
+    # twice the instructions at the same tile (gate/up 167 against 83 on Triton 3.6 at T=8192).
     per_channel = re.findall(r"\[T=8192, w8a8 per-channel(?: experts, fp8 activations)?\] / \w+: ok \(.*, "
                              r"(\d+|\?) full wgmma waits\)", result.stdout)
     assert len(per_channel) == 3, result.stdout  # gate/up, down and the dense GEMM
