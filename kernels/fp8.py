@@ -84,6 +84,8 @@ def quantize_activations_triton(
     from kernels.jit.fp8_quant import quantize_activations_kernel
 
     rows, cols = values.shape
+    if group > cols:  # one group per row either way (per-token scales): no tile wider than the row
+        group = max(16, triton.next_power_of_2(cols))
     if quantized is None:
         quantized = torch.empty((rows, cols), dtype=FP8_DTYPE, device=values.device)
     if scale is None:

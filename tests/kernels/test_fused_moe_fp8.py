@@ -162,9 +162,10 @@ def test_fp8_activations_quantize_per_token_group():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,cols,group", [(5, 40, 16), (70, 256, 128), (1, 32, 32)])
+@pytest.mark.parametrize("rows,cols,group", [(5, 40, 16), (70, 256, 128), (1, 32, 32), (9, 768, 2048), (3, 40, 64)])
 def test_triton_activation_quantization_matches_the_reference(triton_device, dtype, rows, cols, group):
-    # exact under the interpreter (same float32 division and rounding); ragged last group included
+    # exact under the interpreter (same float32 division and rounding); ragged last group included;
+    # groups wider than the row (per-token scales) tile the row alone
     values = (torch.randn(rows, cols) * 3).to(dtype).to(triton_device)
     values[0, :group] = 0  # an all-zero group: scale 1
     if group & (group - 1):
