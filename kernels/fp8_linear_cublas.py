@@ -116,17 +116,17 @@ def _matches_reference(dtype: torch.dtype, weight: torch.Tensor, weight_scale: t
     try:
         got = fp8_linear_cublas(probe, weight, weight_scale, block=block).float()
     except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:
-        logger.warning("cuBLAS block-FP8 GEMM unavailable for weight %s (%s); the Triton kernel runs", shape, exc)
+        logger.warning("cuBLAS FP8 GEMM unavailable for weight %s (%s); the Triton kernel runs", shape, exc)
         return False
     expected = fp8_linear_reference(probe, weight, weight_scale, block, fp8_activations=True).float()
     error = ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
     if not error <= PROBE_TOLERANCE:  # NaN fails too
         logger.warning(
-            "cuBLAS block-FP8 GEMM for weight %s is %.3g (of max |reference|) from the reference, above %g; "
+            "cuBLAS FP8 GEMM for weight %s is %.3g (of max |reference|) from the reference, above %g; "
             "the Triton kernel runs", shape, error, PROBE_TOLERANCE,
         )
         return False
-    logger.info("cuBLAS block-FP8 GEMM checked for weight %s (error %.2g)", shape, error)
+    logger.info("cuBLAS FP8 GEMM checked for weight %s (error %.2g)", shape, error)
     return True
 
 

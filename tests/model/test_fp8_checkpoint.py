@@ -123,6 +123,16 @@ def test_bad_fp8_checkpoints_are_clear_errors(checkpoints, tmp_path):
     with pytest.raises(CheckpointError, match="quantization must be one of auto, fp8, fp8_w8a8, fp8_w8a8_channel, none"):
         load_model(fp8, quantization="int4")
 
+    # scales of the wrong shape are named when the weights are requantized per channel too
+    cut = tmp_path / "cut-scale"
+    shutil.copytree(fp8, cut)
+    tensors = load_file(str(cut / "model.safetensors"))
+    name = "model.language_model.layers.0.self_attn.o_proj.weight_scale_inv"
+    tensors[name] = tensors[name][:1].contiguous()
+    save_file(tensors, str(cut / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"o_proj.weight_scale_inv has shape \[1, 2\], expected \[4, 2\]"):
+        load_model(cut, quantization="fp8_w8a8_channel")
+
 
 def test_fp8_activations_stay_close_to_fp8_weights_alone(checkpoints):
     """fp8_w8a8 quantizes every GEMM's input per token and column block (and holds the dense

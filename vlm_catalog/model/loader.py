@@ -283,6 +283,9 @@ class WeightPlan:
                 raise CheckpointError(f"{source_name} is float8 but config.json has no FP8 quantization_config")
             scale = self._scale_of(source_name)
             if self.quantization.block != target.scale_block:  # e.g. per-channel from 128 x 128 blocks
+                *leading, rows, cols = source.get_shape()
+                self._check_shape(source_name + SCALE_SUFFIX, tuple(scale.shape),
+                                  (*leading, *self.quantization.scale_shape(rows, cols)))
                 self._requantize(source, scale, destination, scales, target.scale_block)
                 self.filled[target.scale_name] += scales.numel()
                 return
