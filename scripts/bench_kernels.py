@@ -633,10 +633,11 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
         # the same experts in FP8 with 128 x 128 block scales (Qwen's -FP8): half the weight bytes;
         # then with one scale per row (and per token), applied after the K loops
         fp8, per_channel = _fp8_experts(inputs, shapes), _fp8_experts(inputs, shapes, per_channel=True)
-        fp8_variants = [(name, experts, activations) for experts, names in ((fp8, ("fp8 experts", "fp8 w8a8")),
-                        (per_channel, ("fp8 experts, per-channel", "fp8 w8a8, per-channel"))) if experts
-                        for name, activations in zip(names, (False, True))]
-        for name, experts, activations in fp8_variants:
+        fp8_variants = {"fp8 experts": (fp8, False), "fp8 w8a8": (fp8, True),
+                        "fp8 experts, per-channel": (per_channel, False), "fp8 w8a8, per-channel": (per_channel, True)}
+        for name, (experts, activations) in fp8_variants.items():
+            if experts is None:  # the shapes allow no block
+                continue
             fp8_ms = timer(partial(fused_moe_triton, *experts[0], **experts[1], fp8_activations=activations))
             rows.append(
                 Row(
@@ -742,8 +743,9 @@ def _align_ms(timer, align_args, single_launch_max_pairs: int) -> float:
 def bench_dense_fp8(shapes: Shapes, dtype, device, timer) -> list[Row]:
     """The decoder's attention projections with FP8 weights (128-column blocks, rows cut to the
     fused q/k/v parts; and one scale per row), W8A16 and W8A8 (input quantization included),
-    against bf16 cuBLAS; on a Hopper GPU also W8A8 on cuBLAS's block-scaled FP8 GEMM
-    (kernels/fp8_linear_cublas.py), which `kernels.fp8_linear` takes where it passed its check."""
+    against bf16 cuBLAS; on a Hopper GPU also W8A8 on cuBLAS's block-scaled and row-wise FP8
+    GEMMs (kernels/fp8_linear_cublas.py), which `kernels.fp8_linear` takes where they passed their
+    check."""
     import torch
     import torch.nn.functional as F
 
@@ -771,6 +773,9 @@ def bench_dense_fp8(shapes: Shapes, dtype, device, timer) -> list[Row]:
                         ("w8a8, per-channel", partial(fp8_linear_triton, x, per_row, row_scale, row_block, None, True))]
             if cublas.usable(x, quantized, scale, block):
                 variants.append(("w8a8, cublas", partial(cublas.fp8_linear_cublas, x, quantized, scale)))
+            if cublas.usable(x, per_row, row_scale, row_block):
+                variants.append(("w8a8, per-channel, cublas",
+                                 partial(cublas.fp8_linear_cublas, x, per_row, row_scale, None, row_block)))
             for variant, run in variants:
                 ms = timer(run)
                 rows.append(Row(
