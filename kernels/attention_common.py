@@ -26,6 +26,12 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def float16_dots(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the paged attention kernels run both dots in float16: an FP8 (e4m3) cache under a
+    16-bit query (the reasons are in kernels/jit/paged_decode_attention.py)."""
+    return cache_dtype == torch.float8_e4m3fn and query_dtype in (torch.bfloat16, torch.float16)
+
+
 @functools.cache
 def _cuda_multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

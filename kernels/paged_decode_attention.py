@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_common import LOG2_E, dot_precision, multiprocessor_count
+from kernels.attention_common import LOG2_E, dot_precision, float16_dots, multiprocessor_count
 from kernels.checks import (
     INDEX_DTYPES,
     check_dtype,
@@ -362,7 +362,7 @@ def _launch_decode(
         new_k, new_v, slot_mapping = new_kv
 
     block_d = triton.next_power_of_2(head_dim)
-    fp16_dots = k_cache.dtype == FP8_DTYPE and q.dtype in (torch.bfloat16, torch.float16) and reads_fp8_words(v_cache)
+    fp16_dots = float16_dots(q.dtype, k_cache.dtype) and reads_fp8_words(v_cache)
     paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
         # pointers
         q,

@@ -46,7 +46,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_common import LOG2_E, dot_precision, forced_attention_backend
+from kernels.attention_common import LOG2_E, dot_precision, float16_dots, forced_attention_backend
 from kernels.checks import (
     INDEX_DTYPES,
     check_dtype,
@@ -61,7 +61,6 @@ from kernels.flash_varlen import (
     flash_varlen_usable,
     try_flash_varlen_attention,
 )
-from kernels.fp8 import FP8_DTYPE
 from kernels.kv_cache import (
     PackedContexts,
     check_paged_kv_cache,
@@ -262,7 +261,7 @@ def paged_prefill_attention_triton(
         BLOCK_M=block_m,
         BLOCK_N=64 if head_dim <= 128 else 32,
         DOT_PRECISION=dot_precision(q.dtype),
-        FP16_DOTS=k_cache.dtype == FP8_DTYPE and q.dtype in (torch.bfloat16, torch.float16),
+        FP16_DOTS=float16_dots(q.dtype, k_cache.dtype),
         num_warps=4,
         num_stages=2,
     )

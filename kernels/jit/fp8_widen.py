@@ -1,4 +1,6 @@
-"""Widening float8 e4m3 weights to bfloat16 inside a GEMM, faster than Triton's own cast.
+"""Widening float8 e4m3 inside kernels, faster than Triton's own cast: weights to bfloat16 in
+the GEMMs (`widen_e4m3`), and an FP8 KV cache's V rows to float16 in the paged decode
+attention (`e4m3_words_to_float16`, with `saturate_float16` for its query).
 
 Triton widens e4m3 to bf16 through float16: one packed conversion per pair, then
 one scalar f16 -> bf16 conversion per element, on a pipe the CUDA guide rates at
@@ -50,3 +52,33 @@ def widen_e4m3(x, dtype: tl.constexpr, WITH_PTX: tl.constexpr):
                                          dtype=tl.bfloat16, is_pure=True, pack=4)
     else:
         return x.to(dtype)
+
+
+@triton.jit
+def e4m3_words_to_float16(words, WITH_PTX: tl.constexpr):
+    """[R, W] int32 of four e4m3 values each, the lowest byte first -> [R, 4 W] float16 (exact).
+
+    On the GPU (WITH_PTX) sm_89's packed conversion widens two values per instruction. The
+    interpreter, which runs no PTX, takes each byte through Triton's own conversion; the
+    rest (the word loads, the order of the values) is the same code on both."""
+    if WITH_PTX:
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(
+            asm="{ .reg .b32 a, b; .reg .b16 l, h; mov.b32 {l, h}, $4; cvt.rn.f16x2.e4m3x2 a, l; "
+                "cvt.rn.f16x2.e4m3x2 b, h; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            constraints="=h,=h,=h,=h,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1)
+    else:
+        v0 = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        v1 = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        v2 = ((words >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        v3 = ((words >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    # join adds a last axis: [R, W, 2] -> [R, W, 2, 2], where [r, w, i, j] is value 4 w + 2 i + j
+    quads = tl.join(tl.join(v0, v2), tl.join(v1, v3))
+    return tl.reshape(quads, (words.shape[0], words.shape[1] * 4))  # [R, 4 W]
+
+
+@triton.jit
+def saturate_float16(x):
+    """`x` in float16, clamped to its range (+-65504) first: a 16-bit query for the float16 dots
+    over an FP8 cache stays finite (jit/paged_decode_attention.py)."""
+    return tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)

@@ -57,29 +57,7 @@ import triton
 import triton.language as tl
 
 from kernels.jit.fp8_quant import saturate_fp8
-
-
-@triton.jit
-def e4m3_words_to_float16(words, WITH_PTX: tl.constexpr):
-    """[R, W] int32 of four e4m3 values each, the lowest byte first -> [R, 4 W] float16 (exact).
-
-    On the GPU (WITH_PTX) sm_89's packed conversion widens two values per instruction. The
-    interpreter, which runs no PTX, takes each byte through Triton's own conversion; the
-    rest (the word loads, the order of the values) is the same code on both."""
-    if WITH_PTX:
-        v0, v1, v2, v3 = tl.inline_asm_elementwise(
-            asm="{ .reg .b32 a, b; .reg .b16 l, h; mov.b32 {l, h}, $4; cvt.rn.f16x2.e4m3x2 a, l; "
-                "cvt.rn.f16x2.e4m3x2 b, h; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
-            constraints="=h,=h,=h,=h,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True, pack=1)
-    else:
-        v0 = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        v1 = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        v2 = ((words >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        v3 = ((words >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    # join adds a last axis: [R, W, 2] -> [R, W, 2, 2], where [r, w, i, j] is value 4 w + 2 i + j
-    quads = tl.join(tl.join(v0, v2), tl.join(v1, v3))
-    return tl.reshape(quads, (words.shape[0], words.shape[1] * 4))  # [R, 4 W]
+from kernels.jit.fp8_widen import e4m3_words_to_float16, saturate_float16
 
 
 @triton.jit
@@ -167,7 +145,7 @@ def paged_decode_split_kernel(
         q_ptrs, mask=group_mask[:, None] & dim_mask[None, :], other=0.0
     )  # [BLOCK_G, BLOCK_D]
     if FP16_DOTS:  # saturated: a query past float16's range (none a normed query reaches) stays finite
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        q = saturate_float16(q)
 
     if FUSE_CACHE_WRITE:
         new_k = tl.load(

@@ -19,6 +19,8 @@ kernels/paged_prefill_attention.py); pass a length no chunk reaches to compute a
 import triton
 import triton.language as tl
 
+from kernels.jit.fp8_widen import saturate_float16
+
 
 @triton.jit
 def paged_prefill_attention_kernel(
@@ -82,7 +84,7 @@ def paged_prefill_attention_kernel(
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
     if FP16_DOTS:  # as in paged_decode_attention.py: an FP8 cache widens to float16 exactly
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        q = saturate_float16(q)
 
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
