@@ -1,0 +1,215 @@
+#!/usr/bin/env python
+"""One prepared device call: issue 9's GPU checks in priority order, inside a time budget.
+
+A session that is lent a GPU gets 15 minutes of device time in all, the machine's start
+(a minute or more) included, and at most 10 minutes per call. This script is that call:
+
+    python3 scripts/gpu_session.py --wheels .whl --out $OUT                # the `record` plan
+    python3 scripts/gpu_session.py --plan tune --budget 400 --out $OUT     # tune the W8A8 engine
+    python3 scripts/gpu_session.py --plan record --dry-run                 # print the plan, run nothing
+
+(device call: `carry: [".whl"]`, `timeout_s` a little over `--budget`). It installs the
+carried wheels (`../shared/tools/gpu-wheels`) into /tmp/site first, then runs each step of
+the plan as a subprocess with its own time limit, never past the budget: a step that cannot
+get its minimum is skipped, one that runs over is stopped (its process group killed) and
+the next one starts. Every step's output goes to `$OUT/session.log`; `$OUT/session.json`
+says for each step its status (ok, failed, timeout, skipped), exit code and seconds. The
+steps write their own results into `$OUT` (at most 8 files come back from a device call):
+
+- `record`: `pytest -m gpu` (its summary in pytest_gpu.txt), then bench_gpu.py's phases
+  into bench_gpu.json: engine_w8a8 against engine_w8a8_channel, the ceilings, roofline and
+  kernels, constrained, and the vision encoder, as far as the budget goes.
+- `tune`: the W8A8 MoE tile tuning (block scales, then per-channel) and the FP8 decode
+  attention's launch settings, each bucket printed as it is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SITE_DIR = Path("/tmp/site")  # where the carried wheels are installed (../shared/docs/GPU.md)
+KILL_GRACE_S = 10.0  # a stopped step's group gets SIGTERM, then SIGKILL after this
+PYTEST_SUMMARY_LINES = 40  # the tail of pytest's output kept as pytest_gpu.txt
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command of a plan. `max_s`: its own limit; `min_s`: skipped when less is left;
+    `{out}` in `argv` is the output folder; `tail_to`: the last `tail_lines` lines of its
+    output are also written to this file in the output folder."""
+
+    name: str
+    argv: tuple[str, ...]
+    max_s: float
+    min_s: float
+    tail_to: str | None = None
+    tail_lines: int = PYTEST_SUMMARY_LINES
+
+
+@dataclass
+class StepResult:
+    name: str
+    status: str  # ok | failed | timeout | skipped
+    seconds: float = 0.0
+    returncode: int | None = None
+    limit_s: float = 0.0
+    command: list[str] = field(default_factory=list)
+
+
+def bench_gpu(phases: str, *extra: str) -> tuple[str, ...]:
+    return ("python3", "scripts/bench_gpu.py", "--phases", phases, "--json", "{out}/bench_gpu.json", *extra)
+
+
+def bench_kernels(*args: str) -> tuple[str, ...]:
+    return ("python3", "scripts/bench_kernels.py", *args)
+
+
+# Times from the H100 run of 2026-11-25 (docs/benchmarks.md): pytest -m gpu 226 s; the kernels
+# phase 59 s; each engine phase 38-53 s and constrained 90 s, plus the catalogue and the random
+# model for each bench_gpu process. The steps' maxima add up to more than a call: the later ones
+# get what is left, so the order is the priority.
+PLANS: dict[str, tuple[Step, ...]] = {
+    "record": (
+        # correctness first: the numbers after it mean little if a kernel is wrong
+        Step("pytest_gpu", ("python3", "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"),
+             max_s=260, min_s=120, tail_to="pytest_gpu.txt"),
+        # the fastest engine so far against its per-channel variant (never run on a GPU)
+        Step("engines", bench_gpu("engine_w8a8,engine_w8a8_channel"), max_s=170, min_s=100),
+        Step("kernels", bench_gpu("ceilings,roofline,kernels"), max_s=130, min_s=60),
+        Step("constrained", bench_gpu("constrained"), max_s=150, min_s=100),
+        Step("vision_encoder", bench_gpu("vision_encoder"), max_s=60, min_s=30),
+    ),
+    "tune": (
+        Step("tune_moe_w8a8", bench_kernels("--tune-moe", "--fp8", "--w8a8", "--buckets", "4096", "16384", "256", "1"),
+             max_s=200, min_s=60, tail_to="tune_moe_w8a8.txt", tail_lines=200),
+        Step("tune_moe_w8a8_channel", bench_kernels("--tune-moe", "--fp8", "--w8a8", "--per-channel",
+                                                    "--buckets", "4096", "16384", "256", "1"),
+             max_s=200, min_s=60, tail_to="tune_moe_w8a8_channel.txt", tail_lines=200),
+        Step("tune_decode_fp8", bench_kernels("--tune-decode", "--fp8"), max_s=180, min_s=60,
+             tail_to="tune_decode_fp8.txt", tail_lines=200),
+    ),
+}
+
+
+def install_wheels(wheels: Path, log) -> dict[str, str]:
+    """pip-install the carried wheels into SITE_DIR; the environment the steps then run in."""
+    command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+               "--no-cache-dir", "--upgrade", "--target", str(SITE_DIR), *sorted(str(p) for p in wheels.glob("*.whl"))]
+    subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+    return {"PYTHONPATH": os.pathsep.join([str(SITE_DIR), str(REPO_ROOT)])}
+
+
+def run_plan(steps: tuple[Step, ...] | list[Step], budget_s: float, out: Path,
+             env: dict[str, str] | None = None, cwd: Path = REPO_ROOT) -> list[StepResult]:
+    """Run `steps` in order within `budget_s` seconds from now; results are also written to
+    `out/session.json` after every step (a call cut short keeps what finished)."""
+    out = out.resolve()  # the steps run in `cwd`
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + budget_s
+    step_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    results: list[StepResult] = []
+    with open(out / "session.log", "a") as log:
+        for step in steps:
+            command = [part.replace("{out}", str(out)) for part in step.argv]
+            limit = min(step.max_s, deadline - time.monotonic())
+            if limit < step.min_s:
+                results.append(StepResult(step.name, "skipped", limit_s=max(limit, 0.0), command=command))
+                print(f"[gpu_session] {step.name}: skipped ({max(limit, 0):.0f} s left, needs {step.min_s:.0f})",
+                      flush=True)
+            else:
+                results.append(_run_step(step, command, limit, out, log, step_env, cwd))
+            (out / "session.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+    return results
+
+
+def _run_step(step: Step, command: list[str], limit: float, out: Path, log, env, cwd: Path) -> StepResult:
+    header = f"\n===== {step.name} (limit {limit:.0f} s): {shlex.join(command)}\n"
+    print(header.strip(), flush=True)
+    log.write(header)
+    log.flush()
+    lines: list[str] = []
+    started = time.monotonic()
+    # its own process group, so a step stopped at its limit takes its children (compile workers) along
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    stopped = threading.Event()
+
+    def stop() -> None:
+        stopped.set()
+        _stop_group(process)
+
+    timer = threading.Timer(limit, stop)  # the reads below block, so a silent step is stopped from here
+    timer.start()
+    try:
+        for line in process.stdout:  # ends when the group has exited (or was stopped)
+            log.write(line)
+            log.flush()
+            lines.append(line)
+        process.wait()
+    finally:
+        timer.cancel()
+    seconds = time.monotonic() - started
+    if step.tail_to:
+        (out / step.tail_to).write_text("".join(lines[-step.tail_lines:]))
+    status = "timeout" if stopped.is_set() else ("ok" if process.returncode == 0 else "failed")
+    print(f"[gpu_session] {step.name}: {status} in {seconds:.0f} s (exit {process.returncode})", flush=True)
+    return StepResult(step.name, status, seconds, process.returncode, limit, command)
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM the step's process group, SIGKILL it if it is still there after KILL_GRACE_S."""
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plan", choices=sorted(PLANS), default="record")
+    parser.add_argument("--budget", type=float, default=560.0,
+                        help="seconds for the whole plan, wheels included (default 560: a 600 s call "
+                             "with room to spare)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "scratch/gpu_session")))
+    parser.add_argument("--wheels", type=Path, help="a folder of wheels to install first (.whl from gpu-wheels)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    args = parser.parse_args(argv)
+    if args.budget <= 0:
+        parser.error(f"--budget must be positive, got {args.budget}")
+    steps = PLANS[args.plan]
+    if args.dry_run:
+        for step in steps:
+            print(f"{step.name}: {shlex.join(step.argv)}  (at most {step.max_s:.0f} s, skipped under {step.min_s:.0f} s)")
+        return 0
+    if args.wheels is not None and not args.wheels.is_dir():
+        parser.error(f"--wheels {args.wheels} is not a folder (run ../shared/tools/gpu-wheels and carry .whl)")
+    started = time.monotonic()
+    env = {}
+    if args.wheels is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "session.log", "a") as log:
+            env = install_wheels(args.wheels, log)
+    results = run_plan(steps, args.budget - (time.monotonic() - started), args.out, env)
+    print(json.dumps([(r.name, r.status, round(r.seconds)) for r in results]))
+    return 0 if all(r.status == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""scripts/gpu_session.py: a device call's steps run in order inside a budget; a step over its
+limit is stopped with its children, one that cannot get its minimum is skipped; the plans name
+phases, options and markers that exist."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", REPO_ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def session():
+    return load_script("gpu_session")
+
+
+def python_step(session, name: str, code: str, max_s: float = 30, min_s: float = 0, **options):
+    return session.Step(name, (sys.executable, "-c", code), max_s=max_s, min_s=min_s, **options)
+
+
+def test_steps_run_in_order_with_status_log_and_tail(session, tmp_path):
+    steps = [
+        python_step(session, "first", "print('one'); print('two'); print('three')", tail_to="first.txt", tail_lines=2),
+        python_step(session, "fails", "import sys; print('bad'); sys.exit(3)"),
+        python_step(session, "writes", "import sys; open(sys.argv[1], 'w').write('x')"),
+    ]
+    steps[2] = session.Step("writes", (*steps[2].argv, "{out}/made.txt"), max_s=30, min_s=0)
+    results = session.run_plan(steps, budget_s=120, out=tmp_path)
+    assert [(r.name, r.status, r.returncode) for r in results] == [("first", "ok", 0), ("fails", "failed", 3),
+                                                                   ("writes", "ok", 0)]
+    assert (tmp_path / "first.txt").read_text() == "two\nthree\n"
+    assert (tmp_path / "made.txt").read_text() == "x"
+    log = (tmp_path / "session.log").read_text()
+    assert log.index("===== first") < log.index("one") < log.index("===== fails") < log.index("bad")
+    recorded = json.loads((tmp_path / "session.json").read_text())
+    assert [r["status"] for r in recorded] == ["ok", "failed", "ok"]
+
+
+def test_a_step_past_its_limit_is_stopped_with_its_children_and_the_next_runs(session, tmp_path):
+    marker = tmp_path / "child_survived"
+    child = tmp_path / "child.py"  # would write the marker after 4 s
+    child.write_text(f"import time\ntime.sleep(4)\nopen({str(marker)!r}, 'w').close()\n")
+    code = ("import subprocess, sys, time; print('started', flush=True); "
+            f"subprocess.Popen([sys.executable, {str(child)!r}]); time.sleep(60)")
+    steps = [python_step(session, "hangs", code, max_s=2, tail_to="hangs.txt"), python_step(session, "next", "pass")]
+    started = time.monotonic()
+    results = session.run_plan(steps, budget_s=60, out=tmp_path)
+    assert time.monotonic() - started < 20
+    assert [r.status for r in results] == ["timeout", "ok"]
+    assert results[0].seconds < 15 and results[0].limit_s == 2
+    assert (tmp_path / "hangs.txt").read_text() == "started\n"  # what it printed before it was stopped
+    time.sleep(4)
+    assert not marker.exists(), "the stopped step's child ran on"
+
+
+def test_a_silent_step_is_stopped_too(session, tmp_path):
+    results = session.run_plan([python_step(session, "silent", "import time; time.sleep(60)", max_s=1.5)],
+                               budget_s=30, out=tmp_path)
+    assert results[0].status == "timeout" and results[0].seconds < 15
+
+
+def test_steps_never_run_past_the_budget_and_skip_below_their_minimum(session, tmp_path):
+    steps = [
+        python_step(session, "long", "import time; time.sleep(60)", max_s=100),
+        python_step(session, "needs_time", "pass", min_s=5),
+    ]
+    results = session.run_plan(steps, budget_s=2, out=tmp_path)
+    assert results[0].status == "timeout" and results[0].limit_s <= 2
+    assert results[1].status == "skipped" and results[1].returncode is None
+
+
+def test_plans_name_what_exists(session):
+    """Every bench_gpu phase and bench_kernels option a plan uses exists; pytest's gpu marker is declared."""
+    bench_gpu = load_script("bench_gpu")
+    kernel_options = (REPO_ROOT / "scripts" / "bench_kernels.py").read_text()
+    markers = (REPO_ROOT / "pyproject.toml").read_text()
+    assert '"gpu: ' in markers
+    for plan in session.PLANS.values():
+        for step in plan:
+            assert 0 < step.min_s <= step.max_s < 600, step
+            argv = list(step.argv)
+            if "scripts/bench_gpu.py" in argv:
+                phases = argv[argv.index("--phases") + 1].split(",")
+                assert set(phases) <= set(bench_gpu.PHASES), phases
+            elif "scripts/bench_kernels.py" in argv:
+                for option in (a for a in argv if a.startswith("--")):
+                    assert f'"{option}"' in kernel_options, option
+            else:
+                assert argv[:3] == ["python3", "-m", "pytest"] and "gpu" in argv, argv
+    record = [step.name for step in session.PLANS["record"]]
+    assert record[0] == "pytest_gpu"  # the correctness check first: the engine numbers mean little without it
+
+
+def test_dry_run_prints_the_plan(session, capsys):
+    assert session.main(["--plan", "record", "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    for step in session.PLANS["record"]:
+        assert f"{step.name}: {shlex.join(step.argv)}" in printed
+
+
+def test_bad_arguments_are_refused_with_the_reason(session, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        session.main(["--budget", "0"])
+    assert "--budget must be positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        session.main(["--wheels", str(tmp_path / "missing"), "--out", str(tmp_path)])
+    assert "is not a folder" in capsys.readouterr().err
