@@ -69,7 +69,9 @@ def quantize_activations(values: torch.Tensor, group: int) -> tuple[torch.Tensor
     (`kernels/jit/fp8_quant.py`, a power-of-two group), this torch reference elsewhere."""
     from kernels.dispatch import use_triton
 
-    if use_triton(values, op="quantize_activations") and group & (group - 1) == 0 and values.stride(-1) == 1:
+    one_group_per_row = group >= values.shape[-1]  # any width: the kernel widens it to a power of two
+    power_of_two = group & (group - 1) == 0
+    if use_triton(values, op="quantize_activations") and (one_group_per_row or power_of_two) and values.stride(-1) == 1:
         return quantize_activations_triton(values, group)
     return quantize_activations_reference(values, group)
 
@@ -84,7 +86,7 @@ def quantize_activations_triton(
     from kernels.jit.fp8_quant import quantize_activations_kernel
 
     rows, cols = values.shape
-    if group > cols:  # one group per row either way (per-token scales): no tile wider than the row
+    if group >= cols:  # one group per row (per-token scales): a power-of-two tile over the row alone
         group = max(16, triton.next_power_of_2(cols))
     if quantized is None:
         quantized = torch.empty((rows, cols), dtype=FP8_DTYPE, device=values.device)
@@ -125,6 +127,15 @@ def per_channel_block(*reductions: int) -> tuple[int, int]:
     (the usual "FP8 dynamic" recipe); the fused MoE then scales once, after its K loop."""
     longest = max(reductions)
     return 1, 1 << max(longest - 1, 15).bit_length()  # at least 16 (the tl.dot minimum)
+
+
+def fp8_k_loop(block_size_k: int, quant_block_k: int, reduction: int) -> tuple[int, bool]:
+    """(K step, scale after the loop) of a GEMM over FP8 weights reducing `reduction` columns.
+    Where one scale block spans the whole reduction (per-channel weights) the scales multiply
+    the sums once, after the loop, and the configured step stands; otherwise `fp8_block_k`."""
+    if quant_block_k >= reduction:
+        return block_size_k, True
+    return fp8_block_k(block_size_k, quant_block_k), False
 
 
 def fp8_block_k(block_size_k: int, quant_block_k: int) -> int:

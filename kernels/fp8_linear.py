@@ -34,7 +34,7 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton, widens_with_ptx
-from kernels.fp8 import FP8_DTYPE, dequantize, fp8_block_k, gemm_input, quantize_activations
+from kernels.fp8 import FP8_DTYPE, dequantize, fp8_k_loop, gemm_input, quantize_activations
 from kernels.moe.configs import MoeKernelConfig, as_moe_config
 
 
@@ -50,7 +50,7 @@ def fp8_linear(
     Hopper GPU runs on cuBLAS where it passed its check (kernels/fp8_linear_cublas.py)."""
     if use_triton(x, weight, op="fp8_linear"):
         if fp8_activations and fp8_linear_cublas.usable(x, weight, weight_scale, block):
-            return fp8_linear_cublas.fp8_linear_cublas(x, weight, weight_scale, bias, block)
+            return fp8_linear_cublas.fp8_linear_cublas(x, weight, weight_scale, bias, block=block)
         return fp8_linear_triton(x, weight, weight_scale, block, bias, fp8_activations)
     return fp8_linear_reference(x, weight, weight_scale, block, bias, fp8_activations)
 
@@ -111,6 +111,7 @@ def fp8_linear_triton(
     inputs, input_scale = flat, flat  # the scale is a placeholder unless FP8_ACTIVATIONS
     if fp8_activations:
         inputs, input_scale = quantize_activations(flat, quant_k)  # [M, K] e4m3, [M, K / quant_k]
+    block_k, scale_after_loop = fp8_k_loop(config.block_size_k, quant_k, in_features)
     grid = (triton.cdiv(num_rows, config.block_size_m) * triton.cdiv(out_features, config.block_size_n),)
     fp8_linear_kernel[grid](
         # pointers
@@ -133,7 +134,7 @@ def fp8_linear_triton(
         # meta-parameters
         BLOCK_M=config.block_size_m,
         BLOCK_N=config.block_size_n,
-        BLOCK_K=fp8_block_k(config.block_size_k, quant_k),
+        BLOCK_K=block_k,
         GROUP_M=config.group_size_m,
         DOT_PRECISION=dot_precision(x.dtype),
         FP8_ACTIVATIONS=fp8_activations,
@@ -141,7 +142,7 @@ def fp8_linear_triton(
         QUANT_N=quant_n,
         QUANT_K=quant_k,
         WIDEN_WITH_PTX=widens_with_ptx(fp8_linear_kernel),
-        SCALE_AFTER_LOOP=quant_k >= in_features,
+        SCALE_AFTER_LOOP=scale_after_loop,
         **config.launch_options(),
     )
     return out.view(*x.shape[:-1], out_features)  # [..., N]

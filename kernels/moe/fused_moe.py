@@ -64,7 +64,7 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton, widens_with_ptx
-from kernels.fp8 import FP8_DTYPE, dequantize, fp8_block_k, gemm_input, quantize_activations
+from kernels.fp8 import FP8_DTYPE, dequantize, fp8_k_loop, gemm_input, quantize_activations
 from kernels.moe.align import MoeAlignment, max_padded_pairs
 from kernels.moe.configs import MoeKernelConfig, as_moe_config, get_moe_config
 
@@ -243,12 +243,13 @@ def moe_gemm_config(
 
 
 def per_channel_experts(w13: torch.Tensor, block_shape: tuple[int, int] | None) -> bool:
-    """FP8 experts whose scale blocks are single rows spanning both GEMMs' reductions (H and I):
-    both kernels then scale after their K loops."""
+    """FP8 experts whose scale blocks span both GEMMs' reductions (H and I), as per-channel ones
+    do: both kernels then scale after their K loops, the loop the per-channel tile entries are
+    for (whatever the blocks' row count)."""
     if block_shape is None:
         return False
     _, two_intermediate, hidden_size = w13.shape
-    return block_shape[0] == 1 and block_shape[1] >= max(hidden_size, two_intermediate // 2)
+    return block_shape[1] >= max(hidden_size, two_intermediate // 2)
 
 
 def _fused_moe_chunk(
@@ -276,13 +277,17 @@ def _fused_moe_chunk(
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     config = moe_gemm_config(num_tokens, w13, top_k, config, fp8_activations, None if scales is None else scales[2])
-    block_k = config.block_size_k
+    # each GEMM's K step, and whether one scale block spans its whole reduction, so that the
+    # scales multiply its sums once, after the K loop (jit/fused_moe.py)
+    gate_up_block_k = down_block_k = config.block_size_k
+    gate_up_scaled_after = down_scaled_after = False
     if scales is None:  # placeholders, never read when FP8_WEIGHTS is False
         w13_scale, w2_scale, (quant_n, quant_k) = hidden, hidden, (1, 1)
         scale_strides = (0, 0, 0, 0)
     else:
         w13_scale, w2_scale, (quant_n, quant_k) = scales
-        block_k = fp8_block_k(block_k, quant_k)
+        gate_up_block_k, gate_up_scaled_after = fp8_k_loop(config.block_size_k, quant_k, hidden_size)
+        down_block_k, down_scaled_after = fp8_k_loop(config.block_size_k, quant_k, intermediate)
         scale_strides = (w13_scale.stride(0), w13_scale.stride(1), w2_scale.stride(0), w2_scale.stride(1))
 
     if alignment is None:
@@ -302,7 +307,6 @@ def _fused_moe_chunk(
     meta = dict(
         BLOCK_M=config.block_size_m,
         BLOCK_N=config.block_size_n,
-        BLOCK_K=block_k,
         GROUP_M=config.group_size_m,
         DOT_PRECISION=dot_precision(hidden.dtype),
         FP8_WEIGHTS=scales is not None,
@@ -312,9 +316,6 @@ def _fused_moe_chunk(
         WIDEN_WITH_PTX=widens_with_ptx(moe_gate_up_silu_kernel),
         **config.launch_options(),
     )
-    # one scale block along a GEMM's whole reduction: the scales multiply its sums once (jit/fused_moe.py)
-    gate_up_scaled_after = scales is not None and quant_k >= hidden_size
-    down_scaled_after = scales is not None and quant_k >= intermediate
 
     moe_gate_up_silu_kernel[(num_m_blocks * triton.cdiv(intermediate, config.block_size_n),)](
         # pointers
@@ -341,6 +342,7 @@ def _fused_moe_chunk(
         scale_strides[1],
         activated.stride(0),
         **meta,
+        BLOCK_K=gate_up_block_k,
         SCALE_AFTER_LOOP=gate_up_scaled_after,
     )
     gemm2_input, gemm2_scale = activated, activated
@@ -372,6 +374,7 @@ def _fused_moe_chunk(
         weights.stride(0),
         pair_out.stride(0),
         **meta,
+        BLOCK_K=down_block_k,
         SCALE_AFTER_LOOP=down_scaled_after,
     )
     terms = pair_out.view(num_tokens, top_k, hidden_size)  # [T*K, H] -> [T, K, H]

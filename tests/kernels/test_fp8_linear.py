@@ -89,6 +89,8 @@ CASES = [
     # per-channel: one scale per weight row (and per input row), applied after the K loop
     (37, 200, 72, per_channel_block(200), MoeKernelConfig(16, 32, 32, 2, 4, 2)),  # ragged K: the block is 256
     (70, 128, 96, per_channel_block(128), None),
+    # a block exactly K wide, of no power of two: no K step has to fit inside it (the scales come after)
+    (9, 40, 48, (1, 40), MoeKernelConfig(16, 32, 32, 1, 4, 2)),
 ]
 
 

@@ -18,6 +18,7 @@ from kernels.fp8 import (
     dequantize,
     dequantize_activations,
     fp8_block_k,
+    fp8_k_loop,
     per_channel_block,
     quantize,
     quantize_activations,
@@ -92,6 +93,14 @@ def test_k_step_fits_one_scale_block():
         fp8_block_k(64, 40)
 
 
+def test_a_block_spanning_the_reduction_keeps_the_configured_step_and_scales_after_the_loop():
+    assert fp8_k_loop(64, 40, 40) == (64, True)  # one block of 40 over K = 40: any step
+    assert fp8_k_loop(128, 2048, 768) == (128, True)  # per_channel_block(2048, 768) on the down GEMM
+    assert fp8_k_loop(128, 128, 2048) == (128, False) and fp8_k_loop(128, 48, 96) == (16, False)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fp8_k_loop(64, 40, 80)  # two blocks of 40 along K: a step must fit in one
+
+
 # --------------------------------------------------------------------------- reference
 def test_reference_is_the_plain_reference_on_widened_weights():
     block = (16, 16)
@@ -124,6 +133,8 @@ CASES = [
     (33, 40, 48, 4, 2, MoeKernelConfig(32, 32, 16, 1, 4, 2), per_channel_block(40, 48)),
     # one block spans H (gate/up scales after its loop) but not I (down scales each K step)
     (9, 40, 64, 4, 2, MoeKernelConfig(16, 32, 32, 1, 4, 2), (16, 48)),
+    # per-channel blocks exactly H = I wide, of no power of two: no K step has to fit inside them
+    (7, 40, 40, 4, 2, MoeKernelConfig(16, 32, 32, 1, 4, 2), (1, 40)),
 ]
 
 
@@ -162,14 +173,15 @@ def test_fp8_activations_quantize_per_token_group():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,cols,group", [(5, 40, 16), (70, 256, 128), (1, 32, 32), (9, 768, 2048), (3, 40, 64)])
+@pytest.mark.parametrize("rows,cols,group", [(5, 40, 16), (70, 256, 128), (1, 32, 32), (9, 768, 2048), (3, 40, 64),
+                                             (4, 40, 40)])
 def test_triton_activation_quantization_matches_the_reference(triton_device, dtype, rows, cols, group):
     # exact under the interpreter (same float32 division and rounding); ragged last group included;
-    # groups wider than the row (per-token scales) tile the row alone
+    # groups as wide as the row or wider (per-token scales), of any width, tile the row alone
     values = (torch.randn(rows, cols) * 3).to(dtype).to(triton_device)
     values[0, :group] = 0  # an all-zero group: scale 1
-    if group & (group - 1):
-        pytest.skip("the kernel takes power-of-two groups")
+    if group & (group - 1) and group < cols:
+        pytest.skip("the kernel takes power-of-two groups, or one group per row")
     got_q, got_scale = quantize_activations_triton(values, group)
     want_q, want_scale = quantize_activations_reference(values, group)
     assert torch.equal(got_scale, want_scale)
