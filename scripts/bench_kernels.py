@@ -772,10 +772,10 @@ def bench_dense_fp8(shapes: Shapes, dtype, device, timer) -> list[Row]:
                         ("w8a16, per-channel", partial(fp8_linear_triton, x, per_row, row_scale, row_block, None, False)),
                         ("w8a8, per-channel", partial(fp8_linear_triton, x, per_row, row_scale, row_block, None, True))]
             if cublas.usable(x, quantized, scale, block):
-                variants.append(("w8a8, cublas", partial(cublas.fp8_linear_cublas, x, quantized, scale)))
+                variants.append(("w8a8, cublas", partial(cublas.fp8_linear_cublas, x, quantized, scale, block=block)))
             if cublas.usable(x, per_row, row_scale, row_block):
                 variants.append(("w8a8, per-channel, cublas",
-                                 partial(cublas.fp8_linear_cublas, x, per_row, row_scale, None, row_block)))
+                                 partial(cublas.fp8_linear_cublas, x, per_row, row_scale, block=row_block)))
             for variant, run in variants:
                 ms = timer(run)
                 rows.append(Row(

@@ -66,7 +66,7 @@ def hopper(monkeypatch):
 @pytest.mark.parametrize("rows,in_features,out_features", SHAPES)
 def test_operands_pass_torchs_own_checks_for_block_scaled_scaled_mm(rows, in_features, out_features):
     x, weight, scale = inputs(rows, in_features, out_features)
-    a, scale_a, b, scale_b = cublas.cublas_operands(x, weight, scale)
+    a, scale_a, b, scale_b = cublas.cublas_operands(x, weight, scale, BLOCK)
     padded = -(-rows // 4) * 4
     assert a.shape == (padded, in_features) and scale_a.stride() == (1, padded)
     assert (a[rows:].view(torch.uint8) == 0).all() and (scale_a[rows:] == 1).all()  # padding rows
@@ -80,7 +80,7 @@ def test_operands_pass_torchs_own_checks_for_block_scaled_scaled_mm(rows, in_fea
 def test_an_unpadded_weight_scale_fails_torchs_check():
     """Why the K side of the weight's scales is padded: 9 K-blocks are not accepted as they are."""
     x, weight, scale = inputs(4, 1152, 1152)
-    a, scale_a, b, _ = cublas.cublas_operands(x, weight, scale)
+    a, scale_a, b, _ = cublas.cublas_operands(x, weight, scale, BLOCK)
     unpadded = scale.t()  # [9, 9]: the weight's scales transposed, K side not padded to 12
     with FakeTensorMode() as mode, pytest.raises(RuntimeError, match="blockwise"):
         F.scaled_mm(mode.from_tensor(a), mode.from_tensor(b), mode.from_tensor(scale_a), F.ScalingType.BlockWise1x128,
@@ -113,7 +113,7 @@ def test_the_documented_gemm_on_these_operands_matches_the_reference(
     expected = fp8_linear_reference(x, weight, scale, block, bias, fp8_activations=True)
     # tolerance: TOLERANCE[dtype] of max |expected|, as for the Triton kernel (the same operands,
     # float32 accumulation; one more rounding where the bias is added)
-    assert_close(cublas.fp8_linear_cublas(x, weight, scale, bias, block), expected, rel=TOLERANCE[dtype])
+    assert_close(cublas.fp8_linear_cublas(x, weight, scale, bias, block=block), expected, rel=TOLERANCE[dtype])
     stacked = cublas.fp8_linear_cublas(x.view(1, rows, in_features), weight, scale, block=block)  # leading dims kept
     assert stacked.shape == (1, rows, out_features)
     assert cublas.fp8_linear_cublas(x[:0], weight, scale, block=block).shape == (0, out_features)
@@ -155,6 +155,35 @@ def test_a_wrong_or_failing_gemm_keeps_the_triton_kernel_with_a_warning(hopper, 
     assert "CUBLAS_STATUS_NOT_SUPPORTED" in caplog.text
 
 
+def test_the_first_call_check_is_per_recipe_and_any_failure_keeps_triton(hopper, monkeypatch, caplog):
+    """A row-wise weight is checked on the row-wise recipe under a key of its own; a failure of any
+    kind (here a compile error's own class, not one of torch's) keeps the Triton kernel."""
+    recipes = []
+
+    def recording(a, b, scale_a, recipe_a, *args, **kwargs):
+        recipes.append((recipe_a, kwargs.get("use_fast_accum")))
+        return documented_scaled_mm(a, b, scale_a, recipe_a, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_mm", recording)
+    block = per_channel_block(256)
+    x, weight, scale = inputs(8, 256, 384, block=block)
+    assert cublas.usable(x, weight, scale, block) and cublas.usable(x, weight, scale, block)
+    assert recipes == [(F.ScalingType.RowWise, True)]
+    assert list(cublas._checked) == [(x.device, (384, 256), torch.bfloat16, block)]
+
+    class CompilationError(Exception):  # not a RuntimeError, as triton.compiler.errors.CompilationError
+        pass
+
+    def failing(*args, **kwargs):
+        raise CompilationError("arange's range must be a power of 2")
+
+    monkeypatch.setattr(F, "scaled_mm", failing)
+    other = inputs(8, 512, 384, block=per_channel_block(512))
+    with caplog.at_level(logging.WARNING, logger="kernels.fp8_linear_cublas"):
+        assert not cublas.usable(other[0], other[1], other[2], per_channel_block(512))
+    assert "power of 2" in caplog.text and "row-wise" in caplog.text
+
+
 def test_only_eligible_operands_and_devices_take_cublas(hopper, monkeypatch):
     x, weight, scale = inputs(8, 256, 384)
     assert cublas.eligible(x, weight, BLOCK)
@@ -177,13 +206,15 @@ def test_fp8_linear_sends_w8a8_to_cublas_where_usable(monkeypatch):
     taken = []
     monkeypatch.setattr(dense, "use_triton", lambda *tensors, op: True)
     monkeypatch.setattr(cublas, "usable", lambda *args: True)
-    monkeypatch.setattr(cublas, "fp8_linear_cublas", lambda *args: taken.append("cublas") or "cublas")
-    monkeypatch.setattr(dense, "fp8_linear_triton", lambda *args: taken.append("triton") or "triton")
+    monkeypatch.setattr(cublas, "fp8_linear_cublas", lambda *args, block: taken.append(("cublas", block)) or "cublas")
+    monkeypatch.setattr(dense, "fp8_linear_triton", lambda *args: taken.append(("triton", args[3])) or "triton")
     assert kernels.fp8_linear(x, weight, scale, BLOCK, fp8_activations=True) == "cublas"
+    assert kernels.fp8_linear(x, weight, scale, (1, 256), fp8_activations=True) == "cublas"  # per-channel
     assert kernels.fp8_linear(x, weight, scale, BLOCK, fp8_activations=False) == "triton"  # W8A16: Triton
     monkeypatch.setattr(cublas, "usable", lambda *args: False)
     assert kernels.fp8_linear(x, weight, scale, BLOCK, fp8_activations=True) == "triton"
-    assert taken == ["cublas", "triton", "triton"]
+    # each GEMM gets the weight's own blocks: per-channel scales read as 128 x 128 blocks would be wrong
+    assert taken == [("cublas", BLOCK), ("cublas", (1, 256)), ("triton", BLOCK), ("triton", BLOCK)]
 
 
 # --------------------------------------------------------------------------- on a GPU
