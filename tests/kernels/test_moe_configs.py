@@ -104,6 +104,7 @@ def test_per_channel_experts_look_up_entries_of_their_own(monkeypatch):
     assert per_channel_experts(w13, per_channel_block(2048, 768))
     assert not per_channel_experts(w13, (128, 128)) and not per_channel_experts(w13, None)
     assert not per_channel_experts(w13, (1, 1024))  # spans I (768) but not H (2048)
+    assert per_channel_experts(w13, (128, 2048))  # rows of 128, but both loops scale after: the same tiles
     assert moe_gemm_config(4000, w13, 8, fp8_activations=True, block_shape=per_channel_block(2048, 768)) is marker
     assert moe_gemm_config(4000, w13, 8, fp8_activations=True, block_shape=(128, 128)) is not marker
     line = format_config_entry(128, 2048, 768, torch.float8_e4m3fn, 4096, marker, fp8_activations=True,
