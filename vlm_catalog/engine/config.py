@@ -9,14 +9,14 @@ import torch
 
 from kernels.dispatch import kernel_backend, kernels_off
 from kernels.fp8 import FP8_DTYPE
-from vlm_catalog.model.loader import QUANTIZATION_MODES
+from vlm_catalog.model.fp8 import QUANTIZATION_MODES
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # what the paged KV cache stores: "auto" is the model's dtype; "fp8" (e4m3, as vLLM's
 # "fp8"/"fp8_e4m3") halves the bytes per token against bf16, so twice the tokens fit
 KV_CACHE_DTYPES = {"fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
-# how the weights are held, QUANTIZATION_MODES (vlm_catalog/model/loader.py): "auto" keeps an
+# how the weights are held, QUANTIZATION_MODES (vlm_catalog/model/fp8.py, loader.py's doc): "auto" keeps an
 # FP8 checkpoint's experts in FP8 on CUDA; "fp8" holds them in FP8 anywhere, quantizing an
 # unquantized checkpoint at load; "fp8_w8a8" also holds the dense projections in FP8 and
 # quantizes every FP8 GEMM's input (FP8 tensor cores); "fp8_w8a8_channel" is "fp8_w8a8" with

@@ -23,6 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# how a model holds its weights (`quantization`, vlm_catalog/model/loader.py's module doc)
+QUANTIZATION_MODES = ("auto", "fp8", "fp8_w8a8", "fp8_w8a8_channel", "none")
+W8A8_MODES = ("fp8_w8a8", "fp8_w8a8_channel")  # FP8 dense projections and FP8 GEMM inputs
+
 
 @dataclass(frozen=True)
 class Fp8BlockQuantization:

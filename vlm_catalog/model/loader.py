@@ -66,7 +66,12 @@ from torch import nn
 
 from kernels.fp8 import FP8_DTYPE, dequantize, per_channel_block, quantize, requantize
 from vlm_catalog.model.config import ModelConfig, TextConfig
-from vlm_catalog.model.fp8 import Fp8BlockQuantization, fitting_block
+from vlm_catalog.model.fp8 import (
+    QUANTIZATION_MODES,
+    W8A8_MODES,
+    Fp8BlockQuantization,
+    fitting_block,
+)
 from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel
 from vlm_catalog.model.text import Fp8Linear, MoEExperts, dense_input_widths, dense_row_counts
 
@@ -75,8 +80,6 @@ logger = logging.getLogger(__name__)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_GROUP_BYTES = 256 * 2**20
-QUANTIZATION_MODES = ("auto", "fp8", "fp8_w8a8", "fp8_w8a8_channel", "none")
-W8A8_MODES = ("fp8_w8a8", "fp8_w8a8_channel")  # FP8 dense projections and FP8 GEMM inputs
 SCALE_SUFFIX = "_scale_inv"  # `<weight name>_scale_inv`: the block scales of an FP8 weight
 FP8_SAFETENSORS_DTYPE = "F8_E4M3"
 
@@ -93,7 +96,7 @@ def load_model(
     quantization: str = "auto",
 ) -> Qwen3VLMoeModel:
     """Build the model for `checkpoint_dir` and stream its weights in (`quantization`: the
-    module doc's "auto", "fp8", "fp8_w8a8" or "none")."""
+    module doc's "auto", "fp8", "fp8_w8a8", "fp8_w8a8_channel" or "none")."""
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {checkpoint_dir}")
