@@ -39,7 +39,10 @@ def test_tables_are_computed_once_per_grid_shape_and_give_the_same_output():
         uncached(pixels[start:start + t * h * w], torch.tensor([[t, h, w]])).embeddings
         for start, (t, h, w) in zip([0, 24, 56, 80], [(1, 4, 6), (1, 8, 4), (1, 4, 6), (2, 4, 6)])
     ])
-    torch.testing.assert_close(cold.embeddings, separately, rtol=1e-5, atol=1e-6)
+    # tolerance: float32 noise. The batched and the one-image runs multiply matrices of other row
+    # counts, which BLAS may sum in other orders (on an AMD EPYC host one element of 1280 moved by
+    # 3.6e-6, 2.6e-5 relative); a wrong table moves every row of its image by O(1)
+    torch.testing.assert_close(cold.embeddings, separately, rtol=1e-4, atol=1e-5)
 
 
 def test_new_weights_invalidate_the_tables():
