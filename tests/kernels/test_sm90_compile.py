@@ -73,8 +73,9 @@ def test_kernels_compile_for_sm90():
         assert " 0 f16->bf16 conversions" in line and " 0 shared byte loads" in line, result.stdout
     # The GEMMs over FP8 weights with bf16 inputs widen the weights by inline PTX
     # (kernels/jit/fp8_widen.py): 16-136 scalar conversions per kernel before, none now.
-    fp8_weights = re.findall(r"\[T=\d+, fp8 (?:experts|weights)\] / \w+: ok \((.*)\)", result.stdout)
-    assert len(fp8_weights) == 9, result.stdout  # 3 token counts x (2 MoE GEMMs + the dense one)
+    fp8_weights = re.findall(r"\[T=\d+, fp8 (?:per-channel )?(?:experts|weights)(?: per-channel)?\] / \w+: ok \((.*)\)",
+                             result.stdout)
+    assert len(fp8_weights) == 18, result.stdout  # 3 token counts x (2 MoE GEMMs + the dense one) x 2 scale layouts
     assert all(" 0 f16->bf16 conversions" in line for line in fp8_weights), result.stdout
     # The decode loop's SASS per iteration of 64 positions, every cache dtype and batch: 945-1117
     # instructions before the changes above, the compile-time block size and the fused write's
