@@ -21,6 +21,7 @@ steps write their own results into `$OUT` (at most 8 files come back from a devi
   kernels, constrained, and the vision encoder, as far as the budget goes.
 - `tune`: the W8A8 MoE tile tuning (block scales, then per-channel) and the FP8 decode
   attention's launch settings, each bucket printed as it is done.
+- `smoke`: two engine phases on CPU at the default model's shapes, to try the runner here.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ PYTEST_SUMMARY_LINES = 40  # the tail of pytest's output kept as pytest_gpu.txt
 @dataclass(frozen=True)
 class Step:
     """One command of a plan. `max_s`: its own limit; `min_s`: skipped when less is left;
-    `{out}` in `argv` is the output folder; `tail_to`: the last `tail_lines` lines of its
+    `{out}` in `argv` is the output folder, and a leading "python3" is this script's own
+    interpreter; `tail_to`: the last `tail_lines` lines of its
     output are also written to this file in the output folder."""
 
     name: str
@@ -75,6 +77,8 @@ def bench_kernels(*args: str) -> tuple[str, ...]:
     return ("python3", "scripts/bench_kernels.py", *args)
 
 
+CPU_SMOKE = ("--tiny", "--device", "cpu", "--records", "2", "--output-tokens", "4", "--image-size", "small")
+
 # Times from the H100 run of 2026-11-25 (docs/benchmarks.md): pytest -m gpu 226 s; the kernels
 # phase 59 s; each engine phase 38-53 s and constrained 90 s, plus the catalogue and the random
 # model for each bench_gpu process. The steps' maxima add up to more than a call: the later ones
@@ -99,6 +103,11 @@ PLANS: dict[str, tuple[Step, ...]] = {
         Step("tune_decode_fp8", bench_kernels("--tune-decode", "--fp8"), max_s=180, min_s=60,
              tail_to="tune_decode_fp8.txt", tail_lines=200),
     ),
+    # on CPU with the default model's shapes: the runner and the JSON merge, end to end (a test)
+    "smoke": (
+        Step("engine", bench_gpu("engine", *CPU_SMOKE), max_s=120, min_s=10),
+        Step("engine_fp8", bench_gpu("engine_fp8", *CPU_SMOKE), max_s=120, min_s=10),
+    ),
 }
 
 
@@ -122,6 +131,8 @@ def run_plan(steps: tuple[Step, ...] | list[Step], budget_s: float, out: Path,
     with open(out / "session.log", "a") as log:
         for step in steps:
             command = [part.replace("{out}", str(out)) for part in step.argv]
+            if command[0] == "python3":  # the interpreter running this script (a venv's, here)
+                command[0] = sys.executable
             limit = min(step.max_s, deadline - time.monotonic())
             if limit < step.min_s:
                 results.append(StepResult(step.name, "skipped", limit_s=max(limit, 0.0), command=command))

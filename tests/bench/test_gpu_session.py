@@ -106,6 +106,19 @@ def test_plans_name_what_exists(session):
     assert record[0] == "pytest_gpu"  # the correctness check first: the engine numbers mean little without it
 
 
+def test_the_smoke_plan_merges_both_engine_phases_into_one_json(session, tmp_path, capsys):
+    """The CPU plan end to end through main(): bench_gpu.py runs twice, each writing its phase into
+    the output folder's bench_gpu.json; the summary says both steps passed."""
+    assert session.main(["--plan", "smoke", "--budget", "280", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "bench_gpu.json").read_text())
+    for phase in ("engine", "engine_fp8"):
+        assert results[phase]["fixed_150_tokens"]["errors"] == 0, results[phase]
+        assert results[phase]["fixed_150_tokens"]["generated_tokens"] == 8  # 2 records x 4 tokens
+    assert [(r["name"], r["status"]) for r in json.loads((tmp_path / "session.json").read_text())] == [
+        ("engine", "ok"), ("engine_fp8", "ok")]
+    assert "engine_fp8:" in (tmp_path / "session.log").read_text()
+
+
 def test_dry_run_prints_the_plan(session, capsys):
     assert session.main(["--plan", "record", "--dry-run"]) == 0
     printed = capsys.readouterr().out
