@@ -129,11 +129,17 @@ def per_channel_block(*reductions: int) -> tuple[int, int]:
     return 1, 1 << max(longest - 1, 15).bit_length()  # at least 16 (the tl.dot minimum)
 
 
+def spans_reduction(quant_block_k: int, reduction: int) -> bool:
+    """Whether one scale block spans a GEMM's whole reduction (per-channel weights): its scales
+    are then constant along K and multiply the GEMM's sums once, after the K loop."""
+    return quant_block_k >= reduction
+
+
 def fp8_k_loop(block_size_k: int, quant_block_k: int, reduction: int) -> tuple[int, bool]:
     """(K step, scale after the loop) of a GEMM over FP8 weights reducing `reduction` columns.
-    Where one scale block spans the whole reduction (per-channel weights) the scales multiply
-    the sums once, after the loop, and the configured step stands; otherwise `fp8_block_k`."""
-    if quant_block_k >= reduction:
+    Where one scale block spans the whole reduction (`spans_reduction`) the configured step
+    stands; otherwise `fp8_block_k`."""
+    if spans_reduction(quant_block_k, reduction):
         return block_size_k, True
     return fp8_block_k(block_size_k, quant_block_k), False
 

@@ -52,7 +52,12 @@ import torch.nn.functional as F
 
 from kernels.checks import dtype_name
 from kernels.dispatch import kernels_off
-from kernels.fp8 import FP8_DTYPE, quantize_activations_reference, quantize_activations_triton
+from kernels.fp8 import (
+    FP8_DTYPE,
+    quantize_activations_reference,
+    quantize_activations_triton,
+    spans_reduction,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +83,7 @@ def device_supported(device: torch.device) -> bool:
 
 def row_wise(block: tuple[int, int], in_features: int) -> bool:
     """Per-channel weights: blocks of one row spanning the whole reduction (one scale per row)."""
-    return block[0] == 1 and block[1] >= in_features
+    return block[0] == 1 and spans_reduction(block[1], in_features)
 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:

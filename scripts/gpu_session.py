@@ -111,11 +111,19 @@ PLANS: dict[str, tuple[Step, ...]] = {
 }
 
 
+class WheelInstallError(RuntimeError):
+    """The carried wheels could not be installed; the message says why."""
+
+
 def install_wheels(wheels: Path, log) -> dict[str, str]:
     """pip-install the carried wheels into SITE_DIR; the environment the steps then run in."""
+    found = sorted(str(path) for path in wheels.glob("*.whl"))
+    if not found:
+        raise WheelInstallError(f"{wheels} holds no wheels (run ../shared/tools/gpu-wheels and carry .whl)")
     command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-               "--no-cache-dir", "--upgrade", "--target", str(SITE_DIR), *sorted(str(p) for p in wheels.glob("*.whl"))]
-    subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
+               "--no-cache-dir", "--upgrade", "--target", str(SITE_DIR), *found]
+    if subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False).returncode:
+        raise WheelInstallError(f"pip could not install the wheels in {wheels} (its output is in session.log)")
     return {"PYTHONPATH": os.pathsep.join([str(SITE_DIR), str(REPO_ROOT)])}
 
 
@@ -216,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.wheels is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         with open(args.out / "session.log", "a") as log:
-            env = install_wheels(args.wheels, log)
+            try:
+                env = install_wheels(args.wheels, log)
+            except WheelInstallError as exc:
+                print(f"gpu_session: {exc}; no step ran", file=sys.stderr)
+                return 1
     results = run_plan(steps, args.budget - (time.monotonic() - started), args.out, env)
     print(json.dumps([(r.name, r.status, round(r.seconds)) for r in results]))
     return 0 if all(r.status == "ok" for r in results) else 1

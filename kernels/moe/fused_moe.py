@@ -64,7 +64,14 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton, widens_with_ptx
-from kernels.fp8 import FP8_DTYPE, dequantize, fp8_k_loop, gemm_input, quantize_activations
+from kernels.fp8 import (
+    FP8_DTYPE,
+    dequantize,
+    fp8_k_loop,
+    gemm_input,
+    quantize_activations,
+    spans_reduction,
+)
 from kernels.moe.align import MoeAlignment, max_padded_pairs
 from kernels.moe.configs import MoeKernelConfig, as_moe_config, get_moe_config
 
@@ -249,7 +256,7 @@ def per_channel_experts(w13: torch.Tensor, block_shape: tuple[int, int] | None) 
     if block_shape is None:
         return False
     _, two_intermediate, hidden_size = w13.shape
-    return block_shape[1] >= max(hidden_size, two_intermediate // 2)
+    return spans_reduction(block_shape[1], hidden_size) and spans_reduction(block_shape[1], two_intermediate // 2)
 
 
 def _fused_moe_chunk(

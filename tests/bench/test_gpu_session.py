@@ -133,3 +133,14 @@ def test_bad_arguments_are_refused_with_the_reason(session, tmp_path, capsys):
     with pytest.raises(SystemExit):
         session.main(["--wheels", str(tmp_path / "missing"), "--out", str(tmp_path)])
     assert "is not a folder" in capsys.readouterr().err
+
+
+def test_a_wheels_folder_that_cannot_be_installed_stops_before_any_step(session, tmp_path, capsys):
+    empty = tmp_path / "wheels"
+    empty.mkdir()
+    assert session.main(["--plan", "smoke", "--wheels", str(empty), "--out", str(tmp_path / "out")]) == 1
+    assert "holds no wheels" in capsys.readouterr().err
+    (empty / "broken-1.0-py3-none-any.whl").write_text("not a zip")
+    assert session.main(["--plan", "smoke", "--wheels", str(empty), "--out", str(tmp_path / "out")]) == 1
+    assert "pip could not install" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "session.json").exists()  # no step ran
