@@ -22,11 +22,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/vlm-catalog demo
 
+# The CPU suites run on every core (pytest-xdist; `PYTEST_WORKERS=0` runs them in this process).
+# The GPU tests stay in one process: they share one device and time it.
+PYTEST_WORKERS ?= auto
+PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist worksteal)
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PARALLEL)
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q $(PARALLEL) -m slow
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu
@@ -39,7 +44,7 @@ test-floor:
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install -q $(PIP_CONSTRAINT_FLAG) torch $(FLOOR_PINS)
 	$(FLOOR_VENV)/bin/python -m pip install -q $(PIP_CONSTRAINT_FLAG) -e ".[dev]" $(FLOOR_PINS)
-	$(FLOOR_VENV)/bin/python -m pytest -q tests/preprocess tests/model tests/engine tests/kernels
+	$(FLOOR_VENV)/bin/python -m pytest -q $(PARALLEL) tests/preprocess tests/model tests/engine tests/kernels
 
 clean:
 	rm -rf $(VENV) scratch .pytest_cache

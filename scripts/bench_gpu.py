@@ -6,7 +6,7 @@ the mlperf prompt, answers capped at 150 tokens. Each phase runs alone
 (`--phase NAME`, or several with `--phases a,b`) within one 10-minute device
 call; `--json FILE` merges the phases' results into FILE.
 
-- ceilings        measured device copy bandwidth and bf16 matmul peak
+- ceilings        measured device copy bandwidth and matmul peak (bf16 on CUDA)
 - kernels         each Triton kernel against its torch reference at the model's shapes
                   (scripts/bench_kernels.py; on CPU the interpreter's tiny shapes)
 - roofline        decode step at batch 1 against the memory-bandwidth floor (active
@@ -129,18 +129,22 @@ def timed(function, device: torch.device, repeats: int = 10, warmup: int = 3) ->
     return sorted(times)[len(times) // 2]
 
 
-def measure_ceilings(device: torch.device) -> dict:
+def measure_ceilings(device: torch.device, dtype: torch.dtype) -> dict:
+    """Copy bandwidth, and the matmul rate in `dtype`, the one the model phases run in (bf16 on
+    CUDA, float32 on CPU: a CPU without bf16 units took 2.5 s per bf16 1024^3 product, a
+    ceiling the float32 phases have nothing to do with). The MFUs divide by this rate."""
     size = 2**30 if device.type == "cuda" else 2**26  # bytes copied
     source = torch.empty(size // 2, dtype=torch.bfloat16, device=device).normal_()
     target = torch.empty_like(source)
     copy_seconds = timed(lambda: target.copy_(source), device)
     n = 8192 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
     matmul_seconds = timed(lambda: a @ b, device)
     return {
         "copy_bandwidth_bytes_per_s": 2 * size / copy_seconds,  # read + write
-        "bf16_matmul_flops_per_s": 2 * n**3 / matmul_seconds,
+        "matmul_dtype": str(dtype).removeprefix("torch."),
+        "matmul_flops_per_s": 2 * n**3 / matmul_seconds,
     }
 
 
@@ -205,7 +209,7 @@ def measure_roofline(model, device: torch.device, ceilings: dict) -> dict:
         "prefill_tokens": tokens,
         "prefill_seconds": prefill_seconds,
         "prefill_tokens_per_s": tokens / prefill_seconds,
-        "prefill_mfu": flops / prefill_seconds / ceilings["bf16_matmul_flops_per_s"],
+        "prefill_mfu": flops / prefill_seconds / ceilings["matmul_flops_per_s"],
         "decode_batch1_seconds": decode_seconds,
         "decode_bandwidth_floor_seconds": floor,
         "decode_over_floor": decode_seconds / floor,
@@ -436,7 +440,7 @@ def measure_vision_encoder(checkpoint: Path, device: torch.device, records, ceil
         "seconds_first_call": cold,
         "flops": flops,
         "tflops_per_s": flops / seconds / 1e12,
-        "mfu": flops / seconds / ceilings["bf16_matmul_flops_per_s"],
+        "mfu": flops / seconds / ceilings["matmul_flops_per_s"],
     }
 
 
@@ -529,12 +533,11 @@ def load_bench_kernels():
     return module
 
 
-def kernel_benchmarks(device: torch.device) -> dict:
-    """The kernel table at the model's shapes on CUDA; on CPU the interpreter smoke shapes."""
+def kernel_benchmarks(device: torch.device, groups: tuple[str, ...]) -> dict:
+    """The kernel table's `groups` at the model's shapes on CUDA; on CPU the interpreter smoke shapes."""
     bench_kernels = load_bench_kernels()
-    if device.type == "cuda":
-        return bench_kernels.run_kernel_benchmarks(device)
-    return bench_kernels.run_kernel_benchmarks(device, bench_kernels.TINY_SHAPES)
+    shapes = bench_kernels.GPU_SHAPES if device.type == "cuda" else bench_kernels.TINY_SHAPES
+    return bench_kernels.run_kernel_benchmarks(device, shapes, groups=groups)
 
 
 # ------------------------------------------------------------------------ main
@@ -559,8 +562,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the engine phases' sampling: the benchmark's (Qwen3-VL generation_config) or argmax")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="engine phases: schedule each step before reading the previous step's tokens")
+    parser.add_argument("--kernel-groups", type=lambda text: load_bench_kernels().parse_groups(text),
+                        default=None, help="the kernels phase's groups of rows, comma-separated "
+                                           "(default: all; bench_kernels.py --groups)")
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
+    kernel_groups = args.kernel_groups or tuple(load_bench_kernels().BENCHMARK_GROUPS)
     engine_sampling = QWEN3_VL_SAMPLING if args.engine_sampling == "benchmark" else GREEDY
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -627,10 +634,10 @@ def main(argv: list[str] | None = None) -> int:
         engine_records = records[: args.records]
         warmup_records = records[args.records : args.records + args.warmup_records]  # others, untimed
         needs_ceilings = {"ceilings", "roofline", "vision_encoder"} & set(phases)
-        if "ceilings" in phases or (needs_ceilings and "ceilings" not in results):
-            run_phase("ceilings", lambda: measure_ceilings(device))
+        if "ceilings" in phases or (needs_ceilings and "matmul_flops_per_s" not in results.get("ceilings", {})):
+            run_phase("ceilings", lambda: measure_ceilings(device, dtype))
         if "kernels" in phases:
-            run_phase("kernels", lambda: kernel_benchmarks(device))
+            run_phase("kernels", lambda: kernel_benchmarks(device, kernel_groups))
         if "vision_encoder" in phases:
             run_phase("vision_encoder", lambda: measure_vision_encoder(
                 checkpoint, device, records, results["ceilings"], args.vision_images))

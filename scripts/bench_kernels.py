@@ -12,13 +12,15 @@ attention at or above PyTorch SDPA on pre-gathered (contiguous) K/V.
 
     python scripts/bench_kernels.py                  # table
     python scripts/bench_kernels.py --json out.json  # + numbers as JSON
+    python scripts/bench_kernels.py --groups attention,moe  # only these groups of rows
+                                                     # (elementwise, attention, moe, dense_fp8)
     python scripts/bench_kernels.py --tune-moe [--fp8 [--w8a8] [--per-channel]] [--buckets 1 256] [--compile-workers 8]
                                                      # best MoE block sizes per token bucket
     python scripts/bench_kernels.py --tune-decode [--fp8] [--buckets 1 256]
                                                      # best decode attention launch per batch bucket
     python scripts/bench_kernels.py --interpret      # CPU smoke run: tiny shapes, interpreter
 
-Other scripts can call `run_kernel_benchmarks(device)` (returns the JSON dict)
+Other scripts can call `run_kernel_benchmarks(device[, groups=...])` (returns the JSON dict)
 `tune_moe(device)` and `tune_decode(device)`.
 """
 
@@ -786,8 +788,29 @@ def bench_dense_fp8(shapes: Shapes, dtype, device, timer) -> list[Row]:
     return rows
 
 
-def run_kernel_benchmarks(device, shapes: Shapes = GPU_SHAPES, dtype=None) -> dict:
-    """Runs every benchmark on `device`; returns {"device", "versions", "rows": [...], "errors": [...]}.
+BENCHMARK_GROUPS = {  # name -> the function that measures its rows, in the order they run
+    "elementwise": bench_elementwise,
+    "attention": bench_attention,
+    "moe": bench_moe,
+    "dense_fp8": bench_dense_fp8,
+}
+
+
+def parse_groups(text: str) -> tuple[str, ...]:
+    """`--groups` (comma-separated names of BENCHMARK_GROUPS) as a tuple; unknown names are named."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in BENCHMARK_GROUPS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown benchmark group(s) {', '.join(unknown) or '(none given)'}; "
+            f"choose from {', '.join(BENCHMARK_GROUPS)}")
+    return names
+
+
+def run_kernel_benchmarks(device, shapes: Shapes = GPU_SHAPES, dtype=None,
+                          groups: tuple[str, ...] = tuple(BENCHMARK_GROUPS)) -> dict:
+    """Runs the benchmarks of `groups` (default all) on `device`; returns {"device", "versions",
+    "groups", "rows": [...], "errors": [...]}.
 
     A group of rows that raises (a kernel that crashes on this GPU, an out-of-memory) is
     reported under "errors" with its traceback printed, and the other groups still run."""
@@ -799,13 +822,8 @@ def run_kernel_benchmarks(device, shapes: Shapes = GPU_SHAPES, dtype=None) -> di
     torch.manual_seed(0)
     timer = make_timer(device)
     rows, errors = [], []
-    groups = (
-        ("elementwise", bench_elementwise),
-        ("attention", bench_attention),
-        ("moe", bench_moe),
-        ("dense_fp8", bench_dense_fp8),
-    )
-    for group, bench in groups:
+    for group in groups:
+        bench = BENCHMARK_GROUPS[group]
         try:
             rows += bench(shapes, dtype, device, timer)
         except Exception as exc:  # noqa: BLE001 - one group's failure must not cost the others' rows
@@ -819,6 +837,7 @@ def run_kernel_benchmarks(device, shapes: Shapes = GPU_SHAPES, dtype=None) -> di
         else "cpu (Triton interpreter)",
         "dtype": str(dtype).removeprefix("torch."),
         "versions": {"torch": torch.__version__, "triton": triton.__version__},
+        "groups": list(groups),
         "timer": "triton.testing.do_bench median (ms)"
         if device.type == "cuda"
         else "wall-clock median (ms)",
@@ -1110,6 +1129,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="smoke run on CPU under the Triton interpreter with tiny shapes",
     )
+    parser.add_argument(
+        "--groups", type=parse_groups, default=tuple(BENCHMARK_GROUPS),
+        help=f"the kernel table's groups to run, comma-separated (default: all of {','.join(BENCHMARK_GROUPS)})",
+    )
     args = parser.parse_args(argv)
     if args.w8a8 and not (args.tune_moe and args.fp8):
         parser.error("--w8a8 goes with --tune-moe --fp8")
@@ -1150,7 +1173,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             tune_moe(device, shapes, buckets=args.buckets, experts=experts, compile_workers=workers)
         return 0
-    report = run_kernel_benchmarks(device, shapes)
+    report = run_kernel_benchmarks(device, shapes, groups=args.groups)
     print_table(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

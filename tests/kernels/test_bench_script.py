@@ -75,6 +75,7 @@ def test_interpret_smoke_run_writes_json(tmp_path):
         "route_topk_and_align[one launch]",
     } <= names
     assert all(row["triton_ms"] > 0 and row["baseline_ms"] > 0 for row in report["rows"])
+    assert report["groups"] == ["elementwise", "attention", "moe", "dense_fp8"]  # all by default
 
 
 def test_tune_moe_w8a8_prints_entries_of_its_own():
@@ -172,14 +173,29 @@ def test_bench_gpu_loads_bench_kernels_as_a_registered_module():
 
 
 def test_bench_gpu_kernels_phase_runs_on_cpu(tmp_path):
+    """bench_gpu.py's kernels phase under the interpreter it sets up itself, one group of rows
+    (`--kernel-groups`; the whole table: test_interpret_smoke_run_writes_json)."""
     pytest.importorskip("triton")
     out = tmp_path / "bench_gpu.json"
-    result = run_script("--tiny", "--device", "cpu", "--phases", "kernels", "--json", str(out),
-                        script=REPO_ROOT / "scripts" / "bench_gpu.py")
+    result = run_script("--tiny", "--device", "cpu", "--phases", "kernels", "--kernel-groups", "elementwise",
+                        "--json", str(out), script=REPO_ROOT / "scripts" / "bench_gpu.py")
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())["kernels"]
-    assert report["device"] == "cpu (Triton interpreter)"
-    assert {"fused_moe", "paged_decode_attention", "varlen_attention"} <= {row["name"] for row in report["rows"]}
+    assert report["device"] == "cpu (Triton interpreter)" and report["groups"] == ["elementwise"]
+    names = {row["name"] for row in report["rows"]}
+    assert {"rms_norm", "qk_norm_mrope", "route_topk"} <= names
+    assert not names & {"fused_moe", "paged_decode_attention", "varlen_attention"}  # the other groups did not run
+    assert all(row["triton_ms"] > 0 for row in report["rows"])
+
+
+def test_unknown_kernel_groups_are_named():
+    bench_kernels = load_bench_gpu().load_bench_kernels()
+    assert bench_kernels.parse_groups(" moe,attention ") == ("moe", "attention")
+    refused = run_script("--interpret", "--groups", "moe,atention")
+    assert refused.returncode == 2 and "unknown benchmark group(s) atention" in refused.stderr
+    refused = run_script("--tiny", "--device", "cpu", "--phases", "kernels", "--kernel-groups", ",",
+                         script=REPO_ROOT / "scripts" / "bench_gpu.py")
+    assert refused.returncode == 2 and "(none given)" in refused.stderr
 
 
 def test_vision_flops_match_torch_flop_counter(monkeypatch):
@@ -275,7 +291,7 @@ def test_bench_gpu_single_phases_on_cpu(tmp_path):
                             script=REPO_ROOT / "scripts" / "bench_gpu.py")
         assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
-    assert report["ceilings"]["bf16_matmul_flops_per_s"] > 0
+    assert report["ceilings"]["matmul_flops_per_s"] > 0 and report["ceilings"]["matmul_dtype"] == "float32"
     assert report["roofline"]["prefill_tokens_per_s"] > 0
 
 
@@ -345,10 +361,9 @@ def test_bench_kernels_a_failing_group_keeps_the_other_rows(monkeypatch, capsys)
     def crash(*args):
         raise RuntimeError("triton compile failed")
 
-    monkeypatch.setattr(bench_kernels, "bench_attention", crash)
-    for group in ("bench_moe", "bench_dense_fp8"):  # not under test here: skipped for time
-        monkeypatch.setattr(bench_kernels, group, lambda *args: [])
-    report = bench_kernels.run_kernel_benchmarks("cpu", bench_kernels.TINY_SHAPES)
+    monkeypatch.setitem(bench_kernels.BENCHMARK_GROUPS, "attention", crash)
+    # the group after the crash runs too (moe and dense_fp8 are left out for time)
+    report = bench_kernels.run_kernel_benchmarks("cpu", bench_kernels.TINY_SHAPES, groups=("attention", "elementwise"))
     assert report["errors"] == [{"group": "attention", "error": "RuntimeError: triton compile failed"}]
     assert {"rms_norm", "vision_rotary", "silu_and_mul"} <= {row["name"] for row in report["rows"]}
     bench_kernels.print_table(report)
