@@ -533,11 +533,12 @@ def load_bench_kernels():
     return module
 
 
-def kernel_benchmarks(device: torch.device, groups: tuple[str, ...]) -> dict:
-    """The kernel table's `groups` at the model's shapes on CUDA; on CPU the interpreter smoke shapes."""
+def kernel_benchmarks(device: torch.device, groups: tuple[str, ...] | None = None) -> dict:
+    """The kernel table's `groups` (default all) at the model's shapes on CUDA; on CPU the
+    interpreter smoke shapes."""
     bench_kernels = load_bench_kernels()
     shapes = bench_kernels.GPU_SHAPES if device.type == "cuda" else bench_kernels.TINY_SHAPES
-    return bench_kernels.run_kernel_benchmarks(device, shapes, groups=groups)
+    return bench_kernels.run_kernel_benchmarks(device, shapes, groups=groups or tuple(bench_kernels.BENCHMARK_GROUPS))
 
 
 # ------------------------------------------------------------------------ main
@@ -567,7 +568,6 @@ def main(argv: list[str] | None = None) -> int:
                                            "(default: all; bench_kernels.py --groups)")
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
-    kernel_groups = args.kernel_groups or tuple(load_bench_kernels().BENCHMARK_GROUPS)
     engine_sampling = QWEN3_VL_SAMPLING if args.engine_sampling == "benchmark" else GREEDY
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -637,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         if "ceilings" in phases or (needs_ceilings and "matmul_flops_per_s" not in results.get("ceilings", {})):
             run_phase("ceilings", lambda: measure_ceilings(device, dtype))
         if "kernels" in phases:
-            run_phase("kernels", lambda: kernel_benchmarks(device, kernel_groups))
+            run_phase("kernels", lambda: kernel_benchmarks(device, args.kernel_groups))
         if "vision_encoder" in phases:
             run_phase("vision_encoder", lambda: measure_vision_encoder(
                 checkpoint, device, records, results["ceilings"], args.vision_images))
