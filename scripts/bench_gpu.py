@@ -538,7 +538,7 @@ def kernel_benchmarks(device: torch.device, groups: tuple[str, ...] | None = Non
     interpreter smoke shapes."""
     bench_kernels = load_bench_kernels()
     shapes = bench_kernels.GPU_SHAPES if device.type == "cuda" else bench_kernels.TINY_SHAPES
-    return bench_kernels.run_kernel_benchmarks(device, shapes, groups=groups or tuple(bench_kernels.BENCHMARK_GROUPS))
+    return bench_kernels.run_kernel_benchmarks(device, shapes, groups=groups)
 
 
 # ------------------------------------------------------------------------ main

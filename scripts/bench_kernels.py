@@ -808,9 +808,9 @@ def parse_groups(text: str) -> tuple[str, ...]:
 
 
 def run_kernel_benchmarks(device, shapes: Shapes = GPU_SHAPES, dtype=None,
-                          groups: tuple[str, ...] = tuple(BENCHMARK_GROUPS)) -> dict:
-    """Runs the benchmarks of `groups` (default all) on `device`; returns {"device", "versions",
-    "groups", "rows": [...], "errors": [...]}.
+                          groups: tuple[str, ...] | None = None) -> dict:
+    """Runs the benchmarks of `groups` (None: all of BENCHMARK_GROUPS) on `device`; returns
+    {"device", "versions", "groups", "rows": [...], "errors": [...]}.
 
     A group of rows that raises (a kernel that crashes on this GPU, an out-of-memory) is
     reported under "errors" with its traceback printed, and the other groups still run."""
@@ -822,6 +822,7 @@ def run_kernel_benchmarks(device, shapes: Shapes = GPU_SHAPES, dtype=None,
     torch.manual_seed(0)
     timer = make_timer(device)
     rows, errors = [], []
+    groups = groups or tuple(BENCHMARK_GROUPS)
     for group in groups:
         bench = BENCHMARK_GROUPS[group]
         try:
@@ -1130,7 +1131,7 @@ def main(argv: list[str] | None = None) -> int:
         help="smoke run on CPU under the Triton interpreter with tiny shapes",
     )
     parser.add_argument(
-        "--groups", type=parse_groups, default=tuple(BENCHMARK_GROUPS),
+        "--groups", type=parse_groups, default=None,
         help=f"the kernel table's groups to run, comma-separated (default: all of {','.join(BENCHMARK_GROUPS)})",
     )
     args = parser.parse_args(argv)

@@ -63,11 +63,10 @@ VARIANTS = {
     "per-channel FP8 weights": {"quantization": "fp8_w8a8_channel"},
     "async scheduling": {"async_scheduling": True},
 }
-ONE_OPTION_ALONE = ("FP8 KV cache", "FP8 weights", "per-channel FP8 weights", "async scheduling")
 
 
-@pytest.mark.parametrize("variant", [pytest.param(name, marks=[pytest.mark.slow] if name in ONE_OPTION_ALONE else [])
-                                     for name in VARIANTS])
+@pytest.mark.parametrize("variant", [pytest.param(name, marks=[pytest.mark.slow] if len(options) == 1 else [])
+                                     for name, options in VARIANTS.items()])  # one option alone: slow
 def test_engine_on_the_gpu_paths_answers_as_on_the_reference_path(checkpoint, gpu_paths_on_cpu, monkeypatch, variant):
     # exact greedy tokens: both paths compute in float32 (the kernels' float32 tolerance is 1e-4)
     kernel = gpu_paths_on_cpu
