@@ -23,7 +23,8 @@ demo: $(STAMP)
 	$(BIN)/vlm-catalog demo
 
 # The CPU suites run on every core (pytest-xdist; `PYTEST_WORKERS=0` runs them in this process).
-# The GPU tests stay in one process: they share one device and time it.
+# The GPU tests run in one process here, to fit any device; scripts/gpu_session.py runs them
+# on four workers of an 80 GB one.
 PYTEST_WORKERS ?= auto
 PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist worksteal)
 

@@ -11,14 +11,17 @@ A session that is lent a GPU gets 15 minutes of device time in all, the machine'
 (device call: `carry: [".whl"]`, `timeout_s` a little over `--budget`). It installs the
 carried wheels (`../shared/tools/gpu-wheels`) into /tmp/site first, then runs each step of
 the plan as a subprocess with its own time limit, never past the budget: a step that cannot
-get its minimum is skipped, one that runs over is stopped (its process group killed) and
-the next one starts. Every step's output goes to `$OUT/session.log`; `$OUT/session.json`
-says for each step its status (ok, failed, timeout, skipped), exit code and seconds. The
-steps write their own results into `$OUT` (at most 8 files come back from a device call):
+get its minimum is skipped, one that runs over is stopped (SIGINT to its process group, so
+pytest still prints its summary of what ran; then SIGTERM and SIGKILL) and the next one
+starts. Every step's output goes to `$OUT/session.log`; `$OUT/session.json` says for each
+step its status (ok, failed, timeout, skipped), exit code and seconds. The steps write their
+own results into `$OUT` (at most 8 files come back from a device call):
 
-- `record`: `pytest -m gpu` (its summary in pytest_gpu.txt), then bench_gpu.py's phases
-  into bench_gpu.json: engine_w8a8 against engine_w8a8_channel, the ceilings, roofline and
-  kernels, constrained, and the vision encoder, as far as the budget goes.
+- `record`: `pytest -m gpu` (its slowest tests and summary in pytest_gpu.txt; on four
+  workers where pytest-xdist is carried, each test limited where pytest-timeout is), then
+  bench_gpu.py's phases into bench_gpu.json: engine_w8a8 against engine_w8a8_channel, the
+  ceilings, roofline and kernels, constrained, and the vision encoder, as far as the budget
+  goes.
 - `tune`: the W8A8 MoE tile tuning (block scales, then per-channel) and the FP8 decode
   attention's launch settings, each bucket printed as it is done.
 - `smoke`: two engine phases on CPU at the default model's shapes, to try the runner here.
@@ -40,8 +43,10 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SITE_DIR = Path("/tmp/site")  # where the carried wheels are installed (../shared/docs/GPU.md)
-KILL_GRACE_S = 10.0  # a stopped step's group gets SIGTERM, then SIGKILL after this
-PYTEST_SUMMARY_LINES = 40  # the tail of pytest's output kept as pytest_gpu.txt
+# a step stopped at its limit: SIGINT first (pytest then prints its summary of the tests that
+# ran, Python code its traceback), SIGTERM after the first grace, SIGKILL after the second
+STOP_SIGNALS = ((signal.SIGINT, 15.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, None))
+PYTEST_SUMMARY_LINES = 100  # the tail of pytest's output kept as pytest_gpu.txt (durations, summary)
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,9 @@ class Step:
     """One command of a plan. `max_s`: its own limit; `min_s`: skipped when less is left;
     `{out}` in `argv` is the output folder, and a leading "python3" is this script's own
     interpreter; `tail_to`: the last `tail_lines` lines of its
-    output are also written to this file in the output folder."""
+    output are also written to this file in the output folder; `optional`: (module, options)
+    pairs, each option list appended only where its module is importable in the steps'
+    environment (pytest plugins carried in .whl; without one the step still runs)."""
 
     name: str
     argv: tuple[str, ...]
@@ -57,6 +64,7 @@ class Step:
     min_s: float
     tail_to: str | None = None
     tail_lines: int = PYTEST_SUMMARY_LINES
+    optional: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 @dataclass
@@ -77,6 +85,15 @@ def bench_kernels(*args: str) -> tuple[str, ...]:
     return ("python3", "scripts/bench_kernels.py", *args)
 
 
+# pytest -m gpu on four workers sharing the GPU, so the tests' Triton compilations use more of
+# the host's 16 cores (100 tests now; 55 took 226 s in one process on 2026-11-25). Tests that
+# size memory from the free device memory share a group (`xdist_group("gpu_memory")`: one at a
+# time). A test that hangs fails alone and its worker is replaced.
+PYTEST_GPU_OPTIONAL = (
+    ("xdist", ("-n", "4", "--dist", "loadgroup")),
+    ("pytest_timeout", ("--timeout", "200", "--timeout-method", "thread")),
+)
+
 CPU_SMOKE = ("--tiny", "--device", "cpu", "--records", "2", "--output-tokens", "4", "--image-size", "small")
 
 # Times from the H100 run of 2026-11-25 (docs/benchmarks.md): pytest -m gpu 226 s; the kernels
@@ -86,8 +103,8 @@ CPU_SMOKE = ("--tiny", "--device", "cpu", "--records", "2", "--output-tokens", "
 PLANS: dict[str, tuple[Step, ...]] = {
     "record": (
         # correctness first: the numbers after it mean little if a kernel is wrong
-        Step("pytest_gpu", ("python3", "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"),
-             max_s=260, min_s=120, tail_to="pytest_gpu.txt"),
+        Step("pytest_gpu", ("python3", "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--durations=30"),
+             max_s=260, min_s=120, tail_to="pytest_gpu.txt", optional=PYTEST_GPU_OPTIONAL),
         # the fastest engine so far against its per-channel variant (never run on a GPU)
         Step("engines", bench_gpu("engine_w8a8,engine_w8a8_channel"), max_s=170, min_s=100),
         Step("kernels", bench_gpu("ceilings,roofline,kernels"), max_s=130, min_s=60),
@@ -141,6 +158,12 @@ def run_plan(steps: tuple[Step, ...] | list[Step], budget_s: float, out: Path,
             command = [part.replace("{out}", str(out)) for part in step.argv]
             if command[0] == "python3":  # the interpreter running this script (a venv's, here)
                 command[0] = sys.executable
+            for module, options in step.optional:
+                if importable(module, step_env):
+                    command += options
+                else:
+                    log.write(f"[gpu_session] {step.name}: {module} is not importable, running without "
+                              f"{shlex.join(options)}\n")
             limit = min(step.max_s, deadline - time.monotonic())
             if limit < step.min_s:
                 results.append(StepResult(step.name, "skipped", limit_s=max(limit, 0.0), command=command))
@@ -150,6 +173,12 @@ def run_plan(steps: tuple[Step, ...] | list[Step], budget_s: float, out: Path,
                 results.append(_run_step(step, command, limit, out, log, step_env, cwd))
             (out / "session.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     return results
+
+
+def importable(module: str, env: dict[str, str]) -> bool:
+    """Whether the steps' interpreter, in `env` (the carried wheels on its path), finds `module`."""
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, check=False).returncode == 0
 
 
 def _run_step(step: Step, command: list[str], limit: float, out: Path, log, env, cwd: Path) -> StepResult:
@@ -187,17 +216,20 @@ def _run_step(step: Step, command: list[str], limit: float, out: Path, log, env,
 
 
 def _stop_group(process: subprocess.Popen) -> None:
-    """SIGTERM the step's process group, SIGKILL it if it is still there after KILL_GRACE_S."""
-    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
+    """Signal the step's process group through STOP_SIGNALS until all of it has exited (the
+    leader may exit on SIGINT before its children: pytest-xdist's workers, compile workers)."""
+    for sig, grace in STOP_SIGNALS:
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            return  # the whole group is gone
+        deadline = time.monotonic() + (grace or 0.0)
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            try:
+                os.killpg(process.pid, 0)  # the leader counts until _run_step reaps it
+            except ProcessLookupError:
+                return
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     steps = PLANS[args.plan]
     if args.dry_run:
         for step in steps:
-            print(f"{step.name}: {shlex.join(step.argv)}  (at most {step.max_s:.0f} s, skipped under {step.min_s:.0f} s)")
+            optional = "".join(f" [{shlex.join(options)} where {module} is importable]" for module, options in step.optional)
+            print(f"{step.name}: {shlex.join(step.argv)}{optional}  (at most {step.max_s:.0f} s, "
+                  f"skipped under {step.min_s:.0f} s)")
         return 0
     if args.wheels is not None and not args.wheels.is_dir():
         parser.error(f"--wheels {args.wheels} is not a folder (run ../shared/tools/gpu-wheels and carry .whl)")

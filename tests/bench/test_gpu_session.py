@@ -63,9 +63,43 @@ def test_a_step_past_its_limit_is_stopped_with_its_children_and_the_next_runs(se
     assert time.monotonic() - started < 20
     assert [r.status for r in results] == ["timeout", "ok"]
     assert results[0].seconds < 15 and results[0].limit_s == 2
-    assert (tmp_path / "hangs.txt").read_text() == "started\n"  # what it printed before it was stopped
+    tail = (tmp_path / "hangs.txt").read_text()  # what it printed before it was stopped, then its traceback
+    assert tail.startswith("started\n") and tail.rstrip().endswith("KeyboardInterrupt")
     time.sleep(4)
     assert not marker.exists(), "the stopped step's child ran on"
+
+
+def test_a_step_stopped_at_its_limit_gets_sigint_first_and_can_print_its_summary(session, tmp_path):
+    """pytest prints its summary of the tests that ran on SIGINT: stopping a step must let it."""
+    code = ("import time\nprint('running', flush=True)\ntry:\n    time.sleep(60)\n"
+            "except KeyboardInterrupt:\n    print('1 passed, interrupted', flush=True)\n    raise SystemExit(2)\n")
+    results = session.run_plan([python_step(session, "interrupted", code, max_s=2, tail_to="tail.txt")],
+                               budget_s=30, out=tmp_path)
+    assert results[0].status == "timeout" and results[0].returncode == 2
+    assert (tmp_path / "tail.txt").read_text() == "running\n1 passed, interrupted\n"
+
+
+def test_a_step_that_ignores_sigint_is_still_stopped(session, tmp_path, monkeypatch):
+    monkeypatch.setattr(session, "STOP_SIGNALS", ((session.signal.SIGINT, 1.0), (session.signal.SIGTERM, 1.0),
+                                                  (session.signal.SIGKILL, None)))
+    code = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    started = time.monotonic()
+    results = session.run_plan([python_step(session, "stubborn", code, max_s=1)], budget_s=30, out=tmp_path)
+    assert results[0].status == "timeout" and results[0].returncode == -session.signal.SIGTERM
+    assert time.monotonic() - started < 10
+
+
+def test_optional_options_are_added_only_where_their_module_is_importable(session, tmp_path):
+    """The pytest step's xdist and timeout options need plugins the GPU image may lack (carried
+    in .whl): with the module there the options are passed, without it the step runs without."""
+    code = "import sys; print(sys.argv[1:])"
+    step = session.Step("args", (sys.executable, "-c", code), max_s=30, min_s=0, tail_to="args.txt",
+                        optional=(("json", ("--with-json",)), ("no_such_module_here", ("-n", "4"))))
+    results = session.run_plan([step], budget_s=60, out=tmp_path)
+    assert results[0].status == "ok" and results[0].command[-1] == "--with-json"
+    assert (tmp_path / "args.txt").read_text() == "['--with-json']\n"
+    assert "no_such_module_here is not importable, running without -n 4" in (tmp_path / "session.log").read_text()
+    assert session.importable("xdist", dict(session.os.environ))  # the dev extra's, as on the GPU with .whl
 
 
 def test_a_silent_step_is_stopped_too(session, tmp_path):
@@ -124,6 +158,7 @@ def test_dry_run_prints_the_plan(session, capsys):
     printed = capsys.readouterr().out
     for step in session.PLANS["record"]:
         assert f"{step.name}: {shlex.join(step.argv)}" in printed
+    assert "[-n 4 --dist loadgroup where xdist is importable]" in printed
 
 
 def test_bad_arguments_are_refused_with_the_reason(session, tmp_path, capsys):

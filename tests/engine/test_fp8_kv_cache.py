@@ -14,6 +14,7 @@ from vlm_catalog.structured import catalogue_schema
 
 # small blocks and steps: prefix reuse, chunked prefill and decode all read the FP8 cache
 SMALL_STEPS = {"block_size": 4, "max_num_batched_tokens": 64}
+GPU_SHARE = 0.3  # of the device for the profiled engine: `make test-gpu` runs on several workers
 
 
 def _first_token_logprobs(llm, conversations):
@@ -64,14 +65,17 @@ def test_unknown_kv_cache_dtype_is_a_config_error():
 
 
 @pytest.mark.gpu
+@pytest.mark.xdist_group("gpu_memory")  # sizes its KV pool from the free device memory: one such test at a time
 @pytest.mark.parametrize("quantization", ["auto", "fp8", "fp8_w8a8", "fp8_w8a8_channel"])
 def test_fp8_engine_on_gpu_with_decode_graphs_answers_valid_json(engine_checkpoint, quantization):
     """The compiled kernels' FP8 paths end to end: prefill, decode CUDA graphs with the fused
     cache write, constrained sampling; with FP8 experts too, and with FP8 dense projections and
-    FP8 GEMM inputs (`fp8_w8a8`, with blocks or per-channel scales)."""
+    FP8 GEMM inputs (`fp8_w8a8`, with blocks or per-channel scales). The KV pool comes from the
+    memory profile (a share of the device, so the tests running beside it keep the rest)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    llm = LLM(engine_checkpoint, device="cuda", kv_cache_dtype="fp8", quantization=quantization, **SMALL_STEPS)
+    llm = LLM(engine_checkpoint, device="cuda", kv_cache_dtype="fp8", quantization=quantization,
+              gpu_memory_utilization=GPU_SHARE, **SMALL_STEPS)
     assert llm.engine.kv_caches[0][0].dtype == torch.float8_e4m3fn and llm.engine.kv_caches[0][0].is_cuda
     experts = llm.engine.model.language_model.moe_experts()[0]
     assert (experts.gate_up_proj.dtype == torch.float8_e4m3fn) == (quantization != "auto")
