@@ -37,15 +37,17 @@ test-slow: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu
 
-# The oldest versions the project declares (transformers 5.17, Pillow 12.3, Triton 3.6, as on
-# the GPU image), in a venv of their own so .venv stays as it is.
+# The whole suite on the oldest versions the project declares (torch 2.11, Triton 3.6,
+# transformers 5.17, Pillow 12.3: the GPU image's), in a venv of their own so .venv stays as it
+# is. torch 2.11 from PyPI is a CUDA build (about 4.6 GB in the venv; it runs on CPU too), so
+# the CPU constraints are not applied here.
 FLOOR_VENV ?= /tmp/vlm-catalog-floor
-FLOOR_PINS := 'transformers==5.17.*' 'pillow==12.3.*' 'triton==3.6.*'
+FLOOR_PINS := 'torch==2.11.*' 'triton==3.6.*' 'transformers==5.17.*' 'pillow==12.3.*'
 test-floor:
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
-	$(FLOOR_VENV)/bin/python -m pip install -q $(PIP_CONSTRAINT_FLAG) torch $(FLOOR_PINS)
-	$(FLOOR_VENV)/bin/python -m pip install -q $(PIP_CONSTRAINT_FLAG) -e ".[dev]" $(FLOOR_PINS)
-	$(FLOOR_VENV)/bin/python -m pytest -q $(PARALLEL) tests/preprocess tests/model tests/engine tests/kernels
+	$(FLOOR_VENV)/bin/python -m pip install -q $(FLOOR_PINS)
+	$(FLOOR_VENV)/bin/python -m pip install -q -e ".[dev]" $(FLOOR_PINS)
+	$(FLOOR_VENV)/bin/python -m pytest -q $(PARALLEL)
 
 clean:
 	rm -rf $(VENV) scratch .pytest_cache

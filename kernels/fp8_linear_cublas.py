@@ -112,13 +112,24 @@ def usable(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bl
     return verdict
 
 
+def verdicts() -> dict[str, bool]:
+    """The first-call checks of this process so far: for each weight shape, x's dtype and recipe
+    ("(N, K) bfloat16 block" or "... row-wise"), whether cuBLAS runs it (False: the Triton kernel).
+    `bench_gpu.py` records them with each engine phase."""
+    return {_describe(shape, dtype, block): verdict for (_, shape, dtype, block), verdict in _checked.items()}
+
+
+def _describe(weight_shape: tuple[int, int], dtype: torch.dtype, block: tuple[int, int]) -> str:
+    return f"{tuple(weight_shape)} {dtype_name(dtype)} {'row-wise' if row_wise(block, weight_shape[1]) else 'block'}"
+
+
 def _matches_reference(dtype: torch.dtype, weight: torch.Tensor, weight_scale: torch.Tensor,
                        block: tuple[int, int]) -> bool:
     from kernels.fp8_linear import fp8_linear_reference
 
     generator = torch.Generator().manual_seed(0)
     probe = torch.randn(PROBE_ROWS, weight.shape[1], generator=generator).to(weight.device, dtype)  # [rows, K]
-    shape = f"{tuple(weight.shape)} {dtype_name(dtype)} {'row-wise' if row_wise(block, weight.shape[1]) else 'block'}"
+    shape = _describe(tuple(weight.shape), dtype, block)
     try:
         got = fp8_linear_cublas(probe, weight, weight_scale, block=block).float()
     except Exception as exc:  # noqa: BLE001 - any failure (cuBLAS, a kernel's compile error) keeps Triton

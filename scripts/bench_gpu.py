@@ -65,6 +65,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import fp8_linear_cublas
 from kernels.dispatch import kernels_off
 from kernels.fp8 import per_channel_block
 from vlm_catalog.bench.random_model import (
@@ -299,7 +300,9 @@ def memory_summary(engine: LLMEngine, device: torch.device) -> dict:
     graphs = engine.runner.graph_runner
     summary = {"kv_cache_tokens": stats["kv_capacity_tokens"], "memory_profile": stats["memory_profile"],
                "decode_cuda_graph_batches": sorted(graphs.graphs) if graphs is not None else [],
-               "jump_forward": engine.jump_forward, "engine_warmup": stats["warmup"]}
+               "jump_forward": engine.jump_forward, "engine_warmup": stats["warmup"],
+               # W8A8 dense GEMMs: per weight shape, cuBLAS (True) or the Triton kernel after a failed check
+               "fp8_linear_cublas": fp8_linear_cublas.verdicts()}
     if device.type == "cuda":
         summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     return summary

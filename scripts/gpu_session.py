@@ -7,6 +7,7 @@ A session that is lent a GPU gets 15 minutes of device time in all, the machine'
     python3 scripts/gpu_session.py --wheels .whl --out $OUT                # the `record` plan
     python3 scripts/gpu_session.py --plan tune --budget 400 --out $OUT     # tune the W8A8 engine
     python3 scripts/gpu_session.py --plan record --dry-run                 # print the plan, run nothing
+    python3 scripts/gpu_session.py --steps constrained,vision_encoder --budget 200 --out $OUT  # a second call
 
 (device call: `carry: [".whl"]`, `timeout_s` a little over `--budget`). It installs the
 carried wheels (`../shared/tools/gpu-wheels`) into /tmp/site first, then runs each step of
@@ -240,11 +241,20 @@ def main(argv: list[str] | None = None) -> int:
                              "with room to spare)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "scratch/gpu_session")))
     parser.add_argument("--wheels", type=Path, help="a folder of wheels to install first (.whl from gpu-wheels)")
+    parser.add_argument("--steps", help="comma-separated names of the plan's steps to run, in the plan's order "
+                                            "(e.g. those a first call skipped: its session.json says which)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     args = parser.parse_args(argv)
     if args.budget <= 0:
         parser.error(f"--budget must be positive, got {args.budget}")
     steps = PLANS[args.plan]
+    if args.steps is not None:
+        wanted = [name.strip() for name in args.steps.split(",") if name.strip()]
+        unknown = [name for name in wanted if name not in {step.name for step in steps}]
+        if unknown or not wanted:
+            parser.error(f"--steps {args.steps!r}: {', '.join(unknown) or 'no step named'}; the {args.plan} plan's "
+                         f"steps are {', '.join(step.name for step in steps)}")
+        steps = tuple(step for step in steps if step.name in wanted)
     if args.dry_run:
         for step in steps:
             optional = "".join(f" [{shlex.join(options)} where {module} is importable]" for module, options in step.optional)

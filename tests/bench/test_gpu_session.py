@@ -161,6 +161,16 @@ def test_dry_run_prints_the_plan(session, capsys):
     assert "[-n 4 --dist loadgroup where xdist is importable]" in printed
 
 
+def test_steps_picks_a_plans_steps_in_its_order_and_names_unknown_ones(session, capsys):
+    assert session.main(["--plan", "record", "--steps", "vision_encoder,constrained", "--dry-run"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in printed] == ["constrained", "vision_encoder"]
+    with pytest.raises(SystemExit):
+        session.main(["--plan", "record", "--steps", "constrained,tune_moe_w8a8", "--dry-run"])
+    err = capsys.readouterr().err
+    assert "tune_moe_w8a8" in err and "the record plan's steps are pytest_gpu, engines" in err
+
+
 def test_bad_arguments_are_refused_with_the_reason(session, tmp_path, capsys):
     with pytest.raises(SystemExit):
         session.main(["--budget", "0"])
