@@ -37,16 +37,21 @@ test-slow: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu
 
-# The whole suite on the oldest versions the project declares (torch 2.11, Triton 3.6,
-# transformers 5.17, Pillow 12.3: the GPU image's), in a venv of their own so .venv stays as it
-# is. torch 2.11 from PyPI is a CUDA build (about 4.6 GB in the venv; it runs on CPU too), so
-# the CPU constraints are not applied here.
+# The whole suite on the oldest versions the project declares: every dependency in
+# pyproject.toml (and the dev extra) at its floor, the packages they pull at the newest that
+# fit (uv's lowest-direct resolution; torch 2.11 with Triton 3.6, as on the GPU image), in a
+# venv of their own so .venv stays as it is; the resolution is written to floor.txt there, and
+# the venv holds exactly it (uv lives in a venv of its own beside it). torch 2.11 from PyPI is a
+# CUDA build (about 4.6 GB in the venv; it runs on CPU too), so the CPU constraints do not apply.
 FLOOR_VENV ?= /tmp/vlm-catalog-floor
-FLOOR_PINS := 'torch==2.11.*' 'triton==3.6.*' 'transformers==5.17.*' 'pillow==12.3.*'
+FLOOR_UV := $(FLOOR_VENV)-uv/bin/uv
 test-floor:
+	test -x $(FLOOR_UV) || ($(PYTHON) -m venv $(FLOOR_VENV)-uv && $(FLOOR_VENV)-uv/bin/pip install -q uv)
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
-	$(FLOOR_VENV)/bin/python -m pip install -q $(FLOOR_PINS)
-	$(FLOOR_VENV)/bin/python -m pip install -q -e ".[dev]" $(FLOOR_PINS)
+	$(FLOOR_UV) pip compile -q pyproject.toml --extra dev --resolution lowest-direct \
+		--python $(FLOOR_VENV)/bin/python -o $(FLOOR_VENV)/floor.txt
+	$(FLOOR_UV) pip sync -q --python $(FLOOR_VENV)/bin/python $(FLOOR_VENV)/floor.txt
+	$(FLOOR_UV) pip install -q --python $(FLOOR_VENV)/bin/python --no-deps -e .
 	$(FLOOR_VENV)/bin/python -m pytest -q $(PARALLEL)
 
 clean:
