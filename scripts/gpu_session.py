@@ -159,18 +159,18 @@ def run_plan(steps: tuple[Step, ...] | list[Step], budget_s: float, out: Path,
             command = [part.replace("{out}", str(out)) for part in step.argv]
             if command[0] == "python3":  # the interpreter running this script (a venv's, here)
                 command[0] = sys.executable
-            for module, options in step.optional:
-                if importable(module, step_env):
-                    command += options
-                else:
-                    log.write(f"[gpu_session] {step.name}: {module} is not importable, running without "
-                              f"{shlex.join(options)}\n")
             limit = min(step.max_s, deadline - time.monotonic())
             if limit < step.min_s:
                 results.append(StepResult(step.name, "skipped", limit_s=max(limit, 0.0), command=command))
                 print(f"[gpu_session] {step.name}: skipped ({max(limit, 0):.0f} s left, needs {step.min_s:.0f})",
                       flush=True)
-            else:
+            else:  # only a step that runs probes for its optional options' modules
+                for module, options in step.optional:
+                    if importable(module, step_env):
+                        command += options
+                    else:
+                        log.write(f"[gpu_session] {step.name}: {module} is not importable, running without "
+                                  f"{shlex.join(options)}\n")
                 results.append(_run_step(step, command, limit, out, log, step_env, cwd))
             (out / "session.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     return results
