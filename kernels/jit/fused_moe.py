@@ -7,7 +7,10 @@ in groups of GROUP_M M blocks (the Triton matmul tutorial's L2 swizzle) and
 return at once past ``num_tokens_post_padded``.
 
 Rounding points follow the torch reference: each GEMM result is rounded to the
-activation dtype, silu's result too, then the products.
+activation dtype, silu's result too, then the products. The roundings go through
+`round_through` (jit/rounding.py), not `.to(dtype).to(tl.float32)`: with Triton 3.9
+the latter let LLVM turn the products into 16-bit multiplies of accumulator
+registers, and ptxas then serialized the K loop's wgmma at prefill tiles.
 
 FP8_WEIGHTS: the expert weights are float8 e4m3 with one float32 scale per
 QUANT_N x QUANT_K block. Each weight tile is widened to the activation dtype
@@ -41,6 +44,7 @@ import triton.language as tl
 
 from kernels.jit.block_scales import column_scales
 from kernels.jit.fp8_widen import widen_e4m3
+from kernels.jit.rounding import round_through
 
 
 @triton.jit
@@ -168,9 +172,9 @@ def moe_gate_up_silu_kernel(
         up_acc = up_acc * up_factor
 
     dtype = activated_ptr.dtype.element_ty
-    gate = gate_acc.to(dtype).to(tl.float32)
-    up = up_acc.to(dtype).to(tl.float32)
-    silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    gate = round_through(gate_acc, dtype)
+    up = round_through(up_acc, dtype)
+    silu = round_through(gate * tl.sigmoid(gate), dtype)
     activated = (silu * up).to(dtype)
     out_ptrs = activated_ptr + pairs[:, None].to(tl.int64) * stride_activated_pair + cols[None, :]
     tl.store(out_ptrs, activated, mask=pair_mask[:, None] & col_mask[None, :])
@@ -274,6 +278,6 @@ def moe_down_kernel(
         topk_weights_ptr + pairs * stride_topk_weights, mask=pair_mask, other=0.0
     )
     routing_weight = routing_weight.to(dtype).to(tl.float32)  # multiplied in the hidden dtype
-    weighted = acc.to(dtype).to(tl.float32) * routing_weight[:, None]
+    weighted = round_through(acc, dtype) * routing_weight[:, None]
     out_ptrs = pair_out_ptr + pairs[:, None] * stride_pair_out_pair + cols[None, :]
     tl.store(out_ptrs, weighted.to(dtype), mask=pair_mask[:, None] & col_mask[None, :])

@@ -24,7 +24,9 @@ from shared memory (an 8-bit tile rearranged one byte at a time), and the SASS
 instructions of the longest loop body (by the `nvdisasm` Triton bundles): what
 a warp issues per iteration of a kernel's main loop, a static measure of its
 cost that a CPU can take; and in that loop, the waits for every wgmma in
-flight, which leave the tensor cores idle while the rest of an iteration runs.
+flight, which leave the tensor cores idle while the rest of an iteration runs;
+and ptxas' reason where it serialized a kernel's wgmma (its "Potential
+Performance Loss" note: then every wgmma waits for the one before it).
 A kernel fails when it does not compile or needs more shared memory per block
 than an H100 grants (227 KiB): its launch would raise `OutOfResources` on the
 GPU.
@@ -165,6 +167,9 @@ class Compiled:
     # tensor-core work finishes before the next is issued (None: no nvdisasm)
     loop_full_wgmma_waits: int | None
     block_n: int | None  # the launch's BLOCK_N, where it has one: the loop's tile width
+    # ptxas' reason for serializing the kernel's wgmma (its "Potential Performance Loss" note,
+    # C7514 and kin): every wgmma then waits for the one before it, in every loop
+    wgmma_serialized: str | None = None
 
     def summary(self) -> str:
         registers = "?" if self.registers is None else self.registers
@@ -174,7 +179,8 @@ class Compiled:
                 f"{self.bf16_from_f16} f16->bf16 conversions, {self.shared_byte_loads} shared byte loads, "
                 f"longest loop {'?' if self.loop_instructions is None else self.loop_instructions} instructions"
                 + ("" if self.block_n is None else f", BLOCK_N {self.block_n}")
-                + f", {'?' if self.loop_full_wgmma_waits is None else self.loop_full_wgmma_waits} full wgmma waits")
+                + f", {'?' if self.loop_full_wgmma_waits is None else self.loop_full_wgmma_waits} full wgmma waits"
+                + ("" if self.wgmma_serialized is None else f", wgmma serialized by ptxas: {self.wgmma_serialized}"))
 
 
 GLOBAL_ACCESS = re.compile(r"\b(?:ld|st)\.global[\w.:]*")
@@ -200,6 +206,7 @@ SASS_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 SASS_LABEL = re.compile(r"^\s*\.(L_x_\d+):")
 SASS_BACKWARD_BRANCH = re.compile(r"\bBRA\b.*`\(\.(L_x_\d+)\)")
 FULL_WGMMA_WAIT = re.compile(r"^WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b")
+WGMMA_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized due to (.*?)\s+in the function")
 
 
 def longest_loop(sass: str) -> list[str]:
@@ -253,6 +260,7 @@ def compile_launch(launch: Launch) -> Compiled:
         loop_instructions=None if loop is None else len(loop),
         loop_full_wgmma_waits=None if loop is None else sum(bool(FULL_WGMMA_WAIT.match(line)) for line in loop),
         block_n=launch.arguments.get("BLOCK_N"),
+        wgmma_serialized=serialized.group(1) if (serialized := WGMMA_SERIALIZED.search(log.getvalue())) else None,
     )
 
 
@@ -287,14 +295,15 @@ def routing(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def moe_case(tokens: int, variant: str):
-    """The model's MoE call (terms left unsummed) with bf16 experts, or FP8 experts with
-    128 x 128 block scales (`w8a8`: and FP8 GEMM inputs); a "per-channel" variant has one
+    """The model's MoE call (terms left unsummed) with bf16 (or `f16`) experts, or FP8 experts
+    with 128 x 128 block scales (`w8a8`: and FP8 GEMM inputs); a "per-channel" variant has one
     scale per weight row (and per token)."""
     from kernels.fp8 import per_channel_block
     from kernels.moe.fused_moe import fused_moe_triton
 
     block = per_channel_block(HIDDEN, MOE_INTERMEDIATE) if "per-channel" in variant else FP8_BLOCK
-    weight_dtype, fp8 = (BF16, {}) if variant == "bf16" else (FP8, {
+    dtype = torch.float16 if variant == "f16" else BF16  # of the activations
+    weight_dtype, fp8 = (dtype, {}) if variant in ("bf16", "f16") else (FP8, {
         "w13_scale": torch.ones(EXPERTS, -(-2 * MOE_INTERMEDIATE // block[0]), -(-HIDDEN // block[1])),
         "w2_scale": torch.ones(EXPERTS, -(-HIDDEN // block[0]), -(-MOE_INTERMEDIATE // block[1])),
         "block_shape": block,
@@ -302,7 +311,9 @@ def moe_case(tokens: int, variant: str):
     })
     w13 = empty(EXPERTS, 2 * MOE_INTERMEDIATE, HIDDEN, dtype=weight_dtype)
     w2 = empty(EXPERTS, HIDDEN, MOE_INTERMEDIATE, dtype=weight_dtype)
-    fused_moe_triton(empty(tokens, HIDDEN), w13, w2, *routing(tokens), **fp8, sum_experts=False)
+    topk_weights, topk_ids = routing(tokens)
+    fused_moe_triton(empty(tokens, HIDDEN, dtype=dtype), w13, w2, topk_weights.to(dtype), topk_ids, **fp8,
+                     sum_experts=False)
 
 
 def decode_case(batch: int, context: int, cache_dtype: torch.dtype, fused_write: bool, dtype: torch.dtype = BF16):
@@ -414,6 +425,8 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
                 f"fused_moe[T={count}, {variant} experts{', fp8 activations' if variant.startswith('w8a8') else ''}]",
                 lambda count=count, variant=variant: moe_case(count, variant),
             ))
+    # --dtype float16: its epilogues round like the bf16 ones (kernels/jit/rounding.py)
+    specs.append(("fused_moe[T=8192, f16 experts]", lambda: moe_case(8192, "f16")))
     for count in (1, 256, 8192):  # the dense FP8 linear (qkv_proj), W8A16 and W8A8, blocks and per-channel
         for fp8_activations in (False, True):
             for block, blocks in ((FP8_BLOCK, ""), (per_channel_block(HIDDEN), " per-channel")):

@@ -95,6 +95,16 @@ def test_kernels_compile_for_sm90():
                              r"(\d+|\?) full wgmma waits\)", result.stdout)
     assert len(per_channel) == 3, result.stdout  # gate/up, down and the dense GEMM
     assert all(waits in ("0", "?") for waits in per_channel), result.stdout
+    # ptxas serializes no kernel's wgmma (its "Potential Performance Loss" note, e.g. C7514). On
+    # Triton 3.9, LLVM narrowed the bf16 fused-MoE epilogues' float32 multiplies of rounded
+    # accumulators to 16-bit ones, and ptxas then made every wgmma of their K loops (prefill
+    # tiles, T=8192) wait for the one before it: 8 and 4 full waits per iteration
+    # (kernels/jit/rounding.py). Triton 3.6 built the same source without them.
+    serialized = re.findall(r"^(.*): ok \(.*wgmma serialized by ptxas: (.*)\)", result.stdout, flags=re.MULTILINE)
+    assert not serialized, serialized
+    moe_16_bit = re.findall(r"fused_moe\[T=\d+, (?:bf16|f16) experts\] / \w+: ok \(.*, (\d+|\?) full wgmma waits",
+                            result.stdout)
+    assert len(moe_16_bit) == 8 and all(waits in ("0", "?") for waits in moe_16_bit), result.stdout
     attention = re.search(r"D=72\] / varlen_attention_kernel: ok \(.* (\d+) B shared", result.stdout)
     assert attention and int(attention.group(1)) > 32 * 1024, result.stdout  # pipelined (cp.async stages)
 
