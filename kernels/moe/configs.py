@@ -21,6 +21,8 @@ tuned neighbours agree on; every other entry is a reasoned default
   rows; BLOCK_N * BLOCK_K stays within shared memory at 3-4 stages
   (the gate/up kernel holds two weight tiles and two accumulators).
 * GROUP_SIZE_M > 1 only helps when an expert has several M blocks.
+* FP8 weights: BLOCK_K 128 throughout (`heuristic_moe_config`), one step per
+  scale block and the same bytes per stage as a 16-bit tile's 64.
 
 Measure with ``python scripts/bench_kernels.py --tune-moe [--fp8 [--w8a8]]`` on
 the target GPU: it prints one ready-to-paste line per bucket (tuned=True).
@@ -99,24 +101,32 @@ def token_bucket(num_tokens: int) -> int:
     return TOKEN_BUCKETS[-1]
 
 
-def heuristic_moe_config(num_tokens: int, num_experts: int, top_k: int = 8) -> MoeKernelConfig:
-    """Defaults from the expected rows per expert (see the module docstring)."""
+def heuristic_moe_config(num_tokens: int, num_experts: int, top_k: int = 8, weight_bytes: int = 2) -> MoeKernelConfig:
+    """Defaults from the expected rows per expert (see the module docstring). One-byte (FP8)
+    weights take BLOCK_K 128 at every size: the same bytes per pipeline stage as the 16-bit
+    tiles' 64, and one step per 128-wide scale block, as vLLM's block-quantized MoE defaults.
+    A step of a block-scaled FP8 GEMM waits for its wgmma before scaling the product, so half
+    as many steps halve those waits; in the sm_90 SASS at T=8192 (Triton 3.6) the 128 x 64
+    tile then issues 0.74 / 1.04 warp instructions per 1k MACs (W8A8 gate/up / down) against
+    1.27 / 1.69 at BLOCK_K 64, with no spill (docs/benchmarks.md)."""
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    block_k = 128 if weight_bytes == 1 else 64  # for the two larger tiles; the small ones take 128
     if rows_per_expert <= 16:
         return MoeKernelConfig(16, 64, 128, 1, num_warps=4, num_stages=4)
     if rows_per_expert <= 64:
         return MoeKernelConfig(32, 64, 128, 4, num_warps=4, num_stages=4)
     if rows_per_expert <= 256:
-        return MoeKernelConfig(64, 64, 64, 8, num_warps=4, num_stages=3)
-    return MoeKernelConfig(128, 64, 64, 8, num_warps=8, num_stages=3)
+        return MoeKernelConfig(64, 64, block_k, 8, num_warps=4, num_stages=3)
+    return MoeKernelConfig(128, 64, block_k, 8, num_warps=8, num_stages=3)
 
 
 def _reasoned_table(
     num_experts: int, hidden: int, intermediate: int, dtype: str, top_k: int
 ) -> dict[tuple[int, int, int, str, int], MoeKernelConfig]:
+    weight_bytes = 1 if dtype.startswith("float8") else 2
     return {
         (num_experts, hidden, intermediate, dtype, bucket): heuristic_moe_config(
-            bucket, num_experts, top_k
+            bucket, num_experts, top_k, weight_bytes
         )
         for bucket in TOKEN_BUCKETS
     }
@@ -181,7 +191,7 @@ def get_moe_config(
     `dtype`'s element size."""
     key = (num_experts, hidden, intermediate, table_dtype(dtype, fp8_activations, per_channel),
            token_bucket(num_tokens))
-    config = MOE_CONFIGS.get(key) or heuristic_moe_config(num_tokens, num_experts, top_k)
+    config = MOE_CONFIGS.get(key) or heuristic_moe_config(num_tokens, num_experts, top_k, dtype.itemsize)
     return fit_shared_memory(config, dtype.itemsize)
 
 

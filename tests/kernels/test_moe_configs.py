@@ -148,3 +148,18 @@ def test_config_from_mapping():
             "num_stages": 2,
         }
     ) == MoeKernelConfig(16, 32, 64, 1, 4, 2)
+
+
+def test_fp8_weights_step_through_k_one_128_wide_scale_block_at_a_time():
+    for tokens in (1, 256, 1024, 4096, 16384):
+        fp8 = heuristic_moe_config(tokens, 128, 8, weight_bytes=1)
+        bf16 = heuristic_moe_config(tokens, 128, 8)
+        assert fp8.block_size_k == 128  # the same bytes per stage as a 16-bit tile's 64
+        assert (fp8.block_size_m, fp8.block_size_n) == (bf16.block_size_m, bf16.block_size_n)
+    assert heuristic_moe_config(16384, 128, 8).block_size_k == 64
+    # the untuned FP8 entries (block-scaled W8A16 and W8A8) and an FP8 shape without entries
+    for fp8_activations in (False, True):
+        for tokens in (1024, 8192, 16384):
+            config = get_moe_config(tokens, 128, 2048, 768, torch.float8_e4m3fn, fp8_activations=fp8_activations)
+            assert config.block_size_k == 128, (tokens, fp8_activations, config)
+    assert get_moe_config(16384, 64, 1024, 512, torch.float8_e4m3fn).block_size_k == 128
