@@ -75,7 +75,8 @@ def test_kernels_compile_for_sm90():
     # (kernels/jit/fp8_widen.py): 16-136 scalar conversions per kernel before, none now.
     fp8_weights = re.findall(r"\[T=\d+, fp8 (?:per-channel )?(?:experts|weights)(?: per-channel)?\] / \w+: ok \((.*)\)",
                              result.stdout)
-    assert len(fp8_weights) == 18, result.stdout  # 3 token counts x (2 MoE GEMMs + the dense one) x 2 scale layouts
+    # 3 token counts x (2 MoE GEMMs + the dense one) x 2 scale layouts, and the block-scaled MoE at T=4096
+    assert len(fp8_weights) == 20, result.stdout
     assert all(" 0 f16->bf16 conversions" in line for line in fp8_weights), result.stdout
     # The decode loop's SASS per iteration of 64 positions, every cache dtype and batch: 945-1117
     # instructions before the changes above, the compile-time block size and the fused write's
