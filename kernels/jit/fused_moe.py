@@ -9,8 +9,9 @@ return at once past ``num_tokens_post_padded``.
 Rounding points follow the torch reference: each GEMM result is rounded to the
 activation dtype, silu's result too, then the products. The roundings go through
 `round_through` (jit/rounding.py), not `.to(dtype).to(tl.float32)`: with Triton 3.9
-the latter let LLVM turn the products into 16-bit multiplies of accumulator
-registers, and ptxas then serialized the K loop's wgmma at prefill tiles.
+(and 3.6 for float16) the latter let LLVM turn the products into 16-bit multiplies
+of accumulator registers, and ptxas then serialized the K loop's wgmma at prefill
+tiles.
 
 FP8_WEIGHTS: the expert weights are float8 e4m3 with one float32 scale per
 QUANT_N x QUANT_K block. Each weight tile is widened to the activation dtype

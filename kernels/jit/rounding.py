@@ -1,16 +1,17 @@
 """Rounding a float32 value to a 16-bit float and back, as a GEMM's epilogue needs it.
 
 `x.to(tl.bfloat16).to(tl.float32)` computes this, but when two values rounded that
-way are multiplied and the product is rounded again, LLVM (the one Triton 3.9
-bundles) narrows the float32 multiply to a 16-bit one (`mul.bf16`, `mul.f16`).
+way are multiplied and the product is rounded again, LLVM (as Triton 3.9 bundles
+it) narrows the float32 multiply to a 16-bit one (`mul.bf16`, `mul.f16`).
 That is exact: the float32 product of two 16-bit floats needs at most 22 of
 float32's 24 significand bits, so one rounding of it is the 16-bit product. But in
 the fused MoE's epilogues, those 16-bit multiplies of accumulator registers made
 ptxas serialize the K loop's wgmma (its note C7514: "non wgmma instructions
 reading accumulator registers of a wgmma between start and end of the pipeline
 stage"): every wgmma of the 16-bit GEMMs at prefill tiles waited for the one
-before it. The same source built by Triton 3.6 did not. `round_through` widens
-back by integer arithmetic on the bits instead, which LLVM cannot see through.
+before it. Triton 3.6 did the same to the float16 gate/up GEMM, not to the bf16
+ones. `round_through` widens back by integer arithmetic on the bits instead, which
+LLVM cannot see through.
 """
 
 import triton
