@@ -30,7 +30,7 @@ Per chunk (without the varlen kernel, after it raised once, or for fresh calls
 with a long chunk): fresh chunks of at least `SDPA_MIN_PREFILL_LEN` tokens run
 causal SDPA each, and everything else goes through the Triton launch. Measured
 on an H100 (bf16, 32 query heads of 128 over 4 KV heads, 2026-11-25,
-docs/results/gpu/bench_gpu.json, rows `paged_prefill_attention[fresh]`):
+docs/results/gpu/bench_gpu_2026-11-25.json, rows `paged_prefill_attention[fresh]`):
 per-prompt SDPA against the varlen kernel / the Triton kernel is 0.11x / 0.10x
 at 16 x 256 tokens, 0.31x / 0.28x at 8 x 512, 1.05x / 1.10x at 4 x 1024, 1.46x /
 1.82x at 2 x 2048 and 1.69x / 2.29x at 1 x 8192: the threshold, 1024, is the

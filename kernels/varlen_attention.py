@@ -9,7 +9,7 @@ copied. Otherwise, per segment: `F.scaled_dot_product_attention` (FlashAttention
 too, one launch per segment) for segments of at least `SDPA_MIN_SEGMENT_LEN`
 rows, and one Triton launch for all the shorter ones (the kernel skips the long
 segments, so the two write disjoint rows). Measured on an H100 (bf16, 16 heads
-of 72, 2026-11-25, docs/results/gpu/bench_gpu.json): per-segment SDPA against
+of 72, 2026-11-25, docs/results/gpu/bench_gpu_2026-11-25.json): per-segment SDPA against
 the varlen kernel / the Triton kernel is 0.46x / 0.45x at 8 x 1024 patches,
 1.38x / 1.72x at 4 x 4096 and 1.32x / 1.60x at 1 x 15625; the threshold, 2048,
 lies between, and a call with one long image takes the per-segment path, where

@@ -39,7 +39,7 @@ import torch
 from kernels.checks import INDEX_DTYPES, check_dtype
 from kernels.dispatch import use_triton
 
-# Measured on an H100 (2026-11-25, docs/results/gpu/bench_gpu.json): one launch is 1.30x and 1.03x
+# Measured on an H100 (2026-11-25, docs/results/gpu/bench_gpu_2026-11-25.json): one launch is 1.30x and 1.03x
 # two at 8 and 128 pairs (1 and 16 tokens at K=8) and 0.35x at 2048, so the crossover is near 128.
 SINGLE_LAUNCH_MAX_PAIRS = 128
 COUNT_TILE = 8192  # compares per step of the in-program count: [BLOCK_EXPERTS, COUNT_TILE // BLOCK_EXPERTS]

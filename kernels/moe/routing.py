@@ -23,7 +23,7 @@ from kernels.checks import FLOAT_DTYPES, check_dtype, check_shape, check_unit_st
 from kernels.dispatch import use_triton
 from kernels.moe.align import MoeAlignment, empty_alignment
 
-# Measured on an H100 (2026-11-25, docs/results/gpu/bench_gpu.json): one launch is 1.8-1.9x faster
+# Measured on an H100 (2026-11-25, docs/results/gpu/bench_gpu_2026-11-25.json): one launch is 1.8-1.9x faster
 # than route-then-align at 16 and 32 tokens and 0.94x at 64, so the crossover lies between 32 and 64.
 ROUTE_ALIGN_MAX_TOKENS = 32
 ROUTE_ALIGN_MAX_TILE = 8192  # logits one program of the fused kernel holds: [BLOCK_T, BLOCK_EXPERTS]
