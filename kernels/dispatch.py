@@ -26,15 +26,23 @@ kernels (``fp8_widen_ptx``). Off, the op runs its plain Triton code instead. A
 reference path may sync with the host, which CUDA-graph capture cannot take; the
 engine then runs its decode steps eagerly (`engine/cuda_graphs.py`).
 
+``VLM_CATALOG_FP8_FAST_ACCUMULATION=1`` lets the FP8 x FP8 GEMMs with one scale per row
+(per-channel W8A8) sum their whole K loop in the tensor core's own accumulator, which on
+an H100 keeps fewer bits than float32 (vLLM's choice, and Triton's default on sm_90;
+cuBLAS's ``use_fast_accum``). Unset, those sums are added into float32 every K step
+(`kernels.fp8.imprecise_accumulation`), as the block-scaled GEMMs' are.
+
 Nothing here imports triton unless a call actually wants it, so a CPU-only
 install never pays for (or needs) triton at start-up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -53,6 +61,7 @@ FAST_PATHS = frozenset({
     "fp8_linear_cublas",  # kernels/fp8_linear_cublas.py
     "fp8_widen_ptx",  # kernels/jit/fp8_widen.py, kernels/jit/paged_decode_attention.py
 })
+FP8_FAST_ACCUMULATION_ENV_VAR = "VLM_CATALOG_FP8_FAST_ACCUMULATION"
 AUTO_DEVICE_TYPES = ("cuda",)  # where `auto` picks Triton; a test adds "cpu" to run the GPU choices interpreted
 
 
@@ -67,6 +76,37 @@ def kernel_backend() -> str:
 def kernels_off() -> frozenset[str]:
     """The ops ``VLM_CATALOG_KERNELS_OFF`` sends to their torch reference (empty when unset)."""
     return _parse_kernels_off(os.environ.get(KERNELS_OFF_ENV_VAR, ""))
+
+
+def fp8_fast_accumulation() -> bool:
+    """Whether ``VLM_CATALOG_FP8_FAST_ACCUMULATION`` asks for the tensor core's own accumulator
+    across whole K loops in per-channel FP8 x FP8 GEMMs (module doc); unset, "" or "0": no."""
+    return _parse_flag(FP8_FAST_ACCUMULATION_ENV_VAR, os.environ.get(FP8_FAST_ACCUMULATION_ENV_VAR, ""))
+
+
+@contextlib.contextmanager
+def fp8_accumulation(fast: bool) -> Iterator[None]:
+    """Sets ``VLM_CATALOG_FP8_FAST_ACCUMULATION`` for the block (the benchmarks time both ways
+    in one process), then puts back what was there."""
+    previous = os.environ.get(FP8_FAST_ACCUMULATION_ENV_VAR)
+    os.environ[FP8_FAST_ACCUMULATION_ENV_VAR] = "1" if fast else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[FP8_FAST_ACCUMULATION_ENV_VAR]
+        else:
+            os.environ[FP8_FAST_ACCUMULATION_ENV_VAR] = previous
+
+
+@functools.cache
+def _parse_flag(name: str, value: str) -> bool:
+    value = value.strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}={value!r} is not a flag; use 1 or 0")
 
 
 @functools.cache

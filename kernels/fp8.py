@@ -144,6 +144,24 @@ def fp8_k_loop(block_size_k: int, quant_block_k: int, reduction: int) -> tuple[i
     return fp8_block_k(block_size_k, quant_block_k), False
 
 
+def imprecise_accumulation(block_size_k: int) -> int | None:
+    """`max_num_imprecise_acc` for the FP8 x FP8 `tl.dot`s that carry their sum across the whole
+    K loop (scales after the loop, per-channel W8A8): how many products the tensor core may sum
+    in its own accumulator before the sum is added into float32.
+
+    An H100's FP8 wgmma keeps fewer bits than float32 in that accumulator (DeepSeek-V3's report
+    measured about 14), and Triton's sm_90 default lets it run over the whole reduction. On an
+    H100 (2026-11-27) the per-channel W8A8 fused MoE at T=4096 was then 2.4-4.0e-2 of max
+    |expected| from the reference, over four inputs, against 1.0-1.4e-2 for 128 x 128 block
+    scales, whose GEMMs add each K step's product into float32 anyway
+    (docs/results/gpu/fp8_moe_reproducibility.txt). BLOCK_K promotes the sum every K step
+    (128 products, DeepSeek-V3's interval, at the FP8 tiles' K step). None, Triton's default,
+    where ``VLM_CATALOG_FP8_FAST_ACCUMULATION`` asks for speed over those bits."""
+    from kernels.dispatch import fp8_fast_accumulation
+
+    return None if fp8_fast_accumulation() else block_size_k
+
+
 def fp8_block_k(block_size_k: int, quant_block_k: int) -> int:
     """The K step of a GEMM over FP8 weights (fused MoE, dense linear): a power of two dividing
     the scale block (one scale per step), at most the configured step and at least 16 (the

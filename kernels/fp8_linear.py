@@ -34,7 +34,14 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton, widens_with_ptx
-from kernels.fp8 import FP8_DTYPE, dequantize, fp8_k_loop, gemm_input, quantize_activations
+from kernels.fp8 import (
+    FP8_DTYPE,
+    dequantize,
+    fp8_k_loop,
+    gemm_input,
+    imprecise_accumulation,
+    quantize_activations,
+)
 from kernels.moe.configs import MoeKernelConfig, as_moe_config
 
 
@@ -143,6 +150,7 @@ def fp8_linear_triton(
         QUANT_K=quant_k,
         WIDEN_WITH_PTX=widens_with_ptx(fp8_linear_kernel),
         SCALE_AFTER_LOOP=scale_after_loop,
+        IMPRECISE_ACC_K=imprecise_accumulation(block_k),
         **config.launch_options(),
     )
     return out.view(*x.shape[:-1], out_features)  # [..., N]

@@ -27,14 +27,15 @@ against `fp8_linear_reference` holds.
 Per-channel weights (blocks of one row spanning K, `kernels.fp8.per_channel_block`,
 `--quantization fp8_w8a8_channel`) take the row-wise recipe: a [M4, K] with
 scale_a [M4, 1] (one per token, unit strides: torch checks them), b as above with scale_b [1, N] (one per weight
-row), `ScalingType.RowWise` for both, and fast accumulation, as the Triton
-kernel accumulates such GEMMs (kernels/jit/fp8_linear.py).
+row), `ScalingType.RowWise` for both, and no fast accumulation unless
+VLM_CATALOG_FP8_FAST_ACCUMULATION asks for it, as the Triton kernel accumulates
+such GEMMs (kernels/jit/fp8_linear.py, `kernels.fp8.imprecise_accumulation`).
 
 When it runs (`usable`): x on a CUDA device of compute capability 9.x, torch
 with block-wise `F.scaled_mm`, 128 x 128 or per-channel weight blocks, K and N
 multiples of 16, x in bf16 or fp16, and not turned off
 (`VLM_CATALOG_KERNELS_OFF=fp8_linear_cublas`).
-The first call for each (device, weight shape, dtype) checks it against the
+The first call for each (device, weight shape, dtype, recipe) checks it against the
 reference on PROBE_ROWS rows (so with padding); an error or a mismatch logs a
 warning and that shape keeps the Triton kernel. While a CUDA graph is being
 captured an unchecked shape takes the Triton kernel for that call (the check
@@ -51,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.checks import dtype_name
-from kernels.dispatch import kernels_off
+from kernels.dispatch import fp8_fast_accumulation, kernels_off
 from kernels.fp8 import (
     FP8_DTYPE,
     quantize_activations_reference,
@@ -103,7 +104,7 @@ def usable(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bl
     """`eligible`, and the first-call check passed for this shape (module doc)."""
     if not eligible(x, weight, block):
         return False
-    key = (x.device, tuple(weight.shape), x.dtype, tuple(block))
+    key = (x.device, tuple(weight.shape), x.dtype, tuple(block), _fast_accumulation(block, weight.shape[1]))
     verdict = _checked.get(key)
     if verdict is None:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -116,11 +117,19 @@ def verdicts() -> dict[str, bool]:
     """The first-call checks of this process so far: for each weight shape, x's dtype and recipe
     ("(N, K) bfloat16 block" or "... row-wise"), whether cuBLAS runs it (False: the Triton kernel).
     `bench_gpu.py` records them with each engine phase."""
-    return {_describe(shape, dtype, block): verdict for (_, shape, dtype, block), verdict in _checked.items()}
+    return {_describe(shape, dtype, block, fast): verdict for (_, shape, dtype, block, fast), verdict in _checked.items()}
 
 
-def _describe(weight_shape: tuple[int, int], dtype: torch.dtype, block: tuple[int, int]) -> str:
-    return f"{tuple(weight_shape)} {dtype_name(dtype)} {'row-wise' if row_wise(block, weight_shape[1]) else 'block'}"
+def _describe(weight_shape: tuple[int, int], dtype: torch.dtype, block: tuple[int, int], fast: bool) -> str:
+    recipe = "row-wise" if row_wise(block, weight_shape[1]) else "block"
+    return f"{tuple(weight_shape)} {dtype_name(dtype)} {recipe}{', fast accumulation' if fast else ''}"
+
+
+def _fast_accumulation(block: tuple[int, int], in_features: int) -> bool:
+    """`use_fast_accum` for this recipe: row-wise GEMMs sum in the tensor core across K only under
+    VLM_CATALOG_FP8_FAST_ACCUMULATION, as the Triton kernel does (`kernels.fp8.imprecise_accumulation`);
+    cuBLAS refuses fast accumulation with block scales."""
+    return row_wise(block, in_features) and fp8_fast_accumulation()
 
 
 def _matches_reference(dtype: torch.dtype, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -129,7 +138,7 @@ def _matches_reference(dtype: torch.dtype, weight: torch.Tensor, weight_scale: t
 
     generator = torch.Generator().manual_seed(0)
     probe = torch.randn(PROBE_ROWS, weight.shape[1], generator=generator).to(weight.device, dtype)  # [rows, K]
-    shape = _describe(tuple(weight.shape), dtype, block)
+    shape = _describe(tuple(weight.shape), dtype, block, _fast_accumulation(block, weight.shape[1]))
     try:
         got = fp8_linear_cublas(probe, weight, weight_scale, block=block).float()
     except Exception as exc:  # noqa: BLE001 - any failure (cuBLAS, a kernel's compile error) keeps Triton
@@ -194,12 +203,12 @@ def fp8_linear_cublas(
         return x.new_empty(*x.shape[:-1], out_features)
     a, scale_a, b, scale_b = cublas_operands(flat, weight, weight_scale, block)
     scaling = F.ScalingType
-    if row_wise(block, in_features):  # fast accumulation, as the Triton kernel accumulates these
-        recipe_a, recipe_b, fast_accum = scaling.RowWise, scaling.RowWise, True
-    else:  # cuBLAS refuses fast accumulation with block scales
-        recipe_a, recipe_b, fast_accum = scaling.BlockWise1x128, scaling.BlockWise128x128, False
+    if row_wise(block, in_features):
+        recipe_a, recipe_b = scaling.RowWise, scaling.RowWise
+    else:
+        recipe_a, recipe_b = scaling.BlockWise1x128, scaling.BlockWise128x128
     out = F.scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=x.dtype,
-                      use_fast_accum=fast_accum)[:rows]  # [M, N]
+                      use_fast_accum=_fast_accumulation(block, in_features))[:rows]  # [M, N]
     if bias is not None:  # added in float32 as the reference does (one more rounding)
         out = (out.float() + bias.float()).to(x.dtype)
     return out.view(*x.shape[:-1], out_features)  # [..., N]

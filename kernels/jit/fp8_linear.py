@@ -17,7 +17,8 @@ SCALE_AFTER_LOOP: one scale block spans the whole reduction (QUANT_K >= K:
 per-channel weights, per-token activations), so the loop accumulates the raw
 products with `tl.dot(x, w, acc)` and the scales multiply the sums once after
 it, which keeps Hopper's wgmma chain asynchronous (jit/fused_moe.py, whose GEMMs
-do the same).
+do the same). With FP8_ACTIVATIONS the sum is added into float32 every
+IMPRECISE_ACC_K products (`kernels.fp8.imprecise_accumulation`), as there.
 
 The result is rounded once to the output dtype after the bias is added in
 fp32, as cuBLAS does in its epilogue.
@@ -62,6 +63,7 @@ def fp8_linear_kernel(
     QUANT_K: tl.constexpr,
     WIDEN_WITH_PTX: tl.constexpr,  # on a GPU: widen the weights to bf16 by inline PTX (jit/fp8_widen.py)
     SCALE_AFTER_LOOP: tl.constexpr,  # QUANT_K >= in_features: scales applied once (module doc)
+    IMPRECISE_ACC_K: tl.constexpr,  # SCALE_AFTER_LOOP FP8 x FP8: products summed before float32 (module doc)
 ):
     m_block, n_block = grouped_tile(
         tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(out_features, BLOCK_N), GROUP_M
@@ -82,7 +84,7 @@ def fp8_linear_kernel(
         x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         if SCALE_AFTER_LOOP and FP8_ACTIVATIONS:
-            acc = tl.dot(x, w, acc)
+            acc = tl.dot(x, w, acc, max_num_imprecise_acc=IMPRECISE_ACC_K)
         elif SCALE_AFTER_LOOP:
             acc = tl.dot(x, widen_e4m3(w, x.dtype, WIDEN_WITH_PTX), acc, input_precision=DOT_PRECISION)
         else:

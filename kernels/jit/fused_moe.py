@@ -35,9 +35,11 @@ and the scales multiply the accumulator once after it. Scaling each step's
 product needs that product finished: in the sm_90 SASS every K step of the
 block-scaled W8A8 GEMMs waits for its wgmma (`WARPGROUP.DEPBAR.LE gsb0, 0x0`)
 before the next is issued; with the scales after the loop the wgmma chain stays
-asynchronous. FP8 x FP8 dots then accumulate in the tensor core's own (fast,
-not fully float32) accumulator across K, as vLLM's per-channel FP8 MoE does;
-the per-step scaling kept a float32 sum per K step.
+asynchronous. FP8 x FP8 dots (FP8_ACTIVATIONS) there add their sum into float32
+every IMPRECISE_ACC_K products (`kernels.fp8.imprecise_accumulation`: BLOCK_K, so
+once per K step, as the block-scaled GEMMs' sums are); None leaves it in the tensor
+core's own accumulator, with fewer bits than float32, across the whole loop, as
+vLLM's per-channel FP8 MoE does.
 """
 
 import triton
@@ -97,6 +99,7 @@ def moe_gate_up_silu_kernel(
     QUANT_K: tl.constexpr,
     WIDEN_WITH_PTX: tl.constexpr,  # FP8_WEIGHTS on a GPU: widen to bf16 by inline PTX (jit/fp8_widen.py)
     SCALE_AFTER_LOOP: tl.constexpr,  # FP8_WEIGHTS with QUANT_K >= hidden_size: scales applied once (module doc)
+    IMPRECISE_ACC_K: tl.constexpr,  # SCALE_AFTER_LOOP FP8 x FP8: products summed before float32 (module doc)
 ):
     m_block, n_block = grouped_tile(
         tl.program_id(0), num_m_blocks, tl.cdiv(intermediate, BLOCK_N), GROUP_M
@@ -148,8 +151,8 @@ def moe_gate_up_silu_kernel(
                 gate_acc += gate_part * gate_scale
                 up_acc += up_part * up_scale
         elif FP8_ACTIVATIONS:  # scales after the loop
-            gate_acc = tl.dot(a, gate_w, gate_acc)
-            up_acc = tl.dot(a, up_w, up_acc)
+            gate_acc = tl.dot(a, gate_w, gate_acc, max_num_imprecise_acc=IMPRECISE_ACC_K)
+            up_acc = tl.dot(a, up_w, up_acc, max_num_imprecise_acc=IMPRECISE_ACC_K)
         elif FP8_WEIGHTS:  # scales after the loop
             gate_acc = tl.dot(a, widen_e4m3(gate_w, a.dtype, WIDEN_WITH_PTX), gate_acc, input_precision=DOT_PRECISION)
             up_acc = tl.dot(a, widen_e4m3(up_w, a.dtype, WIDEN_WITH_PTX), up_acc, input_precision=DOT_PRECISION)
@@ -219,6 +222,7 @@ def moe_down_kernel(
     QUANT_K: tl.constexpr,
     WIDEN_WITH_PTX: tl.constexpr,  # FP8_WEIGHTS on a GPU: widen to bf16 by inline PTX (jit/fp8_widen.py)
     SCALE_AFTER_LOOP: tl.constexpr,  # FP8_WEIGHTS with QUANT_K >= intermediate: scales applied once (module doc)
+    IMPRECISE_ACC_K: tl.constexpr,  # SCALE_AFTER_LOOP FP8 x FP8: products summed before float32 (module doc)
 ):
     m_block, n_block = grouped_tile(
         tl.program_id(0), num_m_blocks, tl.cdiv(hidden_size, BLOCK_N), GROUP_M
@@ -259,7 +263,7 @@ def moe_down_kernel(
             else:
                 acc += tl.dot(a, widen_e4m3(w, a.dtype, WIDEN_WITH_PTX), input_precision=DOT_PRECISION) * scale
         elif FP8_ACTIVATIONS:  # scales after the loop
-            acc = tl.dot(a, w, acc)
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=IMPRECISE_ACC_K)
         elif FP8_WEIGHTS:  # scales after the loop
             acc = tl.dot(a, widen_e4m3(w, a.dtype, WIDEN_WITH_PTX), acc, input_precision=DOT_PRECISION)
         else:

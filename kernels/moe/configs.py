@@ -3,8 +3,9 @@
 Like vLLM's per-GPU JSON tables: keyed by (num_experts, hidden, intermediate,
 dtype name, token-count bucket); the dtype name is the experts' weight dtype,
 with "_w8a8" appended for FP8 weights met by FP8 activations, then "_channel"
-for per-channel FP8 experts, whose GEMMs keep the wgmma asynchronous and
-want tiles of their own (`table_dtype`).
+for per-channel FP8 experts whose GEMMs keep the wgmma asynchronous and
+want tiles of their own (`table_dtype`; with FP8 activations only under
+VLM_CATALOG_FP8_FAST_ACCUMULATION, `fused_moe.asynchronous_k_loops`).
 A batch of T tokens uses the entry of the smallest bucket >= T (the largest
 bucket above that); shapes without an entry use `heuristic_moe_config`.
 
@@ -158,8 +159,9 @@ MOE_CONFIGS: dict[tuple[int, int, int, str, int], MoeKernelConfig] = {
     # not measured: the tile its tuned neighbours 4096 and 16384 agree on (the reasoned default's
     # 128 x 64 tiles took 1.15 ms at 4096 against 0.94 for this one); the roofline phase runs 8192
     (128, 2048, 768, 'bfloat16', 8192): MoeKernelConfig(block_size_m=128, block_size_n=128, block_size_k=64, group_size_m=8, num_warps=8, num_stages=3),
-    # not measured: per-channel W8A8 at prefill sizes, whose K loop runs like the bf16 one (no
-    # wait per step): the bf16 tuned tile with K doubled, the same bytes per pipeline stage. In
+    # not measured: per-channel W8A8 at prefill sizes under VLM_CATALOG_FP8_FAST_ACCUMULATION,
+    # whose K loop then runs like the bf16 one (no wait per step; without it these experts take
+    # the block-scaled W8A8 tiles): the bf16 tuned tile with K doubled, the same bytes per pipeline stage. In
     # the sm_90 SASS (Triton 3.6, T=16384) it issues 0.25 / 0.39 warp instructions per 1k MACs
     # (gate/up / down) against 0.63 / 1.02 for the W8A8 default, with no spill and no full wait
     **{(128, 2048, 768, 'float8_e4m3fn' + W8A8_SUFFIX + CHANNEL_SUFFIX, bucket):
@@ -172,7 +174,8 @@ MOE_CONFIGS: dict[tuple[int, int, int, str, int], MoeKernelConfig] = {
 def table_dtype(dtype: torch.dtype, fp8_activations: bool = False, per_channel: bool = False) -> str:
     """The table's dtype field: the experts' weight dtype, plus W8A8_SUFFIX where FP8 activations
     meet FP8 weights (the W8A8 GEMMs load half the bytes per activation tile: tiles of their own),
-    plus CHANNEL_SUFFIX for per-channel FP8 experts (their K loops run like 16-bit ones)."""
+    plus CHANNEL_SUFFIX for per-channel FP8 experts whose K loops run like 16-bit ones
+    (`fused_moe.asynchronous_k_loops`)."""
     return dtype_name(dtype) + (W8A8_SUFFIX if fp8_activations else "") + (CHANNEL_SUFFIX if per_channel else "")
 
 

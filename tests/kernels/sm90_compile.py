@@ -170,6 +170,9 @@ class Compiled:
     # ptxas' reason for serializing the kernel's wgmma (its "Potential Performance Loss" note,
     # C7514 and kin): every wgmma then waits for the one before it, in every loop
     wgmma_serialized: str | None = None
+    # FP8 x FP8 dots that carry their sum across K steps in the tensor core's accumulator (fewer
+    # bits than float32): `maxNumImpreciseAcc` above the dot's K on a loop-carried accumulator
+    fp8_sums_across_k: int = 0
 
     def summary(self) -> str:
         registers = "?" if self.registers is None else self.registers
@@ -180,7 +183,8 @@ class Compiled:
                 f"longest loop {'?' if self.loop_instructions is None else self.loop_instructions} instructions"
                 + ("" if self.block_n is None else f", BLOCK_N {self.block_n}")
                 + f", {'?' if self.loop_full_wgmma_waits is None else self.loop_full_wgmma_waits} full wgmma waits"
-                + ("" if self.wgmma_serialized is None else f", wgmma serialized by ptxas: {self.wgmma_serialized}"))
+                + ("" if self.wgmma_serialized is None else f", wgmma serialized by ptxas: {self.wgmma_serialized}")
+                + ("" if not self.fp8_sums_across_k else f", {self.fp8_sums_across_k} FP8 dots summing across K"))
 
 
 GLOBAL_ACCESS = re.compile(r"\b(?:ld|st)\.global[\w.:]*")
@@ -195,6 +199,19 @@ def narrow_accesses(ptx: str) -> int:
         if not any(part in ("v2", "v4", "v8") for part in parts) and parts[-1][1:] in ("8", "16"):
             count += 1
     return count
+
+
+# a TTIR dot: `%d = tt.dot %a, %b, %acc, ... {maxNumImpreciseAcc = N : i32} : tensor<MxKxf8..> * tensor<..xf8..>`
+FP8_DOT = re.compile(r"tt\.dot %[\w.#]+, %[\w.#]+, %([\w.#]+),.*maxNumImpreciseAcc = (\d+).*"
+                     r": tensor<\d+x(\d+)xf8\w*> \* tensor<\d+x\d+xf8\w*>")
+
+
+def fp8_sums_across_k(ttir: str) -> int:
+    """FP8 x FP8 dots whose tensor-core sum may run past one K step: an accumulator that is not a
+    constant (a loop-carried sum, not a fresh zero) and more imprecise products allowed than
+    the dot's K. Such a sum reaches float32 only after the loop (kernels.fp8.imprecise_accumulation)."""
+    return sum(1 for accumulator, limit, k in FP8_DOT.findall(ttir)
+               if not accumulator.startswith("cst") and int(limit) > int(k))
 
 
 BF16_FROM_F16 = re.compile(r"\bcvt(?:\.rn)?\.bf16\.f16\b")
@@ -261,6 +278,7 @@ def compile_launch(launch: Launch) -> Compiled:
         loop_full_wgmma_waits=None if loop is None else sum(bool(FULL_WGMMA_WAIT.match(line)) for line in loop),
         block_n=launch.arguments.get("BLOCK_N"),
         wgmma_serialized=serialized.group(1) if (serialized := WGMMA_SERIALIZED.search(log.getvalue())) else None,
+        fp8_sums_across_k=fp8_sums_across_k(compiled.asm["ttir"]),
     )
 
 
@@ -462,7 +480,10 @@ def main(argv: list[str]) -> int:
     tile = None
     if "--moe-tile" in argv:  # e.g. --moe-tile 128,64,64,8,3
         tile = tuple(int(size) for size in argv[argv.index("--moe-tile") + 1].split(","))
+    only = argv[argv.index("--only") + 1] if "--only" in argv else ""  # e.g. --only "w8a8 per-channel"
     for label, call in cases(include_float32="--float32" in argv):
+        if only not in label:
+            continue
         try:
             with recorded_launches() as launches:
                 call()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -76,6 +77,38 @@ def test_a_wrong_setting_is_an_error_naming_it(monkeypatch, variable, value, mes
         dispatch.use_triton(torch.randn(2), op="rms_norm")
     with pytest.raises(EngineConfigError, match=message):
         EngineConfig()
+
+
+def test_fp8_fast_accumulation_is_a_flag_and_a_wrong_value_stops_the_engine(monkeypatch):
+    from kernels.fp8 import imprecise_accumulation
+    from vlm_catalog.engine.config import EngineConfig, EngineConfigError
+
+    monkeypatch.delenv(dispatch.FP8_FAST_ACCUMULATION_ENV_VAR, raising=False)
+    # unset: per-channel FP8 x FP8 sums go into float32 every K step (BLOCK_K products)
+    assert not dispatch.fp8_fast_accumulation() and imprecise_accumulation(128) == 128
+    for value, fast in (("1", True), ("on", True), ("0", False), ("", False), (" TRUE ", True)):
+        monkeypatch.setenv(dispatch.FP8_FAST_ACCUMULATION_ENV_VAR, value)
+        assert dispatch.fp8_fast_accumulation() is fast, value
+        assert imprecise_accumulation(64) == (None if fast else 64)  # None: Triton's default
+    monkeypatch.setenv(dispatch.FP8_FAST_ACCUMULATION_ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="VLM_CATALOG_FP8_FAST_ACCUMULATION='fast' is not a flag"):
+        dispatch.fp8_fast_accumulation()
+    with pytest.raises(EngineConfigError, match="VLM_CATALOG_FP8_FAST_ACCUMULATION"):
+        EngineConfig()
+
+
+@pytest.mark.parametrize("previous", [None, "1", "0"])
+def test_fp8_accumulation_sets_the_flag_for_a_block_and_puts_back_what_was_there(monkeypatch, previous):
+    variable = dispatch.FP8_FAST_ACCUMULATION_ENV_VAR
+    if previous is None:
+        monkeypatch.delenv(variable, raising=False)
+    else:
+        monkeypatch.setenv(variable, previous)
+    for fast in (True, False):
+        with pytest.raises(KeyError), dispatch.fp8_accumulation(fast):  # put back on the way out of an error too
+            assert dispatch.fp8_fast_accumulation() is fast
+            raise KeyError
+        assert os.environ.get(variable) == previous
 
 
 def test_forced_triton_without_triton_is_an_error(monkeypatch):

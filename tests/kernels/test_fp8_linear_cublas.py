@@ -155,8 +155,10 @@ def test_a_wrong_or_failing_gemm_keeps_the_triton_kernel_with_a_warning(hopper, 
 
 
 def test_the_first_call_check_is_per_recipe_and_any_failure_keeps_triton(hopper, monkeypatch, caplog):
-    """A row-wise weight is checked on the row-wise recipe under a key of its own; a failure of any
-    kind (here a compile error's own class, not one of torch's) keeps the Triton kernel."""
+    """A row-wise weight is checked on the row-wise recipe under a key of its own, with fast
+    accumulation only under VLM_CATALOG_FP8_FAST_ACCUMULATION (another key again); a failure of
+    any kind (here a compile error's own class, not one of torch's) keeps the Triton kernel."""
+    monkeypatch.delenv("VLM_CATALOG_FP8_FAST_ACCUMULATION", raising=False)
     recipes = []
 
     def recording(a, b, scale_a, recipe_a, *args, **kwargs):
@@ -167,8 +169,18 @@ def test_the_first_call_check_is_per_recipe_and_any_failure_keeps_triton(hopper,
     block = per_channel_block(256)
     x, weight, scale = inputs(8, 256, 384, block=block)
     assert cublas.usable(x, weight, scale, block) and cublas.usable(x, weight, scale, block)
-    assert recipes == [(F.ScalingType.RowWise, True)]
-    assert list(cublas._checked) == [(x.device, (384, 256), torch.bfloat16, block)]
+    assert recipes == [(F.ScalingType.RowWise, False)]
+    assert list(cublas._checked) == [(x.device, (384, 256), torch.bfloat16, block, False)]
+    monkeypatch.setenv("VLM_CATALOG_FP8_FAST_ACCUMULATION", "1")
+    assert cublas.usable(x, weight, scale, block) and cublas.usable(x, weight, scale, block)
+    assert recipes == [(F.ScalingType.RowWise, False), (F.ScalingType.RowWise, True)]
+    assert cublas.verdicts() == {"(384, 256) bfloat16 row-wise": True,
+                                 "(384, 256) bfloat16 row-wise, fast accumulation": True}
+    cublas.fp8_linear_cublas(x, weight, scale, block=block)
+    assert recipes[-1] == (F.ScalingType.RowWise, True)
+    monkeypatch.delenv("VLM_CATALOG_FP8_FAST_ACCUMULATION")
+    cublas.fp8_linear_cublas(x, weight, scale, block=block)
+    assert recipes[-1] == (F.ScalingType.RowWise, False)
 
     class CompilationError(Exception):  # not a RuntimeError, as triton.compiler.errors.CompilationError
         pass
@@ -181,7 +193,9 @@ def test_the_first_call_check_is_per_recipe_and_any_failure_keeps_triton(hopper,
     with caplog.at_level(logging.WARNING, logger="kernels.fp8_linear_cublas"):
         assert not cublas.usable(other[0], other[1], other[2], per_channel_block(512))
     assert "power of 2" in caplog.text and "row-wise" in caplog.text
-    assert cublas.verdicts() == {"(384, 256) bfloat16 row-wise": True, "(384, 512) bfloat16 row-wise": False}
+    assert cublas.verdicts() == {"(384, 256) bfloat16 row-wise": True,
+                                 "(384, 256) bfloat16 row-wise, fast accumulation": True,
+                                 "(384, 512) bfloat16 row-wise": False}
 
 
 def test_only_eligible_operands_and_devices_take_cublas(hopper, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.dispatch import FP8_FAST_ACCUMULATION_ENV_VAR
 from kernels.fp8 import per_channel_block
 from kernels.moe.configs import (
     CHANNEL_SUFFIX,
@@ -20,7 +21,7 @@ from kernels.moe.configs import (
     heuristic_moe_config,
     token_bucket,
 )
-from kernels.moe.fused_moe import moe_gemm_config, per_channel_experts
+from kernels.moe.fused_moe import asynchronous_k_loops, moe_gemm_config, per_channel_experts
 
 
 def test_token_bucket_is_the_smallest_bucket_at_or_above():
@@ -96,17 +97,28 @@ def test_w8a8_looks_up_entries_of_its_own(monkeypatch):
 
 def test_per_channel_experts_look_up_entries_of_their_own(monkeypatch):
     """Per-channel FP8 experts (one scale row spanning H and I: the kernels scale after their K
-    loops) have their own tiles, keyed 'float8_e4m3fn_w8a8_channel'; 128 x 128 blocks do not."""
+    loops) whose loops do not wait per K step have their own tiles, keyed
+    'float8_e4m3fn_w8a8_channel'; 128 x 128 blocks do not. With FP8 activations that is only
+    under fast accumulation: summed into float32 every step, they take the block-scaled tiles."""
     marker = MoeKernelConfig(128, 128, 128, 8, 8, 3, tuned=True)
+    block_marker = MoeKernelConfig(128, 64, 128, 8, 8, 3, tuned=True)
     key_dtype = "float8_e4m3fn" + W8A8_SUFFIX + CHANNEL_SUFFIX
     monkeypatch.setitem(MOE_CONFIGS, (128, 2048, 768, key_dtype, 4096), marker)
+    monkeypatch.setitem(MOE_CONFIGS, (128, 2048, 768, "float8_e4m3fn" + W8A8_SUFFIX, 4096), block_marker)
+    monkeypatch.setenv(FP8_FAST_ACCUMULATION_ENV_VAR, "1")
     w13 = torch.empty(128, 2 * 768, 2048, dtype=torch.float8_e4m3fn)
     assert per_channel_experts(w13, per_channel_block(2048, 768))
     assert not per_channel_experts(w13, (128, 128)) and not per_channel_experts(w13, None)
     assert not per_channel_experts(w13, (1, 1024))  # spans I (768) but not H (2048)
     assert per_channel_experts(w13, (128, 2048))  # rows of 128, but both loops scale after: the same tiles
     assert moe_gemm_config(4000, w13, 8, fp8_activations=True, block_shape=per_channel_block(2048, 768)) is marker
-    assert moe_gemm_config(4000, w13, 8, fp8_activations=True, block_shape=(128, 128)) is not marker
+    assert moe_gemm_config(4000, w13, 8, fp8_activations=True, block_shape=(128, 128)) is block_marker
+    monkeypatch.setenv(FP8_FAST_ACCUMULATION_ENV_VAR, "0")
+    assert moe_gemm_config(4000, w13, 8, fp8_activations=True, block_shape=per_channel_block(2048, 768)) \
+        is block_marker
+    assert not asynchronous_k_loops(w13, per_channel_block(2048, 768), fp8_activations=True)
+    assert asynchronous_k_loops(w13, per_channel_block(2048, 768), fp8_activations=False)  # bf16 dots
+    assert not asynchronous_k_loops(w13, (128, 128), fp8_activations=False)
     line = format_config_entry(128, 2048, 768, torch.float8_e4m3fn, 4096, marker, fp8_activations=True,
                                per_channel=True)
     assert eval(line.strip().rstrip(",").split(": ", 1)[0]) == (128, 2048, 768, key_dtype, 4096)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.dispatch import kernel_backend, kernels_off
+from kernels.dispatch import fp8_fast_accumulation, kernel_backend, kernels_off
 from kernels.fp8 import FP8_DTYPE
 from vlm_catalog.model.fp8 import QUANTIZATION_MODES
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
@@ -117,6 +117,7 @@ class EngineConfig:
         try:  # the kernel switches (environment), read on every op: a typo fails here, not in a request
             kernel_backend()
             kernels_off()
+            fp8_fast_accumulation()
         except ValueError as exc:
             raise EngineConfigError(str(exc)) from None
 
