@@ -31,7 +31,10 @@ call; `--json FILE` merges the phases' results into FILE.
                   GEMM's input quantized (FP8 tensor cores; `--quantization fp8_w8a8`)
 - engine_w8a8_channel  engine_w8a8 with one scale per weight row and per token instead of
                   128-wide blocks (`--quantization fp8_w8a8_channel`): the GEMMs scale after
-                  their K loops, so Hopper's wgmma runs asynchronously (requantized in place)
+                  their K loops (requantized in place); their sums go into float32 every K step
+- engine_w8a8_channel_fast  the same with VLM_CATALOG_FP8_FAST_ACCUMULATION=1: the FP8 GEMMs
+                  sum their whole K loop in the tensor core's accumulator (vLLM's way), so
+                  Hopper's wgmma runs asynchronously, with fewer bits than float32
 - constrained     the per-record schema (real stop) against an unconstrained run that
                   generates the same number of tokens per record (both counts reported;
                   target >= 0.95x)
@@ -66,7 +69,7 @@ from pathlib import Path
 import torch
 
 from kernels import fp8_linear_cublas
-from kernels.dispatch import kernels_off
+from kernels.dispatch import fp8_accumulation, kernels_off
 from kernels.fp8 import per_channel_block
 from vlm_catalog.bench.random_model import (
     QWEN3_VL_30B_A3B,
@@ -94,9 +97,9 @@ from vlm_catalog.preprocess.prompt import build_messages
 from vlm_catalog.structured import catalogue_schema
 
 PHASES = ("ceilings", "kernels", "roofline", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
-          "engine_fp8", "engine_w8a8", "engine_w8a8_channel", "transformers")
+          "engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_w8a8_channel_fast", "transformers")
 # they quantize the experts in place: after the others
-FP8_MODEL_PHASES = {"engine_fp8", "engine_w8a8", "engine_w8a8_channel"}
+FP8_MODEL_PHASES = {"engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_w8a8_channel_fast"}
 NEEDS_RECORDS = {"vision_encoder", "engine", "engine_fp8_kv", "constrained", "transformers", *FP8_MODEL_PHASES}
 NEEDS_MODEL = {"roofline", "engine", "engine_fp8_kv", "constrained", *FP8_MODEL_PHASES}
 ENGINE_PHASES = NEEDS_MODEL - {"roofline"}  # they run the engine, after a warm-up (`warm_up`)
@@ -328,12 +331,14 @@ def measure_engine(checkpoint: Path, model, device: torch.device, records, outpu
 
 def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
                        fp8_activations: bool = False, sampling: Sampling = QWEN3_VL_SAMPLING,
-                       async_scheduling: bool = False, warmup_records=(), per_channel: bool = False) -> dict:
+                       async_scheduling: bool = False, warmup_records=(), per_channel: bool = False,
+                       fast_accumulation: bool = False) -> dict:
     """`measure_engine` with FP8 experts (quantized in place, one layer at a time, unless already
     FP8 in these blocks) and an FP8 KV cache; `fp8_activations`: what `--quantization fp8_w8a8`
     loads, the dense projections in FP8 too (`Fp8Linear`) and every FP8 GEMM's input quantized;
     `per_channel` (with it): `--quantization fp8_w8a8_channel`'s one scale per row and per token,
-    FP8 weights of other blocks requantized."""
+    FP8 weights of other blocks requantized; `fast_accumulation`: under
+    VLM_CATALOG_FP8_FAST_ACCUMULATION=1 (`kernels.dispatch.fp8_accumulation`)."""
     def weight_bytes(module) -> int:
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
@@ -366,8 +371,10 @@ def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, o
             if getattr(module, name).block != dense_block.block:
                 getattr(module, name).requantize_(dense_block)
         release_memory(device)
-    results = measure_engine(checkpoint, model, device, records, output_tokens, kv_cache_dtype="fp8", sampling=sampling,
-                             async_scheduling=async_scheduling, warmup_records=warmup_records)
+    with fp8_accumulation(fast_accumulation):
+        results = measure_engine(checkpoint, model, device, records, output_tokens, kv_cache_dtype="fp8",
+                                 sampling=sampling, async_scheduling=async_scheduling, warmup_records=warmup_records)
+    results["fp8_fast_accumulation"] = fast_accumulation
     results["before"] = before
     results["after"] = sizes()
     results["expert_block"] = list(block.block)  # (rows, columns) per scale: [1, K] is per-channel
@@ -676,6 +683,9 @@ def main(argv: list[str] | None = None) -> int:
                 "engine_w8a8_channel": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
                     per_channel=True, **engine_options),
+                "engine_w8a8_channel_fast": lambda: measure_engine_fp8(
+                    checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
+                    per_channel=True, fast_accumulation=True, **engine_options),
             }
             for phase in model_phases if model is not None else ():
                 run_phase(phase, measures[phase])

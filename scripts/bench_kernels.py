@@ -601,6 +601,7 @@ def _fp8_experts(inputs, shapes: Shapes, per_channel: bool = False):
 def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
     import torch
 
+    from kernels.dispatch import fp8_accumulation
     from kernels.moe.align import moe_align_block_size_reference, moe_align_block_size_triton
     from kernels.moe.configs import get_moe_config
     from kernels.moe.fused_moe import fused_moe_reference, fused_moe_triton
@@ -635,12 +636,16 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
         # the same experts in FP8 with 128 x 128 block scales (Qwen's -FP8): half the weight bytes;
         # then with one scale per row (and per token), applied after the K loops
         fp8, per_channel = _fp8_experts(inputs, shapes), _fp8_experts(inputs, shapes, per_channel=True)
-        fp8_variants = {"fp8 experts": (fp8, False), "fp8 w8a8": (fp8, True),
-                        "fp8 experts, per-channel": (per_channel, False), "fp8 w8a8, per-channel": (per_channel, True)}
-        for name, (experts, activations) in fp8_variants.items():
+        # (per-channel W8A8 sums each K step into float32 unless with fast accumulation: kernels/fp8.py)
+        fp8_variants = {"fp8 experts": (fp8, False, False), "fp8 w8a8": (fp8, True, False),
+                        "fp8 experts, per-channel": (per_channel, False, False),
+                        "fp8 w8a8, per-channel": (per_channel, True, False),
+                        "fp8 w8a8, per-channel, fast accumulation": (per_channel, True, True)}
+        for name, (experts, activations, fast) in fp8_variants.items():
             if experts is None:  # the shapes allow no block
                 continue
-            fp8_ms = timer(partial(fused_moe_triton, *experts[0], **experts[1], fp8_activations=activations))
+            with fp8_accumulation(fast):
+                fp8_ms = timer(partial(fused_moe_triton, *experts[0], **experts[1], fp8_activations=activations))
             rows.append(
                 Row(
                     f"fused_moe[{name}]",
@@ -986,9 +991,12 @@ def _tune_moe_bucket(bucket: int, device, shapes: Shapes, dtype, experts: Expert
                      max_candidates: int | None, pool, compile_workers: int) -> tuple:
     """The fastest candidate for one bucket, (ms, config); printed with its line for MOE_CONFIGS."""
     from kernels.moe.configs import format_config_entry
-    from kernels.moe.fused_moe import fused_moe_triton
+    from kernels.moe.fused_moe import asynchronous_k_loops, fused_moe_triton
 
     inputs, scales = _moe_tuning_inputs(bucket, shapes, dtype, device, experts)
+    # per-channel experts' own entries are for K loops that do not wait per step; per-channel
+    # W8A8 summing into float32 every step takes (and so tunes) the block-scaled W8A8 entries
+    own_entries = asynchronous_k_loops(inputs[1], scales.get("block_shape"), experts.w8a8)
     results = []
     candidates = list(candidate_configs(bucket * shapes.top_k / shapes.num_experts))[
         :max_candidates
@@ -1008,7 +1016,7 @@ def _tune_moe_bucket(bucket: int, device, shapes: Shapes, dtype, experts: Expert
     print(
         format_config_entry(
             shapes.num_experts, shapes.hidden, shapes.moe_intermediate, inputs[1].dtype, bucket, config,
-            experts.w8a8, experts.per_channel,
+            experts.w8a8, own_entries,
         ),
         flush=True,
     )

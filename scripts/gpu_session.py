@@ -20,11 +20,12 @@ own results into `$OUT` (at most 8 files come back from a device call):
 
 - `record`: `pytest -m gpu` (its slowest tests and summary in pytest_gpu.txt; on four
   workers where pytest-xdist is carried, each test limited where pytest-timeout is), then
-  bench_gpu.py's phases into bench_gpu.json: engine_w8a8 against engine_w8a8_channel, the
-  ceilings, roofline and kernels, constrained, and the vision encoder, as far as the budget
-  goes.
-- `tune`: the W8A8 MoE tile tuning (block scales, then per-channel) and the FP8 decode
-  attention's launch settings, each bucket printed as it is done.
+  bench_gpu.py's phases into bench_gpu.json: engine_w8a8 against engine_w8a8_channel and
+  engine_w8a8_channel_fast, the ceilings, roofline and kernels, the vision encoder, and
+  constrained, as far as the budget goes (constrained usually needs a second call).
+- `tune`: the W8A8 MoE tile tuning (block scales, then per-channel with fast accumulation,
+  the one whose tiles are its own) and the FP8 decode attention's launch settings, each
+  bucket printed as it is done.
 - `smoke`: two engine phases on CPU at the default model's shapes, to try the runner here.
 """
 
@@ -57,7 +58,8 @@ class Step:
     interpreter; `tail_to`: the last `tail_lines` lines of its
     output are also written to this file in the output folder; `optional`: (module, options)
     pairs, each option list appended only where its module is importable in the steps'
-    environment (pytest plugins carried in .whl; without one the step still runs)."""
+    environment (pytest plugins carried in .whl; without one the step still runs); `env`:
+    (name, value) pairs set for this step alone."""
 
     name: str
     argv: tuple[str, ...]
@@ -66,6 +68,7 @@ class Step:
     tail_to: str | None = None
     tail_lines: int = PYTEST_SUMMARY_LINES
     optional: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -97,27 +100,31 @@ PYTEST_GPU_OPTIONAL = (
 
 CPU_SMOKE = ("--tiny", "--device", "cpu", "--records", "2", "--output-tokens", "4", "--image-size", "small")
 
-# Times from the H100 run of 2026-11-25 (docs/benchmarks.md): pytest -m gpu 226 s; the kernels
-# phase 59 s; each engine phase 38-53 s and constrained 90 s, plus the catalogue and the random
-# model for each bench_gpu process. The steps' maxima add up to more than a call: the later ones
-# get what is left, so the order is the priority.
+# Times from the H100 run of 2026-11-27 (docs/results/gpu/gpu_session_2026-11-27.json): pytest -m
+# gpu 136 s on four workers; engine_w8a8 95 s and engine_w8a8_channel 60 s as phases, about 25 s
+# more per bench_gpu process (the catalogue, the random model), so the two did not fit in 170 s;
+# the kernels step 71 s, constrained 128 s, vision_encoder 34 s. The steps' maxima add up to
+# more than a call: the later ones get what is left, so the order is the priority.
 PLANS: dict[str, tuple[Step, ...]] = {
     "record": (
         # correctness first: the numbers after it mean little if a kernel is wrong
         Step("pytest_gpu", ("python3", "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--durations=30"),
              max_s=260, min_s=120, tail_to="pytest_gpu.txt", optional=PYTEST_GPU_OPTIONAL),
         # the fastest engine so far against its per-channel variant (never run on a GPU)
-        Step("engines", bench_gpu("engine_w8a8,engine_w8a8_channel"), max_s=170, min_s=100),
-        Step("kernels", bench_gpu("ceilings,roofline,kernels"), max_s=130, min_s=60),
-        Step("constrained", bench_gpu("constrained"), max_s=150, min_s=100),
+        Step("engines", bench_gpu("engine_w8a8,engine_w8a8_channel,engine_w8a8_channel_fast"), max_s=270, min_s=120),
+        Step("kernels", bench_gpu("ceilings,roofline,kernels"), max_s=110, min_s=60),
         Step("vision_encoder", bench_gpu("vision_encoder"), max_s=60, min_s=30),
+        Step("constrained", bench_gpu("constrained"), max_s=160, min_s=120),
     ),
     "tune": (
         Step("tune_moe_w8a8", bench_kernels("--tune-moe", "--fp8", "--w8a8", "--buckets", "4096", "16384", "256", "1"),
              max_s=200, min_s=60, tail_to="tune_moe_w8a8.txt", tail_lines=200),
+        # summed into float32 every K step (the default), per-channel W8A8 takes the block-scaled
+        # tiles just tuned; its own entries are for the fast accumulation's asynchronous loop
         Step("tune_moe_w8a8_channel", bench_kernels("--tune-moe", "--fp8", "--w8a8", "--per-channel",
                                                     "--buckets", "4096", "16384", "256", "1"),
-             max_s=200, min_s=60, tail_to="tune_moe_w8a8_channel.txt", tail_lines=200),
+             max_s=200, min_s=60, tail_to="tune_moe_w8a8_channel.txt", tail_lines=200,
+             env=(("VLM_CATALOG_FP8_FAST_ACCUMULATION", "1"),)),
         Step("tune_decode_fp8", bench_kernels("--tune-decode", "--fp8"), max_s=180, min_s=60,
              tail_to="tune_decode_fp8.txt", tail_lines=200),
     ),
@@ -171,7 +178,7 @@ def run_plan(steps: tuple[Step, ...] | list[Step], budget_s: float, out: Path,
                     else:
                         log.write(f"[gpu_session] {step.name}: {module} is not importable, running without "
                                   f"{shlex.join(options)}\n")
-                results.append(_run_step(step, command, limit, out, log, step_env, cwd))
+                results.append(_run_step(step, command, limit, out, log, {**step_env, **dict(step.env)}, cwd))
             (out / "session.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     return results
 
@@ -258,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         for step in steps:
             optional = "".join(f" [{shlex.join(options)} where {module} is importable]" for module, options in step.optional)
-            print(f"{step.name}: {shlex.join(step.argv)}{optional}  (at most {step.max_s:.0f} s, "
+            variables = "".join(f" [with {name}={value}]" for name, value in step.env)
+            print(f"{step.name}: {shlex.join(step.argv)}{optional}{variables}  (at most {step.max_s:.0f} s, "
                   f"skipped under {step.min_s:.0f} s)")
         return 0
     if args.wheels is not None and not args.wheels.is_dir():

@@ -159,12 +159,24 @@ def test_dry_run_prints_the_plan(session, capsys):
     for step in session.PLANS["record"]:
         assert f"{step.name}: {shlex.join(step.argv)}" in printed
     assert "[-n 4 --dist loadgroup where xdist is importable]" in printed
+    assert session.main(["--plan", "tune", "--dry-run"]) == 0
+    assert "--per-channel --buckets 4096 16384 256 1 [with VLM_CATALOG_FP8_FAST_ACCUMULATION=1]" in \
+        capsys.readouterr().out
+
+
+def test_a_steps_variables_reach_its_process_alone(session, tmp_path):
+    code = "import os; print(os.environ.get('VLM_CATALOG_FP8_FAST_ACCUMULATION'))"
+    steps = [python_step(session, "with", code, tail_to="with.txt", env=(("VLM_CATALOG_FP8_FAST_ACCUMULATION", "1"),)),
+             python_step(session, "without", code, tail_to="without.txt")]
+    session.run_plan(steps, budget_s=60, out=tmp_path)
+    assert (tmp_path / "with.txt").read_text().split() == ["1"]
+    assert (tmp_path / "without.txt").read_text().split() == ["None"]
 
 
 def test_steps_picks_a_plans_steps_in_its_order_and_names_unknown_ones(session, capsys):
-    assert session.main(["--plan", "record", "--steps", "vision_encoder,constrained", "--dry-run"]) == 0
+    assert session.main(["--plan", "record", "--steps", "constrained,vision_encoder", "--dry-run"]) == 0
     printed = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in printed] == ["constrained", "vision_encoder"]
+    assert [line.split(":")[0] for line in printed] == ["vision_encoder", "constrained"]
     with pytest.raises(SystemExit):
         session.main(["--plan", "record", "--steps", "constrained,tune_moe_w8a8", "--dry-run"])
     err = capsys.readouterr().err

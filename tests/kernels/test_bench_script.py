@@ -20,19 +20,22 @@ SCRIPT = REPO_ROOT / "scripts" / "bench_kernels.py"
 
 
 def cpu_only_env(interpret: bool) -> dict[str, str]:
-    """This process's environment with no GPU visible and the interpreter set or unset."""
-    env = {key: value for key, value in os.environ.items() if key not in ("VLM_CATALOG_KERNELS", "TRITON_INTERPRET")}
+    """This process's environment with no GPU visible and the interpreter set or unset (and the
+    kernel switches unset)."""
+    switches = ("VLM_CATALOG_KERNELS", "TRITON_INTERPRET", "VLM_CATALOG_FP8_FAST_ACCUMULATION")
+    env = {key: value for key, value in os.environ.items() if key not in switches}
     env["CUDA_VISIBLE_DEVICES"] = ""
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     return env
 
 
-def run_script(*args: str, script: Path = SCRIPT, interpret: bool = False) -> subprocess.CompletedProcess:
+def run_script(*args: str, script: Path = SCRIPT, interpret: bool = False,
+               **variables: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(script), *args],
         cwd=REPO_ROOT,
-        env=cpu_only_env(interpret),
+        env={**cpu_only_env(interpret), **variables},
         capture_output=True,
         text=True,
         timeout=600,
@@ -92,13 +95,16 @@ def test_tune_moe_w8a8_prints_entries_of_its_own():
 
 def test_tune_moe_per_channel_prints_entries_of_its_own():
     """--tune-moe --fp8 --w8a8 --per-channel times the per-channel W8A8 GEMMs (the scales after
-    the K loop) and keys their lines 'float8_e4m3fn_w8a8_channel'."""
+    the K loop) and keys their lines 'float8_e4m3fn_w8a8_channel' under fast accumulation, whose
+    loops have tiles of their own; summed into float32 every K step (the default) they take, and
+    so print, the block-scaled W8A8 key."""
     pytest.importorskip("triton")
-    result = run_script("--interpret", "--tune-moe", "--fp8", "--w8a8", "--per-channel", "--buckets", "4",
-                        "--compile-workers", "0", interpret=True)
-    assert result.returncode == 0, result.stdout + result.stderr
-    (entry,) = [line for line in result.stdout.splitlines() if "MoeKernelConfig(" in line]
-    assert "'float8_e4m3fn_w8a8_channel', 4)" in entry
+    for fast, key in (("1", "'float8_e4m3fn_w8a8_channel', 4)"), ("0", "'float8_e4m3fn_w8a8', 4)")):
+        result = run_script("--interpret", "--tune-moe", "--fp8", "--w8a8", "--per-channel", "--buckets", "4",
+                            "--compile-workers", "0", interpret=True, VLM_CATALOG_FP8_FAST_ACCUMULATION=fast)
+        assert result.returncode == 0, result.stdout + result.stderr
+        (entry,) = [line for line in result.stdout.splitlines() if "MoeKernelConfig(" in line]
+        assert key in entry, (fast, entry)
     refused = run_script("--interpret", "--tune-moe", "--per-channel", interpret=True)
     assert refused.returncode == 2 and "--per-channel goes with --tune-moe --fp8" in refused.stderr
 
@@ -231,7 +237,7 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     result = run_script("--tiny", "--device", "cpu", "--records", "2", "--vision-images", "2", "--hf-records", "2",
                         "--image-size", "small", "--output-tokens", "4", "--warmup-records", "1",
                         "--phases", "vision_encoder,engine,engine_fp8_kv,constrained,engine_fp8,engine_w8a8,"
-                        "engine_w8a8_channel,transformers",
+                        "engine_w8a8_channel,engine_w8a8_channel_fast,transformers",
                         "--json", str(out),
                         script=REPO_ROOT / "scripts" / "bench_gpu.py")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -276,11 +282,17 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert channel["expert_block"][0] == 1 and channel["dense_block"][0] == 1 and w8a8["expert_block"][0] > 1
     assert channel["before"] == w8a8["after"] and channel["fixed_150_tokens"]["errors"] == 0
     assert channel["after"]["dense_projection_bytes"] < 0.3 * w8a8["before"]["dense_projection_bytes"]
+    # the same weights again, with the FP8 GEMMs' sums left in the tensor core (recorded as such)
+    fast = report["engine_w8a8_channel_fast"]
+    assert fast["fp8_fast_accumulation"] and not channel["fp8_fast_accumulation"]
+    assert fast["before"] == channel["after"] == fast["after"] and fast["fixed_150_tokens"]["errors"] == 0
+    assert fast["expert_block"] == channel["expert_block"]
     hf = report["transformers"]
     assert hf["batch_1_probe"]["samples_per_s"] > 0 and hf["batch_chosen"] >= 1 and hf["best_samples_per_s"] > 0
     # vision_encoder needs the matmul peak: ceilings are measured for it
     assert set(report["phase_seconds"]) == {"ceilings", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
-                                            "engine_fp8", "engine_w8a8", "engine_w8a8_channel", "transformers"}
+                                            "engine_fp8", "engine_w8a8", "engine_w8a8_channel",
+                                            "engine_w8a8_channel_fast", "transformers"}
 
 
 @pytest.mark.slow
