@@ -270,6 +270,10 @@ def engine_run_summary(engine: LLMEngine, conversations, params) -> tuple[dict, 
         "images_prefetched": delta["num_images_prefetched"],  # decoded while an earlier step ran
         "image_wait_seconds": delta["seconds_waiting_for_images"],  # steps waiting for image decodes
         "vision_encoder_seconds": delta["seconds_in_vision_encoder"],  # device time, within prefill steps
+        # host time of the grammars (constrained requests): masks filled while the forward runs,
+        # and grammars advanced over the sampled tokens after they are read
+        "grammar_fill_seconds": delta["seconds_filling_grammar_masks"],
+        "grammar_advance_seconds": delta["seconds_advancing_grammars"],
         "errors": sum(o.finish_reason == "error" for o in outputs.values()),
     }
     return summary, outputs

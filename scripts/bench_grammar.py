@@ -19,7 +19,13 @@ row by row (`GrammarState.fill_bitmask`) and in parallel threads
 (`BitmaskFiller`, what the engine does), with the rows checked equal. Mask width
 is the model's padded vocabulary.
 
-    python scripts/bench_grammar.py [--dataset data/sample_catalogue] [--records 64] [--fill-batch 256] [--json out.json]
+And the grammars' host work of whole decode steps as answers progress (`--walk-batch`): each
+request walks its own answer token by token; a step fills the batch's masks (`BitmaskFiller`,
+forced spans planned as they come, as in the engine) and then advances every grammar over its
+next token (`GrammarState.accept`). Fixed positions (above) never plan a span twice.
+
+    python scripts/bench_grammar.py [--dataset data/sample_catalogue] [--records 64] [--fill-batch 256]
+        [--walk-batch 256] [--json out.json]
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fill-batch", type=int, default=256, help="requests per bitmask fill (0: skip)")
     parser.add_argument("--fill-repeats", type=int, default=20)
     parser.add_argument("--fill-threads", default="auto", help="BitmaskFiller threads (auto: half the CPUs)")
+    parser.add_argument("--walk-batch", type=int, default=256, help="requests walking their answers (0: skip)")
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
 
@@ -103,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         report["bitmask_fill"] = measure_fill(tokenizer, vocabulary.vocab_size, stop_ids, records,
                                               args.fill_batch, args.fill_repeats, threads)
         fill_equal = report["bitmask_fill"]["rows_equal"]
+    if args.walk_batch > 0:
+        threads = args.fill_threads if args.fill_threads == "auto" else int(args.fill_threads)
+        report["decode_steps"] = measure_walk(tokenizer, vocabulary.vocab_size, stop_ids, records, args.walk_batch,
+                                              threads)
     for name in seconds:
         timing = report["ms_per_record"][name]
         print(f"{name:<5} median {timing['median']:6.2f} ms  mean {timing['mean']:6.2f} ms  "
@@ -115,9 +126,52 @@ def main(argv: list[str] | None = None) -> int:
               f"{fill['ms_row_by_row']:.2f} ms, BitmaskFiller {fill['ms_batched']:.2f} ms "
               f"({fill['speedup']:.2f}x; {fill['threads']} threads, {fill['cpu_count']} CPUs); "
               f"rows equal: {fill['rows_equal']}")
+    if "decode_steps" in report:
+        walk = report["decode_steps"]
+        print(f"decode steps, {walk['batch']} requests walking their answers ({walk['steps']} steps): "
+              f"fill {walk['ms_fill_median']:.2f} ms, advance {walk['ms_advance_median']:.2f} ms per step (median)")
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=2) + "\n")
     return 0 if accepted == len(records) and fill_equal else 1
+
+
+def catalogue_answers(tokenizer, stop_ids: list[int], records, batch: int) -> list[list[int]]:
+    """A token answer per request (a candidate of its record, a brand, the flag), ending in a stop token."""
+    answers = []
+    for i in range(batch):
+        record = records[i % len(records)]
+        answer = json.dumps({"category": record.candidate_categories[i % len(record.candidate_categories)],
+                             "brand": "Acme", "is_secondhand": False}, separators=(",", ":"))
+        answers.append(tokenizer.encode(answer, add_special_tokens=False) + [stop_ids[0]])
+    return answers
+
+
+def compiled_grammars(tokenizer, vocab_size: int, stop_ids: list[int], records) -> list:
+    with GrammarCompilerService(tokenizer, vocab_size, stop_ids) as service:
+        return [service.compile(GrammarSpec.from_request(json_schema=catalogue_schema(r.candidate_categories)))
+                for r in records]
+
+
+def measure_walk(tokenizer, vocab_size: int, stop_ids: list[int], records, batch: int,
+                 threads: int | str = "auto") -> dict:
+    """Median ms per decode step of the grammars' host work while `batch` requests walk their
+    answers in step: filling the masks, then advancing the grammars (module doc)."""
+    compiled = compiled_grammars(tokenizer, vocab_size, stop_ids, records)
+    answers = catalogue_answers(tokenizer, stop_ids, records, batch)
+    states = [GrammarState(compiled[i % len(compiled)]) for i in range(batch)]
+    filler, bitmask, rows = BitmaskFiller(threads), allocate_bitmask(batch, vocab_size), list(range(batch))
+    fill, advance = [], []
+    for step in range(min(len(answer) for answer in answers) - 1):  # all still inside their answers
+        bitmask.fill_(-1)
+        start = time.perf_counter()
+        filler.fill(states, rows, bitmask, force_canonical=True)
+        middle = time.perf_counter()
+        for state, answer in zip(states, answers):
+            state.accept(answer[step:step + 1])
+        fill.append(middle - start)
+        advance.append(time.perf_counter() - middle)
+    return {"batch": batch, "steps": len(fill), "vocab_size": vocab_size, "threads": threads,
+            "ms_fill_median": 1e3 * statistics.median(fill), "ms_advance_median": 1e3 * statistics.median(advance)}
 
 
 def measure_fill(
@@ -126,15 +180,10 @@ def measure_fill(
     """Median ms to fill one step's bitmask for `batch` requests, row by row and batched."""
     import os
 
-    with GrammarCompilerService(tokenizer, vocab_size, stop_ids) as service:
-        compiled = [service.compile(GrammarSpec.from_request(json_schema=catalogue_schema(r.candidate_categories)))
-                    for r in records]
+    compiled = compiled_grammars(tokenizer, vocab_size, stop_ids, records)
     states = []
-    for i in range(batch):
-        record = records[i % len(records)]
-        answer = json.dumps({"category": record.candidate_categories[i % len(record.candidate_categories)],
-                             "brand": "Acme", "is_secondhand": False}, separators=(",", ":"))
-        tokens = tokenizer.encode(answer, add_special_tokens=False)
+    for i, answer in enumerate(catalogue_answers(tokenizer, stop_ids, records, batch)):
+        tokens = answer[:-1]  # without the stop token
         state = GrammarState(compiled[i % len(compiled)])
         state.accept(tokens[: i % len(tokens)])  # each request at another point of its answer
         states.append(state)

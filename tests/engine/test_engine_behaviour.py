@@ -55,9 +55,14 @@ def test_every_constrained_answer_parses_over_hundreds_of_generations(llm):
         prompts.append(messages)
         candidate_lists.append(candidates)
         params.append(SamplingParams(max_tokens=120, temperature=1.0 if index % 2 else 0.0, seed=index, json_schema=schema))
+    before = dict(llm.engine.stats.as_dict())
     outputs = llm.chat(prompts, params)
     finished = [o for o in outputs if o.finish_reason != "length"]
     assert len(finished) >= 190
+    stats = llm.engine.stats.as_dict()  # the grammars' host time is counted, within the steps' own
+    fill, advance = (stats[key] - before[key] for key in ("seconds_filling_grammar_masks", "seconds_advancing_grammars"))
+    steps = sum(stats[key] - before[key] for key in ("seconds_in_prefill_steps", "seconds_in_decode_steps"))
+    assert 0 < fill and 0 < advance and fill + advance < steps
     for output, candidates in zip(outputs, candidate_lists):
         if output.finish_reason == "length":
             continue

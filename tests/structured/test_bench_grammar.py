@@ -14,7 +14,7 @@ def test_bench_grammar_smoke(tmp_path):
     out = tmp_path / "grammar.json"
     result = subprocess.run(
         [sys.executable, str(REPO_ROOT / "scripts" / "bench_grammar.py"), "--records", "3", "--fill-batch", "8",
-         "--fill-repeats", "2", "--fill-threads", "2", "--json", str(out)],
+         "--fill-repeats", "2", "--fill-threads", "2", "--walk-batch", "8", "--json", str(out)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stderr
@@ -26,3 +26,5 @@ def test_bench_grammar_smoke(tmp_path):
     fill = report["bitmask_fill"]
     assert fill["batch"] == 8 and fill["threads"] == 2 and fill["rows_equal"] is True
     assert fill["ms_row_by_row"] > 0 and fill["ms_batched"] > 0
+    walk = report["decode_steps"]  # every grammar took every token of its answer (accept raises otherwise)
+    assert walk["batch"] == 8 and walk["steps"] > 5 and walk["ms_fill_median"] > 0 and walk["ms_advance_median"] > 0

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from vlm_catalog.structured import allocate_bitmask, apply_bitmask
-from vlm_catalog.structured.bitmask import allow_only_token, row_allows_only, row_token_ids
+from vlm_catalog.structured.bitmask import (
+    allow_only_token,
+    allow_only_tokens,
+    row_allows_only,
+    row_token_ids,
+)
 
 VOCAB = 1024
 
@@ -63,6 +68,22 @@ def test_allow_only_and_readback_handle_the_sign_bit():
         assert row_token_ids(bitmask[0], VOCAB) == [token]
         assert row_allows_only(bitmask[0], [token, 5])
         assert not row_allows_only(bitmask[0], [5])
+
+
+def test_allow_only_tokens_writes_what_allow_only_token_writes_row_by_row():
+    rows, tokens = [4, 0, 2], [31, 1023, 32]  # the sign bit, the last word, a word's first bit
+    batched, one_by_one = allocate_bitmask(5, VOCAB), allocate_bitmask(5, VOCAB)
+    batched[2, 7] = 12345  # a row's other words are cleared, not kept
+    allow_only_tokens(batched, rows, tokens)
+    for row, token in zip(rows, tokens):
+        allow_only_token(one_by_one, row, token)
+    assert torch.equal(batched, one_by_one)
+    assert [row_token_ids(batched[row], VOCAB) for row in rows] == [[token] for token in tokens]
+    assert (batched[1] == -1).all() and (batched[3] == -1).all()  # rows not listed: untouched
+    allow_only_tokens(batched, [], [])  # nothing forced this step
+    assert torch.equal(batched, one_by_one)
+    with pytest.raises(ValueError, match="2 rows for 1 tokens"):
+        allow_only_tokens(batched, [0, 1], [5])
 
 
 def test_shape_errors_are_clear():

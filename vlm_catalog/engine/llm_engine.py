@@ -84,6 +84,10 @@ class EngineStats:
     num_images_prefetched: int = 0  # images whose pixels were decoded ahead (engine/image_prefetch.py)
     seconds_waiting_for_images: float = 0.0  # steps waiting for image pixels to be decoded
     seconds_in_vision_encoder: float = 0.0  # the vision tower's device time (CUDA events on GPU)
+    # host time of constrained requests' grammars: filling the next token masks (while the device
+    # runs the forward pass) and advancing them over the taken tokens (after the step's tokens are read)
+    seconds_filling_grammar_masks: float = 0.0
+    seconds_advancing_grammars: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -441,9 +445,11 @@ class LLMEngine:
             # (the runner returns logits without waiting for them), all rows in parallel threads;
             # force_canonical: where the grammar forces a string, only its canonical
             # tokens are allowed, so jump-forward on and off produce the same tokens
+            started = time.perf_counter()
             bitmask = self._bitmasks.host(len(requests))
             grammars = [requests[row].grammar for row in constrained]
             self._bitmask_filler.fill(grammars, constrained, bitmask, force_canonical=True)
+            self.stats.seconds_filling_grammar_masks += time.perf_counter() - started
             apply_bitmask(logits, self._bitmasks.device(len(requests)), constrained)
         params = [request.params for request in requests]
         positions = [request.num_output_tokens for request in requests]
@@ -490,12 +496,16 @@ class LLMEngine:
         if they end it."""
         if not appended:
             request.append_tokens(tokens)
+        grammar_finished = False
         if request.grammar is not None:
+            started = time.perf_counter()
             request.grammar.accept(tokens)
+            grammar_finished = request.grammar.is_finished()
+            self.stats.seconds_advancing_grammars += time.perf_counter() - started
         params = request.params
         last = tokens[-1]
         reason = None
-        if request.grammar is not None and request.grammar.is_finished():
+        if grammar_finished:
             reason = FinishReason.STOP
         elif last in self.eos_token_ids and not params.ignore_eos:
             reason = FinishReason.STOP

@@ -101,6 +101,20 @@ def allow_only_token(bitmask: torch.Tensor, row: int, token_id: int) -> None:
     bitmask[row, word] = _word_with_bit(bit)
 
 
+def allow_only_tokens(bitmask: torch.Tensor, rows: Sequence[int], token_ids: Sequence[int]) -> None:
+    """Make each `bitmask[rows[i]]` allow exactly `token_ids[i]`: `allow_only_token` for many rows in
+    two tensor operations, not two per row (a step's forced rows; `rows` must be unique)."""
+    if len(rows) != len(token_ids):
+        raise ValueError(f"{len(rows)} rows for {len(token_ids)} tokens")
+    if not rows:
+        return
+    index = torch.tensor(rows, dtype=torch.int64)
+    words = torch.tensor([token_id // BITS_PER_WORD for token_id in token_ids], dtype=torch.int64)
+    values = torch.tensor([_word_with_bit(token_id % BITS_PER_WORD) for token_id in token_ids], dtype=torch.int32)
+    bitmask.index_fill_(0, index, 0)
+    bitmask.index_put_((index, words), values)
+
+
 def row_token_ids(bitmask_row: torch.Tensor, limit: int) -> list[int]:
     """The token ids below `limit` whose bit is set in one bitmask row."""
     shifts = torch.arange(BITS_PER_WORD, dtype=torch.int32)

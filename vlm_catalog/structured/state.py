@@ -65,6 +65,7 @@ import xgrammar as xgr
 from vlm_catalog.structured.bitmask import (
     allocate_bitmask,
     allow_only_token,
+    allow_only_tokens,
     row_allows_only,
     row_token_ids,
 )
@@ -168,14 +169,15 @@ class GrammarState:
         token (jump-forward OFF; see the module doc). Do not fill for a state
         whose grammar has terminated.
         """
-        matcher = self._fill_forced_or_defer(bitmask, row, force_canonical)
-        if matcher is not None:
-            matcher.fill_next_token_bitmask(bitmask, row)
+        source = self._next_token_source(force_canonical)
+        if isinstance(source, int):
+            allow_only_token(bitmask, row, source)
+        else:
+            source.fill_next_token_bitmask(bitmask, row)
 
-    def _fill_forced_or_defer(
-        self, bitmask: torch.Tensor, row: int, force_canonical: bool
-    ) -> xgr.GrammarMatcher | None:
-        """Fill the row if a forced span decides it; else the matcher that must fill it."""
+    def _next_token_source(self, force_canonical: bool) -> int | xgr.GrammarMatcher:
+        """What decides the next token's mask: the one token a forced span allows (with
+        `force_canonical`), else the matcher, whose mask allows every token the grammar does."""
         if self._matcher.is_terminated():
             raise GrammarError(
                 f"the {self.spec.describe()} grammar has terminated; no next token to mask"
@@ -183,8 +185,7 @@ class GrammarState:
         if force_canonical:
             forced = self.forced_tokens()
             if forced:
-                allow_only_token(bitmask, row, forced[0])
-                return None
+                return forced[0]
         return self._matcher
 
     def allowed_token_ids(self) -> list[int]:
@@ -232,10 +233,16 @@ class BitmaskFiller:
             raise ValueError(f"{len(states)} grammar states for {len(rows)} rows")
         matchers: list[xgr.GrammarMatcher] = []
         matcher_rows: list[int] = []
+        forced_rows: list[int] = []
+        forced_tokens: list[int] = []
         for state, row in zip(states, rows):
-            matcher = state._fill_forced_or_defer(bitmask, row, force_canonical)
-            if matcher is not None:
-                matchers.append(matcher)
+            source = state._next_token_source(force_canonical)
+            if isinstance(source, int):
+                forced_rows.append(int(row))
+                forced_tokens.append(source)
+            else:
+                matchers.append(source)
                 matcher_rows.append(int(row))
+        allow_only_tokens(bitmask, forced_rows, forced_tokens)  # in two tensor ops, not two per row
         if matchers:
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, matcher_rows)
