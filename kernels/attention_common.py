@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from kernels.dispatch import kernels_off
+
 LOG2_E = math.log2(math.e)
 
 
@@ -28,8 +30,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def float16_dots(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """Whether the paged attention kernels run both dots in float16: an FP8 (e4m3) cache under a
-    16-bit query (the reasons are in kernels/jit/paged_decode_attention.py)."""
-    return cache_dtype == torch.float8_e4m3fn and query_dtype in (torch.bfloat16, torch.float16)
+    16-bit query (the reasons are in kernels/jit/paged_decode_attention.py), unless
+    ``VLM_CATALOG_KERNELS_OFF`` names ``fp8_float16_dots``."""
+    return (cache_dtype == torch.float8_e4m3fn and query_dtype in (torch.bfloat16, torch.float16)
+            and "fp8_float16_dots" not in kernels_off())
 
 
 @functools.cache

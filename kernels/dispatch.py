@@ -60,6 +60,12 @@ KERNEL_OPS = frozenset({  # every op that dispatches here: the names VLM_CATALOG
 FAST_PATHS = frozenset({
     "fp8_linear_cublas",  # kernels/fp8_linear_cublas.py
     "fp8_widen_ptx",  # kernels/jit/fp8_widen.py, kernels/jit/paged_decode_attention.py
+    # paged attention over an FP8 cache: both dots in float16 (off: the query's dtype, bf16),
+    # and the decode kernel's V read as 4-byte words (off: as bytes); on the H100 of 2026-11-27
+    # the decode kernel with both ran slower than without either on 2026-11-25, so they can be
+    # timed apart (kernels/attention_common.py, jit/paged_decode_attention.py)
+    "fp8_float16_dots",
+    "fp8_v_words",
 })
 FP8_FAST_ACCUMULATION_ENV_VAR = "VLM_CATALOG_FP8_FAST_ACCUMULATION"
 AUTO_DEVICE_TYPES = ("cuda",)  # where `auto` picks Triton; a test adds "cpu" to run the GPU choices interpreted

@@ -23,7 +23,7 @@ from kernels.checks import (
     check_shape,
     check_unit_stride_last_dim,
 )
-from kernels.dispatch import use_triton, widens_with_ptx
+from kernels.dispatch import kernels_off, use_triton, widens_with_ptx
 from kernels.fp8 import FP8_DTYPE
 from kernels.kv_cache import (
     check_paged_kv_cache,
@@ -363,6 +363,7 @@ def _launch_decode(
 
     block_d = triton.next_power_of_2(head_dim)
     fp16_dots = float16_dots(q.dtype, k_cache.dtype) and reads_fp8_words(v_cache)
+    v_words = fp16_dots and "fp8_v_words" not in kernels_off()  # off: V read as bytes, cast to float16
     paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
         # pointers
         q,
@@ -413,7 +414,8 @@ def _launch_decode(
         DOT_PRECISION=dot_precision(q.dtype),
         SINGLE_SPLIT=single_split,
         FP16_DOTS=fp16_dots,
-        WIDEN_WITH_PTX=fp16_dots and widens_with_ptx(paged_decode_split_kernel),
+        V_WORDS=v_words,
+        WIDEN_WITH_PTX=v_words and widens_with_ptx(paged_decode_split_kernel),
         **config.launch_options(),
     )
     if single_split:

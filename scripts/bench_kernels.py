@@ -822,6 +822,8 @@ def run_kernel_benchmarks(device, shapes: Shapes = GPU_SHAPES, dtype=None,
     import torch
     import triton
 
+    from kernels.dispatch import fp8_fast_accumulation, kernels_off
+
     device = torch.device(device)
     dtype = dtype or torch.bfloat16
     torch.manual_seed(0)
@@ -844,6 +846,8 @@ def run_kernel_benchmarks(device, shapes: Shapes = GPU_SHAPES, dtype=None,
         "dtype": str(dtype).removeprefix("torch."),
         "versions": {"torch": torch.__version__, "triton": triton.__version__},
         "groups": list(groups),
+        "kernels_off": sorted(kernels_off()),  # ops and fast paths turned off (VLM_CATALOG_KERNELS_OFF)
+        "fp8_fast_accumulation": fp8_fast_accumulation(),  # VLM_CATALOG_FP8_FAST_ACCUMULATION
         "timer": "triton.testing.do_bench median (ms)"
         if device.type == "cuda"
         else "wall-clock median (ms)",

@@ -23,6 +23,8 @@ own results into `$OUT` (at most 8 files come back from a device call):
   bench_gpu.py's phases into bench_gpu.json: engine_w8a8 against engine_w8a8_channel and
   engine_w8a8_channel_fast, the ceilings, roofline and kernels, the vision encoder, and
   constrained, as far as the budget goes (constrained usually needs a second call).
+- `decode`: the attention rows three ways (as they are, V read as bytes, bf16 dots), each
+  into its own JSON, then the FP8 decode attention's launch settings tuned.
 - `tune`: the W8A8 MoE tile tuning (block scales, then per-channel with fast accumulation,
   the one whose tiles are its own) and the FP8 decode attention's launch settings, each
   bucket printed as it is done.
@@ -126,6 +128,20 @@ PLANS: dict[str, tuple[Step, ...]] = {
              max_s=200, min_s=60, tail_to="tune_moe_w8a8_channel.txt", tail_lines=200,
              env=(("VLM_CATALOG_FP8_FAST_ACCUMULATION", "1"),)),
         Step("tune_decode_fp8", bench_kernels("--tune-decode", "--fp8"), max_s=180, min_s=60,
+             tail_to="tune_decode_fp8.txt", tail_lines=200),
+    ),
+    # the FP8-cache decode attention, slower on 2026-11-27 than on 2026-11-25 (docs/benchmarks.md):
+    # the attention rows as they are, with V read as bytes, and with bf16 dots (the old loop), then
+    # the FP8 decode's launch settings tuned (about 20 s per attention step)
+    "decode": (
+        Step("attention", bench_kernels("--groups", "attention", "--json", "{out}/attention.json"),
+             max_s=90, min_s=30, tail_to="attention.txt", tail_lines=60),
+        Step("attention_v_bytes", bench_kernels("--groups", "attention", "--json", "{out}/attention_v_bytes.json"),
+             max_s=90, min_s=30, env=(("VLM_CATALOG_KERNELS_OFF", "fp8_v_words"),)),
+        Step("attention_bf16_dots", bench_kernels("--groups", "attention", "--json",
+                                                  "{out}/attention_bf16_dots.json"),
+             max_s=90, min_s=30, env=(("VLM_CATALOG_KERNELS_OFF", "fp8_float16_dots"),)),
+        Step("tune_decode_fp8", bench_kernels("--tune-decode", "--fp8"), max_s=200, min_s=60,
              tail_to="tune_decode_fp8.txt", tail_lines=200),
     ),
     # on CPU with the default model's shapes: the runner and the JSON merge, end to end (a test)

@@ -72,6 +72,7 @@ def test_interpret_smoke_run_writes_json(tmp_path):
         "fp8_linear[w8a8]",
         "fp8_linear[w8a8, per-channel]",
         "fused_moe[fp8 w8a8, per-channel]",
+        "fused_moe[fp8 w8a8, per-channel, fast accumulation]",
         "paged_prefill_attention[fresh]",
         "fused_sum_add_rms_norm",
         "moe_align_block_size[one launch]",
@@ -79,6 +80,20 @@ def test_interpret_smoke_run_writes_json(tmp_path):
     } <= names
     assert all(row["triton_ms"] > 0 and row["baseline_ms"] > 0 for row in report["rows"])
     assert report["groups"] == ["elementwise", "attention", "moe", "dense_fp8"]  # all by default
+    assert report["kernels_off"] == [] and report["fp8_fast_accumulation"] is False  # the switches, recorded
+
+
+def test_the_attention_rows_run_with_the_fp8_cache_paths_turned_off(tmp_path):
+    """The `decode` plan of gpu_session.py times the attention rows with V read as bytes and with
+    bf16 dots; the JSON says which."""
+    pytest.importorskip("triton")
+    out = tmp_path / "bench.json"
+    result = run_script("--interpret", "--groups", "attention", "--json", str(out), interpret=True,
+                        VLM_CATALOG_KERNELS_OFF="fp8_v_words,fp8_float16_dots")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["kernels_off"] == ["fp8_float16_dots", "fp8_v_words"] and not report["errors"]
+    assert "paged_decode_attention[fp8 kv]" in {row["name"] for row in report["rows"]}
 
 
 def test_tune_moe_w8a8_prints_entries_of_its_own():

@@ -143,6 +143,24 @@ def test_triton_decode_over_fp8_cache_with_large_and_tiny_bf16_queries(triton_de
     assert_close(out, expected, rel=TOLERANCE[torch.bfloat16])
 
 
+@pytest.mark.parametrize("turned_off", ["fp8_v_words", "fp8_float16_dots", "fp8_v_words,fp8_float16_dots"])
+def test_triton_decode_over_fp8_cache_without_its_fast_paths(triton_device, monkeypatch, turned_off):
+    """V read as bytes (`fp8_v_words` off) and both dots in bf16 (`fp8_float16_dots` off: the
+    query's dtype), the two ways the kernel ran before, for timing them apart on a GPU: the
+    same answers. Tolerance: TOLERANCE[bfloat16] against the reference on the widened cache."""
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", turned_off)
+    context_lens, block_size, num_q_heads, num_kv_heads, head_dim = [70, 9, 33], 16, 8, 2, 64
+    paged = build_paged_kv(context_lens, block_size, num_kv_heads, head_dim, FP8_DTYPE, triton_device)
+    q = torch.randn(len(context_lens), num_q_heads, head_dim).to(torch.bfloat16).to(triton_device)
+    scale = head_dim**-0.5
+    out = paged_decode_attention_triton(
+        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, scale, num_splits=2
+    )
+    k_wide, v_wide = _widened(paged, torch.bfloat16)
+    expected = paged_decode_attention_reference(q, k_wide, v_wide, paged.block_tables, paged.context_lens, scale)
+    assert_close(out, expected, rel=TOLERANCE[torch.bfloat16])
+
+
 def test_reference_decode_over_fp8_cache_equals_the_widened_cache():
     # the CPU path widens to float32 itself: exactly the same numbers
     paged = build_paged_kv([5, 33, 0], 4, 2, 16, FP8_DTYPE, torch.device("cpu"))
