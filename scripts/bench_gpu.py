@@ -209,6 +209,7 @@ def measure_roofline(model, device: torch.device, ceilings: dict) -> dict:
     )
     decode_seconds = timed(lambda: graphs.run(*decode_args), device, repeats=20)
     floor = active_weight_bytes(model) / ceilings["copy_bandwidth_bytes_per_s"]
+    kernels = kernel_breakdown(lambda: graphs.run(*decode_args), device)  # after the timing: it slows the host
     return {
         "prefill_tokens": tokens,
         "prefill_seconds": prefill_seconds,
@@ -219,6 +220,42 @@ def measure_roofline(model, device: torch.device, ceilings: dict) -> dict:
         "decode_over_floor": decode_seconds / floor,
         "active_weight_bytes": active_weight_bytes(model),
         "cuda_graphs": bool(graphs.graphs),
+        "decode_batch1_kernels": kernels,  # where the step's time goes (kernel_breakdown)
+    }
+
+
+KERNEL_BREAKDOWN_ROWS = 25
+
+
+def kernel_breakdown(step, device: torch.device, steps: int = 5) -> dict:
+    """Where a step's time goes: torch.profiler over `steps` calls of `step` (after one untimed),
+    the device's kernels (on a CPU, the ops' own CPU time) summed by name per step, largest
+    first; `total_us_per_step` against the step's wall time shows the device's idle gaps. A
+    profiler failure is recorded, not raised (the phase's other numbers stand)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = device.type == "cuda"
+    try:
+        step()
+        synchronize(device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+        with profile(activities=activities) as profiler:
+            for _ in range(steps):
+                step()
+            synchronize(device)
+        rows = []
+        for event in profiler.key_averages():
+            own_us = event.self_device_time_total if on_cuda else event.self_cpu_time_total
+            if own_us > 0:
+                rows.append({"name": event.key[:160], "us_per_step": own_us / steps, "calls_per_step": event.count / steps})
+    except Exception as exc:  # noqa: BLE001 - e.g. no CUPTI on this machine
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    rows.sort(key=lambda row: -row["us_per_step"])
+    return {
+        "steps": steps,
+        "time": "device" if on_cuda else "cpu",
+        "total_us_per_step": sum(row["us_per_step"] for row in rows),
+        "kernels": rows[:KERNEL_BREAKDOWN_ROWS],
     }
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "bench_kernels.py"
@@ -326,6 +327,31 @@ def test_bench_gpu_single_phases_on_cpu(tmp_path):
     report = json.loads(out.read_text())
     assert report["ceilings"]["matmul_flops_per_s"] > 0 and report["ceilings"]["matmul_dtype"] == "float32"
     assert report["roofline"]["prefill_tokens_per_s"] > 0
+    breakdown = report["roofline"]["decode_batch1_kernels"]  # on a CPU: the ops' own CPU time
+    assert breakdown["time"] == "cpu" and breakdown["total_us_per_step"] > 0 and breakdown["kernels"]
+
+
+def test_kernel_breakdown_sums_a_steps_time_by_kernel_and_records_a_failure():
+    bench_gpu = load_bench_gpu()
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def step():
+        (a @ b).relu_()
+        (a @ b) @ b
+
+    breakdown = bench_gpu.kernel_breakdown(step, torch.device("cpu"), steps=4)
+    rows = breakdown["kernels"]
+    by_name = {row["name"]: row for row in rows}
+    assert breakdown["steps"] == 4 and breakdown["time"] == "cpu"
+    assert by_name["aten::mm"]["calls_per_step"] == 3 and by_name["aten::relu_"]["calls_per_step"] == 1
+    assert [row["us_per_step"] for row in rows] == sorted((row["us_per_step"] for row in rows), reverse=True)
+    assert breakdown["total_us_per_step"] >= by_name["aten::mm"]["us_per_step"] > 0
+
+    def failing():
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+    assert bench_gpu.kernel_breakdown(failing, torch.device("cpu")) == {
+        "error": "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"}
 
 
 def test_bench_gpu_engine_sampling_greedy_is_recorded(tmp_path):
