@@ -311,6 +311,7 @@ def engine_run_summary(engine: LLMEngine, conversations, params) -> tuple[dict, 
         # and grammars advanced over the sampled tokens after they are read
         "grammar_fill_seconds": delta["seconds_filling_grammar_masks"],
         "grammar_advance_seconds": delta["seconds_advancing_grammars"],
+        "logit_masking_seconds": delta["seconds_masking_logits"],  # host time of applying the masks
         "errors": sum(o.finish_reason == "error" for o in outputs.values()),
     }
     return summary, outputs

@@ -60,9 +60,10 @@ def test_every_constrained_answer_parses_over_hundreds_of_generations(llm):
     finished = [o for o in outputs if o.finish_reason != "length"]
     assert len(finished) >= 190
     stats = llm.engine.stats.as_dict()  # the grammars' host time is counted, within the steps' own
-    fill, advance = (stats[key] - before[key] for key in ("seconds_filling_grammar_masks", "seconds_advancing_grammars"))
+    fill, advance, masking = (stats[key] - before[key] for key in (
+        "seconds_filling_grammar_masks", "seconds_advancing_grammars", "seconds_masking_logits"))
     steps = sum(stats[key] - before[key] for key in ("seconds_in_prefill_steps", "seconds_in_decode_steps"))
-    assert 0 < fill and 0 < advance and fill + advance < steps
+    assert 0 < fill and 0 < advance and 0 < masking and fill + advance + masking < steps
     for output, candidates in zip(outputs, candidate_lists):
         if output.finish_reason == "length":
             continue

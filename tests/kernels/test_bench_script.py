@@ -273,6 +273,8 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert constrained["constrained_real_stop"]["grammar_advance_seconds"] > 0
     assert constrained["unconstrained_same_tokens"]["grammar_fill_seconds"] == 0
     assert constrained["unconstrained_same_tokens"]["grammar_advance_seconds"] == 0
+    assert constrained["constrained_real_stop"]["logit_masking_seconds"] > 0
+    assert constrained["unconstrained_same_tokens"]["logit_masking_seconds"] == 0
     assert report["engine"]["kv_cache_tokens"] > 0
     assert report["engine"]["decode_cuda_graph_batches"] == []  # graphs are CUDA-only
     assert report["constrained"]["jump_forward"]  # so every step runs eagerly, and jump-forward is on

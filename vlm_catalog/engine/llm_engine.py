@@ -88,6 +88,7 @@ class EngineStats:
     # runs the forward pass) and advancing them over the taken tokens (after the step's tokens are read)
     seconds_filling_grammar_masks: float = 0.0
     seconds_advancing_grammars: float = 0.0
+    seconds_masking_logits: float = 0.0  # host time of applying the masks (copy and launch; more if it syncs)
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -449,8 +450,10 @@ class LLMEngine:
             bitmask = self._bitmasks.host(len(requests))
             grammars = [requests[row].grammar for row in constrained]
             self._bitmask_filler.fill(grammars, constrained, bitmask, force_canonical=True)
-            self.stats.seconds_filling_grammar_masks += time.perf_counter() - started
+            filled = time.perf_counter()
+            self.stats.seconds_filling_grammar_masks += filled - started
             apply_bitmask(logits, self._bitmasks.device(len(requests)), constrained)
+            self.stats.seconds_masking_logits += time.perf_counter() - filled
         params = [request.params for request in requests]
         positions = [request.num_output_tokens for request in requests]
         if self.config.async_scheduling and all(p.logprobs is None for p in params):
