@@ -131,9 +131,15 @@ def test_triton_decode_over_fp8_cache_with_large_and_tiny_bf16_queries(triton_de
     # tolerance: TOLERANCE[bfloat16] against the reference on the widened cache. The interpreter
     # rounds a float16 dot's running sum to float16 (the GPU accumulates in float32), so scores
     # stay below float16's largest value here.
-    context_lens, block_size, num_q_heads, num_kv_heads, head_dim = [70, 9], 16, 32, 4, 128
-    paged = build_paged_kv(context_lens, block_size, num_kv_heads, head_dim, FP8_DTYPE, triton_device)
-    q = (torch.randn(len(context_lens), num_q_heads, head_dim) * query_scale).to(torch.bfloat16).to(triton_device)
+    assert_bf16_decode_over_fp8_cache_matches([70, 9], 16, 32, 4, 128, triton_device, query_scale)
+
+
+def assert_bf16_decode_over_fp8_cache_matches(context_lens, block_size, num_q_heads, num_kv_heads, head_dim,
+                                              device, query_scale: float = 1.0) -> None:
+    """A bf16 query over an FP8 cache, in two splits, against the reference on the widened cache
+    (TOLERANCE[bfloat16])."""
+    paged = build_paged_kv(context_lens, block_size, num_kv_heads, head_dim, FP8_DTYPE, device)
+    q = (torch.randn(len(context_lens), num_q_heads, head_dim) * query_scale).to(torch.bfloat16).to(device)
     scale = head_dim**-0.5
     out = paged_decode_attention_triton(
         q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, scale, num_splits=2
@@ -149,16 +155,7 @@ def test_triton_decode_over_fp8_cache_without_its_fast_paths(triton_device, monk
     query's dtype), the two ways the kernel ran before, for timing them apart on a GPU: the
     same answers. Tolerance: TOLERANCE[bfloat16] against the reference on the widened cache."""
     monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", turned_off)
-    context_lens, block_size, num_q_heads, num_kv_heads, head_dim = [70, 9, 33], 16, 8, 2, 64
-    paged = build_paged_kv(context_lens, block_size, num_kv_heads, head_dim, FP8_DTYPE, triton_device)
-    q = torch.randn(len(context_lens), num_q_heads, head_dim).to(torch.bfloat16).to(triton_device)
-    scale = head_dim**-0.5
-    out = paged_decode_attention_triton(
-        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, scale, num_splits=2
-    )
-    k_wide, v_wide = _widened(paged, torch.bfloat16)
-    expected = paged_decode_attention_reference(q, k_wide, v_wide, paged.block_tables, paged.context_lens, scale)
-    assert_close(out, expected, rel=TOLERANCE[torch.bfloat16])
+    assert_bf16_decode_over_fp8_cache_matches([70, 9, 33], 16, 8, 2, 64, triton_device)
 
 
 def test_reference_decode_over_fp8_cache_equals_the_widened_cache():
