@@ -174,9 +174,9 @@ def test_a_steps_variables_reach_its_process_alone(session, tmp_path):
 
 
 def test_steps_picks_a_plans_steps_in_its_order_and_names_unknown_ones(session, capsys):
-    assert session.main(["--plan", "record", "--steps", "constrained,vision_encoder", "--dry-run"]) == 0
+    assert session.main(["--plan", "record", "--steps", "vision_encoder,constrained", "--dry-run"]) == 0
     printed = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in printed] == ["vision_encoder", "constrained"]
+    assert [line.split(":")[0] for line in printed] == ["constrained", "vision_encoder"]
     with pytest.raises(SystemExit):
         session.main(["--plan", "record", "--steps", "constrained,tune_moe_w8a8", "--dry-run"])
     err = capsys.readouterr().err
