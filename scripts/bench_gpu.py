@@ -312,6 +312,8 @@ def engine_run_summary(engine: LLMEngine, conversations, params) -> tuple[dict, 
         "grammar_fill_seconds": delta["seconds_filling_grammar_masks"],
         "grammar_advance_seconds": delta["seconds_advancing_grammars"],
         "logit_masking_seconds": delta["seconds_masking_logits"],  # host time of applying the masks
+        # how long constrained requests waited for their grammars (one compile thread) before scheduling
+        "grammar_wait_seconds_mean": delta["seconds_awaiting_grammars"] / max(delta["num_grammars_attached"], 1),
         "errors": sum(o.finish_reason == "error" for o in outputs.values()),
     }
     return summary, outputs
@@ -440,7 +442,11 @@ def measure_constrained(checkpoint: Path, model, device: torch.device, records, 
     results = {"warmup": warm_up(engine, [build_messages(r) for r in warmup_records], schema_params(warmup_records))}
     conversations = [build_messages(record) for record in records]
     constrained = schema_params(records)
+    compiled_before = engine.grammar_service.stats()
     results["constrained_real_stop"], outputs = engine_run_summary(engine, conversations, constrained)
+    compiled_after = engine.grammar_service.stats()
+    results["grammar_compilations"] = compiled_after.compilations - compiled_before.compilations  # cache misses
+    results["grammar_compile_seconds"] = compiled_after.compile_seconds - compiled_before.compile_seconds
     matched = [SamplingParams(max_tokens=max(1, len(outputs[i].token_ids)), ignore_eos=True)
                for i in range(len(records))]
     results["unconstrained_same_tokens"], _ = engine_run_summary(engine, conversations, matched)

@@ -64,6 +64,8 @@ def test_every_constrained_answer_parses_over_hundreds_of_generations(llm):
         "seconds_filling_grammar_masks", "seconds_advancing_grammars", "seconds_masking_logits"))
     steps = sum(stats[key] - before[key] for key in ("seconds_in_prefill_steps", "seconds_in_decode_steps"))
     assert 0 < fill and 0 < advance and 0 < masking and fill + advance + masking < steps
+    assert stats["num_grammars_attached"] - before["num_grammars_attached"] == 200  # each waited for its grammar
+    assert stats["seconds_awaiting_grammars"] > before["seconds_awaiting_grammars"]
     for output, candidates in zip(outputs, candidate_lists):
         if output.finish_reason == "length":
             continue

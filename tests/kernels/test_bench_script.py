@@ -275,6 +275,9 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert constrained["unconstrained_same_tokens"]["grammar_advance_seconds"] == 0
     assert constrained["constrained_real_stop"]["logit_masking_seconds"] > 0
     assert constrained["unconstrained_same_tokens"]["logit_masking_seconds"] == 0
+    assert constrained["constrained_real_stop"]["grammar_wait_seconds_mean"] > 0
+    assert constrained["unconstrained_same_tokens"]["grammar_wait_seconds_mean"] == 0
+    assert 1 <= constrained["grammar_compilations"] <= 2 and constrained["grammar_compile_seconds"] > 0
     assert report["engine"]["kv_cache_tokens"] > 0
     assert report["engine"]["decode_cuda_graph_batches"] == []  # graphs are CUDA-only
     assert report["constrained"]["jump_forward"]  # so every step runs eagerly, and jump-forward is on

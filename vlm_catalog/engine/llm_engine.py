@@ -89,6 +89,8 @@ class EngineStats:
     seconds_filling_grammar_masks: float = 0.0
     seconds_advancing_grammars: float = 0.0
     seconds_masking_logits: float = 0.0  # host time of applying the masks (copy and launch; more if it syncs)
+    num_grammars_attached: int = 0  # constrained requests queued for scheduling once their grammar compiled
+    seconds_awaiting_grammars: float = 0.0  # summed over them: arrival to being queued (the compile's wait)
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -387,6 +389,8 @@ class LLMEngine:
                 self.scheduler.finish(request, FinishReason.ERROR, f"invalid output constraint: {exc}")
             else:
                 self.scheduler.add(request)
+                self.stats.num_grammars_attached += 1
+                self.stats.seconds_awaiting_grammars += time.perf_counter() - request.metrics.arrival_time
         # the rest still compile; the oldest come first (arrival order), so only expired ones are looked at
         deadline = time.perf_counter() - self.config.grammar_compile_timeout_s
         while self._awaiting_grammar:
