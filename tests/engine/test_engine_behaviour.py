@@ -256,3 +256,19 @@ def test_a_constrained_request_is_queued_for_scheduling_once_its_grammar_is_comp
     assert [o.request_id for o in outputs] == [request_id] and outputs[0].finish_reason in ("stop", "length")
     assert request.grammar is not None and engine.load_stats()["requests_waiting"] == 0
     engine.close()
+
+
+def test_grammars_compile_on_the_configured_threads_half_the_cpus_by_default(engine_checkpoint, monkeypatch):
+    from vlm_catalog.engine.config import MAX_AUTO_GRAMMAR_WORKERS, EngineConfig, EngineConfigError
+    from vlm_catalog.engine.llm_engine import LLMEngine
+
+    for cpus, workers in ((1, 1), (2, 1), (16, 8), (64, MAX_AUTO_GRAMMAR_WORKERS), (None, 1)):
+        monkeypatch.setattr("os.cpu_count", lambda cpus=cpus: cpus)
+        assert EngineConfig().grammar_workers() == workers, cpus
+    assert EngineConfig(grammar_compile_workers=3).grammar_workers() == 3
+    with pytest.raises(EngineConfigError, match="grammar_compile_workers must be at least 1"):
+        EngineConfig(grammar_compile_workers=0)
+    engine = LLMEngine(model=engine_checkpoint, grammar_compile_workers=3)
+    assert engine.grammar_service.workers == 3
+    engine.close()
+

@@ -62,6 +62,20 @@ def test_concurrent_identical_submits_compile_once(make_service):
     assert (stats.misses, stats.hits, stats.compilations) == (2, 7, 2)
 
 
+def test_several_workers_compile_distinct_grammars_each_right(make_service, tokenizer):
+    """The engine compiles on several threads sharing one xgrammar compiler
+    (`EngineConfig.grammar_compile_workers`): every grammar takes its own answer and no other."""
+    service = make_service(max_workers=4)
+    futures = {n: service.submit(regex_spec(n)) for n in range(12)}
+    for n, future in futures.items():
+        state = GrammarState(future.result())
+        state.accept(tokenizer.encode(f"item-{n}-", add_special_tokens=False))
+        other = GrammarState(future.result())
+        with pytest.raises(GrammarError, match="not allowed"):
+            other.accept(tokenizer.encode(f"item-{n + 20}-", add_special_tokens=False))
+    assert service.stats().compilations == 12
+
+
 def test_lru_eviction_bounds_the_cache(make_service):
     service = make_service(cache_size=2)
     a, b, c = regex_spec(1), regex_spec(2), regex_spec(3)

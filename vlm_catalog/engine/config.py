@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ KV_CACHE_DTYPES = {"fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
 # the default image prefetch budget on CUDA: a 16k-token step of benchmark-sized images
 # holds ~80 MB of bf16 pixels, so this covers several steps ahead
 CUDA_IMAGE_PREFETCH_BYTES = 512 * 2**20
+MAX_AUTO_GRAMMAR_WORKERS = 8  # grammar_compile_workers=None: half the CPUs, at most this many
 
 
 class EngineConfigError(ValueError):
@@ -61,6 +63,10 @@ class EngineConfig:
     max_images_per_prompt: int = 8
     grammar_compile_timeout_s: float = 30.0
     grammar_cache_size: int = 512
+    # threads compiling per-request grammars (a constrained request is scheduled once its grammar
+    # is compiled; one record's catalogue schema took 46 ms over a 152k-token stand-in
+    # vocabulary on one thread, docs/benchmarks.md). None: half the CPUs, 1 to 8 (`grammar_workers`)
+    grammar_compile_workers: int | None = None
     image_workers: int | None = None  # threads decoding images; None: one per CPU
     # host memory for the pixels of images decoded ahead, while the device runs a step
     # (engine/image_prefetch.py); 0: decode each image when a step first needs it. None:
@@ -102,6 +108,10 @@ class EngineConfig:
                      "encoder_cache_tokens", "max_images_per_prompt", "grammar_cache_size"):
             if int(getattr(self, name)) < 1:
                 raise EngineConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.grammar_compile_workers is not None and int(self.grammar_compile_workers) < 1:
+            raise EngineConfigError(
+                f"grammar_compile_workers must be at least 1 (None: half the CPUs), got {self.grammar_compile_workers}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.release_host_memory_every_s >= 0:  # NaN fails too
@@ -120,6 +130,12 @@ class EngineConfig:
             fp8_fast_accumulation()
         except ValueError as exc:
             raise EngineConfigError(str(exc)) from None
+
+    def grammar_workers(self) -> int:
+        """Threads compiling grammars: the setting, or half the CPUs (at least 1, at most 8)."""
+        if self.grammar_compile_workers is not None:
+            return int(self.grammar_compile_workers)
+        return max(1, min(MAX_AUTO_GRAMMAR_WORKERS, (os.cpu_count() or 2) // 2))
 
     def jump_forward(self, decode_graphs: bool) -> bool:
         """Whether the engine jumps forward: the setting, or on auto (None) off where decode steps

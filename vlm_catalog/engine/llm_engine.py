@@ -223,6 +223,7 @@ class LLMEngine:
                 self.tokenizer,
                 vocab_size=self.model_config.text.vocab_size,
                 stop_token_ids=sorted(self.eos_token_ids),
+                max_workers=self.config.grammar_workers(),
                 cache_size=self.config.grammar_cache_size,
             )
         return self._grammar_service

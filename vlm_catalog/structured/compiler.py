@@ -89,6 +89,7 @@ class GrammarCompilerService:
         self._compiler = xgr.GrammarCompiler(
             self.vocabulary.info, max_threads=max_workers, cache_enabled=False
         )
+        self.workers = max_workers  # threads compiling, each with xgrammar's own threads as many
         self._executor = ThreadPoolExecutor(
             max_workers=max_workers, thread_name_prefix="grammar-compile"
         )
