@@ -210,6 +210,15 @@ def measure_roofline(model, device: torch.device, ceilings: dict) -> dict:
     decode_seconds = timed(lambda: graphs.run(*decode_args), device, repeats=20)
     floor = active_weight_bytes(model) / ceilings["copy_bandwidth_bytes_per_s"]
     kernels = kernel_breakdown(lambda: graphs.run(*decode_args), device)  # after the timing: it slows the host
+    batch1_graphs = bool(graphs.graphs)
+    graphs = caches = None  # the batch-1 graphs and caches, freed for the large batch's
+    release_memory(device)
+    batch, context = (DECODE_BATCH, DECODE_CONTEXT) if device.type == "cuda" else (4, 32)
+    try:
+        large_batch = measure_decode_batch(model, device, batch, context)
+    except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the batch-1 numbers above stand
+        large_batch = {"error": f"{type(exc).__name__}: {exc}"}
+    release_memory(device)
     return {
         "prefill_tokens": tokens,
         "prefill_seconds": prefill_seconds,
@@ -219,8 +228,48 @@ def measure_roofline(model, device: torch.device, ceilings: dict) -> dict:
         "decode_bandwidth_floor_seconds": floor,
         "decode_over_floor": decode_seconds / floor,
         "active_weight_bytes": active_weight_bytes(model),
-        "cuda_graphs": bool(graphs.graphs),
+        "cuda_graphs": batch1_graphs,
         "decode_batch1_kernels": kernels,  # where the step's time goes (kernel_breakdown)
+        "decode_large_batch": large_batch,  # a decode step of many sequences, and its kernels
+    }
+
+
+# A decode step as the engine's throughput runs take them (a batch of 256), with short contexts:
+# with the bf16 model's 62 GB, 256 x 256 tokens of bf16 KV take 6.4 GB more (the engine's ~2k
+# contexts would not fit beside it), so attention's share is smaller than in the engine.
+DECODE_BATCH, DECODE_CONTEXT = 256, 256
+
+
+def measure_decode_batch(model, device: torch.device, batch: int, context: int) -> dict:
+    """One decode step (a CUDA graph on CUDA) of `batch` sequences at `context` cached tokens each:
+    its seconds, tokens per second and kernels (`kernel_breakdown`)."""
+    from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner
+
+    text = model.config.text
+    block_size = 16
+    blocks_per_sequence = context // block_size + 1  # the context and the token written now
+    caches = allocate_kv_caches(text.num_layers, batch * blocks_per_sequence, block_size, text.num_kv_heads,
+                                text.head_dim, model.dtype, device)
+    block_tables = torch.arange(batch * blocks_per_sequence, dtype=torch.int32, device=device).view(
+        batch, blocks_per_sequence)  # [B, blocks]: each sequence its own blocks
+    graphs = DecodeGraphRunner(model, caches, max_batch=batch, max_blocks_per_sequence=blocks_per_sequence,
+                               max_context_len=blocks_per_sequence * block_size, buckets=[batch])
+    graphs.capture()
+    args = (
+        torch.full((batch,), 7, device=device),  # input ids
+        torch.full((3, batch), context, device=device),  # MRoPE positions
+        block_tables[:, context // block_size].long() * block_size + context % block_size,  # the new token's slot
+        block_tables,
+        torch.full((batch,), context + 1, dtype=torch.int32, device=device),
+    )
+    seconds = timed(lambda: graphs.run(*args), device, repeats=10)
+    return {
+        "batch": batch,
+        "context": context,
+        "seconds": seconds,
+        "tokens_per_s": batch / seconds,
+        "cuda_graphs": bool(graphs.graphs),
+        "kernels": kernel_breakdown(lambda: graphs.run(*args), device),
     }
 
 

@@ -334,6 +334,9 @@ def test_bench_gpu_single_phases_on_cpu(tmp_path):
     assert report["roofline"]["prefill_tokens_per_s"] > 0
     breakdown = report["roofline"]["decode_batch1_kernels"]  # on a CPU: the ops' own CPU time
     assert breakdown["time"] == "cpu" and breakdown["total_us_per_step"] > 0 and breakdown["kernels"]
+    large = report["roofline"]["decode_large_batch"]  # a small "large" batch on a CPU
+    assert (large["batch"], large["context"]) == (4, 32) and large["seconds"] > 0 and large["tokens_per_s"] > 0
+    assert large["kernels"]["total_us_per_step"] > 0 and not large["cuda_graphs"]
 
 
 def test_kernel_breakdown_sums_a_steps_time_by_kernel_and_records_a_failure():
@@ -407,6 +410,15 @@ def test_bench_gpu_a_failing_phase_does_not_stop_the_others(tmp_path, monkeypatc
     assert report["ceilings"] == {"error": "RuntimeError: CUDA error: an illegal memory access was encountered"}
     assert report["engine"]["fixed_150_tokens"]["generated_tokens"] == 2
     assert "failed phases: ceilings" in capsys.readouterr().out
+
+
+def test_the_roofline_keeps_its_numbers_when_the_large_decode_batch_does_not_fit(tmp_path, monkeypatch):
+    status, report = bench_gpu_where(monkeypatch, tmp_path, "measure_decode_batch",
+                                     MemoryError("CUDA out of memory. Tried to allocate 6.25 GiB"), "--phases", "roofline")
+    assert status == 0
+    roofline = report["roofline"]
+    assert roofline["decode_large_batch"] == {"error": "MemoryError: CUDA out of memory. Tried to allocate 6.25 GiB"}
+    assert roofline["prefill_tokens_per_s"] > 0 and roofline["decode_batch1_seconds"] > 0
 
 
 def test_bench_gpu_model_phases_report_a_model_that_cannot_be_built(tmp_path, monkeypatch):
