@@ -197,25 +197,16 @@ def measure_roofline(model, device: torch.device, ceilings: dict) -> dict:
     metadata = PagedAttentionMetadata(decode=None, prefill=prefill)
     prefill_seconds = timed(lambda: model(ids, positions, PagedAttention(caches, metadata)), device, repeats=3, warmup=1)
     flops = prefill_flops(model, tokens)
-
-    from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner
-
-    graphs = DecodeGraphRunner(model, caches, max_batch=1, max_blocks_per_sequence=tokens // block_size,
-                               max_context_len=tokens, buckets=[1])
-    graphs.capture()
-    decode_args = (
-        torch.tensor([7], device=device), torch.full((3, 1), 100, device=device),
-        torch.tensor([100], device=device), prefill.block_tables, torch.tensor([101], dtype=torch.int32, device=device),
-    )
-    decode_seconds = timed(lambda: graphs.run(*decode_args), device, repeats=20)
+    caches = None  # the prefill's, freed for the decode steps' own
+    release_memory(device)
+    # one sequence at 100 cached tokens, its graph captured for contexts up to the prefill's length
+    batch1 = measure_decode_batch(model, device, batch=1, context=100, context_bound=tokens, repeats=20)
+    decode_seconds = batch1["seconds"]
     floor = active_weight_bytes(model) / ceilings["copy_bandwidth_bytes_per_s"]
-    kernels = kernel_breakdown(lambda: graphs.run(*decode_args), device)  # after the timing: it slows the host
-    batch1_graphs = bool(graphs.graphs)
-    graphs = caches = None  # the batch-1 graphs and caches, freed for the large batch's
     release_memory(device)
     batch, context = (DECODE_BATCH, DECODE_CONTEXT) if device.type == "cuda" else (4, 32)
     try:
-        large_batch = measure_decode_batch(model, device, batch, context)
+        large_batch = measure_decode_batch(model, device, batch, context, context_bound=tokens)
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the batch-1 numbers above stand
         large_batch = {"error": f"{type(exc).__name__}: {exc}"}
     release_memory(device)
@@ -228,8 +219,8 @@ def measure_roofline(model, device: torch.device, ceilings: dict) -> dict:
         "decode_bandwidth_floor_seconds": floor,
         "decode_over_floor": decode_seconds / floor,
         "active_weight_bytes": active_weight_bytes(model),
-        "cuda_graphs": batch1_graphs,
-        "decode_batch1_kernels": kernels,  # where the step's time goes (kernel_breakdown)
+        "cuda_graphs": batch1["cuda_graphs"],
+        "decode_batch1_kernels": batch1["kernels"],  # where the step's time goes (kernel_breakdown)
         "decode_large_batch": large_batch,  # a decode step of many sequences, and its kernels
     }
 
@@ -240,9 +231,11 @@ def measure_roofline(model, device: torch.device, ceilings: dict) -> dict:
 DECODE_BATCH, DECODE_CONTEXT = 256, 256
 
 
-def measure_decode_batch(model, device: torch.device, batch: int, context: int) -> dict:
-    """One decode step (a CUDA graph on CUDA) of `batch` sequences at `context` cached tokens each:
-    its seconds, tokens per second and kernels (`kernel_breakdown`)."""
+def measure_decode_batch(model, device: torch.device, batch: int, context: int, context_bound: int,
+                         repeats: int = 10) -> dict:
+    """One decode step (a CUDA graph on CUDA, captured for contexts up to `context_bound`, as the
+    engine's are for `max_model_len`) of `batch` sequences at `context` cached tokens each: its
+    seconds, tokens per second and kernels (`kernel_breakdown`)."""
     from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner
 
     text = model.config.text
@@ -252,8 +245,9 @@ def measure_decode_batch(model, device: torch.device, batch: int, context: int) 
                                 text.head_dim, model.dtype, device)
     block_tables = torch.arange(batch * blocks_per_sequence, dtype=torch.int32, device=device).view(
         batch, blocks_per_sequence)  # [B, blocks]: each sequence its own blocks
-    graphs = DecodeGraphRunner(model, caches, max_batch=batch, max_blocks_per_sequence=blocks_per_sequence,
-                               max_context_len=blocks_per_sequence * block_size, buckets=[batch])
+    graphs = DecodeGraphRunner(model, caches, max_batch=batch,
+                               max_blocks_per_sequence=-(-context_bound // block_size),
+                               max_context_len=context_bound, buckets=[batch])
     graphs.capture()
     args = (
         torch.full((batch,), 7, device=device),  # input ids
@@ -262,7 +256,7 @@ def measure_decode_batch(model, device: torch.device, batch: int, context: int) 
         block_tables,
         torch.full((batch,), context + 1, dtype=torch.int32, device=device),
     )
-    seconds = timed(lambda: graphs.run(*args), device, repeats=10)
+    seconds = timed(lambda: graphs.run(*args), device, repeats=repeats)
     return {
         "batch": batch,
         "context": context,

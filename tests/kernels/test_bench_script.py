@@ -413,8 +413,18 @@ def test_bench_gpu_a_failing_phase_does_not_stop_the_others(tmp_path, monkeypatc
 
 
 def test_the_roofline_keeps_its_numbers_when_the_large_decode_batch_does_not_fit(tmp_path, monkeypatch):
-    status, report = bench_gpu_where(monkeypatch, tmp_path, "measure_decode_batch",
-                                     MemoryError("CUDA out of memory. Tried to allocate 6.25 GiB"), "--phases", "roofline")
+    bench_gpu = load_bench_gpu()
+    measure = bench_gpu.measure_decode_batch
+
+    def batch_1_only(model, device, batch, *args, **kwargs):
+        if batch > 1:
+            raise MemoryError("CUDA out of memory. Tried to allocate 6.25 GiB")
+        return measure(model, device, batch, *args, **kwargs)
+
+    monkeypatch.setattr(bench_gpu, "measure_decode_batch", batch_1_only)
+    out = tmp_path / "bench_gpu.json"
+    status = bench_gpu.main(["--tiny", "--device", "cpu", "--records", "1", "--phases", "roofline", "--json", str(out)])
+    report = json.loads(out.read_text())
     assert status == 0
     roofline = report["roofline"]
     assert roofline["decode_large_batch"] == {"error": "MemoryError: CUDA out of memory. Tried to allocate 6.25 GiB"}

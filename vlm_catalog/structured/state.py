@@ -1,10 +1,11 @@
 """`GrammarState`: one request's grammar matcher, with forced spans for jump-forward.
 
 Masking
-    Every decode step the engine calls `fill_bitmask(bitmask, row)`; the row then
-    allows exactly the tokens the grammar accepts next (padding ids past the
-    tokenizer and special tokens other than the stop tokens are never allowed).
-    After sampling it calls `accept([token])`.
+    Every decode step the engine fills each constrained request's row, all rows at
+    once through `BitmaskFiller` (the same rows `fill_bitmask(bitmask, row)` writes
+    one at a time); the row then allows exactly the tokens the grammar accepts next
+    (padding ids past the tokenizer and special tokens other than the stop tokens
+    are never allowed). After sampling it calls `accept([token])`.
 
 Forced spans: the contract
     Often the grammar admits a single continuation string `s` (xgrammar's
