@@ -358,8 +358,22 @@ def engine_run_summary(engine: LLMEngine, conversations, params) -> tuple[dict, 
         # how long constrained requests waited for their grammars (one compile thread) before scheduling
         "grammar_wait_seconds_mean": delta["seconds_awaiting_grammars"] / max(delta["num_grammars_attached"], 1),
         "errors": sum(o.finish_reason == "error" for o in outputs.values()),
+        "device_seconds": device_time_split(delta, seconds),
     }
     return summary, outputs
+
+
+def device_time_split(delta: dict, seconds: float) -> dict:
+    """A run's `seconds` on the device, from the engine's CUDA-event timers (`EngineStats`): the
+    vision tower, the text forward in steps with a prefill chunk and in decode steps, the rest of
+    the steps (sampling, masks, uploads, waits inside a step) and the time between steps, when
+    the device waits for the host to schedule the next one."""
+    vision = delta["seconds_in_vision_encoder"]
+    prefill = delta["seconds_device_forward_prefill_steps"]
+    decode = delta["seconds_device_forward_decode_steps"]
+    steps = delta["seconds_device_in_steps"]
+    return {"vision_encoder": vision, "text_forward_prefill_steps": prefill, "text_forward_decode_steps": decode,
+            "rest_of_steps": steps - vision - prefill - decode, "between_steps": seconds - steps}
 
 
 def package_versions() -> dict[str, str | None]:

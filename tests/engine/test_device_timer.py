@@ -65,3 +65,21 @@ def test_the_engine_reports_the_vision_towers_time(engine_checkpoint):
     stats = llm.engine.stats
     assert 0.0 < stats.seconds_in_vision_encoder < stats.seconds_in_prefill_steps
     llm.engine.close()
+
+
+def test_the_engine_splits_its_steps_device_time(engine_checkpoint):
+    """Vision, the text forward of prefill and of decode steps, and whole steps: on CPU the host
+    clock, so the parts nest inside the steps and the steps inside the step loop's time."""
+    llm = LLM(engine_checkpoint)
+    llm.chat([conversation(2, images=1)], SamplingParams(max_tokens=3, ignore_eos=True))
+    stats = llm.engine.stats
+    assert stats.seconds_device_forward_prefill_steps > 0.0  # the prompt's step
+    assert stats.seconds_device_forward_decode_steps > 0.0  # the two steps after it
+    parts = (stats.seconds_in_vision_encoder + stats.seconds_device_forward_prefill_steps
+             + stats.seconds_device_forward_decode_steps)
+    assert parts <= stats.seconds_device_in_steps <= stats.seconds_in_prefill_steps + stats.seconds_in_decode_steps
+    runner = llm.engine.runner
+    runner.reset_counters()
+    assert runner.step_timer.seconds == 0.0
+    assert all(timer.seconds == 0.0 for timer in runner.forward_timers.values())
+    llm.engine.close()

@@ -264,6 +264,11 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert engine["generated_tokens"] == 2 * 4 and engine["errors"] == 0
     assert engine["queue_seconds"] > 0 and engine["image_wait_seconds"] >= 0 and engine["images_prefetched"] >= 0
     assert 0 < engine["vision_encoder_seconds"] < engine["seconds"]
+    split = engine["device_seconds"]  # on CPU the host clock: every part is real time of the run
+    assert split["vision_encoder"] == engine["vision_encoder_seconds"]
+    assert split["text_forward_prefill_steps"] > 0 and split["text_forward_decode_steps"] > 0
+    assert split["rest_of_steps"] >= 0 and split["between_steps"] >= 0
+    assert sum(split.values()) == pytest.approx(engine["seconds"])
     constrained = report["constrained"]
     # equal generated tokens by construction, both reported
     assert constrained["constrained_real_stop"]["generated_tokens"] == constrained["unconstrained_same_tokens"]["generated_tokens"]

@@ -84,6 +84,12 @@ class EngineStats:
     num_images_prefetched: int = 0  # images whose pixels were decoded ahead (engine/image_prefetch.py)
     seconds_waiting_for_images: float = 0.0  # steps waiting for image pixels to be decoded
     seconds_in_vision_encoder: float = 0.0  # the vision tower's device time (CUDA events on GPU)
+    # device time (CUDA events on GPU, the host clock on CPU) of the text model's forward and logits,
+    # in steps with a prefill chunk and in decode steps, and of whole steps, from the first image
+    # encoded to the last token sampled: what is left of a run's time is the device waiting between steps
+    seconds_device_forward_prefill_steps: float = 0.0
+    seconds_device_forward_decode_steps: float = 0.0
+    seconds_device_in_steps: float = 0.0
     # host time of constrained requests' grammars: filling the next token masks (while the device
     # runs the forward pass) and advancing them over the taken tokens (after the step's tokens are read)
     seconds_filling_grammar_masks: float = 0.0
@@ -343,16 +349,17 @@ class LLMEngine:
         if not output.is_empty:
             self.stats.num_steps += 1
             started = time.perf_counter()
-            images, failures = self.runner.encode_images(output.chunks)
-            chunks = order_chunks(self._drop_failed_image_chunks(output, failures))
-            self.runner.prefetch_images(self.scheduler.upcoming_images())  # decoded while this step runs
-            if chunks:
-                logits = self.runner.execute(chunks, images, pending)
-                if pending is not None:  # read while this step's forward runs, before its bookkeeping
-                    touched, pending = self._take_pending(pending), None
-                self._count_computed(chunks)
-                self.scheduler.update_after_step(SchedulerOutput(chunks))
-                touched += self._sample_and_append(chunks, logits)
+            with self.runner.step_timer:
+                images, failures = self.runner.encode_images(output.chunks)
+                chunks = order_chunks(self._drop_failed_image_chunks(output, failures))
+                self.runner.prefetch_images(self.scheduler.upcoming_images())  # decoded while this step runs
+                if chunks:
+                    logits = self.runner.execute(chunks, images, pending)
+                    if pending is not None:  # read while this step's forward runs, before its bookkeeping
+                        touched, pending = self._take_pending(pending), None
+                    self._count_computed(chunks)
+                    self.scheduler.update_after_step(SchedulerOutput(chunks))
+                    touched += self._sample_and_append(chunks, logits)
             elapsed = time.perf_counter() - started
             self._copy_runner_stats()
             if all(chunk.is_decode for chunk in chunks):
@@ -364,11 +371,15 @@ class LLMEngine:
         return touched
 
     def _copy_runner_stats(self) -> None:
-        """The runner's image counters, as of this step (its sampling synced the device)."""
+        """The runner's image counters and device timers, as of this step (its sampling synced
+        the device; with async scheduling the last step's pairs count once a later step reads them)."""
         images = self.runner.images
         self.stats.num_images_prefetched = images.num_prefetch_hits
         self.stats.seconds_waiting_for_images = images.seconds_waiting
         self.stats.seconds_in_vision_encoder = self.runner.vision_timer.seconds
+        self.stats.seconds_device_forward_prefill_steps = self.runner.forward_timers["prefill"].seconds
+        self.stats.seconds_device_forward_decode_steps = self.runner.forward_timers["decode"].seconds
+        self.stats.seconds_device_in_steps = self.runner.step_timer.seconds
 
     def _release_host_memory_when_due(self) -> None:
         interval = self.config.release_host_memory_every_s

@@ -83,14 +83,20 @@ class ModelRunner:
         self.images = ImagePrefetcher(self._decode, self._staged_bytes, image_prefetch_bytes, image_workers)
         self.num_images_encoded = 0
         self.vision_timer = DeviceTimer(self.device)  # the vision tower's device time
+        # the text model's device time (forward and logits), by the kind of step: "prefill" (with a
+        # prefill chunk) or "decode" (every chunk one token; a CUDA graph's replay where one is captured)
+        self.forward_timers = {kind: DeviceTimer(self.device) for kind in ("prefill", "decode")}
+        self.step_timer = DeviceTimer(self.device)  # whole steps, timed by the engine (encode, forward, sample)
 
     def close(self) -> None:
         self.images.close()
 
     def reset_counters(self) -> None:
-        """Images encoded, the vision tower's device time and the image decoder's counts, at zero."""
+        """Images encoded, the device timers and the image decoder's counts, at zero."""
         self.num_images_encoded = 0
         self.vision_timer = DeviceTimer(self.device)
+        self.forward_timers = {kind: DeviceTimer(self.device) for kind in self.forward_timers}
+        self.step_timer = DeviceTimer(self.device)
         self.images.reset_counters()
 
     # ------------------------------------------------------------ vision
@@ -268,11 +274,13 @@ class ModelRunner:
         # forward is launched; the engine fills grammar bitmasks while it runs
         rows = upload(sample_rows, device, torch.int64) if sample_rows else None
         graphs = self.graph_runner
-        if graphs is not None and metadata.prefill is None and multimodal is None and len(chunks) <= graphs.max_batch:
-            decode = metadata.decode
-            hidden = graphs.run(input_ids, positions, decode.slot_mapping, decode.block_tables, decode.context_lens)
-        else:
-            hidden = self.model(input_ids, positions, PagedAttention(self.kv_caches, metadata), multimodal)
-        if rows is None:
-            return hidden.new_zeros((0, self.model.config.text.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden.index_select(0, rows)).float()
+        with self.forward_timers["decode" if num_decodes == len(chunks) else "prefill"]:
+            if (graphs is not None and metadata.prefill is None and multimodal is None
+                    and len(chunks) <= graphs.max_batch):
+                decode = metadata.decode
+                hidden = graphs.run(input_ids, positions, decode.slot_mapping, decode.block_tables, decode.context_lens)
+            else:
+                hidden = self.model(input_ids, positions, PagedAttention(self.kv_caches, metadata), multimodal)
+            if rows is None:
+                return hidden.new_zeros((0, self.model.config.text.vocab_size), dtype=torch.float32)
+            return self.model.compute_logits(hidden.index_select(0, rows)).float()
