@@ -35,6 +35,12 @@ call; `--json FILE` merges the phases' results into FILE.
 - engine_w8a8_channel_fast  the same with VLM_CATALOG_FP8_FAST_ACCUMULATION=1: the FP8 GEMMs
                   sum their whole K loop in the tensor core's accumulator (vLLM's way), so
                   Hopper's wgmma runs asynchronously, with fewer bits than float32
+- engine_profile  engine_w8a8_channel on the first --profile-records (64) records under
+                  torch.profiler: the device's kernel time by region of the step (vision,
+                  text forward in prefill and decode steps, the rest of the step), by kind
+                  (attention, MoE, GEMM, ...) and by kernel, and how busy the device was
+                  (vlm_catalog/bench/device_profile.py). Every engine run also records its
+                  `device_seconds`: the same regions from CUDA events, without a profiler
 - constrained     the per-record schema (real stop) against an unconstrained run that
                   generates the same number of tokens per record (both counts reported;
                   target >= 0.95x)
@@ -97,9 +103,10 @@ from vlm_catalog.preprocess.prompt import build_messages
 from vlm_catalog.structured import catalogue_schema
 
 PHASES = ("ceilings", "kernels", "roofline", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
-          "engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_w8a8_channel_fast", "transformers")
+          "engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_profile", "engine_w8a8_channel_fast",
+          "transformers")
 # they quantize the experts in place: after the others
-FP8_MODEL_PHASES = {"engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_w8a8_channel_fast"}
+FP8_MODEL_PHASES = {"engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_w8a8_channel_fast", "engine_profile"}
 NEEDS_RECORDS = {"vision_encoder", "engine", "engine_fp8_kv", "constrained", "transformers", *FP8_MODEL_PHASES}
 NEEDS_MODEL = {"roofline", "engine", "engine_fp8_kv", "constrained", *FP8_MODEL_PHASES}
 ENGINE_PHASES = NEEDS_MODEL - {"roofline"}  # they run the engine, after a warm-up (`warm_up`)
@@ -430,28 +437,25 @@ def measure_engine(checkpoint: Path, model, device: torch.device, records, outpu
     return results
 
 
-def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
-                       fp8_activations: bool = False, sampling: Sampling = QWEN3_VL_SAMPLING,
-                       async_scheduling: bool = False, warmup_records=(), per_channel: bool = False,
-                       fast_accumulation: bool = False) -> dict:
-    """`measure_engine` with FP8 experts (quantized in place, one layer at a time, unless already
-    FP8 in these blocks) and an FP8 KV cache; `fp8_activations`: what `--quantization fp8_w8a8`
-    loads, the dense projections in FP8 too (`Fp8Linear`) and every FP8 GEMM's input quantized;
-    `per_channel` (with it): `--quantization fp8_w8a8_channel`'s one scale per row and per token,
-    FP8 weights of other blocks requantized; `fast_accumulation`: under
-    VLM_CATALOG_FP8_FAST_ACCUMULATION=1 (`kernels.dispatch.fp8_accumulation`)."""
-    def weight_bytes(module) -> int:
-        return sum(p.numel() * p.element_size() for p in module.parameters())
+def weight_bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
+
+def weight_sizes(model) -> dict:
     decoder = model.language_model
-    experts = decoder.moe_experts()
+    dense = sum(weight_bytes(getattr(module, name)) for module, name in decoder.dense_projections())
+    return {"weight_bytes": weight_bytes(model), "expert_weight_bytes": sum(map(weight_bytes, decoder.moe_experts())),
+            "dense_projection_bytes": dense}
 
-    def sizes() -> dict:
-        dense = sum(weight_bytes(getattr(module, name)) for module, name in decoder.dense_projections())
-        return {"weight_bytes": weight_bytes(model), "expert_weight_bytes": sum(map(weight_bytes, experts)),
-                "dense_projection_bytes": dense}
 
-    before = sizes()
+def quantize_model(model, device: torch.device, fp8_activations: bool,
+                   per_channel: bool) -> tuple[Fp8BlockQuantization, Fp8BlockQuantization]:
+    """FP8 experts (quantized in place, one layer at a time, unless already FP8 in these blocks);
+    `fp8_activations`: what `--quantization fp8_w8a8` loads, the dense projections in FP8 too
+    (`Fp8Linear`) and every FP8 GEMM's input quantized; `per_channel` (with it):
+    `--quantization fp8_w8a8_channel`'s one scale per row and per token, FP8 weights of other
+    blocks requantized. Returns the experts' and the dense projections' blocks."""
+    decoder = model.language_model
     text = model.config.text
     if per_channel:
         block = Fp8BlockQuantization(*per_channel_block(text.hidden_size, text.moe_intermediate_size))
@@ -459,7 +463,7 @@ def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, o
     else:
         block = fitting_block(text.moe_intermediate_size)
         dense_block = fitting_block(*dense_row_counts(text))
-    for layer_experts in experts:
+    for layer_experts in decoder.moe_experts():
         if layer_experts.fp8_block != block.block:
             layer_experts.quantize_(block)
             release_memory(device)  # the layer's bf16 (or other-block FP8) experts
@@ -472,14 +476,66 @@ def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, o
             if getattr(module, name).block != dense_block.block:
                 getattr(module, name).requantize_(dense_block)
         release_memory(device)
+    return block, dense_block
+
+
+def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
+                       fp8_activations: bool = False, sampling: Sampling = QWEN3_VL_SAMPLING,
+                       async_scheduling: bool = False, warmup_records=(), per_channel: bool = False,
+                       fast_accumulation: bool = False) -> dict:
+    """`measure_engine` with FP8 experts (`quantize_model`, which says what `fp8_activations` and
+    `per_channel` quantize) and an FP8 KV cache; `fast_accumulation`: under
+    VLM_CATALOG_FP8_FAST_ACCUMULATION=1 (`kernels.dispatch.fp8_accumulation`)."""
+    before = weight_sizes(model)
+    block, dense_block = quantize_model(model, device, fp8_activations, per_channel)
     with fp8_accumulation(fast_accumulation):
         results = measure_engine(checkpoint, model, device, records, output_tokens, kv_cache_dtype="fp8",
                                  sampling=sampling, async_scheduling=async_scheduling, warmup_records=warmup_records)
     results["fp8_fast_accumulation"] = fast_accumulation
     results["before"] = before
-    results["after"] = sizes()
+    results["after"] = weight_sizes(model)
     results["expert_block"] = list(block.block)  # (rows, columns) per scale: [1, K] is per-channel
     results["dense_block"] = list(dense_block.block) if fp8_activations else None
+    return results
+
+
+PROFILE_RECORDS = 64  # every decode step still runs (150 per record), over a quarter of the prefill
+
+
+def measure_engine_profile(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
+                           sampling: Sampling = QWEN3_VL_SAMPLING, async_scheduling: bool = False,
+                           warmup_records=()) -> dict:
+    """`engine_w8a8_channel`'s configuration (the default accumulation) on `records` under
+    torch.profiler, after the same untimed warm-up: its run summary, and where the device's time
+    went by region of the step, kind of kernel and kernel (`device_profile.profile_breakdown`).
+    The profiler slows the host, so its samples/s are not the phase's to report; the shares are.
+    A profiler failure is recorded beside the run's summary."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vlm_catalog.bench.device_profile import profile_breakdown
+
+    quantize_model(model, device, fp8_activations=True, per_channel=True)
+    engine = make_engine(checkpoint, model, device, "fp8", async_scheduling)
+    fixed = sampling.params(max_tokens=output_tokens, ignore_eos=True)
+    results = {"warmup": warm_up(engine, [build_messages(r) for r in warmup_records], [fixed] * len(warmup_records))}
+    conversations = [build_messages(record) for record in records]
+    on_cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    try:
+        started = time.perf_counter()
+        with profile(activities=activities) as profiler:
+            results["fixed_150_tokens"], _ = engine_run_summary(engine, conversations, [fixed] * len(records))
+            synchronize(device)
+        wall = time.perf_counter() - started
+        analysed = time.perf_counter()
+        results["profile"] = profile_breakdown(profiler, on_cuda, wall)
+        results["profile"]["analysis_seconds"] = time.perf_counter() - analysed
+    except Exception as exc:  # noqa: BLE001 - e.g. no CUPTI on this machine: the run's summary stands
+        traceback.print_exc()
+        results["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
+    results["async_scheduling"] = async_scheduling
+    results.update(memory_summary(engine, device))
+    engine.close()
     return results
 
 
@@ -681,6 +737,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernel-groups", type=lambda text: load_bench_kernels().parse_groups(text),
                         default=None, help="the kernels phase's groups of rows, comma-separated "
                                            "(default: all; bench_kernels.py --groups)")
+    parser.add_argument("--profile-records", type=int, default=PROFILE_RECORDS,
+                        help="engine_profile: the records of its profiled run (the first of --records)")
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
     engine_sampling = QWEN3_VL_SAMPLING if args.engine_sampling == "benchmark" else GREEDY
@@ -791,6 +849,9 @@ def main(argv: list[str] | None = None) -> int:
                 "engine_w8a8_channel_fast": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
                     per_channel=True, fast_accumulation=True, **engine_options),
+                "engine_profile": lambda: measure_engine_profile(
+                    checkpoint, model, device, engine_records[: args.profile_records], args.output_tokens,
+                    **engine_options),
             }
             for phase in model_phases if model is not None else ():
                 run_phase(phase, measures[phase])

@@ -390,6 +390,26 @@ def test_bench_gpu_engine_with_async_scheduling(tmp_path):
     assert engine["fixed_150_tokens"]["generated_tokens"] == 2 * 3 and engine["fixed_150_tokens"]["errors"] == 0
 
 
+def test_bench_gpu_engine_profile_splits_the_runs_time_by_region_and_kind(tmp_path):
+    """engine_profile on CPU: the per-channel W8A8 engine under torch.profiler, its torch ops
+    charged to the engine's marked regions (device_profile; on CUDA the device's kernels)."""
+    out = tmp_path / "bench_gpu.json"
+    result = run_script("--tiny", "--device", "cpu", "--records", "3", "--profile-records", "2",
+                        "--image-size", "small", "--output-tokens", "3", "--phase", "engine_profile",
+                        "--json", str(out), script=REPO_ROOT / "scripts" / "bench_gpu.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())["engine_profile"]
+    run = report["fixed_150_tokens"]
+    assert run["generated_tokens"] == 2 * 3 and run["errors"] == 0  # the first 2 records, not 3
+    profile = report["profile"]
+    regions = profile["regions"]
+    assert {"vlm.vision_encoder", "vlm.text_forward.prefill", "vlm.text_forward.decode", "vlm.step"} <= set(regions)
+    for region in ("vlm.vision_encoder", "vlm.text_forward.prefill"):  # each its own GEMMs and attention
+        assert regions[region]["kinds"]["gemm"] > 0 and regions[region]["kinds"]["attention"] > 0, region
+    assert "gemm" not in regions["vlm.step"]["kinds"]  # the rest of a step: sampling, not the model
+    assert 0 < profile["busy_seconds"] <= profile["wall_seconds"] and 0 < profile["busy_fraction"] <= 1
+
+
 def bench_gpu_where(monkeypatch, tmp_path, function: str, error: Exception, *args: str) -> tuple[int, dict]:
     """bench_gpu.main on the tiny CPU model (one small record) with `function` raising `error`:
     its exit status and the JSON it wrote."""

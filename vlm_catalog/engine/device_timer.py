@@ -6,6 +6,11 @@ each timed call and adds up their elapsed times once the device has passed
 them (`seconds` never waits: a pair still in flight is counted on a later
 read; after the step's sampling has synchronized, every pair is done). On CPU
 the work is synchronous and a host clock measures it.
+
+A timer with a `label` also marks its calls for torch.profiler (`record_function`),
+so a profile can tell which part of a step launched each kernel
+(`vlm_catalog/bench/device_profile.py`); outside a profile the mark costs a few
+microseconds.
 """
 
 from __future__ import annotations
@@ -17,13 +22,18 @@ import torch
 
 
 class DeviceTimer:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, label: str | None = None) -> None:
         self.on_cuda = device.type == "cuda"
+        self.label = label
         self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._done_seconds = 0.0
         self._started: torch.cuda.Event | float | None = None
+        self._mark: torch.profiler.record_function | None = None
 
     def __enter__(self) -> DeviceTimer:
+        if self.label is not None:
+            self._mark = torch.profiler.record_function(self.label)
+            self._mark.__enter__()
         if self.on_cuda:
             self._started = torch.cuda.Event(enable_timing=True)
             self._started.record()
@@ -39,6 +49,9 @@ class DeviceTimer:
         else:
             self._done_seconds += time.perf_counter() - self._started
         self._started = None
+        if self._mark is not None:
+            self._mark.__exit__(*exc_info)
+            self._mark = None
 
     @property
     def seconds(self) -> float:

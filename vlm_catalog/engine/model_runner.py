@@ -82,11 +82,16 @@ class ModelRunner:
         self.pixel_dtype = model.visual.patch_embed.pixel_dtype
         self.images = ImagePrefetcher(self._decode, self._staged_bytes, image_prefetch_bytes, image_workers)
         self.num_images_encoded = 0
-        self.vision_timer = DeviceTimer(self.device)  # the vision tower's device time
+        self._new_timers()
+
+    def _new_timers(self) -> None:
+        """The device timers at zero, each labelled for torch.profiler (`DeviceTimer`)."""
+        self.vision_timer = DeviceTimer(self.device, "vlm.vision_encoder")  # the vision tower's device time
         # the text model's device time (forward and logits), by the kind of step: "prefill" (with a
         # prefill chunk) or "decode" (every chunk one token; a CUDA graph's replay where one is captured)
-        self.forward_timers = {kind: DeviceTimer(self.device) for kind in ("prefill", "decode")}
-        self.step_timer = DeviceTimer(self.device)  # whole steps, timed by the engine (encode, forward, sample)
+        self.forward_timers = {kind: DeviceTimer(self.device, f"vlm.text_forward.{kind}") for kind in ("prefill", "decode")}
+        # whole steps, timed by the engine (encode, forward, sample): the rest of a step's kernels are marked as its
+        self.step_timer = DeviceTimer(self.device, "vlm.step")
 
     def close(self) -> None:
         self.images.close()
@@ -94,9 +99,7 @@ class ModelRunner:
     def reset_counters(self) -> None:
         """Images encoded, the device timers and the image decoder's counts, at zero."""
         self.num_images_encoded = 0
-        self.vision_timer = DeviceTimer(self.device)
-        self.forward_timers = {kind: DeviceTimer(self.device) for kind in self.forward_timers}
-        self.step_timer = DeviceTimer(self.device)
+        self._new_timers()
         self.images.reset_counters()
 
     # ------------------------------------------------------------ vision

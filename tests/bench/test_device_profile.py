@@ -1,0 +1,66 @@
+"""device_profile: a torch.profiler trace summed by `vlm.*` region and kind of kernel.
+
+On CPU the torch ops' own time stands in for kernels (the module docstring); the
+region walk, the kinds and the busy union are the same code on CUDA."""
+
+import time
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from vlm_catalog.bench.device_profile import UNMARKED, kernel_kind, profile_breakdown, union_seconds
+from vlm_catalog.engine.device_timer import DeviceTimer
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("paged_decode_split_kernel", "attention"),
+        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", "attention"),
+        ("moe_gate_up_silu_kernel", "moe"),
+        ("route_topk_align_kernel", "moe"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "gemm"),
+        ("aten::addmm", "gemm"),
+        ("rms_norm_kernel", "norm_rotary"),
+        ("qk_norm_mrope_kernel", "norm_rotary"),
+        ("quantize_activations_kernel", "quantize"),
+        ("Memcpy HtoD (Pinned -> Device)", "copy"),
+        ("silu_and_mul_kernel", "other"),
+    ],
+)
+def test_kernels_sort_into_kinds_by_name(name, kind):
+    assert kernel_kind(name) == kind
+
+
+def test_the_union_of_intervals_counts_overlaps_once():
+    assert union_seconds([]) == 0.0
+    assert union_seconds([(5.0, 7.0), (0.0, 2.0), (1.0, 3.0), (2.5, 2.6), (6.0, 9.0)]) == pytest.approx(7.0)
+
+
+def test_ops_are_charged_to_their_innermost_mark():
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    timer = DeviceTimer(torch.device("cpu"), "vlm.text_forward.decode")
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        with record_function("vlm.step"):
+            torch.relu(a)  # the step's own op
+            with timer:  # a labelled timer marks its calls
+                for _ in range(3):
+                    a @ b
+        torch.sigmoid(b)  # outside every mark
+        time.sleep(0.05)  # the host idles: nothing runs
+    breakdown = profile_breakdown(profiler, on_cuda=False, wall_seconds=0.5)
+    regions = breakdown["regions"]
+    assert set(regions) == {"vlm.text_forward.decode", "vlm.step", UNMARKED}
+    forward = regions["vlm.text_forward.decode"]
+    assert forward["kinds"]["gemm"] > 0.9 * forward["seconds"] > 0  # beside them: aten::resolve_conj
+    assert {row["name"] for row in forward["top"]} >= {"aten::mm"}
+    assert [row["calls"] for row in forward["top"] if row["name"] == "aten::mm"] == [3]
+    assert "gemm" not in regions["vlm.step"]["kinds"] and regions["vlm.step"]["kinds"]["other"] > 0
+    assert "gemm" not in regions[UNMARKED]["kinds"]
+    assert breakdown["kernel_seconds"] == pytest.approx(sum(region["seconds"] for region in regions.values()))
+    # nested ops overlap in time: the union is at most their sum, and far below the idle wall time
+    assert 0 < breakdown["busy_seconds"] <= breakdown["kernel_seconds"] + 1e-9
+    assert breakdown["busy_fraction"] == pytest.approx(breakdown["busy_seconds"] / 0.5)
+    assert timer.seconds > 0  # the timer still times

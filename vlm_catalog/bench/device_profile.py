@@ -1,0 +1,121 @@
+"""Where a run's device time goes: a torch.profiler trace summed by region and kind of kernel.
+
+`profile_breakdown(profiler, on_cuda)` reads a finished `torch.profiler.profile`:
+
+- **region**: the innermost `vlm.*` mark around the launch. The engine's device
+  timers mark their calls (`DeviceTimer(label=...)`): `vlm.vision_encoder`,
+  `vlm.text_forward.prefill`, `vlm.text_forward.decode` (a CUDA graph's replay
+  where one is captured) and `vlm.step` (the rest of a step: sampling, masks,
+  uploads). A kernel launched outside every mark is `unmarked`.
+- **kind**: what the kernel does, from its name (`KERNEL_KINDS`, first match):
+  attention, MoE, GEMM, norm and rotary, quantize, copies, else `other`.
+- **busy**: the union of the kernels' intervals, against the profiled wall time:
+  what is left is the device waiting for the host.
+
+On CUDA the units are the device's kernels (CUPTI ties each to the host op that
+launched it, and a graph's kernels to its replay); on a CPU there are none, and
+each torch op's own CPU time stands in, so the same code runs in CI.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+from torch.autograd import DeviceType
+
+REGION_PREFIX = "vlm."
+UNMARKED = "unmarked"
+
+# (kind, pattern over the kernel's name, lower-cased), first match wins: our Triton kernels by
+# their jit function names, cuBLAS / FlashAttention / PyTorch's by their library names
+KERNEL_KINDS: tuple[tuple[str, re.Pattern], ...] = tuple(
+    (kind, re.compile(pattern))
+    for kind, pattern in (
+        ("attention", r"attention|attn|flash|fmha|paged_decode|paged_prefill|sdpa|softmax_kernel"),
+        ("moe", r"moe|route_topk"),
+        ("gemm", r"gemm|nvjet|xmma|cutlass|fp8_linear|scaled_mm|matmul|aten::mm|aten::addmm|aten::bmm|aten::linear"),
+        ("norm_rotary", r"norm|rope|rotary"),
+        ("quantize", r"quant"),
+        ("copy", r"memcpy|memset|copy_"),
+    )
+)
+TOP_KERNELS = 12  # per region
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    for kind, pattern in KERNEL_KINDS:
+        if pattern.search(lowered):
+            return kind
+    return "other"
+
+
+def region_of(event) -> str:
+    """The innermost `vlm.*` mark at or above a profiler event (its CPU parents)."""
+    while event is not None:
+        if event.name.startswith(REGION_PREFIX):
+            return event.name
+        event = event.cpu_parent
+    return UNMARKED
+
+
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals (any order, any overlap)."""
+    total, reach = 0.0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total
+
+
+def profile_breakdown(profiler, on_cuda: bool, wall_seconds: float) -> dict:
+    """The profiled run's kernel time by region and kind, its largest kernels per region, and how
+    busy the device was over `wall_seconds` (see the module docstring)."""
+    by_region: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    by_name: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    intervals: list[tuple[float, float]] = []
+    events = profiler.events()
+    for event in events:
+        if event.device_type != DeviceType.CPU:
+            continue
+        if on_cuda:  # a mark holds the kernels launched right under it (Triton's, a graph's replay)
+            units = [(kernel.name, kernel.duration) for kernel in event.kernels]
+        elif event.name.startswith(REGION_PREFIX):  # on CPU a mark's own time is Python, not an op
+            continue
+        else:
+            units = [(event.name, event.self_cpu_time_total)] if event.self_cpu_time_total > 0 else []
+            if units:
+                intervals.append((event.time_range.start, event.time_range.end))
+        if not units:
+            continue
+        region = region_of(event)
+        for name, micros in units:
+            by_region[region][kernel_kind(name)] += micros
+            totals = by_name[region][name[:160]]
+            totals[0] += micros
+            totals[1] += 1
+    if on_cuda:  # the kernels' own intervals on the device
+        intervals = [(event.time_range.start, event.time_range.end)
+                     for event in events if event.device_type == DeviceType.CUDA]
+    busy = union_seconds(intervals) / 1e6
+    regions = {}
+    for region, kinds in sorted(by_region.items(), key=lambda item: -sum(item[1].values())):
+        top = sorted(by_name[region].items(), key=lambda item: -item[1][0])[:TOP_KERNELS]
+        regions[region] = {
+            "seconds": sum(kinds.values()) / 1e6,
+            "kinds": {kind: micros / 1e6 for kind, micros in sorted(kinds.items(), key=lambda item: -item[1])},
+            "top": [{"name": name, "seconds": micros / 1e6, "calls": calls} for name, (micros, calls) in top],
+        }
+    return {
+        "time": "device kernels" if on_cuda else "cpu (torch ops' own time)",
+        "wall_seconds": wall_seconds,
+        "busy_seconds": busy,
+        "busy_fraction": busy / wall_seconds if wall_seconds > 0 else None,
+        "kernel_seconds": sum(region["seconds"] for region in regions.values()),
+        "regions": regions,
+    }
