@@ -19,7 +19,8 @@ If the varlen kernel raises (a torch without it, an argument it refuses),
 the per-segment path takes over for the rest of the process, with a warning.
 `VLM_CATALOG_VARLEN_ATTENTION` (``auto`` | ``flash`` | ``triton`` | ``sdpa``)
 forces one backend; `VLM_CATALOG_KERNELS` still wins: ``reference`` forces
-SDPA, ``triton`` forces the kernel.
+SDPA, ``triton`` forces the kernel. `VLM_CATALOG_SDPA_BACKEND=cudnn` asks the
+per-segment SDPA calls for cuDNN's fused attention first (`kernels.sdpa_backend`).
 
 Pass the segment lengths on the host (`seqlens`) when you have them: the
 per-segment choice otherwise reads `cu_seqlens` back from the device (a sync).
@@ -43,6 +44,7 @@ from kernels.checks import (
 )
 from kernels.dispatch import kernel_backend, use_triton
 from kernels.flash_varlen import flash_varlen_usable, try_flash_varlen_attention
+from kernels.sdpa_backend import long_segment_sdpa
 from kernels.strides import common_power_of_two
 
 VARLEN_BACKEND_ENV_VAR = "VLM_CATALOG_VARLEN_ATTENTION"
@@ -54,10 +56,11 @@ SDPA_MIN_SEGMENT_LEN = 2048  # from the H100 crossover, see the module docstring
 def varlen_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Per-segment SDPA, as transformers' vision attention does without flash-attn."""
+    """Per-segment SDPA in torch's own backend order, as transformers' vision attention does
+    without flash-attn."""
     out = torch.empty_like(q)
     bounds = [(begin, end) for begin, end in itertools.pairwise(cu_seqlens.tolist()) if end > begin]
-    _sdpa_segments(q, k, v, bounds, scale, out)
+    _sdpa_segments(q, k, v, bounds, scale, out, backend="default")
     return out
 
 
@@ -142,16 +145,19 @@ def varlen_backend(segment_len: int) -> str:
     return "sdpa" if segment_len >= SDPA_MIN_SEGMENT_LEN else "triton"
 
 
-def _sdpa_segments(q, k, v, bounds: list[tuple[int, int]], scale: float, out: torch.Tensor) -> None:
-    """Per-segment SDPA into the rows `bounds` of `out`."""
-    for begin, end in bounds:
-        context = F.scaled_dot_product_attention(
-            q[begin:end].transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
-            k[begin:end].transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
-            v[begin:end].transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
-            scale=scale,
-        )  # [1, H, n, D]
-        out[begin:end] = context[0].transpose(0, 1)  # [n, H, D]
+def _sdpa_segments(q, k, v, bounds: list[tuple[int, int]], scale: float, out: torch.Tensor,
+                   backend: str | None = None) -> None:
+    """Per-segment SDPA into the rows `bounds` of `out`, in `long_segment_sdpa(backend)`'s context
+    (None: `VLM_CATALOG_SDPA_BACKEND`)."""
+    with long_segment_sdpa(backend):
+        for begin, end in bounds:
+            context = F.scaled_dot_product_attention(
+                q[begin:end].transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
+                k[begin:end].transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
+                v[begin:end].transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
+                scale=scale,
+            )  # [1, H, n, D]
+            out[begin:end] = context[0].transpose(0, 1)  # [n, H, D]
 
 
 def varlen_attention_per_segment(

@@ -77,6 +77,7 @@ import torch
 from kernels import fp8_linear_cublas
 from kernels.dispatch import fp8_accumulation, kernels_off
 from kernels.fp8 import per_channel_block
+from kernels.sdpa_backend import sdpa_backend
 from vlm_catalog.bench.random_model import (
     QWEN3_VL_30B_A3B,
     benchmark_checkpoint_dir,
@@ -766,6 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     results["date"] = time.strftime("%Y-%m-%d")
     results["versions"] = package_versions()
     results["kernels_off"] = sorted(kernels_off())  # ops sent to their torch reference (VLM_CATALOG_KERNELS_OFF)
+    results["sdpa_backend"] = sdpa_backend()  # the long images' SDPA kernel order (VLM_CATALOG_SDPA_BACKEND)
     results.setdefault("phase_seconds", {})
 
     failed: list[str] = []

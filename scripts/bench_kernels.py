@@ -381,6 +381,20 @@ def bench_elementwise(shapes: Shapes, dtype, device, timer) -> list[Row]:
     return rows
 
 
+def cudnn_refusal(call, device) -> str:
+    """Empty when cuDNN's attention alone runs `call`, else why not (torch would fall back)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if device.type != "cuda":  # CPU attention ignores the backend list
+        return "no cuDNN on this device: torch's own attention ran"
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            call()
+    except RuntimeError as exc:
+        return f"cuDNN refused it, so another backend ran: {str(exc).strip().splitlines()[0][:160]}"
+    return ""
+
+
 def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
     import torch
     import torch.nn.functional as F
@@ -398,6 +412,7 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
         paged_prefill_attention_triton,
     )
     from kernels.varlen_attention import (
+        _sdpa_segments,
         varlen_attention_reference,
         varlen_attention_triton,
     )
@@ -551,6 +566,21 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 timer(partial(varlen_attention_reference, *varlen_args)),
                 teraflops(flops, ms),
                 note="sets SDPA_MIN_SEGMENT_LEN (crossover by segment length)",
+            )
+        )
+        # the long images' per-segment SDPA with cuDNN's attention first (VLM_CATALOG_SDPA_BACKEND=cudnn)
+        bounds = [(image * patches, (image + 1) * patches) for image in range(images)]
+        cudnn_sdpa = partial(_sdpa_segments, q, k, v, bounds, vision_scale, torch.empty_like(q), backend="cudnn")
+        ms = timer(cudnn_sdpa)
+        rows.append(
+            Row(
+                "varlen_attention[sdpa, cudnn]",
+                f"{images} images x {patches} patches",
+                ms,
+                "SDPA per segment (reference)",
+                timer(partial(varlen_attention_reference, *varlen_args)),
+                teraflops(flops, ms),
+                note=cudnn_refusal(cudnn_sdpa, q.device) or "sets VLM_CATALOG_SDPA_BACKEND's default",
             )
         )
         if flash_varlen_usable(q, "bidirectional"):  # what the vision tower runs first

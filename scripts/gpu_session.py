@@ -24,7 +24,8 @@ own results into `$OUT` (at most 8 files come back from a device call):
   (engine_profile) and engine_w8a8_channel_fast, constrained, the ceilings, roofline and
   kernels, and the vision encoder, as far as the budget goes.
 - `decode`: the attention rows three ways (as they are, V read as bytes, bf16 dots), each
-  into its own JSON, then the FP8 decode attention's launch settings tuned.
+  into its own JSON, the vision encoder with cuDNN's attention first, then the FP8 decode
+  attention's launch settings tuned.
 - `tune`: the W8A8 MoE tile tuning (block scales, then per-channel with fast accumulation,
   the one whose tiles are its own) and the FP8 decode attention's launch settings, each
   bucket printed as it is done.
@@ -148,6 +149,11 @@ PLANS: dict[str, tuple[Step, ...]] = {
         Step("attention_bf16_dots", bench_kernels("--groups", "attention", "--json",
                                                   "{out}/attention_bf16_dots.json"),
              max_s=90, min_s=30, env=(("VLM_CATALOG_KERNELS_OFF", "fp8_float16_dots"),)),
+        # the vision tower with cuDNN's attention first for its long images, against the record's
+        # vision_encoder (the kernels phase's varlen_attention[sdpa, cudnn] rows time the calls alone)
+        Step("vision_encoder_cudnn", ("python3", "scripts/bench_gpu.py", "--phases", "vision_encoder", "--json",
+                                      "{out}/vision_cudnn.json"),
+             max_s=60, min_s=30, env=(("VLM_CATALOG_SDPA_BACKEND", "cudnn"),)),
         Step("tune_decode_fp8", bench_kernels("--tune-decode", "--fp8"), max_s=200, min_s=60,
              tail_to="tune_decode_fp8.txt", tail_lines=200),
     ),

@@ -94,7 +94,10 @@ def test_the_attention_rows_run_with_the_fp8_cache_paths_turned_off(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     assert report["kernels_off"] == ["fp8_float16_dots", "fp8_v_words"] and not report["errors"]
-    assert "paged_decode_attention[fp8 kv]" in {row["name"] for row in report["rows"]}
+    rows = {row["name"]: row for row in report["rows"]}
+    assert "paged_decode_attention[fp8 kv]" in rows
+    # cuDNN first for the long images' SDPA: on CPU there is none, and the note says so
+    assert rows["varlen_attention[sdpa, cudnn]"]["note"].startswith("no cuDNN on this device")
 
 
 def test_tune_moe_w8a8_prints_entries_of_its_own():
@@ -292,6 +295,7 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     for phase in ("engine", "engine_fp8_kv", "constrained", "engine_fp8", "engine_w8a8", "engine_w8a8_channel"):
         assert report[phase]["warmup"]["records"] == 1 and report[phase]["warmup"]["seconds"] > 0, phase
     assert report["kernels_off"] == [] and report["versions"]["torch"] and report["versions"]["xgrammar"]
+    assert report["sdpa_backend"] == "default"  # torch's own order unless VLM_CATALOG_SDPA_BACKEND says otherwise
     # the engine phases sample as the benchmark does (the checkpoint's generation_config)
     assert report["engine"]["sampling"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
     assert report["engine_w8a8"]["sampling"] == report["engine"]["sampling"]

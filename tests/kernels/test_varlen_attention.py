@@ -206,3 +206,58 @@ def test_gpu_takes_the_flash_varlen_kernel(cuda_device):
     out = flash_varlen_attention(q, k, v, cu_seqlens, 72**-0.5, 1024)
     assert_close(out, varlen_attention_reference(q, k, v, cu_seqlens, 72**-0.5), rel=1e-2)
     assert flash_varlen_usable(q, "bidirectional")
+
+
+def test_long_segments_ask_sdpa_for_cudnn_first_when_set(monkeypatch):
+    """VLM_CATALOG_SDPA_BACKEND=cudnn: the per-segment SDPA calls run with cuDNN's attention
+    first in torch's priority order (here on CPU, where cuDNN is absent, the next backend runs
+    and the answer is the reference's); the reference keeps torch's own order."""
+    from torch.nn import functional
+
+    module = sys.modules["kernels.varlen_attention"]  # `kernels.varlen_attention` is also the function
+    orders = []
+    real_sdpa = functional.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        orders.append(torch._C._get_sdp_priority_order()[0])
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(module.F, "scaled_dot_product_attention", recording_sdpa)
+    lengths = [SDPA_MIN_SEGMENT_LEN, SDPA_MIN_SEGMENT_LEN + 8]  # all long: no Triton launch
+    q, k, v, cu_seqlens = packed(lengths, 2, 8, torch.float32, "cpu")
+    reference = varlen_attention_reference(q, k, v, cu_seqlens, 0.3)
+    default_first = orders[0]
+    assert default_first != int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
+    monkeypatch.setenv("VLM_CATALOG_SDPA_BACKEND", "cudnn")
+    orders.clear()
+    out = varlen_attention_per_segment(q, k, v, cu_seqlens, 0.3, lengths)
+    assert orders == [int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)] * 2
+    assert torch.equal(out, reference)
+    assert torch._C._get_sdp_priority_order()[0] == default_first  # restored after the calls
+    orders.clear()
+    varlen_attention_reference(q, k, v, cu_seqlens, 0.3)
+    assert orders == [default_first] * 2
+
+
+def test_an_unknown_sdpa_backend_is_named(monkeypatch):
+    monkeypatch.setenv("VLM_CATALOG_SDPA_BACKEND", "cudnn3")
+    q, k, v, cu_seqlens = packed([SDPA_MIN_SEGMENT_LEN], 1, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="VLM_CATALOG_SDPA_BACKEND='cudnn3' is not one of default, cudnn"):
+        varlen_attention_per_segment(q, k, v, cu_seqlens, 0.3, [SDPA_MIN_SEGMENT_LEN])
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_sdpa_matches_the_reference(cuda_device):
+    # tolerance: 1e-2 (bfloat16), as the other vision-shape tests. cuDNN alone is allowed, so a
+    # shape it refuses fails here ("No available kernel") instead of falling back unseen
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels.varlen_attention import _sdpa_segments
+
+    lengths = [SDPA_MIN_SEGMENT_LEN, 4096, 15625]  # the vision tower's long images: 16 heads of 72
+    q, k, v, cu_seqlens = packed(lengths, 16, 72, torch.bfloat16, cuda_device)
+    bounds = list(itertools.pairwise(cu_seqlens.tolist()))
+    out = torch.empty_like(q)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        _sdpa_segments(q, k, v, bounds, 72**-0.5, out, backend="default")
+    assert_close(out, varlen_attention_reference(q, k, v, cu_seqlens, 72**-0.5), rel=1e-2)
