@@ -112,6 +112,11 @@ NEEDS_RECORDS = {"vision_encoder", "engine", "engine_fp8_kv", "constrained", "tr
 NEEDS_MODEL = {"roofline", "engine", "engine_fp8_kv", "constrained", *FP8_MODEL_PHASES}
 ENGINE_PHASES = NEEDS_MODEL - {"roofline"}  # they run the engine, after a warm-up (`warm_up`)
 OUTPUT_TOKENS = 150
+# an output only when a request finishes, as the offline front doors (LLM.generate, the batch job,
+# the LoadGen harness) ask: a per-step output for each of 256 requests cost about 3 ms of host
+# time per step on the CPU (docs/benchmarks.md, "Host time per engine step"); until 2026-11-27
+# the engine phases asked for them
+OFFLINE_OUTPUTS = "final_only"
 
 
 # ------------------------------------------------------------------------ helpers
@@ -427,7 +432,7 @@ def measure_engine(checkpoint: Path, model, device: torch.device, records, outpu
     with `sampling`, after an untimed run of `warmup_records` (`warm_up`); `kv_cache_dtype="fp8"`:
     the same with an e4m3 KV cache (twice the tokens of bf16)."""
     engine = make_engine(checkpoint, model, device, kv_cache_dtype, async_scheduling)
-    fixed = sampling.params(max_tokens=output_tokens, ignore_eos=True)
+    fixed = sampling.params(max_tokens=output_tokens, ignore_eos=True, output_kind=OFFLINE_OUTPUTS)
     warmup = warm_up(engine, [build_messages(record) for record in warmup_records], [fixed] * len(warmup_records))
     conversations = [build_messages(record) for record in records]
     results = {"warmup": warmup,
@@ -517,7 +522,7 @@ def measure_engine_profile(checkpoint: Path, model, device: torch.device, record
 
     quantize_model(model, device, fp8_activations=True, per_channel=True)
     engine = make_engine(checkpoint, model, device, "fp8", async_scheduling)
-    fixed = sampling.params(max_tokens=output_tokens, ignore_eos=True)
+    fixed = sampling.params(max_tokens=output_tokens, ignore_eos=True, output_kind=OFFLINE_OUTPUTS)
     results = {"warmup": warm_up(engine, [build_messages(r) for r in warmup_records], [fixed] * len(warmup_records))}
     conversations = [build_messages(record) for record in records]
     on_cuda = device.type == "cuda"
@@ -549,7 +554,8 @@ def measure_constrained(checkpoint: Path, model, device: torch.device, records, 
     (ignore_eos), so the two runs generate the same tokens and differ only in the grammar work.
     """
     def schema_params(chosen) -> list[SamplingParams]:
-        return [SamplingParams(max_tokens=output_tokens, json_schema=catalogue_schema(r.candidate_categories))
+        return [SamplingParams(max_tokens=output_tokens, json_schema=catalogue_schema(r.candidate_categories),
+                               output_kind=OFFLINE_OUTPUTS)
                 for r in chosen]
 
     engine = make_engine(checkpoint, model, device, async_scheduling=async_scheduling)
@@ -561,7 +567,7 @@ def measure_constrained(checkpoint: Path, model, device: torch.device, records, 
     compiled_after = engine.grammar_service.stats()
     results["grammar_compilations"] = compiled_after.compilations - compiled_before.compilations  # cache misses
     results["grammar_compile_seconds"] = compiled_after.compile_seconds - compiled_before.compile_seconds
-    matched = [SamplingParams(max_tokens=max(1, len(outputs[i].token_ids)), ignore_eos=True)
+    matched = [SamplingParams(max_tokens=max(1, len(outputs[i].token_ids)), ignore_eos=True, output_kind=OFFLINE_OUTPUTS)
                for i in range(len(records))]
     results["unconstrained_same_tokens"], _ = engine_run_summary(engine, conversations, matched)
     constrained_rate = results["constrained_real_stop"]["samples_per_s"]
@@ -767,6 +773,7 @@ def main(argv: list[str] | None = None) -> int:
     results["date"] = time.strftime("%Y-%m-%d")
     results["versions"] = package_versions()
     results["kernels_off"] = sorted(kernels_off())  # ops sent to their torch reference (VLM_CATALOG_KERNELS_OFF)
+    results["engine_output_kind"] = OFFLINE_OUTPUTS  # what the engine phases' requests ask for
     results["sdpa_backend"] = sdpa_backend()  # the long images' SDPA kernel order (VLM_CATALOG_SDPA_BACKEND)
     results.setdefault("phase_seconds", {})
 

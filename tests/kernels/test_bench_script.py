@@ -295,6 +295,7 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     for phase in ("engine", "engine_fp8_kv", "constrained", "engine_fp8", "engine_w8a8", "engine_w8a8_channel"):
         assert report[phase]["warmup"]["records"] == 1 and report[phase]["warmup"]["seconds"] > 0, phase
     assert report["kernels_off"] == [] and report["versions"]["torch"] and report["versions"]["xgrammar"]
+    assert report["engine_output_kind"] == "final_only"  # as the offline front doors ask
     assert report["sdpa_backend"] == "default"  # torch's own order unless VLM_CATALOG_SDPA_BACKEND says otherwise
     # the engine phases sample as the benchmark does (the checkpoint's generation_config)
     assert report["engine"]["sampling"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
