@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -490,3 +491,28 @@ def test_bench_gpu_refuses_a_negative_warmup(capsys):
     with pytest.raises(SystemExit):
         load_bench_gpu().main(["--tiny", "--device", "cpu", "--phase", "engine", "--warmup-records", "-1"])
     assert "--warmup-records must be >= 0 (0: no warm-up), got -1" in capsys.readouterr().err
+
+
+def test_the_graph_timer_takes_the_flush_off_each_call():
+    """graph_ms_per_call: (flush, fn) x calls against flush x calls, per call. Here a "graph" is
+    the body itself and its replay is timed by the wall clock (CUDA graphs need a GPU)."""
+    bench_kernels = load_bench_gpu().load_bench_kernels()
+    calls = []
+
+    def fn():
+        calls.append("fn")
+        time.sleep(0.004)
+
+    def flush():
+        calls.append("flush")
+        time.sleep(0.002)
+
+    def replay_ms(body):
+        start = time.perf_counter()
+        body()
+        return (time.perf_counter() - start) * 1e3
+
+    ms = bench_kernels.graph_ms_per_call(fn, capture=lambda body: body, replay_ms=replay_ms, flush=flush, calls=3)
+    assert 3.5 <= ms <= 6.0  # the 4 ms call, without the 2 ms flush before it
+    assert calls == ["fn"] + ["flush", "fn"] * 3 + ["flush"] * 3  # compiled once outside the capture
+    assert bench_kernels.make_graph_timer(torch.device("cpu"))(lambda: None) >= 0  # CPU: the wall clock
