@@ -174,7 +174,44 @@ def make_graph_timer(device) -> Callable[[Callable[[], object]], float]:
     import torch
 
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
-    return partial(graph_ms_per_call, capture=capture_cuda_graph, replay_ms=cuda_replay_ms, flush=flush.zero_)
+    return GraphTimer(partial(graph_ms_per_call, capture=capture_cuda_graph, replay_ms=cuda_replay_ms,
+                              flush=flush.zero_), make_timer(device))
+
+
+class GraphTimer:
+    """`timed(fn)` in CUDA graphs, or `fallback(fn)` (do_bench) where capturing fails; the failure
+    is printed once per kind and `fell_back` says whether the last call took the fallback."""
+
+    def __init__(self, timed, fallback) -> None:
+        self.timed, self.fallback = timed, fallback
+        self.fell_back = False
+        self._reported: set[str] = set()
+
+    def __call__(self, fn) -> float:
+        try:
+            ms = self.timed(fn)
+        except Exception as error:  # noqa: BLE001 - e.g. an op that cannot be captured: time it as do_bench does
+            kind = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160] if str(error).strip() else ''}"
+            if kind not in self._reported:
+                self._reported.add(kind)
+                print(f"  graph timing failed, timing host-launched calls instead ({kind})", file=sys.stderr)
+            self.fell_back = True
+            return self.fallback(fn)
+        self.fell_back = False
+        return ms
+
+
+def graph_note(timer) -> str:
+    """A row's note on how its last timing ran."""
+    if not isinstance(timer, GraphTimer):
+        return ""
+    return "host-launched (graph capture failed)" if timer.fell_back else "device time in a CUDA graph, L2 cold"
+
+
+def row_timing_note(timer, baseline_note: str) -> str:
+    """How a row's two timings ran: one note when both ran alike, else each named."""
+    ours = graph_note(timer)
+    return ours if ours == baseline_note else f"ours: {ours}; baseline: {baseline_note}"
 
 
 def graph_ms_per_call(fn, *, capture, replay_ms, flush, calls: int = GRAPH_CALLS) -> float:
@@ -492,7 +529,6 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
     scale = shapes.head_dim**-0.5
     # decode runs inside the engine's CUDA graphs: its rows time the device alone (make_graph_timer)
     graph_timer = make_graph_timer(torch.device(device))
-    in_graph = "device time in a CUDA graph, L2 cold" if torch.device(device).type == "cuda" else ""
     for batch, context in shapes.decode_cases:
         k_cache, v_cache, block_tables, context_lens = _paged_cache(
             batch, context, shapes, dtype, device
@@ -504,9 +540,10 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
         )
         q_sdpa = q.unsqueeze(2)  # [B, Hq, 1, D]
         decode_args = (q, k_cache, v_cache, block_tables, context_lens, scale)
-        ms = graph_timer(partial(paged_decode_attention_triton, *decode_args, max_context_len=context))
         sdpa = partial(F.scaled_dot_product_attention, q_sdpa, dense_k, dense_v, scale=scale)
         sdpa_ms = graph_timer(partial(sdpa, enable_gqa=True))
+        sdpa_note = graph_note(graph_timer)
+        ms = graph_timer(partial(paged_decode_attention_triton, *decode_args, max_context_len=context))
         kv_bytes = 2 * batch * context * shapes.num_kv_heads * shapes.head_dim * element
         rows.append(
             Row(
@@ -517,7 +554,7 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 sdpa_ms,
                 gigabytes_per_second(kv_bytes, ms),
                 target_speedup=1.0,
-                note=in_graph,
+                note=row_timing_note(graph_timer, sdpa_note),
             )
         )
         # the same cache in FP8 (e4m3): half the bytes to read, widened in the kernel
@@ -533,7 +570,7 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 sdpa_ms,
                 gigabytes_per_second(kv_bytes // element, fp8_ms),
                 target_speedup=1.0,
-                note=in_graph,
+                note=row_timing_note(graph_timer, sdpa_note),
             )
         )
 

@@ -516,3 +516,21 @@ def test_the_graph_timer_takes_the_flush_off_each_call():
     assert 3.5 <= ms <= 6.0  # the 4 ms call, without the 2 ms flush before it
     assert calls == ["fn"] + ["flush", "fn"] * 3 + ["flush"] * 3  # compiled once outside the capture
     assert bench_kernels.make_graph_timer(torch.device("cpu"))(lambda: None) >= 0  # CPU: the wall clock
+
+
+def test_a_call_that_cannot_be_captured_is_timed_host_launched_and_said_so(capsys):
+    bench_kernels = load_bench_gpu().load_bench_kernels()
+
+    def capture_fails(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    timer = bench_kernels.GraphTimer(capture_fails, lambda fn: 1.5)
+    assert timer(lambda: None) == 1.5 and timer.fell_back
+    assert bench_kernels.graph_note(timer) == "host-launched (graph capture failed)"
+    timer(lambda: None)
+    assert capsys.readouterr().err.count("graph timing failed") == 1  # reported once per kind
+    timer.timed = lambda fn: 0.25
+    assert timer(lambda: None) == 0.25 and not timer.fell_back
+    assert bench_kernels.graph_note(timer) == "device time in a CUDA graph, L2 cold"
+    assert bench_kernels.row_timing_note(timer, "host-launched (graph capture failed)") == (
+        "ours: device time in a CUDA graph, L2 cold; baseline: host-launched (graph capture failed)")
