@@ -66,6 +66,7 @@ FAST_PATHS = frozenset({
     # timed apart (kernels/attention_common.py, jit/paged_decode_attention.py)
     "fp8_float16_dots",
     "fp8_v_words",
+    "moe_grouped_gemm",  # kernels/moe/grouped_gemm.py (only where VLM_CATALOG_MOE_GEMM=grouped_mm asks)
 })
 FP8_FAST_ACCUMULATION_ENV_VAR = "VLM_CATALOG_FP8_FAST_ACCUMULATION"
 AUTO_DEVICE_TYPES = ("cuda",)  # where `auto` picks Triton; a test adds "cpu" to run the GPU choices interpreted

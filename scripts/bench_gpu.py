@@ -35,6 +35,10 @@ call; `--json FILE` merges the phases' results into FILE.
 - engine_w8a8_channel_fast  the same with VLM_CATALOG_FP8_FAST_ACCUMULATION=1: the FP8 GEMMs
                   sum their whole K loop in the tensor core's accumulator (vLLM's way), so
                   Hopper's wgmma runs asynchronously, with fewer bits than float32
+- engine_w8a8_channel_grouped_mm  engine_w8a8_channel with VLM_CATALOG_MOE_GEMM=grouped_mm: the
+                  experts of prefill-sized steps on torch's grouped GEMMs (CUTLASS) instead of
+                  the Triton kernels, where they pass their first-call check
+                  (kernels/moe/grouped_gemm.py; `moe_grouped_gemm` records the verdicts)
 - engine_profile  engine_w8a8_channel on the first --profile-records (64) records under
                   torch.profiler: the device's kernel time by region of the step (vision,
                   text forward in prefill and decode steps, the rest of the step), by kind
@@ -61,6 +65,7 @@ failed group of rows (its "errors").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
@@ -77,6 +82,8 @@ import torch
 from kernels import fp8_linear_cublas
 from kernels.dispatch import fp8_accumulation, kernels_off
 from kernels.fp8 import per_channel_block
+from kernels.moe import grouped_gemm
+from kernels.moe.grouped_gemm import moe_gemm_choice
 from kernels.sdpa_backend import sdpa_backend
 from vlm_catalog.bench.random_model import (
     QWEN3_VL_30B_A3B,
@@ -104,10 +111,11 @@ from vlm_catalog.preprocess.prompt import build_messages
 from vlm_catalog.structured import catalogue_schema
 
 PHASES = ("ceilings", "kernels", "roofline", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
-          "engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_profile", "engine_w8a8_channel_fast",
-          "transformers")
+          "engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_profile", "engine_w8a8_channel_grouped_mm",
+          "engine_w8a8_channel_fast", "transformers")
 # they quantize the experts in place: after the others
-FP8_MODEL_PHASES = {"engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_w8a8_channel_fast", "engine_profile"}
+FP8_MODEL_PHASES = {"engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_w8a8_channel_fast", "engine_profile",
+                    "engine_w8a8_channel_grouped_mm"}
 NEEDS_RECORDS = {"vision_encoder", "engine", "engine_fp8_kv", "constrained", "transformers", *FP8_MODEL_PHASES}
 NEEDS_MODEL = {"roofline", "engine", "engine_fp8_kv", "constrained", *FP8_MODEL_PHASES}
 ENGINE_PHASES = NEEDS_MODEL - {"roofline"}  # they run the engine, after a warm-up (`warm_up`)
@@ -419,7 +427,10 @@ def memory_summary(engine: LLMEngine, device: torch.device) -> dict:
                "decode_cuda_graph_batches": sorted(graphs.graphs) if graphs is not None else [],
                "jump_forward": engine.jump_forward, "engine_warmup": stats["warmup"],
                # W8A8 dense GEMMs: per weight shape, cuBLAS (True) or the Triton kernel after a failed check
-               "fp8_linear_cublas": fp8_linear_cublas.verdicts()}
+               "fp8_linear_cublas": fp8_linear_cublas.verdicts(),
+               # MoE experts on torch's grouped GEMMs (VLM_CATALOG_MOE_GEMM=grouped_mm): per weight shape,
+               # whether the first-call check against the Triton kernels admitted them
+               "moe_grouped_gemm": grouped_gemm.verdicts()}
     if device.type == "cuda":
         summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     return summary
@@ -488,15 +499,18 @@ def quantize_model(model, device: torch.device, fp8_activations: bool,
 def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
                        fp8_activations: bool = False, sampling: Sampling = QWEN3_VL_SAMPLING,
                        async_scheduling: bool = False, warmup_records=(), per_channel: bool = False,
-                       fast_accumulation: bool = False) -> dict:
+                       fast_accumulation: bool = False, moe_gemm_choice: str | None = None) -> dict:
     """`measure_engine` with FP8 experts (`quantize_model`, which says what `fp8_activations` and
     `per_channel` quantize) and an FP8 KV cache; `fast_accumulation`: under
-    VLM_CATALOG_FP8_FAST_ACCUMULATION=1 (`kernels.dispatch.fp8_accumulation`)."""
+    VLM_CATALOG_FP8_FAST_ACCUMULATION=1 (`kernels.dispatch.fp8_accumulation`); `moe_gemm_choice`:
+    under VLM_CATALOG_MOE_GEMM=that (`kernels.moe.grouped_gemm.moe_gemm`; None: as set)."""
     before = weight_sizes(model)
     block, dense_block = quantize_model(model, device, fp8_activations, per_channel)
-    with fp8_accumulation(fast_accumulation):
+    gemms = grouped_gemm.moe_gemm(moe_gemm_choice) if moe_gemm_choice else contextlib.nullcontext()
+    with fp8_accumulation(fast_accumulation), gemms:
         results = measure_engine(checkpoint, model, device, records, output_tokens, kv_cache_dtype="fp8",
                                  sampling=sampling, async_scheduling=async_scheduling, warmup_records=warmup_records)
+        results["moe_gemm"] = grouped_gemm.moe_gemm_choice()
     results["fp8_fast_accumulation"] = fast_accumulation
     results["before"] = before
     results["after"] = weight_sizes(model)
@@ -774,6 +788,7 @@ def main(argv: list[str] | None = None) -> int:
     results["versions"] = package_versions()
     results["kernels_off"] = sorted(kernels_off())  # ops sent to their torch reference (VLM_CATALOG_KERNELS_OFF)
     results["engine_output_kind"] = OFFLINE_OUTPUTS  # what the engine phases' requests ask for
+    results["moe_gemm"] = moe_gemm_choice()  # the MoE experts' GEMMs at prefill sizes (VLM_CATALOG_MOE_GEMM)
     results["sdpa_backend"] = sdpa_backend()  # the long images' SDPA kernel order (VLM_CATALOG_SDPA_BACKEND)
     results.setdefault("phase_seconds", {})
 
@@ -855,6 +870,9 @@ def main(argv: list[str] | None = None) -> int:
                 "engine_w8a8_channel": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
                     per_channel=True, **engine_options),
+                "engine_w8a8_channel_grouped_mm": lambda: measure_engine_fp8(
+                    checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
+                    per_channel=True, moe_gemm_choice="grouped_mm", **engine_options),
                 "engine_w8a8_channel_fast": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
                     per_channel=True, fast_accumulation=True, **engine_options),

@@ -61,7 +61,8 @@ class Shapes:
     vision_head_dim: int = 72
     block_size: int = 16
     num_tokens: int = 4096  # prefill-sized batch for the elementwise ops
-    moe_token_counts: tuple[int, ...] = (1, 16, 256, 1024, 4096)
+    moe_token_counts: tuple[int, ...] = (1, 16, 256, 1024, 4096, 16384)  # 16384: the engine's prefill steps
+    grouped_gemm_min_tokens: int = 256  # MoE rows on torch's grouped GEMMs from here (the crossover)
     moe_target_tokens: int = 256
     decode_cases: tuple[tuple[int, int], ...] = (
         (1, 27000),
@@ -108,6 +109,7 @@ TINY_SHAPES = Shapes(  # --interpret smoke run: every code path, seconds on a CP
     block_size=4,
     num_tokens=16,
     moe_token_counts=(4, 16),
+    grouped_gemm_min_tokens=16,
     moe_target_tokens=16,
     decode_cases=((2, 40),),
     decode_tuning_context=40,
@@ -798,6 +800,8 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
                     f"{teraflops(flops, fp8_ms)}, weights {gigabytes_per_second(weight_bytes // element, fp8_ms)}",
                 )
             )
+        rows += _grouped_gemm_rows(num_tokens, inputs, per_channel, ms, flops, weight_bytes, element, shapes,
+                                   timer)
         align_args = (ids, shapes.num_experts, config.block_size_m)
         ms = timer(partial(moe_align_block_size_triton, *align_args))
         rows.append(
@@ -824,6 +828,42 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 )
             )
     rows += _route_and_align_rows(shapes, dtype, device, timer)
+    return rows
+
+
+def _grouped_gemm_rows(num_tokens, inputs, per_channel, triton_ms, flops, weight_bytes, element, shapes,
+                       timer) -> list[Row]:
+    """The experts on torch's grouped GEMMs (kernels/moe/grouped_gemm.py) against the Triton kernels,
+    at prefill sizes: bf16, and per-channel W8A8 against its Triton row (the sums into float32 every
+    K step on both). Where torch or the device lacks an op, the row's note says why."""
+    import torch
+
+    from kernels.moe.fused_moe import fused_moe_triton
+    from kernels.moe.grouped_gemm import device_supported, fused_moe_grouped_gemm
+
+    if num_tokens < shapes.grouped_gemm_min_tokens or inputs[0].dtype != torch.bfloat16:
+        return []
+    rows = []
+    variants = {"grouped_mm": (inputs, {}, "bf16", "bf16 experts (Triton)", triton_ms)}
+    if per_channel is not None:
+        channel_args, channel_scales = per_channel[0], dict(per_channel[1], fp8_activations=True)
+        variants["fp8 w8a8, per-channel, grouped_mm"] = (
+            channel_args, channel_scales, "w8a8_channel", "per-channel W8A8 (Triton)",
+            timer(partial(fused_moe_triton, *channel_args, **channel_scales)))
+    for name, (args, scales, kind, baseline, baseline_ms) in variants.items():
+        device = args[0].device
+        if not device_supported(device, kind) and (device.type == "cuda" or kind != "bf16"):
+            continue  # not Hopper, or no such op in this torch (the FP8 one has no CPU kernel): nothing to time
+        try:
+            ms = timer(partial(fused_moe_grouped_gemm, *args, **scales))
+        except Exception as error:  # noqa: BLE001 - e.g. no CPU kernel for the FP8 op: say so, time nothing
+            rows.append(Row(f"fused_moe[{name}]", f"T={num_tokens}", float("nan"), baseline, baseline_ms, "-",
+                            note=f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120]}"))
+            continue
+        bytes_moved = weight_bytes // (element if kind == "w8a8_channel" else 1)
+        rows.append(Row(f"fused_moe[{name}]", f"T={num_tokens}", ms, baseline, baseline_ms,
+                        f"{teraflops(flops, ms)}, weights {gigabytes_per_second(bytes_moved, ms)}",
+                        note="sets VLM_CATALOG_MOE_GEMM's default (kernels/moe/grouped_gemm.py)"))
     return rows
 
 

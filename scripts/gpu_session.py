@@ -21,11 +21,13 @@ own results into `$OUT` (at most 8 files come back from a device call):
 - `record`: `pytest -m gpu` (its slowest tests and summary in pytest_gpu.txt; on four
   workers where pytest-xdist is carried, each test limited where pytest-timeout is), then
   bench_gpu.py's phases into bench_gpu.json: engine_w8a8_channel, its device time profiled
-  (engine_profile) and engine_w8a8_channel_fast, constrained, the ceilings, roofline and
-  kernels, and the vision encoder, as far as the budget goes.
-- `decode`: the attention rows three ways (as they are, V read as bytes, bf16 dots), each
-  into its own JSON, the vision encoder with cuDNN's attention first, then the FP8 decode
-  attention's launch settings tuned.
+  (engine_profile), the same with its prefill experts on torch's grouped GEMMs
+  (engine_w8a8_channel_grouped_mm), constrained, the ceilings, roofline and kernels, and the
+  vision encoder, as far as the budget goes.
+- `decode`: the attention rows as they are and with bf16 dots, the vision encoder with
+  cuDNN's attention first, engine_w8a8_channel_fast (into engine_fast.json), the attention
+  rows with V read as bytes (each into its own JSON), then the FP8 decode attention's launch
+  settings tuned.
 - `tune`: the W8A8 MoE tile tuning (block scales, then per-channel with fast accumulation,
   the one whose tiles are its own) and the FP8 decode attention's launch settings, each
   bucket printed as it is done.
@@ -112,14 +114,15 @@ PLANS: dict[str, tuple[Step, ...]] = {
     "record": (
         # correctness first: the numbers after it mean little if a kernel is wrong
         Step("pytest_gpu", ("python3", "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--durations=30"),
-             max_s=220, min_s=120, tail_to="pytest_gpu.txt", optional=PYTEST_GPU_OPTIONAL),
+             max_s=200, min_s=120, tail_to="pytest_gpu.txt", optional=PYTEST_GPU_OPTIONAL),
         # the per-channel W8A8 engine: its sums into float32 every K step (the default, not yet
         # run on a GPU), then the same under torch.profiler on 64 records (where its device time
-        # goes: engine_profile, about 40 s), then its sums in the tensor core (13.24 samples/s on
-        # 2026-11-27; last, so it is the one lost if the step runs out); the block-scaled
-        # engine_w8a8 (12.37 then) is unchanged since
-        Step("engines", bench_gpu("engine_w8a8_channel,engine_profile,engine_w8a8_channel_fast"),
-             max_s=250, min_s=150),
+        # goes: engine_profile, about 40 s), then with its prefill experts on torch's grouped
+        # GEMMs (about 60 s); the sums in the tensor core (engine_w8a8_channel_fast, 13.24
+        # samples/s on 2026-11-27) are in the `decode` plan, and the kernels phase's MoE rows
+        # time both accumulations; the block-scaled engine_w8a8 (12.37 then) is unchanged since
+        Step("engines", bench_gpu("engine_w8a8_channel,engine_profile,engine_w8a8_channel_grouped_mm"),
+             max_s=240, min_s=150),
         # the grammars' host time per engine run, new since the 0.69x of 2026-11-27
         Step("constrained", bench_gpu("constrained"), max_s=140, min_s=110),
         Step("kernels", bench_gpu("ceilings,roofline,kernels"), max_s=110, min_s=60),
@@ -142,10 +145,12 @@ PLANS: dict[str, tuple[Step, ...]] = {
     # the attention rows as they are, with V read as bytes, and with bf16 dots (the old loop), then
     # the FP8 decode's launch settings tuned
     "decode": (
+        # in priority order: the FP8-cache attention as it is and as on 2026-11-25 (bf16 dots),
+        # now both timed in CUDA graphs; the vision tower with cuDNN's attention; the per-channel
+        # engine with fast accumulation (13.24 samples/s on 2026-11-27, against the record's
+        # precise engine_w8a8_channel); V read as bytes; then the FP8 decode's launch settings tuned
         Step("attention", bench_kernels("--groups", "attention", "--json", "{out}/attention.json"),
              max_s=90, min_s=30, tail_to="attention.txt", tail_lines=60),
-        Step("attention_v_bytes", bench_kernels("--groups", "attention", "--json", "{out}/attention_v_bytes.json"),
-             max_s=90, min_s=30, env=(("VLM_CATALOG_KERNELS_OFF", "fp8_v_words"),)),
         Step("attention_bf16_dots", bench_kernels("--groups", "attention", "--json",
                                                   "{out}/attention_bf16_dots.json"),
              max_s=90, min_s=30, env=(("VLM_CATALOG_KERNELS_OFF", "fp8_float16_dots"),)),
@@ -154,6 +159,10 @@ PLANS: dict[str, tuple[Step, ...]] = {
         Step("vision_encoder_cudnn", ("python3", "scripts/bench_gpu.py", "--phases", "vision_encoder", "--json",
                                       "{out}/vision_cudnn.json"),
              max_s=60, min_s=30, env=(("VLM_CATALOG_SDPA_BACKEND", "cudnn"),)),
+        Step("engine_fast", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel_fast", "--json",
+                             "{out}/engine_fast.json"), max_s=130, min_s=100),
+        Step("attention_v_bytes", bench_kernels("--groups", "attention", "--json", "{out}/attention_v_bytes.json"),
+             max_s=90, min_s=30, env=(("VLM_CATALOG_KERNELS_OFF", "fp8_v_words"),)),
         Step("tune_decode_fp8", bench_kernels("--tune-decode", "--fp8"), max_s=200, min_s=60,
              tail_to="tune_decode_fp8.txt", tail_lines=200),
     ),

@@ -75,6 +75,7 @@ from kernels.fp8 import (
 )
 from kernels.moe.align import MoeAlignment, max_padded_pairs
 from kernels.moe.configs import MoeKernelConfig, as_moe_config, get_moe_config
+from kernels.moe.grouped_gemm import fused_moe_grouped_gemm, grouped_gemm_wanted
 
 MAX_TOKENS_PER_CHUNK = 16384  # bounds the [T*K, I] and [T*K, H] intermediates
 
@@ -449,11 +450,16 @@ def fused_moe(
     `sum_experts=False`: the Triton path may return the K weighted expert outputs
     [T, K, H] unsummed (up to MAX_TOKENS_PER_CHUNK tokens); the caller takes either shape.
     `alignment`: the pairs' layout made ahead (`route_topk_and_align`), for the same topk_ids and
-    the config's block_size_m; the reference path ignores it."""
+    the config's block_size_m; the reference path ignores it. With VLM_CATALOG_MOE_GEMM=grouped_mm,
+    prefill-sized calls on Hopper take torch's grouped GEMMs instead (kernels/moe/grouped_gemm.py)."""
     scales = dict(
         w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape, fp8_activations=fp8_activations,
         alignment=alignment,
     )
     if use_triton(hidden, w13, w2, topk_weights, topk_ids, op="fused_moe"):
+        if grouped_gemm_wanted(hidden, w13, w2, w13_scale, w2_scale, block_shape, fp8_activations):
+            return fused_moe_grouped_gemm(hidden, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
+                                          w2_scale=w2_scale, block_shape=block_shape,
+                                          fp8_activations=fp8_activations, sum_experts=sum_experts)
         return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, config, **scales, sum_experts=sum_experts)
     return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids, config, **scales)

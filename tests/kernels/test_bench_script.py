@@ -75,6 +75,7 @@ def test_interpret_smoke_run_writes_json(tmp_path):
         "fp8_linear[w8a8, per-channel]",
         "fused_moe[fp8 w8a8, per-channel]",
         "fused_moe[fp8 w8a8, per-channel, fast accumulation]",
+        "fused_moe[grouped_mm]",  # torch's bf16 grouped GEMM runs on CPU too
         "paged_prefill_attention[fresh]",
         "fused_sum_add_rms_norm",
         "moe_align_block_size[one launch]",
@@ -257,7 +258,7 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     result = run_script("--tiny", "--device", "cpu", "--records", "2", "--vision-images", "2", "--hf-records", "2",
                         "--image-size", "small", "--output-tokens", "4", "--warmup-records", "1",
                         "--phases", "vision_encoder,engine,engine_fp8_kv,constrained,engine_fp8,engine_w8a8,"
-                        "engine_w8a8_channel,engine_w8a8_channel_fast,transformers",
+                        "engine_w8a8_channel,engine_w8a8_channel_grouped_mm,engine_w8a8_channel_fast,transformers",
                         "--json", str(out),
                         script=REPO_ROOT / "scripts" / "bench_gpu.py")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -297,6 +298,7 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
         assert report[phase]["warmup"]["records"] == 1 and report[phase]["warmup"]["seconds"] > 0, phase
     assert report["kernels_off"] == [] and report["versions"]["torch"] and report["versions"]["xgrammar"]
     assert report["engine_output_kind"] == "final_only"  # as the offline front doors ask
+    assert report["moe_gemm"] == "triton" and report["engine"]["moe_grouped_gemm"] == {}  # unless asked
     assert report["sdpa_backend"] == "default"  # torch's own order unless VLM_CATALOG_SDPA_BACKEND says otherwise
     # the engine phases sample as the benchmark does (the checkpoint's generation_config)
     assert report["engine"]["sampling"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
@@ -324,12 +326,18 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert fast["fp8_fast_accumulation"] and not channel["fp8_fast_accumulation"]
     assert fast["before"] == channel["after"] == fast["after"] and fast["fixed_150_tokens"]["errors"] == 0
     assert fast["expert_block"] == channel["expert_block"]
+    # and with the MoE GEMMs asked of torch's grouped GEMMs: set for that phase alone (on CPU the
+    # experts keep the reference: the grouped path is for Hopper GPUs, so nothing was checked)
+    grouped = report["engine_w8a8_channel_grouped_mm"]
+    assert grouped["moe_gemm"] == "grouped_mm" and channel["moe_gemm"] == fast["moe_gemm"] == "triton"
+    assert grouped["fixed_150_tokens"]["errors"] == 0 and grouped["moe_grouped_gemm"] == {}
     hf = report["transformers"]
     assert hf["batch_1_probe"]["samples_per_s"] > 0 and hf["batch_chosen"] >= 1 and hf["best_samples_per_s"] > 0
     # vision_encoder needs the matmul peak: ceilings are measured for it
     assert set(report["phase_seconds"]) == {"ceilings", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
                                             "engine_fp8", "engine_w8a8", "engine_w8a8_channel",
-                                            "engine_w8a8_channel_fast", "transformers"}
+                                            "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fast",
+                                            "transformers"}
 
 
 @pytest.mark.slow

@@ -1,0 +1,250 @@
+"""Fused MoE on torch's grouped GEMMs (CUTLASS on Hopper), for prefill-sized token counts.
+
+    pairs (t, k) sorted by expert (a stable argsort of topk_ids: no host sync)
+    rows      = hidden[token of each sorted pair]                [P, H]   P = T*K
+    gate, up  = grouped GEMM(rows, w13[e]^T per expert segment)  [P, 2I]
+    activated = silu(gate) * up                                  [P, I]
+    down      = grouped GEMM(activated, w2[e]^T per segment)     [P, H]
+    terms[t, k] = down[row of (t, k)] * topk_weights[t, k]       [T, K, H]
+
+The Triton kernels (kernels/jit/fused_moe.py) gather the rows inside the GEMM and
+apply SiLU-and-mul in its epilogue, so they move less memory; torch's grouped GEMMs
+are CUTLASS's Hopper kernels, and at prefill sizes (T*K/E = 1024 rows per expert at
+16k tokens) the GEMMs dominate. On the H100 of 2026-11-27 the per-channel W8A8
+Triton MoE ran at 459 TFLOP/s at T=4096 (summing across K in the tensor core),
+under a third of the FP8 peak. Which is faster is measured, not assumed: the kernels
+phase times both (`fused_moe[..., grouped_mm]` rows), and this path runs only
+where `VLM_CATALOG_MOE_GEMM=grouped_mm` asks for it.
+
+Formats:
+- bf16 experts: `torch._grouped_mm`.
+- per-channel W8A8 experts (`--quantization fp8_w8a8_channel`: one scale per weight
+  row, `per_channel_experts`, FP8 activations): `torch._scaled_grouped_mm` with
+  row-wise scales, one per token (the rows quantized per token, `quantize_activations`)
+  and one per weight row; `use_fast_accum` only under VLM_CATALOG_FP8_FAST_ACCUMULATION,
+  as the Triton kernels and cuBLAS's row-wise recipe accumulate.
+Both round each GEMM's result to bf16 and multiply the routing weights in bf16, as
+`fused_moe_reference` does; the K terms are summed in float32 and rounded once
+(`sum_experts`), or returned unsummed for `fused_sum_add_rms_norm`.
+
+The operands, as torch checks them (`_meta_grouped_mm_common` in
+torch/_meta_registrations.py; the tests run those checks on the meta device):
+rows [P, H] row-major (FP8: e4m3, scale [P] float32); weights w13 [E, 2I, H] as
+`w13.transpose(1, 2)`, [E, H, 2I] column-major (FP8: scale [E, 2I], the stored
+[E, 2I, 1] without its last axis); `offs` [E] int32, each expert's end row; output
+bf16 only.
+
+When it runs (`grouped_gemm_wanted`): `VLM_CATALOG_MOE_GEMM=grouped_mm`, bf16 hidden
+states on a CUDA device of compute capability 9.x whose torch has the op, a format
+above, at least GROUPED_GEMM_MIN_TOKENS tokens, no CUDA graph being captured, and
+not turned off (`VLM_CATALOG_KERNELS_OFF=moe_grouped_gemm`). The first call for each
+(device, weight shapes, format) checks it against the Triton path on PROBE_TOKENS
+tokens; an error or a mismatch logs a warning and that shape keeps the Triton path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dispatch import fp8_fast_accumulation, kernels_off
+from kernels.fp8 import FP8_DTYPE, quantize_activations
+
+logger = logging.getLogger(__name__)
+
+MOE_GEMM_ENV_VAR = "VLM_CATALOG_MOE_GEMM"
+MOE_GEMMS = ("triton", "grouped_mm")
+OFF_SWITCH = "moe_grouped_gemm"  # the name VLM_CATALOG_KERNELS_OFF takes
+GROUPED_GEMM_MIN_TOKENS = 1024  # prefill chunks; decode batches (at most 256) keep the Triton kernels
+PROBE_TOKENS = 256
+# of max |Triton path|: bf16 GEMMs differ in summation order only; W8A8 as the model-shape test allows
+# (tests/kernels/test_fused_moe_fp8.py, W8A8_MODEL_SHAPES_TOLERANCE: an activation one bf16 unit
+# apart can land one e4m3 step apart)
+PROBE_TOLERANCE = {"bf16": 1e-2, "w8a8_channel": 3e-2}
+
+# the first-call check's verdict per (device, w13 shape, w2 shape, format, fast accumulation)
+_checked: dict[tuple, bool] = {}
+
+
+@contextlib.contextmanager
+def moe_gemm(choice: str) -> Iterator[None]:
+    """Sets `VLM_CATALOG_MOE_GEMM` for the block (the benchmarks time both ways in one process),
+    then puts back what was there."""
+    if choice not in MOE_GEMMS:
+        raise ValueError(f"unknown MoE GEMM {choice!r}: one of {', '.join(MOE_GEMMS)}")
+    previous = os.environ.get(MOE_GEMM_ENV_VAR)
+    os.environ[MOE_GEMM_ENV_VAR] = choice
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[MOE_GEMM_ENV_VAR]
+        else:
+            os.environ[MOE_GEMM_ENV_VAR] = previous
+
+
+def moe_gemm_choice() -> str:
+    """The setting of `VLM_CATALOG_MOE_GEMM` (``triton`` when unset); anything else is an error."""
+    choice = os.environ.get(MOE_GEMM_ENV_VAR, "triton").strip().lower() or "triton"
+    if choice not in MOE_GEMMS:
+        raise ValueError(f"{MOE_GEMM_ENV_VAR}={choice!r} is not one of {', '.join(MOE_GEMMS)}")
+    return choice
+
+
+def expert_format(w13: torch.Tensor, block_shape: tuple[int, int] | None, fp8_activations: bool) -> str | None:
+    """"bf16", "w8a8_channel", or None for a format this path does not take (block scales, W8A16)."""
+    from kernels.moe.fused_moe import per_channel_experts
+
+    if block_shape is None:
+        return "bf16" if w13.dtype == torch.bfloat16 else None
+    if w13.dtype == FP8_DTYPE and fp8_activations and per_channel_experts(w13, block_shape):
+        return "w8a8_channel"
+    return None
+
+
+def device_supported(device: torch.device, expert_kind: str) -> bool:
+    """A Hopper GPU whose torch has the grouped GEMM the format needs."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    return hasattr(torch, "_scaled_grouped_mm" if expert_kind == "w8a8_channel" else "_grouped_mm")
+
+
+def grouped_gemm_wanted(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+                        block_shape: tuple[int, int] | None, fp8_activations: bool) -> bool:
+    """Whether `fused_moe` takes this path for this call (the module doc's conditions, and the
+    first-call check for its shapes)."""
+    if moe_gemm_choice() != "grouped_mm" or OFF_SWITCH in kernels_off():
+        return False
+    expert_kind = expert_format(w13, block_shape, fp8_activations)
+    if (expert_kind is None or hidden.dtype != torch.bfloat16 or hidden.shape[0] < GROUPED_GEMM_MIN_TOKENS
+            or not device_supported(hidden.device, expert_kind)):
+        return False
+    if hidden.device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # the check syncs
+        return _checked.get(_key(hidden.device, w13, w2, expert_kind), False)
+    return checked(hidden.device, w13, w2, expert_kind, w13_scale, w2_scale, block_shape)
+
+
+def _key(device: torch.device, w13: torch.Tensor, w2: torch.Tensor, expert_kind: str) -> tuple:
+    fast = expert_kind == "w8a8_channel" and fp8_fast_accumulation()
+    return device, tuple(w13.shape), tuple(w2.shape), expert_kind, fast
+
+
+def checked(device: torch.device, w13: torch.Tensor, w2: torch.Tensor, expert_kind: str,
+            w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+            block_shape: tuple[int, int] | None = None) -> bool:
+    """The first-call check's verdict for these weights (run now if this is their first call)."""
+    key = _key(device, w13, w2, expert_kind)
+    if key not in _checked:
+        _checked[key] = _matches_triton(w13, w2, expert_kind, w13_scale, w2_scale, block_shape)
+    return _checked[key]
+
+
+def verdicts() -> dict[str, bool]:
+    """The first-call checks so far, by weight shapes and format (bench_gpu records them)."""
+    return {f"{w13} {w2} {kind}{', fast accumulation' if fast else ''}": verdict
+            for (_, w13, w2, kind, fast), verdict in _checked.items()}
+
+
+def _matches_triton(w13, w2, expert_kind, w13_scale, w2_scale, block_shape) -> bool:
+    """This path against the Triton kernels on PROBE_TOKENS random tokens, random routing."""
+    from kernels.moe.fused_moe import fused_moe_triton
+
+    num_experts, _, hidden_size = w13.shape
+    generator = torch.Generator().manual_seed(0)
+    top_k = min(8, num_experts)
+    hidden = torch.randn(PROBE_TOKENS, hidden_size, generator=generator).to(w13.device, torch.bfloat16)
+    scores = torch.rand(PROBE_TOKENS, num_experts, generator=generator)
+    weights, ids = scores.softmax(-1).topk(top_k, dim=-1)
+    weights, ids = weights.to(w13.device), ids.to(w13.device, torch.int32)
+    scales = dict(w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape,
+                  fp8_activations=expert_kind == "w8a8_channel")
+    shapes = f"experts {tuple(w13.shape)} / {tuple(w2.shape)} ({expert_kind})"
+    try:
+        got = fused_moe_grouped_gemm(hidden, w13, w2, weights, ids, **scales).float()
+    except Exception as exc:  # noqa: BLE001 - any failure (an operand torch refuses, CUTLASS) keeps Triton
+        logger.warning("grouped-GEMM MoE unavailable for %s (%s); the Triton kernels run", shapes, exc)
+        return False
+    expected = fused_moe_triton(hidden, w13, w2, weights, ids, **scales).float()
+    error = ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+    tolerance = PROBE_TOLERANCE[expert_kind]
+    if not error <= tolerance:  # NaN fails too
+        logger.warning("grouped-GEMM MoE for %s is %.3g (of max |Triton|) from the Triton kernels, above %g; "
+                       "the Triton kernels run", shapes, error, tolerance)
+        return False
+    logger.info("grouped-GEMM MoE checked for %s (error %.2g)", shapes, error)
+    return True
+
+
+def expert_segments(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, row_of_pair, offs): the pairs (flat index t*K + k) sorted by expert, stable
+    ([P], pair indices), each pair's row in that order ([P]), and each expert's end row ([E],
+    int32, what the grouped GEMMs take). All on the device, no host sync."""
+    flat = topk_ids.reshape(-1).long()  # [P]
+    order = torch.argsort(flat, stable=True)  # [P]
+    row_of_pair = torch.empty_like(order)
+    row_of_pair[order] = torch.arange(order.numel(), device=order.device)
+    offs = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)  # [E]
+    return order, row_of_pair, offs
+
+
+def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """bf16 rows [P, K] @ weights [E, N, K]^T per expert segment -> [P, N] bf16."""
+    return torch._grouped_mm(rows, weights.transpose(1, 2), offs=offs, out_dtype=torch.bfloat16)
+
+
+def scaled_grouped_mm(rows: torch.Tensor, row_scale: torch.Tensor, weights: torch.Tensor,
+                      weight_scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """e4m3 rows [P, K] (scale [P]) @ e4m3 weights [E, N, K]^T (scale [E, N]) per expert
+    segment -> [P, N] bf16, row-wise scales."""
+    return torch._scaled_grouped_mm(rows, weights.transpose(1, 2), row_scale, weight_scale, offs=offs,
+                                    out_dtype=torch.bfloat16, use_fast_accum=fp8_fast_accumulation())
+
+
+def fused_moe_grouped_gemm(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] | None = None,
+    fp8_activations: bool = False,
+    sum_experts: bool = True,
+) -> torch.Tensor:
+    """`fused_moe`'s contract on the grouped GEMMs (module doc), for bf16 hidden states and
+    bf16 or per-channel W8A8 experts: [T, H], or [T, K, H] unsummed with `sum_experts=False`."""
+    expert_kind = expert_format(w13, block_shape, fp8_activations)
+    if expert_kind is None or hidden.dtype != torch.bfloat16:
+        raise ValueError(f"the grouped-GEMM MoE takes bf16 hidden states with bf16 or per-channel W8A8 experts, "
+                         f"got hidden {hidden.dtype}, experts {w13.dtype}, blocks {block_shape}, "
+                         f"fp8_activations={fp8_activations}")
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_intermediate, hidden_size = w13.shape
+    order, row_of_pair, offs = expert_segments(topk_ids, num_experts)
+    token_of_row = order // top_k  # [P]: the token each sorted row reads
+    if expert_kind == "bf16":
+        gate_up = grouped_mm(hidden.index_select(0, token_of_row), w13, offs)  # [P, 2I]
+    else:
+        quantized, scale = quantize_activations(hidden, hidden_size)  # [T, H] e4m3, [T, 1]
+        gate_up = scaled_grouped_mm(quantized.index_select(0, token_of_row), scale[:, 0].index_select(0, token_of_row),
+                                    w13, w13_scale[..., 0], offs)  # [P, 2I]
+    gate, up = gate_up.chunk(2, dim=-1)  # [P, I] each
+    activated = F.silu(gate) * up  # [P, I] bf16, rounded as the reference rounds
+    if expert_kind == "bf16":
+        down = grouped_mm(activated, w2, offs)  # [P, H]
+    else:
+        quantized, scale = quantize_activations(activated, two_intermediate // 2)  # [P, I] e4m3, [P, 1]
+        down = scaled_grouped_mm(quantized, scale[:, 0].contiguous(), w2, w2_scale[..., 0], offs)  # [P, H]
+    weights = topk_weights.reshape(-1, 1).to(hidden.dtype)  # [P, 1], as the reference multiplies
+    terms = (down.index_select(0, row_of_pair) * weights).view(num_tokens, top_k, hidden_size)  # [T, K, H]
+    if not sum_experts:
+        return terms
+    return terms.sum(dim=1, dtype=torch.float32).to(hidden.dtype)  # [T, H], rounded once
