@@ -1,0 +1,223 @@
+#!/usr/bin/env python
+"""Issue 9's numbers out of a GPU record: what `bench_gpu.py --json` (and the `decode` plan's
+files) wrote, as the Markdown tables docs/benchmarks.md keeps.
+
+    python scripts/gpu_record_summary.py docs/results/gpu/bench_gpu.json
+    python scripts/gpu_record_summary.py $OUT/bench_gpu.json --previous docs/results/gpu/bench_gpu.json
+    python scripts/gpu_record_summary.py $OUT/bench_gpu.json --extra $OUT/engine_fast.json \\
+        --attention $OUT/attention.json $OUT/attention_bf16_dots.json
+
+Sections (each only where the record has its phase): the engine runs (samples/s, tokens/s,
+steps, and where their seconds went on the device: `device_seconds`), the profiled run's
+device time by region and kind of kernel (`engine_profile`), constrained decoding and the
+grammars' host time, the roofline with the decode step's largest kernels, the vision
+encoder, and the kernel rows with a target or a switch to set (decode attention, the MoE's
+grouped GEMMs, cuDNN attention). `--previous`: a column of an older record beside each
+engine and target number. Records from before a field existed print "-" for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+ENGINE_PHASES = ("engine", "engine_fp8_kv", "engine_fp8", "engine_w8a8", "engine_w8a8_channel",
+                 "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fast", "engine_profile")
+# kernel rows worth a line: their names start with one of these
+KERNEL_ROW_PREFIXES = ("paged_decode_attention", "fused_moe[grouped_mm]", "fused_moe[fp8 w8a8, per-channel",
+                       "varlen_attention[sdpa, cudnn]", "varlen_attention[flash varlen]")
+PROFILE_REGIONS = ("vlm.vision_encoder", "vlm.text_forward.prefill", "vlm.text_forward.decode", "vlm.step",
+                   "unmarked")
+KINDS = ("attention", "moe", "gemm", "norm_rotary", "quantize", "copy", "other")
+
+
+def number(value, digits: int = 2, unit: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:,.{digits}f}{unit}"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def engine_runs(record: dict) -> dict[str, dict]:
+    """{phase (run): the run's summary} for every engine run in the record."""
+    runs = {}
+    for phase in ENGINE_PHASES:
+        result = record.get(phase)
+        if not isinstance(result, dict):
+            continue
+        if "error" in result:
+            runs[phase] = {"error": result["error"]}
+        for run in ("fixed_150_tokens", "constrained_real_stop", "unconstrained_same_tokens"):
+            if isinstance(result.get(run), dict):
+                runs[phase if run == "fixed_150_tokens" else f"{phase} ({run})"] = result[run]
+    if isinstance(record.get("constrained"), dict):
+        for run in ("constrained_real_stop", "unconstrained_same_tokens"):
+            if isinstance(record["constrained"].get(run), dict):
+                runs[f"constrained ({run})"] = record["constrained"][run]
+    return runs
+
+
+def engine_section(record: dict, previous: dict | None) -> str:
+    runs, before = engine_runs(record), engine_runs(previous or {})
+    rows = []
+    for name, run in runs.items():
+        if "error" in run:
+            rows.append([name, f"error: {run['error'][:80]}"] + ["-"] * 7)
+            continue
+        split = run.get("device_seconds", {})
+        rows.append([
+            name,
+            number(run.get("samples_per_s")) + (f" (was {number(before[name].get('samples_per_s'))})"
+                                                if name in before and "samples_per_s" in before[name] else ""),
+            number(run.get("seconds")),
+            number(run.get("prefill_tokens_per_s"), 0),
+            number(run.get("decode_tokens_per_s"), 0),
+            str(run.get("model_steps", "-")),
+            number(split.get("vision_encoder", run.get("vision_encoder_seconds"))),
+            " / ".join(number(split.get(part)) for part in ("text_forward_prefill_steps", "text_forward_decode_steps")),
+            " / ".join(number(split.get(part)) for part in ("rest_of_steps", "between_steps")),
+        ])
+    header = ["run", "samples/s", "seconds", "prefill tok/s", "decode tok/s", "steps", "vision s",
+              "text forward s (prefill / decode steps)", "rest of steps / between steps s"]
+    return "## Engine runs\n\n" + table(header, rows)
+
+
+def profile_section(record: dict) -> str | None:
+    profile = record.get("engine_profile", {}).get("profile")
+    if not isinstance(profile, dict):
+        return None
+    if "error" in profile:
+        return f"## Profiled run\n\nerror: {profile['error']}"
+    regions = profile.get("regions", {})
+    rows = []
+    for region in [*PROFILE_REGIONS, *sorted(set(regions) - set(PROFILE_REGIONS))]:
+        if region in regions:
+            kinds = regions[region]["kinds"]
+            rows.append([region, number(regions[region]["seconds"], 3)] + [number(kinds.get(k), 3) for k in KINDS])
+    text = (f"## Profiled run ({profile.get('time')})\n\n"
+            f"busy {number(profile.get('busy_seconds'))} s of {number(profile.get('wall_seconds'))} s "
+            f"({number(100 * (profile.get('busy_fraction') or math.nan), 0)}%), kernels "
+            f"{number(profile.get('kernel_seconds'))} s\n\n")
+    text += table(["region", "seconds", *KINDS], rows)
+    for region in ("vlm.text_forward.prefill", "vlm.text_forward.decode"):
+        top = regions.get(region, {}).get("top", [])[:6]
+        if top:
+            text += f"\n\nlargest in {region}:\n" + "\n".join(
+                f"- {number(row['seconds'], 3)} s, {row['calls']} calls: `{row['name'][:100]}`" for row in top)
+    return text
+
+
+def constrained_section(record: dict, previous: dict | None) -> str | None:
+    result = record.get("constrained")
+    if not isinstance(result, dict) or "error" in result:
+        return None
+    ratio = result.get("constrained_over_unconstrained")
+    was = (previous or {}).get("constrained", {}).get("constrained_over_unconstrained")
+    run = result.get("constrained_real_stop", {})
+    lines = [f"constrained / unconstrained at equal tokens: {number(ratio)}x"
+             + (f" (was {number(was)}x)" if was else "") + " (target 0.95x)",
+             f"grammar compilations: {result.get('grammar_compilations', '-')} in "
+             f"{number(result.get('grammar_compile_seconds'))} s; mean wait before scheduling "
+             f"{number(run.get('grammar_wait_seconds_mean'), 3)} s",
+             f"host: masks filled {number(run.get('grammar_fill_seconds'))} s, grammars advanced "
+             f"{number(run.get('grammar_advance_seconds'))} s, masks applied {number(run.get('logit_masking_seconds'))} s"]
+    return "## Constrained decoding\n\n" + "\n".join(f"- {line}" for line in lines)
+
+
+def roofline_section(record: dict, previous: dict | None) -> str | None:
+    roofline = record.get("roofline")
+    if not isinstance(roofline, dict) or "error" in roofline:
+        return None
+    old = (previous or {}).get("roofline", {})
+    lines = [f"prefill MFU at {roofline.get('prefill_tokens')} tokens: {number(100 * roofline.get('prefill_mfu', math.nan), 1)}%"
+             + (f" (was {number(100 * old['prefill_mfu'], 1)}%)" if "prefill_mfu" in old else "") + " (target 50%)",
+             f"decode step at batch 1: {number(1e3 * roofline.get('decode_batch1_seconds', math.nan), 3)} ms, "
+             f"{number(roofline.get('decode_over_floor'))}x the floor"
+             + (f" (was {number(old['decode_over_floor'])}x)" if "decode_over_floor" in old else "") + " (target 1.5x)"]
+    text = "## Roofline\n\n" + "\n".join(f"- {line}" for line in lines)
+    for key in ("decode_batch1_kernels", "decode_large_batch"):
+        value = roofline.get(key)
+        breakdown = value.get("kernels") if isinstance(value, dict) and key == "decode_large_batch" else value
+        if isinstance(value, dict) and key == "decode_large_batch":
+            text += (f"\n\n{key}: {value.get('batch')} x {value.get('context')} tokens, "
+                     f"{number(1e3 * value.get('seconds', math.nan), 2)} ms")
+        if isinstance(breakdown, dict) and "kernels" in breakdown:
+            text += f"\n\n{key} ({number(breakdown.get('total_us_per_step'), 0)} us of kernels per step):\n"
+            text += "\n".join(f"- {number(row['us_per_step'], 1)} us x{number(row['calls_per_step'], 0)}: "
+                              f"`{row['name'][:90]}`" for row in breakdown["kernels"][:10])
+        elif isinstance(breakdown, dict) and "error" in breakdown:
+            text += f"\n\n{key}: error: {breakdown['error']}"
+    return text
+
+
+def vision_section(record: dict, previous: dict | None) -> str | None:
+    vision = record.get("vision_encoder")
+    if not isinstance(vision, dict) or "error" in vision:
+        return None
+    old = (previous or {}).get("vision_encoder", {})
+    return (f"## Vision encoder\n\n- {vision.get('images')} images, {vision.get('patches')} patches: "
+            f"{number(vision.get('seconds'), 3)} s, {number(100 * vision.get('mfu', math.nan), 1)}% MFU"
+            + (f" (was {number(old['seconds'], 3)} s)" if "seconds" in old else "") + " (target 35%)")
+
+
+def kernel_rows_section(records: list[tuple[str, dict]]) -> str | None:
+    rows = []
+    for label, record in records:
+        kernels = record.get("kernels", record)  # a bench_gpu record, or bench_kernels' own JSON
+        for row in kernels.get("rows", []) if isinstance(kernels, dict) else []:
+            if row["name"].startswith(KERNEL_ROW_PREFIXES):
+                rows.append([label, row["name"], row["shape"], number(row["triton_ms"], 4),
+                             number(row["baseline_ms"], 4), number(row.get("speedup")), row.get("note", "")[:60]])
+    if not rows:
+        return None
+    return "## Kernel rows\n\n" + table(["file", "row", "shape", "ms", "baseline ms", "speed-up", "note"], rows)
+
+
+def summarize(record: dict, previous: dict | None = None, extras: list[tuple[str, dict]] = (),
+              attention: list[tuple[str, dict]] = ()) -> str:
+    merged = dict(record)
+    for _, extra in extras:  # a second call's phases (engine_fast.json, vision_cudnn.json)
+        for key, value in extra.items():
+            if key in ENGINE_PHASES or key == "vision_encoder":
+                merged[key if key not in record else f"{key} (extra)"] = value
+    header = (f"# GPU record: {record.get('device', '?')}, {record.get('date', '?')}\n\n"
+              f"versions {record.get('versions', {})}; kernels_off {record.get('kernels_off', [])}; "
+              f"moe_gemm {record.get('moe_gemm', '-')}; sdpa_backend {record.get('sdpa_backend', '-')}")
+    sections = [header, engine_section(merged, previous), profile_section(merged),
+                constrained_section(merged, previous), roofline_section(merged, previous),
+                vision_section(merged, previous), kernel_rows_section([("record", record), *attention])]
+    return "\n\n".join(section for section in sections if section) + "\n"
+
+
+def load(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"cannot read the record {path}: {exc}") from exc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("record", type=Path, help="bench_gpu.py's JSON")
+    parser.add_argument("--previous", type=Path, help="an older record to compare with")
+    parser.add_argument("--extra", type=Path, nargs="*", default=[],
+                        help="other bench_gpu JSON files of the same session (engine_fast.json, vision_cudnn.json)")
+    parser.add_argument("--attention", type=Path, nargs="*", default=[],
+                        help="bench_kernels JSON files of the decode plan (attention*.json)")
+    args = parser.parse_args(argv)
+    sys.stdout.write(summarize(load(args.record), load(args.previous) if args.previous else None,
+                               [(path.name, load(path)) for path in args.extra],
+                               [(path.name, load(path)) for path in args.attention]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

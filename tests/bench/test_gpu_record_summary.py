@@ -1,0 +1,83 @@
+"""scripts/gpu_record_summary.py: a GPU record's numbers as the Markdown docs/benchmarks.md keeps,
+on the committed record of 2026-11-27 (fields it predates print "-") and on one with every
+field the record plan now writes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+from vlm_catalog.paths import REPO_ROOT
+
+RECORD = REPO_ROOT / "docs" / "results" / "gpu" / "bench_gpu.json"
+
+
+def load_summary():
+    spec = importlib.util.spec_from_file_location("gpu_record_summary", REPO_ROOT / "scripts" / "gpu_record_summary.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def engine_run(samples_per_s: float) -> dict:
+    return {"samples_per_s": samples_per_s, "seconds": 256 / samples_per_s, "prefill_tokens_per_s": 40000.0,
+            "decode_tokens_per_s": 9000.0, "model_steps": 179,
+            "device_seconds": {"vision_encoder": 4.5, "text_forward_prefill_steps": 7.25,
+                               "text_forward_decode_steps": 3.5, "rest_of_steps": 0.5, "between_steps": 1.25}}
+
+
+NEW_RECORD = {
+    "device": "NVIDIA H100 80GB HBM3", "date": "2026-11-28", "moe_gemm": "triton", "sdpa_backend": "default",
+    "engine_w8a8_channel": {"fixed_150_tokens": engine_run(14.5)},
+    "engine_w8a8_channel_grouped_mm": {"error": "RuntimeError: CUDA error: an illegal memory access"},
+    "engine_profile": {"fixed_150_tokens": engine_run(11.0), "profile": {
+        "time": "device kernels", "wall_seconds": 6.0, "busy_seconds": 4.5, "busy_fraction": 0.75,
+        "kernel_seconds": 4.4, "regions": {
+            "vlm.text_forward.prefill": {"seconds": 3.0, "kinds": {"moe": 2.125, "gemm": 0.5, "attention": 0.375},
+                                         "top": [{"name": "moe_gate_up_silu_kernel", "seconds": 1.5, "calls": 384}]},
+            "vlm.vision_encoder": {"seconds": 1.4, "kinds": {"attention": 0.875, "gemm": 0.525}, "top": []}}}},
+    "constrained": {"constrained_over_unconstrained": 0.81, "grammar_compilations": 256,
+                    "grammar_compile_seconds": 3.5,
+                    "constrained_real_stop": dict(engine_run(9.0), grammar_wait_seconds_mean=0.125,
+                                                  grammar_fill_seconds=1.75, grammar_advance_seconds=0.5,
+                                                  logit_masking_seconds=0.25)},
+    "roofline": {"prefill_tokens": 8192, "prefill_mfu": 0.52, "decode_batch1_seconds": 0.0042,
+                 "decode_over_floor": 1.9,
+                 "decode_batch1_kernels": {"total_us_per_step": 3900.0, "kernels": [
+                     {"name": "moe_gate_up_silu_kernel", "us_per_step": 850.0, "calls_per_step": 48.0}]},
+                 "decode_large_batch": {"batch": 256, "context": 256, "seconds": 0.021,
+                                        "kernels": {"error": "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"}}},
+    "kernels": {"rows": [
+        {"name": "fused_moe[fp8 w8a8, per-channel, grouped_mm]", "shape": "T=16384", "triton_ms": 1.6,
+         "baseline_ms": 2.4, "speedup": 1.5, "note": "sets VLM_CATALOG_MOE_GEMM's default"},
+        {"name": "rms_norm", "shape": "T=4096 H=2048", "triton_ms": 0.02, "baseline_ms": 0.1, "speedup": 5.0}]},
+}
+
+
+def test_the_committed_record_prints_its_runs_and_targets():
+    text = load_summary().summarize(json.loads(RECORD.read_text()))
+    assert "| engine_w8a8_channel | 13.24 | 19.33 | 33,007 | 9,342 | 179 | 5.44 | - / - | - / - |" in text
+    assert "constrained / unconstrained at equal tokens: 0.69x" in text
+    assert "decode step at batch 1: 4.488 ms, 2.03x the floor" in text
+    assert "| record | paged_decode_attention[fp8 kv] | B=32 ctx=2048 | 0.1724 | 0.0596 | 0.35 |" in text
+    assert "rms_norm" not in text  # rows without a target or a switch to set are left out
+
+
+def test_a_record_with_the_new_fields_prints_them_beside_the_previous_one(tmp_path, capsys):
+    module = load_summary()
+    (tmp_path / "new.json").write_text(json.dumps(NEW_RECORD))
+    assert module.main([str(tmp_path / "new.json"), "--previous", str(RECORD)]) == 0
+    text = capsys.readouterr().out
+    assert "| engine_w8a8_channel | 14.50 (was 13.24) |" in text
+    assert "| 4.50 | 7.25 / 3.50 | 0.50 / 1.25 |" in text  # the device-time split
+    assert "| engine_w8a8_channel_grouped_mm | error: RuntimeError: CUDA error: an illegal memory access |" in text
+    assert "busy 4.50 s of 6.00 s (75%)" in text
+    assert "| vlm.text_forward.prefill | 3.000 | 0.375 | 2.125 | 0.500 | - | - | - | - |" in text
+    assert "384 calls: `moe_gate_up_silu_kernel`" in text
+    assert "0.81x (was 0.69x)" in text and "256 in 3.50 s" in text and "masks filled 1.75 s" in text
+    assert "2.03x" in text and "1.90x the floor (was 2.03x)" in text
+    assert "850.0 us x48: `moe_gate_up_silu_kernel`" in text
+    assert "decode_large_batch: error: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED" in text
+    assert "| record | fused_moe[fp8 w8a8, per-channel, grouped_mm] | T=16384 | 1.6000 | 2.4000 | 1.50 |" in text
