@@ -411,10 +411,13 @@ def package_versions() -> dict[str, str | None]:
             **{name: installed(name) for name in ("triton", "transformers", "xgrammar")}}
 
 
+STEP_TOKENS = 16384  # max_num_batched_tokens of the engine phases (--max-num-batched-tokens)
+
+
 def make_engine(checkpoint: Path, model, device: torch.device, kv_cache_dtype: str = "auto",
-                async_scheduling: bool = False) -> LLMEngine:
+                async_scheduling: bool = False, max_num_batched_tokens: int = STEP_TOKENS) -> LLMEngine:
     config = EngineConfig(model=checkpoint, device=str(device), dtype="bfloat16" if device.type == "cuda" else "float32",
-                          max_num_seqs=256, max_num_batched_tokens=16384, enable_prefix_caching=False,
+                          max_num_seqs=256, max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
                           scheduling_policy="shortest_prompt_first", max_model_len=32768, kv_cache_dtype=kv_cache_dtype,
                           async_scheduling=async_scheduling)
     return LLMEngine(config, prebuilt_model=model)
@@ -438,17 +441,19 @@ def memory_summary(engine: LLMEngine, device: torch.device) -> dict:
 
 def measure_engine(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
                    kv_cache_dtype: str = "auto", sampling: Sampling = QWEN3_VL_SAMPLING,
-                   async_scheduling: bool = False, warmup_records=()) -> dict:
+                   async_scheduling: bool = False, warmup_records=(),
+                   max_num_batched_tokens: int = STEP_TOKENS) -> dict:
     """Offline throughput with `output_tokens` (150) output tokens per record (ignore_eos), drawn
     with `sampling`, after an untimed run of `warmup_records` (`warm_up`); `kv_cache_dtype="fp8"`:
     the same with an e4m3 KV cache (twice the tokens of bf16)."""
-    engine = make_engine(checkpoint, model, device, kv_cache_dtype, async_scheduling)
+    engine = make_engine(checkpoint, model, device, kv_cache_dtype, async_scheduling, max_num_batched_tokens)
     fixed = sampling.params(max_tokens=output_tokens, ignore_eos=True, output_kind=OFFLINE_OUTPUTS)
     warmup = warm_up(engine, [build_messages(record) for record in warmup_records], [fixed] * len(warmup_records))
     conversations = [build_messages(record) for record in records]
     results = {"warmup": warmup,
                "fixed_150_tokens": engine_run_summary(engine, conversations, [fixed] * len(records))[0],
-               "sampling": asdict(sampling), "async_scheduling": async_scheduling}
+               "sampling": asdict(sampling), "async_scheduling": async_scheduling,
+               "max_num_batched_tokens": max_num_batched_tokens}
     results.update(memory_summary(engine, device))
     engine.close()
     return results
@@ -499,7 +504,8 @@ def quantize_model(model, device: torch.device, fp8_activations: bool,
 def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
                        fp8_activations: bool = False, sampling: Sampling = QWEN3_VL_SAMPLING,
                        async_scheduling: bool = False, warmup_records=(), per_channel: bool = False,
-                       fast_accumulation: bool = False, moe_gemm_choice: str | None = None) -> dict:
+                       fast_accumulation: bool = False, moe_gemm_choice: str | None = None,
+                       max_num_batched_tokens: int = STEP_TOKENS) -> dict:
     """`measure_engine` with FP8 experts (`quantize_model`, which says what `fp8_activations` and
     `per_channel` quantize) and an FP8 KV cache; `fast_accumulation`: under
     VLM_CATALOG_FP8_FAST_ACCUMULATION=1 (`kernels.dispatch.fp8_accumulation`); `moe_gemm_choice`:
@@ -509,7 +515,8 @@ def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, o
     gemms = grouped_gemm.moe_gemm(moe_gemm_choice) if moe_gemm_choice else contextlib.nullcontext()
     with fp8_accumulation(fast_accumulation), gemms:
         results = measure_engine(checkpoint, model, device, records, output_tokens, kv_cache_dtype="fp8",
-                                 sampling=sampling, async_scheduling=async_scheduling, warmup_records=warmup_records)
+                                 sampling=sampling, async_scheduling=async_scheduling, warmup_records=warmup_records,
+                                 max_num_batched_tokens=max_num_batched_tokens)
         results["moe_gemm"] = grouped_gemm.moe_gemm_choice()
     results["fp8_fast_accumulation"] = fast_accumulation
     results["before"] = before
@@ -524,7 +531,7 @@ PROFILE_RECORDS = 64  # every decode step still runs (150 per record), over a qu
 
 def measure_engine_profile(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
                            sampling: Sampling = QWEN3_VL_SAMPLING, async_scheduling: bool = False,
-                           warmup_records=()) -> dict:
+                           warmup_records=(), max_num_batched_tokens: int = STEP_TOKENS) -> dict:
     """`engine_w8a8_channel`'s configuration (the default accumulation) on `records` under
     torch.profiler, after the same untimed warm-up: its run summary, and where the device's time
     went by region of the step, kind of kernel and kernel (`device_profile.profile_breakdown`).
@@ -535,7 +542,7 @@ def measure_engine_profile(checkpoint: Path, model, device: torch.device, record
     from vlm_catalog.bench.device_profile import profile_breakdown
 
     quantize_model(model, device, fp8_activations=True, per_channel=True)
-    engine = make_engine(checkpoint, model, device, "fp8", async_scheduling)
+    engine = make_engine(checkpoint, model, device, "fp8", async_scheduling, max_num_batched_tokens)
     fixed = sampling.params(max_tokens=output_tokens, ignore_eos=True, output_kind=OFFLINE_OUTPUTS)
     results = {"warmup": warm_up(engine, [build_messages(r) for r in warmup_records], [fixed] * len(warmup_records))}
     conversations = [build_messages(record) for record in records]
@@ -554,13 +561,15 @@ def measure_engine_profile(checkpoint: Path, model, device: torch.device, record
         traceback.print_exc()
         results["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
     results["async_scheduling"] = async_scheduling
+    results["max_num_batched_tokens"] = max_num_batched_tokens
     results.update(memory_summary(engine, device))
     engine.close()
     return results
 
 
 def measure_constrained(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
-                        async_scheduling: bool = False, warmup_records=()) -> dict:
+                        async_scheduling: bool = False, warmup_records=(),
+                        max_num_batched_tokens: int = STEP_TOKENS) -> dict:
     """The per-record schema (real stop) against unconstrained decoding of the same token counts,
     after an untimed constrained run of `warmup_records` (`warm_up`).
 
@@ -572,7 +581,8 @@ def measure_constrained(checkpoint: Path, model, device: torch.device, records, 
                                output_kind=OFFLINE_OUTPUTS)
                 for r in chosen]
 
-    engine = make_engine(checkpoint, model, device, async_scheduling=async_scheduling)
+    engine = make_engine(checkpoint, model, device, async_scheduling=async_scheduling,
+                         max_num_batched_tokens=max_num_batched_tokens)
     results = {"warmup": warm_up(engine, [build_messages(r) for r in warmup_records], schema_params(warmup_records))}
     conversations = [build_messages(record) for record in records]
     constrained = schema_params(records)
@@ -587,6 +597,7 @@ def measure_constrained(checkpoint: Path, model, device: torch.device, records, 
     constrained_rate = results["constrained_real_stop"]["samples_per_s"]
     results["constrained_over_unconstrained"] = constrained_rate / results["unconstrained_same_tokens"]["samples_per_s"]
     results["async_scheduling"] = async_scheduling
+    results["max_num_batched_tokens"] = max_num_batched_tokens
     results.update(memory_summary(engine, device))
     engine.close()
     return results
@@ -758,6 +769,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernel-groups", type=lambda text: load_bench_kernels().parse_groups(text),
                         default=None, help="the kernels phase's groups of rows, comma-separated "
                                            "(default: all; bench_kernels.py --groups)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=STEP_TOKENS,
+                        help="engine phases: tokens per step (prefill chunks and decodes together)")
     parser.add_argument("--profile-records", type=int, default=PROFILE_RECORDS,
                         help="engine_profile: the records of its profiled run (the first of --records)")
     parser.add_argument("--json", dest="json_out", type=Path)
@@ -775,6 +788,8 @@ def main(argv: list[str] | None = None) -> int:
         args.warmup_records = CUDA_WARMUP_RECORDS if device.type == "cuda" else 0
     if args.warmup_records < 0:
         parser.error(f"--warmup-records must be >= 0 (0: no warm-up), got {args.warmup_records}")
+    if args.max_num_batched_tokens < 1:
+        parser.error(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
     if device.type == "cpu" and "kernels" in phases:
         # the kernels run under the Triton interpreter on CPU; it is chosen when kernels.jit is
         # first imported, which has not happened yet (only the Triton wrappers import it)
@@ -850,7 +865,7 @@ def main(argv: list[str] | None = None) -> int:
                     failed.append(phase)
                     record(phase, time.perf_counter(), {"error": f"building the model failed: {failure}"})
             engine_options = {"sampling": engine_sampling, "async_scheduling": args.async_scheduling,
-                              "warmup_records": warmup_records}
+                              "warmup_records": warmup_records, "max_num_batched_tokens": args.max_num_batched_tokens}
             measures = {
                 "roofline": lambda: measure_roofline(model, device, results["ceilings"]),
                 "engine": lambda: measure_engine(
@@ -860,7 +875,8 @@ def main(argv: list[str] | None = None) -> int:
                     **engine_options),
                 "constrained": lambda: measure_constrained(
                     checkpoint, model, device, engine_records, args.output_tokens,
-                    async_scheduling=args.async_scheduling, warmup_records=warmup_records),
+                    async_scheduling=args.async_scheduling, warmup_records=warmup_records,
+                    max_num_batched_tokens=args.max_num_batched_tokens),
                 # last (PHASES order): they quantize the model in place
                 "engine_fp8": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records, args.output_tokens, **engine_options),

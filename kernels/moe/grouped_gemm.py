@@ -234,8 +234,9 @@ def fused_moe_grouped_gemm(
         gate_up = grouped_mm(hidden.index_select(0, token_of_row), w13, offs)  # [P, 2I]
     else:
         quantized, scale = quantize_activations(hidden, hidden_size)  # [T, H] e4m3, [T, 1]
-        gate_up = scaled_grouped_mm(quantized.index_select(0, token_of_row), scale[:, 0].index_select(0, token_of_row),
-                                    w13, w13_scale[..., 0], offs)  # [P, 2I]
+        rows = quantized.view(torch.uint8).index_select(0, token_of_row).view(FP8_DTYPE)  # [P, H]: gathered as bytes
+        gate_up = scaled_grouped_mm(rows, scale[:, 0].index_select(0, token_of_row), w13, w13_scale[..., 0],
+                                    offs)  # [P, 2I]
     gate, up = gate_up.chunk(2, dim=-1)  # [P, I] each
     activated = F.silu(gate) * up  # [P, I] bf16, rounded as the reference rounds
     if expert_kind == "bf16":

@@ -396,11 +396,11 @@ def test_bench_gpu_engine_sampling_greedy_is_recorded(tmp_path):
 def test_bench_gpu_engine_with_async_scheduling(tmp_path):
     out = tmp_path / "bench_gpu.json"
     result = run_script("--tiny", "--device", "cpu", "--records", "2", "--image-size", "small", "--output-tokens", "3",
-                        "--phase", "engine", "--async-scheduling", "--json", str(out),
-                        script=REPO_ROOT / "scripts" / "bench_gpu.py")
+                        "--phase", "engine", "--async-scheduling", "--max-num-batched-tokens", "96",
+                        "--json", str(out), script=REPO_ROOT / "scripts" / "bench_gpu.py")
     assert result.returncode == 0, result.stdout + result.stderr
     engine = json.loads(out.read_text())["engine"]
-    assert engine["async_scheduling"] is True
+    assert engine["async_scheduling"] is True and engine["max_num_batched_tokens"] == 96
     assert engine["fixed_150_tokens"]["generated_tokens"] == 2 * 3 and engine["fixed_150_tokens"]["errors"] == 0
 
 
