@@ -92,18 +92,23 @@ def fp8_fast_accumulation() -> bool:
 
 
 @contextlib.contextmanager
-def fp8_accumulation(fast: bool) -> Iterator[None]:
-    """Sets ``VLM_CATALOG_FP8_FAST_ACCUMULATION`` for the block (the benchmarks time both ways
-    in one process), then puts back what was there."""
-    previous = os.environ.get(FP8_FAST_ACCUMULATION_ENV_VAR)
-    os.environ[FP8_FAST_ACCUMULATION_ENV_VAR] = "1" if fast else "0"
+def environment_variable(name: str, value: str) -> Iterator[None]:
+    """Sets the variable `name` for the block (the benchmarks time a switch both ways in one
+    process), then puts back what was there."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if previous is None:
-            del os.environ[FP8_FAST_ACCUMULATION_ENV_VAR]
+            del os.environ[name]
         else:
-            os.environ[FP8_FAST_ACCUMULATION_ENV_VAR] = previous
+            os.environ[name] = previous
+
+
+def fp8_accumulation(fast: bool) -> contextlib.AbstractContextManager:
+    """Sets ``VLM_CATALOG_FP8_FAST_ACCUMULATION`` for the block (`environment_variable`)."""
+    return environment_variable(FP8_FAST_ACCUMULATION_ENV_VAR, "1" if fast else "0")
 
 
 @functools.cache

@@ -47,12 +47,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import fp8_fast_accumulation, kernels_off
+from kernels.dispatch import environment_variable, fp8_fast_accumulation, kernels_off
 from kernels.fp8 import FP8_DTYPE, quantize_activations
 
 logger = logging.getLogger(__name__)
@@ -71,21 +70,11 @@ PROBE_TOLERANCE = {"bf16": 1e-2, "w8a8_channel": 3e-2}
 _checked: dict[tuple, bool] = {}
 
 
-@contextlib.contextmanager
-def moe_gemm(choice: str) -> Iterator[None]:
-    """Sets `VLM_CATALOG_MOE_GEMM` for the block (the benchmarks time both ways in one process),
-    then puts back what was there."""
+def moe_gemm(choice: str) -> contextlib.AbstractContextManager:
+    """Sets `VLM_CATALOG_MOE_GEMM` for the block (`kernels.dispatch.environment_variable`)."""
     if choice not in MOE_GEMMS:
         raise ValueError(f"unknown MoE GEMM {choice!r}: one of {', '.join(MOE_GEMMS)}")
-    previous = os.environ.get(MOE_GEMM_ENV_VAR)
-    os.environ[MOE_GEMM_ENV_VAR] = choice
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[MOE_GEMM_ENV_VAR]
-        else:
-            os.environ[MOE_GEMM_ENV_VAR] = previous
+    return environment_variable(MOE_GEMM_ENV_VAR, choice)
 
 
 def moe_gemm_choice() -> str:

@@ -11,6 +11,7 @@ test_fused_moe_fp8.py.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import pytest
@@ -202,3 +203,12 @@ def test_gpu_grouped_gemm_passes_its_first_call_check(cuda_device, monkeypatch):
     hidden, w13, w2 = args[:3]
     assert grouped_gemm_wanted(hidden, w13, w2, scales["w13_scale"], scales["w2_scale"], scales["block_shape"], True)
     assert list(grouped_gemm.verdicts().values()) == [True]
+
+
+def test_the_benchmarks_switch_sets_the_choice_for_a_block(monkeypatch):
+    monkeypatch.delenv(MOE_GEMM_ENV_VAR, raising=False)
+    with grouped_gemm.moe_gemm("grouped_mm"):
+        assert grouped_gemm.moe_gemm_choice() == "grouped_mm"
+    assert grouped_gemm.moe_gemm_choice() == "triton" and MOE_GEMM_ENV_VAR not in os.environ
+    with pytest.raises(ValueError, match="unknown MoE GEMM 'cublas'"):
+        grouped_gemm.moe_gemm("cublas")
