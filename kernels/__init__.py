@@ -26,7 +26,12 @@ from kernels.paged_decode_attention import (
     paged_decode_attention_with_kv_write,
 )
 from kernels.paged_prefill_attention import paged_prefill_attention
-from kernels.rms_norm import fused_add_rms_norm, fused_sum_add_rms_norm, rms_norm
+from kernels.rms_norm import (
+    fused_add_rms_norm,
+    fused_sum_add_rms_norm,
+    gathered_sum_add_rms_norm,
+    rms_norm,
+)
 from kernels.rotary import mrope_cos_sin, qk_norm_mrope
 from kernels.varlen_attention import varlen_attention
 from kernels.vision_rotary import vision_rotary
@@ -37,6 +42,7 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_moe",
     "fused_sum_add_rms_norm",
+    "gathered_sum_add_rms_norm",
     "moe_align_block_size",
     "moe_gemm_config",
     "mrope_cos_sin",

@@ -1,6 +1,8 @@
 """RMSNorm, alone, fused with the residual add, and fused with the sum of the fused MoE's
 expert terms before that add (`fused_sum_add_rms_norm`: one launch where a sum and the
-add-and-norm took two).
+add-and-norm took two), or with the sum of weighted rows gathered from the grouped-GEMM MoE's
+expert-sorted output (`gathered_sum_add_rms_norm`: the gather, the weights and the sum in
+the norm's one pass, instead of writing and reading the terms).
 
 Arithmetic order follows transformers' `Qwen3VLMoeTextRMSNorm` exactly::
 
@@ -17,6 +19,7 @@ import torch
 
 from kernels.checks import (
     FLOAT_DTYPES,
+    INDEX_DTYPES,
     check_dtype,
     check_same_device,
     check_shape,
@@ -49,6 +52,22 @@ def fused_sum_add_rms_norm_reference(
     return fused_add_rms_norm_reference(terms.sum(1), residual, weight, eps)
 
 
+def gathered_terms_reference(values: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """values [R, H], rows / weights [T, K] -> terms [T, K, H], terms[t, k] = values[rows[t, k]] *
+    weights[t, k] in values' dtype (one rounding per product, as a 16-bit multiply)."""
+    num_tokens, num_terms = rows.shape
+    products = values.index_select(0, rows.reshape(-1).long()) * weights.reshape(-1, 1).to(values.dtype)  # [T*K, H]
+    return products.view(num_tokens, num_terms, values.shape[1])  # [T*K, H] -> [T, K, H]
+
+
+def gathered_sum_add_rms_norm_reference(
+    values: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_sum_add_rms_norm_reference` of the terms `gathered_terms_reference` makes."""
+    return fused_sum_add_rms_norm_reference(gathered_terms_reference(values, rows, weights), residual, weight, eps)
+
+
 # --------------------------------------------------------------------------- triton
 def _check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dim() < 1:
@@ -61,38 +80,48 @@ def _check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, num_terms: int = 1
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, num_terms: int = 1,
+    gather: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [..., H], or [T, num_terms, H] when num_terms > 1 (summed over the terms first)."""
+    """x [..., H], or [T, num_terms, H] when num_terms > 1 (summed over the terms first), or with
+    `gather` = (rows, weights) [T, num_terms] the values [R, H] those rows pick."""
     import triton
 
     from kernels.jit.rms_norm import rms_norm_kernel
 
     hidden_size = x.shape[-1]
-    if num_terms > 1:
+    if gather is not None:
+        term_rows, term_weights = gather
+        rows, out_shape = x, (term_rows.shape[0], hidden_size)  # values [R, H] -> [T, H]
+        term_stride = 0
+    elif num_terms > 1:
         rows, out_shape = x, (x.shape[0], hidden_size)  # [T, K, H] -> [T, H]
         term_stride = x.stride(1)
     else:
         rows, out_shape = x.reshape(-1, hidden_size), x.shape  # [T, H]
         term_stride = 0
     check_unit_stride_last_dim("x", rows)
-    out = torch.empty((rows.shape[0], hidden_size), dtype=torch.promote_types(weight.dtype, x.dtype),
-                      device=x.device)
+    num_rows = out_shape[0] if gather is not None else rows.shape[0]
+    out = torch.empty((num_rows, hidden_size), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if residual is not None:
         residual_rows = residual.reshape(-1, hidden_size)  # [T, H]
         check_unit_stride_last_dim("residual", residual_rows)
-        new_residual = torch.empty((rows.shape[0], hidden_size), dtype=x.dtype, device=x.device)
+        new_residual = torch.empty((num_rows, hidden_size), dtype=x.dtype, device=x.device)
     else:  # the kernel never touches these when ADD_RESIDUAL is False
         residual_rows = new_residual = out
-    if rows.shape[0] > 0:
+    if gather is None:  # placeholders, never read when GATHER_TERMS is False
+        term_rows = term_weights = out
+    if num_rows > 0:
         block_size = triton.next_power_of_2(hidden_size)
-        rms_norm_kernel[(rows.shape[0],)](
+        rms_norm_kernel[(num_rows,)](
             # pointers
             rows,
             residual_rows,
             weight,
             out,
             new_residual,
+            term_rows,
+            term_weights,
             # sizes
             hidden_size,
             eps,
@@ -106,6 +135,7 @@ def _launch(
             BLOCK_SIZE=block_size,
             ADD_RESIDUAL=residual is not None,
             NUM_TERMS=num_terms,
+            GATHER_TERMS=gather is not None,
             num_warps=min(max(block_size // 256, 1), 16),
         )
     out = out.view(out_shape)  # [..., H]
@@ -149,6 +179,26 @@ def fused_sum_add_rms_norm_triton(
     return out, new_residual
 
 
+def gathered_sum_add_rms_norm_triton(
+    values: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_rms_norm_args(values, weight)
+    check_shape("values", values, (None, weight.shape[0]))
+    check_shape("weights", weights, tuple(rows.shape))
+    check_shape("residual", residual, (rows.shape[0], values.shape[1]))
+    check_dtype("rows", rows, INDEX_DTYPES)
+    check_dtype("weights", weights, FLOAT_DTYPES)
+    check_dtype("residual", residual, FLOAT_DTYPES)
+    check_same_device(values=values, rows=rows, weights=weights, residual=residual)
+    if rows.dim() != 2 or rows.shape[1] == 0:
+        raise ValueError(f"rows: expected [T, K] with K >= 1, got shape {list(rows.shape)}")
+    out, new_residual = _launch(values, residual, weight, eps, num_terms=rows.shape[1],
+                                gather=(rows.contiguous(), weights.contiguous()))
+    assert new_residual is not None
+    return out, new_residual
+
+
 # --------------------------------------------------------------------------- dispatch
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, H] (any leading dims), weight [H] -> [T, H]."""
@@ -173,3 +223,15 @@ def fused_sum_add_rms_norm(
     if use_triton(terms, residual, weight, op="fused_sum_add_rms_norm"):
         return fused_sum_add_rms_norm_triton(terms, residual, weight, eps)
     return fused_sum_add_rms_norm_reference(terms, residual, weight, eps)
+
+
+def gathered_sum_add_rms_norm(
+    values: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [R, H], rows / weights [T, K], residual [T, H]) -> (normed [T, H], new_residual =
+    sum_k values[rows[t, k]] * weights[t, k] + residual [T, H]); each product rounded to values'
+    dtype, the sum in float32 rounded once (`gathered_sum_add_rms_norm_reference`)."""
+    if use_triton(values, rows, weights, residual, weight, op="fused_sum_add_rms_norm"):
+        return gathered_sum_add_rms_norm_triton(values, rows, weights, residual, weight, eps)
+    return gathered_sum_add_rms_norm_reference(values, rows, weights, residual, weight, eps)

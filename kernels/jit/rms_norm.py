@@ -1,5 +1,6 @@
 """RMSNorm kernel (optionally fused with the residual add, and with the sum of several terms
-before it: the fused MoE's weighted expert outputs); one program per row."""
+before it: the fused MoE's weighted expert outputs, or rows gathered from the grouped-GEMM
+MoE's output and weighted here); one program per row."""
 
 import triton
 import triton.language as tl
@@ -8,11 +9,13 @@ import triton.language as tl
 @triton.jit
 def rms_norm_kernel(
     # pointers
-    x_ptr,  # [T, H], or [T, NUM_TERMS, H] terms summed first
+    x_ptr,  # [T, H], or [T, NUM_TERMS, H] terms summed first, or GATHER_TERMS: values [R, H]
     residual_ptr,  # [T, H], read only when ADD_RESIDUAL
     weight_ptr,  # [H]
     out_ptr,  # [T, H]
     new_residual_ptr,  # [T, H], written only when ADD_RESIDUAL
+    term_rows_ptr,  # [T, NUM_TERMS] rows of x_ptr, read only when GATHER_TERMS
+    term_weights_ptr,  # [T, NUM_TERMS] each row's factor, read only when GATHER_TERMS
     # sizes
     hidden_size,
     eps,
@@ -26,13 +29,24 @@ def rms_norm_kernel(
     BLOCK_SIZE: tl.constexpr,  # next power of two >= hidden_size
     ADD_RESIDUAL: tl.constexpr,
     NUM_TERMS: tl.constexpr,  # 1: x is the row itself
+    GATHER_TERMS: tl.constexpr,  # term k of row t: x[term_rows[t, k]] * term_weights[t, k]
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_SIZE)
     mask = cols < hidden_size
 
-    x = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    if NUM_TERMS > 1:
+    if GATHER_TERMS:
+        x = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
+        for term in tl.static_range(NUM_TERMS):
+            source = tl.load(term_rows_ptr + row * NUM_TERMS + term).to(tl.int64)
+            factor = tl.load(term_weights_ptr + row * NUM_TERMS + term).to(tl.float32)
+            value = tl.load(x_ptr + source * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            # each weighted term rounded to the input dtype, as a 16-bit `values * weights` is
+            x += (value * factor).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = x.to(x_ptr.dtype.element_ty).to(tl.float32)  # summed in float32, rounded once
+    else:
+        x = tl.load(x_ptr + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if NUM_TERMS > 1 and not GATHER_TERMS:
         for term in tl.static_range(1, NUM_TERMS):
             x += tl.load(x_ptr + row * stride_x_row + term * stride_x_term + cols, mask=mask, other=0.0).to(tl.float32)
         # summed in float32 and rounded once, as torch's sum over the terms is

@@ -448,7 +448,8 @@ def fused_moe(
     float8 e4m3 with `w13_scale` [E, 2I/bn, H/bk] and `w2_scale` [E, H/bn, I/bk]
     (float32), `block_shape` = (bn, bk); `fp8_activations`: the GEMM inputs in FP8 too.
     `sum_experts=False`: the Triton path may return the K weighted expert outputs
-    [T, K, H] unsummed (up to MAX_TOKENS_PER_CHUNK tokens); the caller takes either shape.
+    [T, K, H] unsummed (up to MAX_TOKENS_PER_CHUNK tokens), and the grouped-GEMM path a
+    `SortedExpertTerms`; the caller takes any of the three (`RMSNorm.add_and_norm`).
     `alignment`: the pairs' layout made ahead (`route_topk_and_align`), for the same topk_ids and
     the config's block_size_m; the reference path ignores it. With VLM_CATALOG_MOE_GEMM=grouped_mm,
     prefill-sized calls on Hopper take torch's grouped GEMMs instead (kernels/moe/grouped_gemm.py)."""

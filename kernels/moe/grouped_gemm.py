@@ -5,7 +5,7 @@
     gate, up  = grouped GEMM(rows, w13[e]^T per expert segment)  [P, 2I]
     activated = silu(gate) * up                                  [P, I]
     down      = grouped GEMM(activated, w2[e]^T per segment)     [P, H]
-    terms[t, k] = down[row of (t, k)] * topk_weights[t, k]       [T, K, H]
+    out[t]    = sum_k down[row of (t, k)] * topk_weights[t, k]   [T, H]
 
 The Triton kernels (kernels/jit/fused_moe.py) gather the rows inside the GEMM and
 apply SiLU-and-mul in its epilogue, so they move less memory; torch's grouped GEMMs
@@ -25,7 +25,9 @@ Formats:
   as the Triton kernels and cuBLAS's row-wise recipe accumulate.
 Both round each GEMM's result to bf16 and multiply the routing weights in bf16, as
 `fused_moe_reference` does; the K terms are summed in float32 and rounded once
-(`sum_experts`), or returned unsummed for `fused_sum_add_rms_norm`.
+(`sum_experts`), or left where the GEMM wrote them (`SortedExpertTerms`) for the next
+RMSNorm launch to gather, weigh and sum (`gathered_sum_add_rms_norm`): the terms
+[T, K, H] are then never written, which saves a write and a read of that size.
 
 The operands, as torch checks them (`_meta_grouped_mm_common` in
 torch/_meta_registrations.py; the tests run those checks on the meta device):
@@ -47,12 +49,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kernels.dispatch import environment_variable, fp8_fast_accumulation, kernels_off
 from kernels.fp8 import FP8_DTYPE, quantize_activations
+from kernels.rms_norm import gathered_terms_reference
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +213,8 @@ def fused_moe_grouped_gemm(
     sum_experts: bool = True,
 ) -> torch.Tensor:
     """`fused_moe`'s contract on the grouped GEMMs (module doc), for bf16 hidden states and
-    bf16 or per-channel W8A8 experts: [T, H], or [T, K, H] unsummed with `sum_experts=False`."""
+    bf16 or per-channel W8A8 experts: [T, H], or with `sum_experts=False` the terms unsummed
+    where the GEMM left them (`SortedExpertTerms`)."""
     expert_kind = expert_format(w13, block_shape, fp8_activations)
     if expert_kind is None or hidden.dtype != torch.bfloat16:
         raise ValueError(f"the grouped-GEMM MoE takes bf16 hidden states with bf16 or per-channel W8A8 experts, "
@@ -233,8 +238,22 @@ def fused_moe_grouped_gemm(
     else:
         quantized, scale = quantize_activations(activated, two_intermediate // 2)  # [P, I] e4m3, [P, 1]
         down = scaled_grouped_mm(quantized, scale[:, 0].contiguous(), w2, w2_scale[..., 0], offs)  # [P, H]
-    weights = topk_weights.reshape(-1, 1).to(hidden.dtype)  # [P, 1], as the reference multiplies
-    terms = (down.index_select(0, row_of_pair) * weights).view(num_tokens, top_k, hidden_size)  # [T, K, H]
-    if not sum_experts:
-        return terms
-    return terms.sum(dim=1, dtype=torch.float32).to(hidden.dtype)  # [T, H], rounded once
+    terms = SortedExpertTerms(down, row_of_pair.view(num_tokens, top_k), topk_weights)
+    return terms if not sum_experts else terms.sum()
+
+
+@dataclass(frozen=True)
+class SortedExpertTerms:
+    """A MoE layer's K weighted expert outputs per token, left where the grouped GEMM wrote
+    them: term k of token t is `values[rows[t, k]] * weights[t, k]` (values [P, H] in expert
+    order, rows and weights [T, K]). The next RMSNorm launch gathers, weighs and sums them in
+    its one pass (`kernels.gathered_sum_add_rms_norm`), so the terms are never written out."""
+
+    values: torch.Tensor
+    rows: torch.Tensor
+    weights: torch.Tensor
+
+    def sum(self) -> torch.Tensor:
+        """[T, H]: each product rounded to the values' dtype, the K summed in float32, rounded once."""
+        terms = gathered_terms_reference(self.values, self.rows, self.weights)  # [T, K, H]
+        return terms.sum(dim=1, dtype=torch.float32).to(self.values.dtype)

@@ -392,6 +392,7 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
     from kernels.rms_norm import (
         fused_add_rms_norm_triton,
         fused_sum_add_rms_norm_triton,
+        gathered_sum_add_rms_norm_triton,
         rms_norm_triton,
     )
     from kernels.rotary import qk_norm_mrope_triton
@@ -404,6 +405,9 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
                                                                  weight, 1e-6)),
         ("fused_sum_add_rms_norm[K=8]", lambda: fused_sum_add_rms_norm_triton(  # the MoE's terms, summed in the norm
             empty(tokens, TOP_K, HIDDEN), empty(tokens, HIDDEN), weight, 1e-6)),
+        ("gathered_sum_add_rms_norm[K=8]", lambda: gathered_sum_add_rms_norm_triton(  # the grouped-GEMM MoE's rows
+            empty(tokens * TOP_K, HIDDEN), torch.zeros(tokens, TOP_K, dtype=torch.int64), empty(tokens, TOP_K, dtype=FP32),
+            empty(tokens, HIDDEN), weight, 1e-6)),
         ("qk_norm_mrope", lambda: qk_norm_mrope_triton(
             *qkv_views(tokens)[:2], empty(HEAD_DIM), empty(HEAD_DIM), torch.zeros(3, tokens, dtype=torch.int64),
             empty(HEAD_DIM // 2, dtype=FP32), MROPE_SECTION, 1e-6)),

@@ -24,11 +24,13 @@ from kernels.moe.fused_moe import fused_moe_reference
 from kernels.moe.grouped_gemm import (
     GROUPED_GEMM_MIN_TOKENS,
     MOE_GEMM_ENV_VAR,
+    SortedExpertTerms,
     expert_format,
     expert_segments,
     fused_moe_grouped_gemm,
     grouped_gemm_wanted,
 )
+from kernels.rms_norm import gathered_terms_reference
 from tests.kernels.helpers import assert_close
 from tests.kernels.test_fused_moe import moe_inputs
 from tests.kernels.test_fused_moe_fp8 import W8A8_MODEL_SHAPES_TOLERANCE, fp8_inputs
@@ -75,10 +77,27 @@ def test_expert_segments_sort_the_pairs_stably_and_end_each_expert():
 def test_bf16_experts_match_the_reference(sum_experts):
     args = moe_inputs(37, 64, 32, 8, 2, torch.bfloat16, "cpu")
     out = fused_moe_grouped_gemm(*args, sum_experts=sum_experts)
-    if not sum_experts:
-        assert out.shape == (37, 2, 64)
-        out = out.sum(dim=1, dtype=torch.float32).to(torch.bfloat16)
+    if not sum_experts:  # the terms where the GEMM left them: values in expert order, each token's rows
+        assert isinstance(out, SortedExpertTerms) and out.values.shape == (37 * 2, 64)
+        assert out.rows.shape == out.weights.shape == (37, 2)
+        assert sorted(out.rows.flatten().tolist()) == list(range(37 * 2))
+        out = out.sum()
     assert_close(out, fused_moe_reference(*args), rel=1e-2)
+
+
+def test_the_next_norm_sums_the_sorted_terms_as_it_sums_a_terms_tensor():
+    """RMSNorm.add_and_norm on `SortedExpertTerms` (gathered in the norm's pass) against the same
+    terms written out [T, K, H]: the same numbers (on CPU both are the torch reference)."""
+    from vlm_catalog.model.text import RMSNorm
+
+    args = moe_inputs(19, 64, 32, 8, 2, torch.bfloat16, "cpu")
+    sorted_terms = fused_moe_grouped_gemm(*args, sum_experts=False)
+    terms = gathered_terms_reference(sorted_terms.values, sorted_terms.rows, sorted_terms.weights)  # [T, K, H]
+    norm = RMSNorm(64, 1e-6).to(torch.bfloat16)
+    residual = torch.randn(19, 64).to(torch.bfloat16)
+    for got, expected in zip(norm.add_and_norm(sorted_terms, residual), norm.add_and_norm(terms, residual)):
+        assert torch.equal(got, expected)
+    assert torch.equal(sorted_terms.sum(), terms.sum(dim=1))
 
 
 def test_bf16_operands_pass_torchs_checks():
@@ -173,8 +192,8 @@ def test_fused_moe_takes_the_grouped_path_when_it_is_wanted(hopper_here, monkeyp
     monkeypatch.setattr(FUSED_MOE_MODULE, "fused_moe_grouped_gemm", recording)
     args = moe_inputs(GROUPED_GEMM_MIN_TOKENS, 64, 32, 8, 2, torch.bfloat16, "cpu")
     terms = kernels.fused_moe(*args, sum_experts=False)
-    assert taken == [False] and terms.shape == (GROUPED_GEMM_MIN_TOKENS, 2, 64)
-    assert_close(terms.sum(dim=1, dtype=torch.float32).to(torch.bfloat16), fused_moe_reference(*args), rel=1e-2)
+    assert taken == [False] and isinstance(terms, SortedExpertTerms)
+    assert_close(terms.sum(), fused_moe_reference(*args), rel=1e-2)
 
 
 # --------------------------------------------------------------------------- GPU

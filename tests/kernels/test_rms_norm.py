@@ -11,6 +11,9 @@ from kernels.rms_norm import (
     fused_add_rms_norm_triton,
     fused_sum_add_rms_norm_reference,
     fused_sum_add_rms_norm_triton,
+    gathered_sum_add_rms_norm_reference,
+    gathered_sum_add_rms_norm_triton,
+    gathered_terms_reference,
     rms_norm_reference,
     rms_norm_triton,
 )
@@ -135,6 +138,53 @@ def test_triton_fused_sum_takes_strided_terms_and_rejects_bad_ones(triton_device
         fused_sum_add_rms_norm_triton(terms[0], residual, weight, EPS)
 
 
+def gathered_inputs(num_tokens, num_terms, hidden, dtype, device):
+    """values [R, H] in expert order (R = T*K), each token's K rows of them (a permutation, as the
+    grouped-GEMM MoE's rows are), and routing weights [T, K] in float32."""
+    values = torch.randn(num_tokens * num_terms, hidden).to(dtype)
+    rows = torch.randperm(num_tokens * num_terms).view(num_tokens, num_terms)
+    weights = torch.rand(num_tokens, num_terms).softmax(-1)
+    residual = torch.randn(num_tokens, hidden).to(dtype)
+    return [t.to(device) for t in (values, rows, weights, residual)]
+
+
+def test_gathered_terms_weigh_the_rows_each_token_names():
+    values, rows, weights, _ = gathered_inputs(3, 2, 8, torch.bfloat16, "cpu")
+    terms = gathered_terms_reference(values, rows, weights)
+    for t in range(3):
+        for k in range(2):  # one bf16 rounding per product, as a 16-bit multiply
+            expected = (values[rows[t, k]].float() * weights[t, k].to(torch.bfloat16).float()).to(torch.bfloat16)
+            assert torch.equal(terms[t, k], expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,num_terms,hidden", [(1, 8, 8), (5, 3, 72), (4, 1, 40), (3, 8, 2048)])
+def test_triton_gathered_sum_add_rms_norm(triton_device, poison_allocations, dtype, num_tokens, num_terms, hidden):
+    # tolerance: as test_triton_fused_sum_add_rms_norm (the float32 sums may differ in order)
+    values, rows, weights, residual = gathered_inputs(num_tokens, num_terms, hidden, dtype, triton_device)
+    weight = torch.randn(hidden).to(dtype).to(triton_device)
+    normed, new_residual = kernels.gathered_sum_add_rms_norm(values, rows, weights, residual, weight, EPS)
+    expected_normed, expected_residual = gathered_sum_add_rms_norm_reference(values, rows, weights, residual,
+                                                                             weight, EPS)
+    assert normed.shape == new_residual.shape == (num_tokens, hidden) and new_residual.dtype == dtype
+    unit = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}[dtype]
+    torch.testing.assert_close(new_residual, expected_residual, rtol=unit, atol=unit)
+    assert_close(normed, expected_normed, rel=TOLERANCE[dtype], what="normed")
+
+
+def test_triton_gathered_sum_rejects_bad_arguments(triton_device):
+    values, rows, weights, residual = gathered_inputs(3, 2, 16, torch.float32, triton_device)
+    weight = torch.randn(16, device=triton_device)
+    with pytest.raises(ValueError, match="weights"):
+        gathered_sum_add_rms_norm_triton(values, rows, weights[:, :1], residual, weight, EPS)
+    with pytest.raises(ValueError, match="rows"):
+        gathered_sum_add_rms_norm_triton(values, rows.float(), weights, residual, weight, EPS)
+    with pytest.raises(ValueError, match="residual"):
+        gathered_sum_add_rms_norm_triton(values, rows, weights, residual[:2], weight, EPS)
+    with pytest.raises(ValueError, match="rows"):
+        gathered_sum_add_rms_norm_triton(values, rows[:, :0], weights[:, :0], residual, weight, EPS)
+
+
 def test_triton_mixed_dtypes_follow_torch_promotion(triton_device):
     # bf16 activations with a float32 weight give float32, as torch's `weight * h.to(x.dtype)`
     x = torch.randn(3, 24, dtype=torch.bfloat16, device=triton_device)
@@ -183,5 +233,11 @@ def test_gpu_rms_norm_model_shapes(cuda_device, dtype):
     terms = torch.randn(4096, 8, 2048, device=cuda_device).to(dtype)  # the 30B-A3B's 8 experts a token
     normed, new_residual = kernels.fused_sum_add_rms_norm(terms, residual, weight, EPS)
     expected_normed, expected_residual = fused_sum_add_rms_norm_reference(terms, residual, weight, EPS)
+    assert_close(normed, expected_normed, rel=TOLERANCE[dtype])
+    assert_close(new_residual, expected_residual, rel=TOLERANCE[dtype])
+    values, rows, weights, _ = gathered_inputs(4096, 8, 2048, dtype, cuda_device)  # the grouped-GEMM MoE's
+    normed, new_residual = kernels.gathered_sum_add_rms_norm(values, rows, weights, residual, weight, EPS)
+    expected_normed, expected_residual = gathered_sum_add_rms_norm_reference(values, rows, weights, residual,
+                                                                             weight, EPS)
     assert_close(normed, expected_normed, rel=TOLERANCE[dtype])
     assert_close(new_residual, expected_residual, rel=TOLERANCE[dtype])

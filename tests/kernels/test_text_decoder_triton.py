@@ -55,3 +55,36 @@ def test_decoder_on_triton_matches_the_reference_path(triton_device, monkeypatch
     assert on_triton.shape == (12, 32)
     tolerance = FLOAT32_TOLERANCE if dtype == torch.float32 else TOLERANCE[dtype]
     assert_close(on_triton, on_reference, rel=tolerance)
+
+
+def test_decoder_with_the_grouped_gemm_moe_matches_the_reference_path(triton_device, monkeypatch):
+    """The MoE layers on torch's grouped GEMMs (forced here: on a GPU only prefill-sized calls on
+    Hopper take them), their terms gathered by the next norm's Triton kernel, deepstack's sum
+    included; tolerance TOLERANCE[bfloat16], as above."""
+    import sys
+
+    fused_moe_module = sys.modules["kernels.moe.fused_moe"]
+    taken = []
+
+    def wanted(hidden, *args):
+        taken.append(hidden.shape[0])
+        return True
+
+    monkeypatch.setattr(fused_moe_module, "grouped_gemm_wanted", wanted)
+    decoder = tiny_decoder(torch.bfloat16, triton_device)
+    input_ids = torch.randint(0, 64, (9,), device=triton_device)
+    positions = torch.arange(9, device=triton_device).expand(3, -1).contiguous()  # [3, T]
+    multimodal = MultimodalEmbeddings(rows=torch.tensor([1, 4], device=triton_device),
+                                      embeddings=torch.randn(2, 32, device=triton_device).to(torch.bfloat16),
+                                      deepstack=[torch.randn(2, 32, device=triton_device).to(torch.bfloat16)])
+
+    def forward() -> torch.Tensor:
+        attention = ContiguousKVCache(3)
+        attention.plan(["a"], [9])
+        with torch.inference_mode():
+            return decoder(input_ids, positions, attention, multimodal)
+
+    on_grouped = forward()
+    assert taken == [9, 9]  # layers 0 and 2 are MoE layers (1 is dense)
+    monkeypatch.setenv("VLM_CATALOG_KERNELS", "reference")
+    assert_close(on_grouped, forward(), rel=TOLERANCE[torch.bfloat16])

@@ -23,6 +23,7 @@ from torch import nn
 
 import kernels
 from kernels.fp8 import FP8_DTYPE, quantize, quantize_experts, requantize
+from kernels.moe.grouped_gemm import SortedExpertTerms
 from vlm_catalog.model.attention import AttentionBackend
 from vlm_catalog.model.config import TextConfig
 from vlm_catalog.model.fp8 import Fp8BlockQuantization
@@ -53,9 +54,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.rms_norm(x, self.weight, self.eps)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor | SortedExpertTerms,
+                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual) in one pass; x [T, H], or [T, K, H] terms (a MoE
-        layer's unsummed expert outputs) that the same pass sums first."""
+        layer's unsummed expert outputs) that the same pass sums first, or such terms left
+        where the grouped-GEMM MoE wrote them, which the same pass gathers too."""
+        if isinstance(x, SortedExpertTerms):
+            return kernels.gathered_sum_add_rms_norm(x.values, x.rows, x.weights, residual, self.weight, self.eps)
         if x.dim() == 3:
             return kernels.fused_sum_add_rms_norm(x, residual, self.weight, self.eps)
         return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
@@ -229,9 +234,10 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = MoEExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
 
-    def forward(self, hidden: torch.Tensor, sum_experts: bool = True) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, sum_experts: bool = True) -> torch.Tensor | SortedExpertTerms:
         """[T, H] -> [T, H]; `sum_experts=False`: on the Triton path, possibly the K weighted
-        expert outputs [T, K, H] unsummed (`RMSNorm.add_and_norm` sums them)."""
+        expert outputs [T, K, H] unsummed, or on the grouped-GEMM path where that path left
+        them (`SortedExpertTerms`); `RMSNorm.add_and_norm` sums either."""
         router_logits = self.gate(hidden)  # [T, E]
         experts = self.experts
         # decode batches on the Triton path: routing and the pairs' layout for the GEMMs in one launch
@@ -288,9 +294,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def mlp_terms(self, normed: torch.Tensor) -> torch.Tensor:
-        """The MLP's output [T, H], or a MoE layer's unsummed expert terms [T, K, H] for the
-        next `add_and_norm` to sum in its own launch."""
+    def mlp_terms(self, normed: torch.Tensor) -> torch.Tensor | SortedExpertTerms:
+        """The MLP's output [T, H], or a MoE layer's unsummed expert terms ([T, K, H], or
+        `SortedExpertTerms` from the grouped-GEMM path) for the next `add_and_norm` to sum in
+        its own launch."""
         if isinstance(self.mlp, SparseMoE):
             return self.mlp(normed, sum_experts=False)
         return self.mlp(normed)
@@ -359,7 +366,9 @@ class TextDecoder(nn.Module):
             mlp_out = layer.mlp_terms(normed)  # [T, H] or [T, K, H]
             next_norm = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
             if index < len(deepstack) and deepstack[index].shape[0]:
-                if mlp_out.dim() == 3:
+                if isinstance(mlp_out, SortedExpertTerms):
+                    mlp_out = mlp_out.sum()  # [T, H]
+                elif mlp_out.dim() == 3:
                     mlp_out = mlp_out.sum(1)  # [T, K, H] -> [T, H]
                 residual = (residual + mlp_out).index_add_(0, multimodal.rows, deepstack[index].to(residual.dtype))
                 normed = next_norm(residual)
