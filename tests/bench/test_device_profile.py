@@ -64,3 +64,29 @@ def test_ops_are_charged_to_their_innermost_mark():
     assert 0 < breakdown["busy_seconds"] <= breakdown["kernel_seconds"] + 1e-9
     assert breakdown["busy_fraction"] == pytest.approx(breakdown["busy_seconds"] / 0.5)
     assert timer.seconds > 0  # the timer still times
+
+
+def test_on_cuda_kernels_count_and_the_marks_device_ranges_do_not():
+    """The CUDA branch on stand-in events shaped as torch's: each host event lists the kernels it
+    launched, and kineto also draws each mark on the device's timeline, a range spanning its
+    kernels and the gaps between them, which is neither a kernel nor busy time."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Kernel
+
+    def event(name, device_type, start, end, kernels=(), parent=None, annotation=False):
+        return SimpleNamespace(name=name, device_type=device_type, time_range=SimpleNamespace(start=start, end=end),
+                               kernels=list(kernels), cpu_parent=parent, is_user_annotation=annotation)
+
+    mark = event("vlm.text_forward.decode", DeviceType.CPU, 0, 100,
+                 [Kernel("paged_decode_split_kernel", 0, 30.0), Kernel("vlm.text_forward.decode", 0, 100.0)])
+    matmul = event("aten::mm", DeviceType.CPU, 10, 20, [Kernel("sm90_xmma_gemm_bf16", 0, 50.0)], parent=mark)
+    device = [event("paged_decode_split_kernel", DeviceType.CUDA, 0, 30),
+              event("sm90_xmma_gemm_bf16", DeviceType.CUDA, 40, 90),
+              event("vlm.text_forward.decode", DeviceType.CUDA, 0, 100, annotation=True)]
+    profiler = SimpleNamespace(events=lambda: [mark, matmul, *device])
+    breakdown = profile_breakdown(profiler, on_cuda=True, wall_seconds=200e-6)
+    region = breakdown["regions"]["vlm.text_forward.decode"]
+    assert region["kinds"] == {"gemm": pytest.approx(50e-6), "attention": pytest.approx(30e-6)}
+    assert breakdown["busy_seconds"] == pytest.approx(80e-6) and breakdown["busy_fraction"] == pytest.approx(0.4)

@@ -51,6 +51,12 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
+def _is_mark(name: str) -> bool:
+    """A region mark (kineto also draws the marks on the device's timeline, as ranges that span
+    their kernels and the gaps between them: neither a kernel nor busy time)."""
+    return name.startswith(REGION_PREFIX)
+
+
 def region_of(event) -> str:
     """The innermost `vlm.*` mark at or above a profiler event (its CPU parents)."""
     while event is not None:
@@ -84,7 +90,7 @@ def profile_breakdown(profiler, on_cuda: bool, wall_seconds: float) -> dict:
         if event.device_type != DeviceType.CPU:
             continue
         if on_cuda:  # a mark holds the kernels launched right under it (Triton's, a graph's replay)
-            units = [(kernel.name, kernel.duration) for kernel in event.kernels]
+            units = [(kernel.name, kernel.duration) for kernel in event.kernels if not _is_mark(kernel.name)]
         elif event.name.startswith(REGION_PREFIX):  # on CPU a mark's own time is Python, not an op
             continue
         else:
@@ -99,9 +105,10 @@ def profile_breakdown(profiler, on_cuda: bool, wall_seconds: float) -> dict:
             totals = by_name[region][name[:160]]
             totals[0] += micros
             totals[1] += 1
-    if on_cuda:  # the kernels' own intervals on the device
-        intervals = [(event.time_range.start, event.time_range.end)
-                     for event in events if event.device_type == DeviceType.CUDA]
+    if on_cuda:  # the kernels' own intervals on the device (not the marks' ranges on its timeline)
+        intervals = [(event.time_range.start, event.time_range.end) for event in events
+                     if event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+                     and not _is_mark(event.name)]
     busy = union_seconds(intervals) / 1e6
     regions = {}
     for region, kinds in sorted(by_region.items(), key=lambda item: -sum(item[1].values())):
