@@ -1,7 +1,10 @@
-"""silu(gate) * up; grid = (tokens, column blocks)."""
+"""silu(gate) * up; grid = (tokens, column blocks). And the same quantized to FP8 with one
+scale per token (`silu_and_mul_quantize_kernel`; grid = (tokens,), a row per program)."""
 
 import triton
 import triton.language as tl
+
+from kernels.jit.fp8_quant import saturate_fp8
 
 
 @triton.jit
@@ -26,3 +29,34 @@ def silu_and_mul_kernel(
     dtype = out_ptr.dtype.element_ty
     activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)  # rounded like torch's F.silu
     tl.store(out_ptr + token * stride_out_token + cols, (activated * up).to(dtype), mask=mask)
+
+
+@triton.jit
+def silu_and_mul_quantize_kernel(
+    # pointers
+    x_ptr,  # [T, 2I]: gate = x[:, :I], up = x[:, I:]
+    quantized_ptr,  # [T, I] e4m3 out
+    scale_ptr,  # [T] float32 out: max |silu(gate) * up| / 448 (1 for an all-zero row)
+    # sizes
+    intermediate,
+    # strides
+    stride_x_token,
+    stride_quantized_token,
+    # meta-parameters
+    BLOCK_SIZE: tl.constexpr,  # next power of two >= intermediate: the whole row in one program
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < intermediate
+    row = x_ptr + token * stride_x_token
+    gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)  # rounded like torch's F.silu
+    product = (activated * up).to(dtype).to(tl.float32)  # what silu_and_mul writes, quantized as written
+    amax = tl.max(tl.where(mask, tl.abs(product), 0.0), axis=0)
+    scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    quantized = saturate_fp8(product / scale)
+    tl.store(quantized_ptr + token * stride_quantized_token + cols, quantized.to(quantized_ptr.dtype.element_ty),
+             mask=mask)
+    tl.store(scale_ptr + token, scale)

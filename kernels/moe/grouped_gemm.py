@@ -3,7 +3,7 @@
     pairs (t, k) sorted by expert (a stable argsort of topk_ids: no host sync)
     rows      = hidden[token of each sorted pair]                [P, H]   P = T*K
     gate, up  = grouped GEMM(rows, w13[e]^T per expert segment)  [P, 2I]
-    activated = silu(gate) * up                                  [P, I]
+    activated = silu(gate) * up                                  [P, I]   (W8A8: as e4m3, in the same pass)
     down      = grouped GEMM(activated, w2[e]^T per segment)     [P, H]
     out[t]    = sum_k down[row of (t, k)] * topk_weights[t, k]   [T, H]
 
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.activation import silu_and_mul
+from kernels.activation import silu_and_mul, silu_and_mul_quantize
 from kernels.dispatch import environment_variable, fp8_fast_accumulation, kernels_off
 from kernels.fp8 import FP8_DTYPE, quantize_activations
 from kernels.rms_norm import gathered_terms_reference
@@ -221,7 +221,7 @@ def fused_moe_grouped_gemm(
                          f"got hidden {hidden.dtype}, experts {w13.dtype}, blocks {block_shape}, "
                          f"fp8_activations={fp8_activations}")
     num_tokens, top_k = topk_ids.shape
-    num_experts, two_intermediate, hidden_size = w13.shape
+    num_experts, _, hidden_size = w13.shape
     order, row_of_pair, offs = expert_segments(topk_ids, num_experts)
     token_of_row = order // top_k  # [P]: the token each sorted row reads
     if expert_kind == "bf16":
@@ -231,11 +231,11 @@ def fused_moe_grouped_gemm(
         rows = quantized.view(torch.uint8).index_select(0, token_of_row).view(FP8_DTYPE)  # [P, H]: gathered as bytes
         gate_up = scaled_grouped_mm(rows, scale[:, 0].index_select(0, token_of_row), w13, w13_scale[..., 0],
                                     offs)  # [P, 2I]
-    activated = silu_and_mul(gate_up)  # [P, 2I] -> [P, I] bf16 in one pass, rounded as the reference rounds
     if expert_kind == "bf16":
+        activated = silu_and_mul(gate_up)  # [P, 2I] -> [P, I] in one pass, rounded as the reference rounds
         down = grouped_mm(activated, w2, offs)  # [P, H]
-    else:
-        quantized, scale = quantize_activations(activated, two_intermediate // 2)  # [P, I] e4m3, [P, 1]
+    else:  # the product quantized per row in the same pass: [P, I] e4m3, [P, 1]
+        quantized, scale = silu_and_mul_quantize(gate_up)
         down = scaled_grouped_mm(quantized, scale[:, 0].contiguous(), w2, w2_scale[..., 0], offs)  # [P, H]
     terms = SortedExpertTerms(down, row_of_pair.view(num_tokens, top_k), topk_weights)
     return terms if not sum_experts else terms.sum()

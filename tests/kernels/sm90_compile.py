@@ -382,7 +382,7 @@ def vision_attention_case(dtype: torch.dtype = BF16):
 
 def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
     """(label, a call of Triton wrappers at the model's shapes)."""
-    from kernels.activation import silu_and_mul_triton
+    from kernels.activation import silu_and_mul_quantize_triton, silu_and_mul_triton
     from kernels.fp8 import per_channel_block, quantize_activations_triton
     from kernels.fp8_linear import fp8_linear_triton
     from kernels.kv_cache import reshape_and_cache_triton
@@ -412,6 +412,7 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
             *qkv_views(tokens)[:2], empty(HEAD_DIM), empty(HEAD_DIM), torch.zeros(3, tokens, dtype=torch.int64),
             empty(HEAD_DIM // 2, dtype=FP32), MROPE_SECTION, 1e-6)),
         ("silu_and_mul", lambda: silu_and_mul_triton(empty(tokens, 2 * MOE_INTERMEDIATE))),
+        ("silu_and_mul_quantize", lambda: silu_and_mul_quantize_triton(empty(tokens, 2 * MOE_INTERMEDIATE))),
         ("quantize_activations[fp8]", lambda: quantize_activations_triton(empty(tokens, HIDDEN), 128)),
         *((f"reshape_and_cache[{name} cache]",
            lambda dtype=dtype: reshape_and_cache_triton(*qkv_views(tokens)[1:], *kv_cache(dtype),

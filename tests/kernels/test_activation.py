@@ -7,7 +7,14 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
+from kernels.activation import (
+    silu_and_mul_quantize,
+    silu_and_mul_quantize_reference,
+    silu_and_mul_quantize_triton,
+    silu_and_mul_reference,
+    silu_and_mul_triton,
+)
+from kernels.fp8 import FP8_DTYPE, dequantize_activations
 from tests.kernels.helpers import TOLERANCE, assert_close
 
 
@@ -37,6 +44,44 @@ def test_triton_silu_and_mul(triton_device, poison_allocations, dtype, num_token
 def test_triton_rejects_odd_width(triton_device):
     with pytest.raises(ValueError, match="even"):
         silu_and_mul_triton(torch.randn(2, 7, device=triton_device))
+
+
+def assert_quantized_close(got, expected, intermediate):
+    """Scales equal to float32 rounding; dequantized values within one e4m3 step (2^-3 relative)
+    of the reference's, plus the smallest step at this scale (values rounding near zero)."""
+    (quantized, scale), (expected_quantized, expected_scale) = got, expected
+    assert quantized.dtype == FP8_DTYPE and scale.shape == expected_scale.shape == (quantized.shape[0], 1)
+    torch.testing.assert_close(scale.cpu(), expected_scale.cpu(), rtol=1e-6, atol=0)
+    values, expected_values = (dequantize_activations(q.cpu(), s.cpu(), intermediate)
+                               for q, s in ((quantized, scale), (expected_quantized, expected_scale)))
+    step = expected_scale.cpu() * 2.0**-9  # e4m3's smallest subnormal, at each row's scale
+    assert bool(((values - expected_values).abs() <= expected_values.abs() * 2.0**-3 + step).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,intermediate", [(1, 16), (5, 37), (3, 768)])
+def test_triton_silu_and_mul_quantize(triton_device, poison_allocations, dtype, num_tokens, intermediate):
+    # one pass: the product silu_and_mul writes, quantized per token as quantize_activations does
+    x = (torch.randn(num_tokens, 2 * intermediate) * 3).to(dtype)
+    x[0, :] = 0.0  # an all-zero row: scale 1, zeros
+    x = x.to(triton_device)
+    got = silu_and_mul_quantize_triton(x)
+    assert_quantized_close(got, silu_and_mul_quantize_reference(x), intermediate)
+    assert float(got[1][0]) == 1.0 and not bool(got[0][0].float().any())
+
+
+def test_triton_silu_and_mul_quantize_rejects_bad_input(triton_device):
+    with pytest.raises(ValueError, match="even"):
+        silu_and_mul_quantize_triton(torch.randn(2, 7, device=triton_device))
+    with pytest.raises(ValueError, match="x"):
+        silu_and_mul_quantize_triton(torch.randn(2, 3, 8, device=triton_device))
+
+
+@pytest.mark.gpu
+def test_gpu_silu_and_mul_quantize(cuda_device):
+    # the grouped-GEMM MoE's down input at 30B-A3B: 16k tokens x 8 experts, I = 768
+    x = torch.randn(131072, 2 * 768, device=cuda_device, dtype=torch.bfloat16)
+    assert_quantized_close(silu_and_mul_quantize(x), silu_and_mul_quantize_reference(x), 768)
 
 
 @pytest.mark.gpu
