@@ -39,7 +39,7 @@ call; `--json FILE` merges the phases' results into FILE.
                   experts of prefill-sized steps on torch's grouped GEMMs (CUTLASS) instead of
                   the Triton kernels, where they pass their first-call check
                   (kernels/moe/grouped_gemm.py; `moe_grouped_gemm` records the verdicts)
-- engine_profile  engine_w8a8_channel on the first --profile-records (64) records under
+- engine_profile  engine_w8a8_channel on the first --profile-records (128) records under
                   torch.profiler: the device's kernel time by region of the step (vision,
                   text forward in prefill and decode steps, the rest of the step), by kind
                   (attention, MoE, GEMM, ...) and by kernel, and how busy the device was
@@ -526,7 +526,8 @@ def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, o
     return results
 
 
-PROFILE_RECORDS = 64  # every decode step still runs (150 per record), over a quarter of the prefill
+# every decode step still runs (150 per record), at half the benchmark's batch, with half its prefill
+PROFILE_RECORDS = 128
 
 
 def measure_engine_profile(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
