@@ -111,8 +111,8 @@ from vlm_catalog.preprocess.prompt import build_messages
 from vlm_catalog.structured import catalogue_schema
 
 PHASES = ("ceilings", "kernels", "roofline", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
-          "engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_profile", "engine_w8a8_channel_grouped_mm",
-          "engine_w8a8_channel_fast", "transformers")
+          "engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fast",
+          "engine_profile", "transformers")  # engine_profile last of the engines: its analysis is the longest
 # they quantize the experts in place: after the others
 FP8_MODEL_PHASES = {"engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_w8a8_channel_fast", "engine_profile",
                     "engine_w8a8_channel_grouped_mm"}

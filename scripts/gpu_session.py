@@ -20,10 +20,10 @@ own results into `$OUT` (at most 8 files come back from a device call):
 
 - `record`: `pytest -m gpu` (its slowest tests and summary in pytest_gpu.txt; on four
   workers where pytest-xdist is carried, each test limited where pytest-timeout is), then
-  bench_gpu.py's phases into bench_gpu.json: engine_w8a8_channel, its device time profiled
-  (engine_profile), the same with its prefill experts on torch's grouped GEMMs
-  (engine_w8a8_channel_grouped_mm), the ceilings and roofline, constrained, the kernel rows,
-  and the vision encoder, as far as the budget goes.
+  bench_gpu.py's phases into bench_gpu.json: engine_w8a8_channel, the same with its prefill
+  experts on torch's grouped GEMMs (engine_w8a8_channel_grouped_mm), its device time profiled
+  (engine_profile), the ceilings and roofline, constrained, the kernel rows, and the vision
+  encoder, as far as the budget goes.
 - `decode`: the attention rows as they are and with bf16 dots, the vision encoder with
   cuDNN's attention first, the MoE rows, engine_w8a8_channel_fast (into engine_fast.json),
   the attention rows with V read as bytes (each into its own JSON), then the FP8 decode
@@ -116,14 +116,14 @@ PLANS: dict[str, tuple[Step, ...]] = {
         Step("pytest_gpu", ("python3", "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--durations=30"),
              max_s=200, min_s=120, tail_to="pytest_gpu.txt", optional=PYTEST_GPU_OPTIONAL),
         # the per-channel W8A8 engine: its sums into float32 every K step (the default, not yet
-        # run on a GPU), then the same under torch.profiler on 128 records (where its device time
-        # goes: engine_profile, about 50 s), then with its prefill experts on torch's grouped
-        # GEMMs (about 60 s); the sums in the tensor core (engine_w8a8_channel_fast, 13.24
-        # samples/s on 2026-11-27) are in the `decode` plan, and the kernels phase's MoE rows
-        # time both accumulations; the block-scaled engine_w8a8 (12.37 then) is unchanged since
-        # (about 290 s: the process's catalogue and model took about 70 s on 2026-11-27, its first
-        # engine phase 95 s, a later one 60 s, the profile's analysis perhaps 30 s more)
-        Step("engines", bench_gpu("engine_w8a8_channel,engine_profile,engine_w8a8_channel_grouped_mm"),
+        # run on a GPU), then with its prefill experts on torch's grouped GEMMs (about 60 s),
+        # then under torch.profiler on 128 records (where its device time goes: engine_profile,
+        # about 50 s with its analysis; last, so a step cut short loses only it); the sums in the
+        # tensor core (engine_w8a8_channel_fast, 13.24 samples/s on 2026-11-27) are in the
+        # `decode` plan, and the kernels phase's MoE rows time both accumulations; the
+        # block-scaled engine_w8a8 (12.37 then) is unchanged since. About 290 s: the process's
+        # catalogue and model took about 70 s on 2026-11-27, its first engine phase 95 s.
+        Step("engines", bench_gpu("engine_w8a8_channel,engine_w8a8_channel_grouped_mm,engine_profile"),
              max_s=300, min_s=150),
         # the decode step's kernels at batch 1 and 256 (the 1.5x target), before constrained, which
         # needs 110 s; the kernel rows are in the `decode` plan (attention, then the MoE's)
