@@ -8,6 +8,16 @@ from kernels.jit.fp8_quant import saturate_fp8
 
 
 @triton.jit
+def silu_times_up(row, cols, mask, intermediate, dtype: tl.constexpr):
+    """silu(gate) * up of one token's columns `cols` (gate = row[:I], up = row[I:]), rounded
+    to `dtype` as torch rounds F.silu's result and the product; returned in float32."""
+    gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
+    activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)  # rounded like torch's F.silu
+    return (activated * up).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def silu_and_mul_kernel(
     # pointers
     x_ptr,  # [T, 2I]: gate = x[:, :I], up = x[:, I:]
@@ -23,12 +33,9 @@ def silu_and_mul_kernel(
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = cols < intermediate
-    row = x_ptr + token * stride_x_token
-    gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(row + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)  # rounded like torch's F.silu
-    tl.store(out_ptr + token * stride_out_token + cols, (activated * up).to(dtype), mask=mask)
+    product = silu_times_up(x_ptr + token * stride_x_token, cols, mask, intermediate, dtype)
+    tl.store(out_ptr + token * stride_out_token + cols, product.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -48,12 +55,8 @@ def silu_and_mul_quantize_kernel(
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_SIZE)
     mask = cols < intermediate
-    row = x_ptr + token * stride_x_token
-    gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(row + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
-    dtype = x_ptr.dtype.element_ty
-    activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)  # rounded like torch's F.silu
-    product = (activated * up).to(dtype).to(tl.float32)  # what silu_and_mul writes, quantized as written
+    # what silu_and_mul writes, quantized as written
+    product = silu_times_up(x_ptr + token * stride_x_token, cols, mask, intermediate, x_ptr.dtype.element_ty)
     amax = tl.max(tl.where(mask, tl.abs(product), 0.0), axis=0)
     scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
     quantized = saturate_fp8(product / scale)
