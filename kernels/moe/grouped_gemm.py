@@ -211,7 +211,7 @@ def fused_moe_grouped_gemm(
     block_shape: tuple[int, int] | None = None,
     fp8_activations: bool = False,
     sum_experts: bool = True,
-) -> torch.Tensor:
+) -> torch.Tensor | SortedExpertTerms:
     """`fused_moe`'s contract on the grouped GEMMs (module doc), for bf16 hidden states and
     bf16 or per-channel W8A8 experts: [T, H], or with `sum_experts=False` the terms unsummed
     where the GEMM left them (`SortedExpertTerms`)."""
