@@ -25,9 +25,10 @@ own results into `$OUT` (at most 8 files come back from a device call):
   (engine_profile), the ceilings and roofline, constrained, the kernel rows, and the vision
   encoder, as far as the budget goes.
 - `decode`: the attention rows as they are and with bf16 dots, the vision encoder with
-  cuDNN's attention first, the MoE rows, engine_w8a8_channel_fast (into engine_fast.json),
-  the attention rows with V read as bytes (each into its own JSON), then the FP8 decode
-  attention's launch settings tuned.
+  cuDNN's attention first, the MoE rows, engine_w8a8_channel_fast, the same engine with
+  async scheduling and with 32k-token steps (engine_*.json), the attention rows with V read
+  as bytes (each into its own JSON), then the FP8 decode attention's launch settings tuned;
+  `--steps` picks among them.
 - `tune`: the W8A8 MoE tile tuning (block scales, then per-channel with fast accumulation,
   the one whose tiles are its own) and the FP8 decode attention's launch settings, each
   bucket printed as it is done.
@@ -168,6 +169,13 @@ PLANS: dict[str, tuple[Step, ...]] = {
         Step("moe_rows", bench_kernels("--groups", "moe", "--json", "{out}/moe.json"), max_s=90, min_s=40),
         Step("engine_fast", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel_fast", "--json",
                              "{out}/engine_fast.json"), max_s=130, min_s=100),
+        # the default engine scheduling each step before reading the last one's tokens (worth it where
+        # the record's device_seconds show time between steps), then with 32k-token steps
+        Step("engine_async", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel",
+                              "--async-scheduling", "--json", "{out}/engine_async.json"), max_s=130, min_s=100),
+        Step("engine_steps_32k", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel",
+                                  "--max-num-batched-tokens", "32768", "--json", "{out}/engine_steps_32k.json"),
+             max_s=130, min_s=100),
         Step("attention_v_bytes", bench_kernels("--groups", "attention", "--json", "{out}/attention_v_bytes.json"),
              max_s=90, min_s=30, env=(("VLM_CATALOG_KERNELS_OFF", "fp8_v_words"),)),
         Step("tune_decode_fp8", bench_kernels("--tune-decode", "--fp8"), max_s=200, min_s=60,

@@ -122,6 +122,7 @@ def test_plans_name_what_exists(session):
     """Every bench_gpu phase and bench_kernels option a plan uses exists; pytest's gpu marker is declared."""
     bench_gpu = load_script("bench_gpu")
     kernel_options = (REPO_ROOT / "scripts" / "bench_kernels.py").read_text()
+    bench_gpu_options = (REPO_ROOT / "scripts" / "bench_gpu.py").read_text()
     markers = (REPO_ROOT / "pyproject.toml").read_text()
     assert '"gpu: ' in markers
     for plan in session.PLANS.values():
@@ -131,6 +132,8 @@ def test_plans_name_what_exists(session):
             if "scripts/bench_gpu.py" in argv:
                 phases = argv[argv.index("--phases") + 1].split(",")
                 assert set(phases) <= set(bench_gpu.PHASES), phases
+                for option in (a for a in argv if a.startswith("--")):
+                    assert f'"{option}"' in bench_gpu_options, option
             elif "scripts/bench_kernels.py" in argv:
                 for option in (a for a in argv if a.startswith("--")):
                     assert f'"{option}"' in kernel_options, option
