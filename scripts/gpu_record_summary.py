@@ -49,9 +49,8 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 def engine_runs(record: dict) -> dict[str, dict]:
     """{phase (run): the run's summary} for every engine run in the record."""
     runs = {}
-    for phase in ENGINE_PHASES:
-        result = record.get(phase)
-        if not isinstance(result, dict):
+    for phase, result in record.items():  # a phase, or "phase (file)" from another file of the session
+        if phase.split(" (")[0] not in ENGINE_PHASES or not isinstance(result, dict):
             continue
         if "error" in result:
             runs[phase] = {"error": result["error"]}
@@ -159,13 +158,15 @@ def roofline_section(record: dict, previous: dict | None) -> str | None:
 
 
 def vision_section(record: dict, previous: dict | None) -> str | None:
-    vision = record.get("vision_encoder")
-    if not isinstance(vision, dict) or "error" in vision:
-        return None
     old = (previous or {}).get("vision_encoder", {})
-    return (f"## Vision encoder\n\n- {vision.get('images')} images, {vision.get('patches')} patches: "
-            f"{number(vision.get('seconds'), 3)} s, {number(100 * vision.get('mfu', math.nan), 1)}% MFU"
-            + (f" (was {number(old['seconds'], 3)} s)" if "seconds" in old else "") + " (target 35%)")
+    lines = []
+    for key, vision in record.items():  # "vision_encoder", and "vision_encoder (file)" of another call
+        if key.split(" (")[0] != "vision_encoder" or not isinstance(vision, dict) or "error" in vision:
+            continue
+        lines.append(f"- {key}: {vision.get('images')} images, {vision.get('patches')} patches: "
+                     f"{number(vision.get('seconds'), 3)} s, {number(100 * vision.get('mfu', math.nan), 1)}% MFU"
+                     + (f" (was {number(old['seconds'], 3)} s)" if "seconds" in old else "") + " (target 35%)")
+    return "## Vision encoder\n\n" + "\n".join(lines) if lines else None
 
 
 def kernel_rows_section(records: list[tuple[str, dict]]) -> str | None:
@@ -184,10 +185,10 @@ def kernel_rows_section(records: list[tuple[str, dict]]) -> str | None:
 def summarize(record: dict, previous: dict | None = None, extras: list[tuple[str, dict]] = (),
               attention: list[tuple[str, dict]] = ()) -> str:
     merged = dict(record)
-    for _, extra in extras:  # a second call's phases (engine_fast.json, vision_cudnn.json)
+    for label, extra in extras:  # a second call's phases (engine_fast.json, engine_async.json, vision_cudnn.json)
         for key, value in extra.items():
             if key in ENGINE_PHASES or key == "vision_encoder":
-                merged[key if key not in record else f"{key} (extra)"] = value
+                merged[key if key not in merged else f"{key} ({label})"] = value
     header = (f"# GPU record: {record.get('device', '?')}, {record.get('date', '?')}\n\n"
               f"versions {record.get('versions', {})}; kernels_off {record.get('kernels_off', [])}; "
               f"moe_gemm {record.get('moe_gemm', '-')}; sdpa_backend {record.get('sdpa_backend', '-')}")

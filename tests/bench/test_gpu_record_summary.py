@@ -81,3 +81,22 @@ def test_a_record_with_the_new_fields_prints_them_beside_the_previous_one(tmp_pa
     assert "850.0 us x48: `moe_gate_up_silu_kernel`" in text
     assert "decode_large_batch: error: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED" in text
     assert "| record | fused_moe[fp8 w8a8, per-channel, grouped_mm] | T=16384 | 1.6000 | 2.4000 | 1.50 |" in text
+
+
+def test_the_sessions_other_files_get_rows_of_their_own(tmp_path, capsys):
+    """Call 2 writes the same phase with other settings into other files: each gets its own row."""
+    module = load_summary()
+    paths = {}
+    for name, rate in (("new.json", 14.5), ("engine_async.json", 15.25), ("engine_steps_32k.json", 15.75)):
+        paths[name] = tmp_path / name
+        paths[name].write_text(json.dumps({"engine_w8a8_channel": {"fixed_150_tokens": engine_run(rate)}}))
+    assert module.main([str(paths["new.json"]), "--extra", str(paths["engine_async.json"]),
+                        str(paths["engine_steps_32k.json"])]) == 0
+    text = capsys.readouterr().out
+    assert "| engine_w8a8_channel | 14.50 |" in text
+    assert "| engine_w8a8_channel (engine_async.json) | 15.25 |" in text
+    assert "| engine_w8a8_channel (engine_steps_32k.json) | 15.75 |" in text
+    vision = {"images": 32, "patches": 145528, "seconds": 0.5, "mfu": 0.7}
+    text = module.summarize(json.loads(RECORD.read_text()), extras=[("vision_cudnn.json", {"vision_encoder": vision})])
+    assert "- vision_encoder: 32 images, 145528 patches: 0.759 s" in text
+    assert "- vision_encoder (vision_cudnn.json): 32 images, 145528 patches: 0.500 s, 70.0% MFU" in text
