@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
-from kernels.dispatch import kernels_off
+from kernels.dispatch import environment_choice, kernels_off
 
 LOG2_E = math.log2(math.e)
 
@@ -16,9 +15,7 @@ LOG2_E = math.log2(math.e)
 def forced_attention_backend(env_var: str, backends: tuple[str, ...] = ("triton", "sdpa")) -> str | None:
     """One of `backends` when `env_var` forces it for every sequence of a CUDA call, None when
     it is unset or ``auto`` (choose by length); anything else is a clear error."""
-    choice = os.environ.get(env_var, "auto").strip().lower() or "auto"
-    if choice != "auto" and choice not in backends:
-        raise ValueError(f"{env_var}={choice!r} is not one of auto, {', '.join(backends)}")
+    choice = environment_choice(env_var, ("auto", *backends))
     return None if choice == "auto" else choice
 
 

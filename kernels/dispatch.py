@@ -72,12 +72,18 @@ FP8_FAST_ACCUMULATION_ENV_VAR = "VLM_CATALOG_FP8_FAST_ACCUMULATION"
 AUTO_DEVICE_TYPES = ("cuda",)  # where `auto` picks Triton; a test adds "cpu" to run the GPU choices interpreted
 
 
+def environment_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The setting of the variable `name`: one of `choices`, the first when unset or empty (case
+    and surrounding spaces ignored); anything else is an error naming the variable and the choices."""
+    choice = os.environ.get(name, "").strip().lower() or choices[0]
+    if choice not in choices:
+        raise ValueError(f"{name}={choice!r} is not one of {', '.join(choices)}")
+    return choice
+
+
 def kernel_backend() -> str:
     """The backend requested through ``VLM_CATALOG_KERNELS`` (default ``auto``)."""
-    backend = os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() or "auto"
-    if backend not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV_VAR}={backend!r} is not one of {', '.join(BACKENDS)}")
-    return backend
+    return environment_choice(BACKEND_ENV_VAR, BACKENDS)
 
 
 def kernels_off() -> frozenset[str]:

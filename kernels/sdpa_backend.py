@@ -16,9 +16,10 @@ kernels phase's ``varlen_attention[sdpa, cudnn]`` rows have measured cuDNN on a 
 from __future__ import annotations
 
 import contextlib
-import os
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kernels.dispatch import environment_choice
 
 SDPA_BACKEND_ENV_VAR = "VLM_CATALOG_SDPA_BACKEND"
 SDPA_BACKENDS = ("default", "cudnn")
@@ -29,10 +30,7 @@ CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBacken
 
 def sdpa_backend() -> str:
     """The setting of `VLM_CATALOG_SDPA_BACKEND` (``default`` when unset); anything else is an error."""
-    choice = os.environ.get(SDPA_BACKEND_ENV_VAR, "default").strip().lower() or "default"
-    if choice not in SDPA_BACKENDS:
-        raise ValueError(f"{SDPA_BACKEND_ENV_VAR}={choice!r} is not one of {', '.join(SDPA_BACKENDS)}")
-    return choice
+    return environment_choice(SDPA_BACKEND_ENV_VAR, SDPA_BACKENDS)
 
 
 def long_segment_sdpa(backend: str | None = None) -> contextlib.AbstractContextManager:

@@ -85,6 +85,7 @@ from kernels.fp8 import per_channel_block
 from kernels.moe import grouped_gemm
 from kernels.moe.grouped_gemm import moe_gemm_choice
 from kernels.sdpa_backend import sdpa_backend
+from vlm_catalog.bench.device_profile import profiled_call
 from vlm_catalog.bench.random_model import (
     QWEN3_VL_30B_A3B,
     benchmark_checkpoint_dir,
@@ -442,18 +443,27 @@ def memory_summary(engine: LLMEngine, device: torch.device) -> dict:
 def measure_engine(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
                    kv_cache_dtype: str = "auto", sampling: Sampling = QWEN3_VL_SAMPLING,
                    async_scheduling: bool = False, warmup_records=(),
-                   max_num_batched_tokens: int = STEP_TOKENS) -> dict:
+                   max_num_batched_tokens: int = STEP_TOKENS, profiled: bool = False) -> dict:
     """Offline throughput with `output_tokens` (150) output tokens per record (ignore_eos), drawn
     with `sampling`, after an untimed run of `warmup_records` (`warm_up`); `kv_cache_dtype="fp8"`:
-    the same with an e4m3 KV cache (twice the tokens of bf16)."""
+    the same with an e4m3 KV cache (twice the tokens of bf16). `profiled`: the timed run under
+    torch.profiler, and where its device time went (`profile`: `device_profile.profiled_call`);
+    the profiler slows the host, so such a run's samples/s are not to report, its shares are."""
     engine = make_engine(checkpoint, model, device, kv_cache_dtype, async_scheduling, max_num_batched_tokens)
     fixed = sampling.params(max_tokens=output_tokens, ignore_eos=True, output_kind=OFFLINE_OUTPUTS)
     warmup = warm_up(engine, [build_messages(record) for record in warmup_records], [fixed] * len(warmup_records))
     conversations = [build_messages(record) for record in records]
-    results = {"warmup": warmup,
-               "fixed_150_tokens": engine_run_summary(engine, conversations, [fixed] * len(records))[0],
-               "sampling": asdict(sampling), "async_scheduling": async_scheduling,
-               "max_num_batched_tokens": max_num_batched_tokens}
+    results = {"warmup": warmup}
+
+    def timed_run() -> dict:
+        return engine_run_summary(engine, conversations, [fixed] * len(records))[0]
+
+    if profiled:
+        results["fixed_150_tokens"], results["profile"] = profiled_call(timed_run, device)
+    else:
+        results["fixed_150_tokens"] = timed_run()
+    results.update({"sampling": asdict(sampling), "async_scheduling": async_scheduling,
+                    "max_num_batched_tokens": max_num_batched_tokens})
     results.update(memory_summary(engine, device))
     engine.close()
     return results
@@ -505,18 +515,19 @@ def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, o
                        fp8_activations: bool = False, sampling: Sampling = QWEN3_VL_SAMPLING,
                        async_scheduling: bool = False, warmup_records=(), per_channel: bool = False,
                        fast_accumulation: bool = False, moe_gemm_choice: str | None = None,
-                       max_num_batched_tokens: int = STEP_TOKENS) -> dict:
+                       max_num_batched_tokens: int = STEP_TOKENS, profiled: bool = False) -> dict:
     """`measure_engine` with FP8 experts (`quantize_model`, which says what `fp8_activations` and
     `per_channel` quantize) and an FP8 KV cache; `fast_accumulation`: under
     VLM_CATALOG_FP8_FAST_ACCUMULATION=1 (`kernels.dispatch.fp8_accumulation`); `moe_gemm_choice`:
-    under VLM_CATALOG_MOE_GEMM=that (`kernels.moe.grouped_gemm.moe_gemm`; None: as set)."""
+    under VLM_CATALOG_MOE_GEMM=that (`kernels.moe.grouped_gemm.moe_gemm`; None: as set);
+    `profiled`: as `measure_engine`'s."""
     before = weight_sizes(model)
     block, dense_block = quantize_model(model, device, fp8_activations, per_channel)
     gemms = grouped_gemm.moe_gemm(moe_gemm_choice) if moe_gemm_choice else contextlib.nullcontext()
     with fp8_accumulation(fast_accumulation), gemms:
         results = measure_engine(checkpoint, model, device, records, output_tokens, kv_cache_dtype="fp8",
                                  sampling=sampling, async_scheduling=async_scheduling, warmup_records=warmup_records,
-                                 max_num_batched_tokens=max_num_batched_tokens)
+                                 max_num_batched_tokens=max_num_batched_tokens, profiled=profiled)
         results["moe_gemm"] = grouped_gemm.moe_gemm_choice()
     results["fp8_fast_accumulation"] = fast_accumulation
     results["before"] = before
@@ -526,46 +537,9 @@ def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, o
     return results
 
 
-# every decode step still runs (150 per record), at half the benchmark's batch, with half its prefill
+# engine_profile's records: every decode step still runs (150 per record), at half the benchmark's
+# batch, with half its prefill
 PROFILE_RECORDS = 128
-
-
-def measure_engine_profile(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
-                           sampling: Sampling = QWEN3_VL_SAMPLING, async_scheduling: bool = False,
-                           warmup_records=(), max_num_batched_tokens: int = STEP_TOKENS) -> dict:
-    """`engine_w8a8_channel`'s configuration (the default accumulation) on `records` under
-    torch.profiler, after the same untimed warm-up: its run summary, and where the device's time
-    went by region of the step, kind of kernel and kernel (`device_profile.profile_breakdown`).
-    The profiler slows the host, so its samples/s are not the phase's to report; the shares are.
-    A profiler failure is recorded beside the run's summary."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from vlm_catalog.bench.device_profile import profile_breakdown
-
-    quantize_model(model, device, fp8_activations=True, per_channel=True)
-    engine = make_engine(checkpoint, model, device, "fp8", async_scheduling, max_num_batched_tokens)
-    fixed = sampling.params(max_tokens=output_tokens, ignore_eos=True, output_kind=OFFLINE_OUTPUTS)
-    results = {"warmup": warm_up(engine, [build_messages(r) for r in warmup_records], [fixed] * len(warmup_records))}
-    conversations = [build_messages(record) for record in records]
-    on_cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    try:
-        started = time.perf_counter()
-        with profile(activities=activities) as profiler:
-            results["fixed_150_tokens"], _ = engine_run_summary(engine, conversations, [fixed] * len(records))
-            synchronize(device)
-        wall = time.perf_counter() - started
-        analysed = time.perf_counter()
-        results["profile"] = profile_breakdown(profiler, on_cuda, wall)
-        results["profile"]["analysis_seconds"] = time.perf_counter() - analysed
-    except Exception as exc:  # noqa: BLE001 - e.g. no CUPTI on this machine: the run's summary stands
-        traceback.print_exc()
-        results["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
-    results["async_scheduling"] = async_scheduling
-    results["max_num_batched_tokens"] = max_num_batched_tokens
-    results.update(memory_summary(engine, device))
-    engine.close()
-    return results
 
 
 def measure_constrained(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
@@ -893,9 +867,9 @@ def main(argv: list[str] | None = None) -> int:
                 "engine_w8a8_channel_fast": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
                     per_channel=True, fast_accumulation=True, **engine_options),
-                "engine_profile": lambda: measure_engine_profile(
+                "engine_profile": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records[: args.profile_records], args.output_tokens,
-                    **engine_options),
+                    fp8_activations=True, per_channel=True, profiled=True, **engine_options),
             }
             for phase in model_phases if model is not None else ():
                 run_phase(phase, measures[phase])

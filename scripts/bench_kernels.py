@@ -785,11 +785,13 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
                         "fp8 experts, per-channel": (per_channel, False, False),
                         "fp8 w8a8, per-channel": (per_channel, True, False),
                         "fp8 w8a8, per-channel, fast accumulation": (per_channel, True, True)}
+        fp8_times = {}  # variant -> ms, the grouped-GEMM rows' baselines among them
         for name, (experts, activations, fast) in fp8_variants.items():
             if experts is None:  # the shapes allow no block
                 continue
             with fp8_accumulation(fast):
-                fp8_ms = timer(partial(fused_moe_triton, *experts[0], **experts[1], fp8_activations=activations))
+                fp8_ms = fp8_times[name] = timer(partial(fused_moe_triton, *experts[0], **experts[1],
+                                                         fp8_activations=activations))
             rows.append(
                 Row(
                     f"fused_moe[{name}]",
@@ -800,8 +802,8 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
                     f"{teraflops(flops, fp8_ms)}, weights {gigabytes_per_second(weight_bytes // element, fp8_ms)}",
                 )
             )
-        rows += _grouped_gemm_rows(num_tokens, inputs, per_channel, ms, flops, weight_bytes, element, shapes,
-                                   timer)
+        rows += _grouped_gemm_rows(num_tokens, inputs, per_channel, ms, fp8_times.get("fp8 w8a8, per-channel"),
+                                   flops, weight_bytes, element, shapes, timer)
         align_args = (ids, shapes.num_experts, config.block_size_m)
         ms = timer(partial(moe_align_block_size_triton, *align_args))
         rows.append(
@@ -831,25 +833,24 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
     return rows
 
 
-def _grouped_gemm_rows(num_tokens, inputs, per_channel, triton_ms, flops, weight_bytes, element, shapes,
-                       timer) -> list[Row]:
-    """The experts on torch's grouped GEMMs (kernels/moe/grouped_gemm.py) against the Triton kernels,
-    at prefill sizes: bf16, and per-channel W8A8 against its Triton row (the sums into float32 every
-    K step on both). Where torch or the device lacks an op, the row's note says why."""
+def _grouped_gemm_rows(num_tokens, inputs, per_channel, triton_ms, channel_triton_ms, flops, weight_bytes, element,
+                       shapes, timer) -> list[Row]:
+    """The experts on torch's grouped GEMMs (kernels/moe/grouped_gemm.py) against the Triton kernels'
+    rows timed just before (`triton_ms`, bf16; `channel_triton_ms`, per-channel W8A8, the sums into
+    float32 every K step on both), at prefill sizes. Where the GPU's torch fails the op, the row's
+    note says why."""
     import torch
 
-    from kernels.moe.fused_moe import fused_moe_triton
     from kernels.moe.grouped_gemm import device_supported, fused_moe_grouped_gemm
 
     if num_tokens < shapes.grouped_gemm_min_tokens or inputs[0].dtype != torch.bfloat16:
         return []
     rows = []
     variants = {"grouped_mm": (inputs, {}, "bf16", "bf16 experts (Triton)", triton_ms)}
-    if per_channel is not None:
-        channel_args, channel_scales = per_channel[0], dict(per_channel[1], fp8_activations=True)
+    if per_channel is not None and channel_triton_ms is not None:
         variants["fp8 w8a8, per-channel, grouped_mm"] = (
-            channel_args, channel_scales, "w8a8_channel", "per-channel W8A8 (Triton)",
-            timer(partial(fused_moe_triton, *channel_args, **channel_scales)))
+            per_channel[0], dict(per_channel[1], fp8_activations=True), "w8a8_channel", "per-channel W8A8 (Triton)",
+            channel_triton_ms)
     for name, (args, scales, kind, baseline, baseline_ms) in variants.items():
         device = args[0].device
         if not device_supported(device, kind) and (device.type == "cuda" or kind != "bf16"):

@@ -48,13 +48,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
 from kernels.activation import silu_and_mul, silu_and_mul_quantize
-from kernels.dispatch import environment_variable, fp8_fast_accumulation, kernels_off
+from kernels.dispatch import (
+    environment_choice,
+    environment_variable,
+    fp8_fast_accumulation,
+    kernels_off,
+)
 from kernels.fp8 import FP8_DTYPE, quantize_activations
 from kernels.rms_norm import gathered_terms_reference
 
@@ -83,10 +87,7 @@ def moe_gemm(choice: str) -> contextlib.AbstractContextManager:
 
 def moe_gemm_choice() -> str:
     """The setting of `VLM_CATALOG_MOE_GEMM` (``triton`` when unset); anything else is an error."""
-    choice = os.environ.get(MOE_GEMM_ENV_VAR, "triton").strip().lower() or "triton"
-    if choice not in MOE_GEMMS:
-        raise ValueError(f"{MOE_GEMM_ENV_VAR}={choice!r} is not one of {', '.join(MOE_GEMMS)}")
-    return choice
+    return environment_choice(MOE_GEMM_ENV_VAR, MOE_GEMMS)
 
 
 def expert_format(w13: torch.Tensor, block_shape: tuple[int, int] | None, fp8_activations: bool) -> str | None:

@@ -90,3 +90,27 @@ def test_on_cuda_kernels_count_and_the_marks_device_ranges_do_not():
     region = breakdown["regions"]["vlm.text_forward.decode"]
     assert region["kinds"] == {"gemm": pytest.approx(50e-6), "attention": pytest.approx(30e-6)}
     assert breakdown["busy_seconds"] == pytest.approx(80e-6) and breakdown["busy_fraction"] == pytest.approx(0.4)
+
+
+def test_a_profiled_call_returns_its_result_and_where_its_time_went(monkeypatch):
+    from vlm_catalog.bench import device_profile
+
+    a = torch.randn(64, 64)
+    result, breakdown = device_profile.profiled_call(lambda: (a @ a).sum().item(), torch.device("cpu"))
+    assert result == pytest.approx(float((a @ a).sum()))
+    assert breakdown["kernel_seconds"] > 0 and breakdown["analysis_seconds"] >= 0
+
+    def refuse(**kwargs):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+    monkeypatch.setattr("torch.profiler.profile", refuse)  # the profiler cannot start: the call runs unprofiled
+    calls = []
+    result, breakdown = device_profile.profiled_call(lambda: calls.append(1) or 7, torch.device("cpu"))
+    assert result == 7 and calls == [1] and breakdown == {"error": "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"}
+    monkeypatch.undo()
+
+    def failing():
+        raise ValueError("the engine's own error")
+
+    with pytest.raises(ValueError, match="own error"):  # not the profiler's: raised, not run again
+        device_profile.profiled_call(failing, torch.device("cpu"))

@@ -20,9 +20,16 @@ each torch op's own CPU time stands in, so the same code runs in CI.
 from __future__ import annotations
 
 import re
+import time
+import traceback
 from collections import defaultdict
+from collections.abc import Callable
+from typing import TypeVar
 
+import torch
 from torch.autograd import DeviceType
+
+T = TypeVar("T")
 
 REGION_PREFIX = "vlm."
 UNMARKED = "unmarked"
@@ -126,3 +133,35 @@ def profile_breakdown(profiler, on_cuda: bool, wall_seconds: float) -> dict:
         "kernel_seconds": sum(region["seconds"] for region in regions.values()),
         "regions": regions,
     }
+
+
+def profiled_call(call: Callable[[], T], device: torch.device) -> tuple[T, dict]:
+    """`call()` under torch.profiler (the device's kernels on CUDA, the ops on CPU): its result,
+    and `profile_breakdown` of it with the analysis's own seconds. If the profiler fails (no
+    CUPTI, say), the error is the breakdown and the call's result still stands (run unprofiled
+    if the profiler failed before it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    stage = "starting"  # the profiler's, then the call's, then the profiler's again
+    try:
+        started = time.perf_counter()
+        with profile(activities=activities) as profiler:
+            stage = "calling"
+            result = call()
+            stage = "analysing"
+            if on_cuda:
+                torch.cuda.synchronize(device)
+        wall = time.perf_counter() - started
+        analysed = time.perf_counter()
+        breakdown = profile_breakdown(profiler, on_cuda, wall)
+        breakdown["analysis_seconds"] = time.perf_counter() - analysed
+    except Exception as exc:  # noqa: BLE001 - the profiler's failure: reported, the call's result kept
+        if stage == "calling":  # the call's own error
+            raise
+        traceback.print_exc()
+        if stage == "starting":
+            result = call()
+        breakdown = {"error": f"{type(exc).__name__}: {exc}"}
+    return result, breakdown
