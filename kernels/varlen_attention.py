@@ -29,6 +29,7 @@ per-segment choice otherwise reads `cu_seqlens` back from the device (a sync).
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,54 @@ def varlen_attention_reference(
 
 
 # --------------------------------------------------------------------------- triton
+@dataclass(frozen=True)
+class VarlenTiles:
+    """A launch of the Triton kernel: BLOCK_M query rows and BLOCK_N keys per step."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.block_m}x{self.block_n} tiles, {self.num_warps} warps, {self.num_stages} stages"
+
+
+# Tiles Hopper attention kernels run long segments with (two warpgroups of 64 query rows), against
+# `varlen_tiles`' 64-row tiles on one warpgroup. sm_90 builds (tests/kernels/sm90_compile.py, D=72,
+# bf16): 147 registers and 404 instructions per 64 keys, and 208 and 637 per 128 keys, no spills.
+# Not the default until an H100 has timed them: bench_kernels' varlen_attention[triton, <label>] rows.
+WIDE_TILE_CANDIDATES = (
+    VarlenTiles(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    VarlenTiles(block_m=128, block_n=128, num_warps=8, num_stages=2),
+)
+
+
+def varlen_tiles(max_seqlen: int, head_dim: int, element_size: int) -> VarlenTiles:
+    """The kernel's tiles for segments of up to `max_seqlen` rows (as measured on the H100 of
+    2026-11-25 at 64 rows, 64 keys and 4 warps)."""
+    block_m = 64 if max_seqlen > 32 else 16
+    # float32 tiles take twice the registers: at 64 x 64 and 4 warps ptxas spills ~30 KB
+    # (tests/kernels/sm90_compile.py --float32); 64 x 32 on 8 warps spills nothing.
+    wide_elements = element_size > 2
+    block_n = 32 if head_dim > 128 or wide_elements else 64
+    return VarlenTiles(block_m, block_n, num_warps=8 if wide_elements else 4, num_stages=2)
+
+
+def head_column_tiles(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_D, TAIL_D): the kernel holds a head as a power-of-two column tile and, where that
+    pads fewer columns, a second one of at least 16 (a tensor-core step; 0: none). The vision
+    tower's 72 -> (64, 16): 80 columns of dot work, against 128 in one tile; 128 -> (128, 0);
+    100 -> (128, 0), since 64 + 64 pads as much."""
+    whole = 1 << (head_dim - 1).bit_length()  # the next power of two >= head_dim
+    if whole == head_dim:
+        return head_dim, 0
+    main = whole // 2
+    tail = max(16, 1 << (head_dim - main - 1).bit_length())
+    return (whole, 0) if main + tail >= whole else (main, tail)
+
+
 def varlen_attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -74,10 +123,12 @@ def varlen_attention_triton(
     *,
     max_seqlen: int | None = None,
     max_segment_len: int | None = None,
+    tiles: VarlenTiles | None = None,
 ) -> torch.Tensor:
     """`max_seqlen`: optional host-side longest segment (otherwise computed: a device sync).
     `max_segment_len`: segments longer than this are not computed (their rows of the
-    output are left unwritten, for another backend); None computes all."""
+    output are left unwritten, for another backend); None computes all.
+    `tiles`: the launch's tiles (None: `varlen_tiles`)."""
     import triton
 
     from kernels.jit.varlen_attention import varlen_attention_kernel
@@ -103,14 +154,14 @@ def varlen_attention_triton(
         return out
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    block_m = 64 if max_seqlen > 32 else 16
-    # float32 tiles take twice the registers: at 64 x 64 and 4 warps ptxas spills ~30 KB
-    # (tests/kernels/sm90_compile.py --float32); 64 x 32 on 8 warps spills nothing.
-    wide_elements = q.element_size() > 2
-    block_n = 32 if head_dim > 128 or wide_elements else 64
+    if tiles is None:
+        tiles = varlen_tiles(max_seqlen, head_dim, q.element_size())
+    # two column tiles save tensor-core work on 16-bit inputs; float32 dots run on the FMA
+    # units, where the second tile's accumulator spilled 1.2 KB at D=72 (sm90_compile --float32)
+    block_d, tail_d = head_column_tiles(head_dim) if q.element_size() == 2 else (1 << (head_dim - 1).bit_length(), 0)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                out.stride(0), out.stride(1))
-    grid = (triton.cdiv(max(max_seqlen, 1), block_m), num_segments, num_heads)
+    grid = (triton.cdiv(max(max_seqlen, 1), tiles.block_m), num_segments, num_heads)
     varlen_attention_kernel[grid](
         # pointers
         q,
@@ -125,13 +176,15 @@ def varlen_attention_triton(
         *strides,
         # meta-parameters
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        TAIL_D=tail_d,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
         DOT_PRECISION=dot_precision(q.dtype),
         STRIDE_MULTIPLE=common_power_of_two(strides),
-        num_warps=8 if wide_elements else 4,
-        num_stages=2,
+        UNMASKED_WHOLE_TILES=q.element_size() == 2,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return out
 

@@ -521,6 +521,7 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
         paged_prefill_attention_triton,
     )
     from kernels.varlen_attention import (
+        WIDE_TILE_CANDIDATES,
         _sdpa_segments,
         varlen_attention_reference,
         varlen_attention_triton,
@@ -669,47 +670,28 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
         cu_seqlens = (torch.arange(images + 1, device=device) * patches).to(torch.int32)
         vision_scale = shapes.vision_head_dim**-0.5
         varlen_args = (q, k, v, cu_seqlens, vision_scale)
-        ms = timer(partial(varlen_attention_triton, *varlen_args, max_seqlen=patches))
+        case = f"{images} images x {patches} patches"
+        reference_ms = timer(partial(varlen_attention_reference, *varlen_args))
         flops = 4 * images * patches * patches * shapes.vision_heads * shapes.vision_head_dim
-        rows.append(
-            Row(
-                "varlen_attention",
-                f"{images} images x {patches} patches",
-                ms,
-                "SDPA per segment (reference)",
-                timer(partial(varlen_attention_reference, *varlen_args)),
-                teraflops(flops, ms),
-                note="sets SDPA_MIN_SEGMENT_LEN (crossover by segment length)",
-            )
-        )
+
+        def vision_row(name: str, ms: float, case=case, reference_ms=reference_ms, flops=flops, **extra) -> Row:
+            return Row(name, case, ms, "SDPA per segment (reference)", reference_ms, teraflops(flops, ms), **extra)
+
+        ms = timer(partial(varlen_attention_triton, *varlen_args, max_seqlen=patches))
+        rows.append(vision_row("varlen_attention", ms, note="sets SDPA_MIN_SEGMENT_LEN (crossover by segment length)"))
+        # the kernel at the tiles Hopper attention kernels take for long segments (the default's candidates)
+        for tiles in WIDE_TILE_CANDIDATES:
+            ms = timer(partial(varlen_attention_triton, *varlen_args, max_seqlen=patches, tiles=tiles))
+            rows.append(vision_row(f"varlen_attention[triton, {tiles.label}]", ms,
+                                   note="sets varlen_tiles for long segments"))
         # the long images' per-segment SDPA with cuDNN's attention first (VLM_CATALOG_SDPA_BACKEND=cudnn)
         bounds = [(image * patches, (image + 1) * patches) for image in range(images)]
         cudnn_sdpa = partial(_sdpa_segments, q, k, v, bounds, vision_scale, torch.empty_like(q), backend="cudnn")
-        ms = timer(cudnn_sdpa)
-        rows.append(
-            Row(
-                "varlen_attention[sdpa, cudnn]",
-                f"{images} images x {patches} patches",
-                ms,
-                "SDPA per segment (reference)",
-                timer(partial(varlen_attention_reference, *varlen_args)),
-                teraflops(flops, ms),
-                note=cudnn_refusal(cudnn_sdpa, q.device) or "sets VLM_CATALOG_SDPA_BACKEND's default",
-            )
-        )
+        rows.append(vision_row("varlen_attention[sdpa, cudnn]", timer(cudnn_sdpa),
+                               note=cudnn_refusal(cudnn_sdpa, q.device) or "sets VLM_CATALOG_SDPA_BACKEND's default"))
         if flash_varlen_usable(q, "bidirectional"):  # what the vision tower runs first
             ms = timer(partial(flash_varlen_attention, *varlen_args, patches))
-            rows.append(
-                Row(
-                    "varlen_attention[flash varlen]",
-                    f"{images} images x {patches} patches",
-                    ms,
-                    "SDPA per segment (reference)",
-                    timer(partial(varlen_attention_reference, *varlen_args)),
-                    teraflops(flops, ms),
-                    target_speedup=1.0,
-                )
-            )
+            rows.append(vision_row("varlen_attention[flash varlen]", ms, target_speedup=1.0))
     return rows
 
 

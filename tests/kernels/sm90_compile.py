@@ -364,7 +364,7 @@ def prefill_case(cache_dtype: torch.dtype, dtype: torch.dtype = BF16):
                                    max_query_len=512)
 
 
-def vision_attention_case(dtype: torch.dtype = BF16):
+def vision_attention_case(dtype: torch.dtype = BF16, tiles=None):
     from kernels.varlen_attention import varlen_attention_triton
     from kernels.vision_rotary import vision_rotary_triton
 
@@ -377,7 +377,7 @@ def vision_attention_case(dtype: torch.dtype = BF16):
     else:
         q, k = q.contiguous(), k.contiguous()
     cu_seqlens = torch.arange(0, patches + 1, 1024, dtype=torch.int32)
-    varlen_attention_triton(q, k, v, cu_seqlens, VISION_HEAD_DIM**-0.5, max_seqlen=1024)
+    varlen_attention_triton(q, k, v, cu_seqlens, VISION_HEAD_DIM**-0.5, max_seqlen=1024, tiles=tiles)
 
 
 def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
@@ -396,6 +396,7 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
         rms_norm_triton,
     )
     from kernels.rotary import qk_norm_mrope_triton
+    from kernels.varlen_attention import WIDE_TILE_CANDIDATES
 
     tokens = 256
     weight = empty(HIDDEN)
@@ -428,6 +429,8 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
            lambda count=count: moe_align_block_size_triton(routing(count)[1], EXPERTS, 16))
           for count in (1, 32, 4096)),
         ("vision_rotary + varlen_attention[bf16, D=72]", vision_attention_case),
+        *((f"varlen_attention[bf16, D=72, {tiles.label}]", lambda tiles=tiles: vision_attention_case(tiles=tiles))
+          for tiles in WIDE_TILE_CANDIDATES),
     ]
     attention_dtypes = [BF16] + ([FP32] if include_float32 else [])
     for dtype in attention_dtypes:
