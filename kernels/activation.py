@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kernels.checks import FLOAT_DTYPES, check_dtype, check_unit_stride_last_dim
 from kernels.dispatch import use_triton
 from kernels.fp8 import FP8_DTYPE, quantize_activations_reference
+from kernels.pdl import launch_options
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
@@ -65,6 +66,7 @@ def silu_and_mul_quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.T
         # meta-parameters
         BLOCK_SIZE=block_size,
         num_warps=min(max(block_size // 256, 1), 8),
+        **launch_options(x),
     )
     return quantized, scale
 
@@ -93,6 +95,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         # meta-parameters
         BLOCK_SIZE=block_size,
         num_warps=4,
+        **launch_options(x),
     )
     return out
 

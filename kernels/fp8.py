@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.pdl import launch_options
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 
@@ -98,6 +100,7 @@ def quantize_activations_triton(
     quantize_activations_kernel[(triton.cdiv(rows, block_rows), scale.shape[1])](
         values, quantized, scale, rows, cols, values.stride(0), quantized.stride(0), scale.stride(0), scale.stride(1),
         GROUP=group, BLOCK_ROWS=block_rows, num_warps=4,
+        **launch_options(values),
     )
     return quantized, scale
 

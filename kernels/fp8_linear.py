@@ -43,6 +43,7 @@ from kernels.fp8 import (
     quantize_activations,
 )
 from kernels.moe.configs import MoeKernelConfig, as_moe_config
+from kernels.pdl import launch_options
 
 
 def fp8_linear(
@@ -152,6 +153,7 @@ def fp8_linear_triton(
         SCALE_AFTER_LOOP=scale_after_loop,
         IMPRECISE_ACC_K=imprecise_accumulation(block_k),
         **config.launch_options(),
+        **launch_options(inputs),
     )
     return out.view(*x.shape[:-1], out_features)  # [..., N]
 

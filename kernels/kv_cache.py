@@ -27,6 +27,7 @@ from kernels.checks import (
 )
 from kernels.dispatch import use_triton
 from kernels.fp8 import FP8_DTYPE, FP8_MAX
+from kernels.pdl import launch_options
 
 
 def check_paged_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -186,6 +187,7 @@ def reshape_and_cache_triton(
         BLOCK_D=triton.next_power_of_2(head_dim),
         SATURATE_FP8=k_cache.dtype == FP8_DTYPE,
         num_warps=4,
+        **launch_options(k),
     )
 
 

@@ -37,6 +37,7 @@ from kernels.paged_decode_configs import (
     DecodeKernelConfig,
     get_decode_config,
 )
+from kernels.pdl import launch_options
 
 MAX_SPLITS = 64  # the reduce kernel holds all splits of one head in registers
 
@@ -417,6 +418,7 @@ def _launch_decode(
         V_WORDS=v_words,
         WIDEN_WITH_PTX=v_words and widens_with_ptx(paged_decode_split_kernel),
         **config.launch_options(),
+        **launch_options(q),
     )
     if single_split:
         return out
@@ -444,6 +446,7 @@ def _launch_decode(
         BLOCK_SPLITS=triton.next_power_of_2(num_splits),
         BLOCK_N=block_n,
         num_warps=4,
+        **launch_options(partial_out),
     )
     return out
 

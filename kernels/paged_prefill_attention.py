@@ -69,6 +69,7 @@ from kernels.kv_cache import (
     to_cache_dtype,
 )
 from kernels.paged_decode_attention import paged_attention_rows
+from kernels.pdl import launch_options
 
 PREFILL_BACKEND_ENV_VAR = "VLM_CATALOG_PREFILL_ATTENTION"
 PREFILL_BACKENDS = ("flash", "triton", "sdpa")
@@ -264,6 +265,7 @@ def paged_prefill_attention_triton(
         FP16_DOTS=float16_dots(q.dtype, k_cache.dtype),
         num_warps=4,
         num_stages=2,
+        **launch_options(q),
     )
     return out
 

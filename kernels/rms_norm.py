@@ -26,6 +26,7 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton
+from kernels.pdl import launch_options
 
 
 # --------------------------------------------------------------------------- reference
@@ -137,6 +138,7 @@ def _launch(
             NUM_TERMS=num_terms,
             GATHER_TERMS=gather is not None,
             num_warps=min(max(block_size // 256, 1), 16),
+            **launch_options(rows),
         )
     out = out.view(out_shape)  # [..., H]
     if residual is None:

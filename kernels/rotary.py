@@ -29,6 +29,7 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton
+from kernels.pdl import launch_options
 from kernels.rms_norm import rms_norm_reference
 from kernels.strides import common_power_of_two
 
@@ -171,6 +172,7 @@ def qk_norm_mrope_triton(
         HEAD_STRIDE_MULTIPLE=common_power_of_two(
             (q.stride(1), k.stride(1), q_out.stride(1), k_out.stride(1))),
         num_warps=4,
+        **launch_options(q),
     )
     return q_out, k_out
 

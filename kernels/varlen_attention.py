@@ -45,6 +45,7 @@ from kernels.checks import (
 )
 from kernels.dispatch import kernel_backend, use_triton
 from kernels.flash_varlen import flash_varlen_usable, try_flash_varlen_attention
+from kernels.pdl import launch_options
 from kernels.sdpa_backend import long_segment_sdpa
 from kernels.strides import common_power_of_two
 
@@ -185,6 +186,7 @@ def varlen_attention_triton(
         UNMASKED_WHOLE_TILES=q.element_size() == 2,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        **launch_options(q),
     )
     return out
 

@@ -28,6 +28,7 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton
+from kernels.pdl import launch_options
 from kernels.rotary import rotate_half
 from kernels.strides import common_power_of_two
 
@@ -101,6 +102,7 @@ def vision_rotary_triton(
         BLOCK_HEADS=triton.next_power_of_2(num_heads),
         STRIDE_MULTIPLE=common_power_of_two((q.stride(1), k.stride(1), q_out.stride(1), cos.stride(0), sin.stride(0))),
         num_warps=4,
+        **launch_options(q),
     )
     return q_out, k_out
 

@@ -84,6 +84,7 @@ from kernels.dispatch import fp8_accumulation, kernels_off
 from kernels.fp8 import per_channel_block
 from kernels.moe import grouped_gemm
 from kernels.moe.grouped_gemm import moe_gemm_choice
+from kernels.pdl import pdl_requested, programmatic_dependent_launch
 from kernels.sdpa_backend import sdpa_backend
 from vlm_catalog.bench.device_profile import profiled_call
 from vlm_catalog.bench.random_model import (
@@ -226,6 +227,7 @@ def measure_roofline(model, device: torch.device, ceilings: dict) -> dict:
     decode_seconds = batch1["seconds"]
     floor = active_weight_bytes(model) / ceilings["copy_bandwidth_bytes_per_s"]
     release_memory(device)
+    batch1_pdl = measure_decode_batch1_with_pdl(model, device, context_bound=tokens, floor=floor)
     batch, context = (DECODE_BATCH, DECODE_CONTEXT) if device.type == "cuda" else (4, 32)
     try:
         large_batch = measure_decode_batch(model, device, batch, context, context_bound=tokens)
@@ -243,8 +245,27 @@ def measure_roofline(model, device: torch.device, ceilings: dict) -> dict:
         "active_weight_bytes": active_weight_bytes(model),
         "cuda_graphs": batch1["cuda_graphs"],
         "decode_batch1_kernels": batch1["kernels"],  # where the step's time goes (kernel_breakdown)
+        "decode_batch1_pdl": batch1_pdl,  # the same step with the other VLM_CATALOG_PDL setting
         "decode_large_batch": large_batch,  # a decode step of many sequences, and its kernels
     }
+
+
+def measure_decode_batch1_with_pdl(model, device: torch.device, context_bound: int, floor: float) -> dict:
+    """The batch-1 decode step captured with the other programmatic-dependent-launch setting
+    than the run's (kernels/pdl.py; on when VLM_CATALOG_PDL is unset): its seconds, their ratio
+    to the weight-bandwidth floor, and its kernels. An error is recorded, not raised."""
+    if device.type != "cuda":
+        return {"skipped": "programmatic dependent launch needs a CUDA device"}
+    enabled = not pdl_requested()
+    try:
+        with programmatic_dependent_launch(enabled):
+            step = measure_decode_batch(model, device, batch=1, context=100, context_bound=context_bound, repeats=20)
+    except Exception as exc:  # noqa: BLE001 - e.g. a capture that refuses the launches: the step above stands
+        return {"pdl": enabled, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        release_memory(device)
+    return {"pdl": enabled, "seconds": step["seconds"], "over_floor": step["seconds"] / floor,
+            "kernels": step["kernels"]}
 
 
 # A decode step as the engine's throughput runs take them (a batch of 256), with short contexts:
@@ -777,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     results["date"] = time.strftime("%Y-%m-%d")
     results["versions"] = package_versions()
     results["kernels_off"] = sorted(kernels_off())  # ops sent to their torch reference (VLM_CATALOG_KERNELS_OFF)
+    results["pdl"] = pdl_requested()  # Triton kernels launched with programmatic dependent launch (VLM_CATALOG_PDL)
     results["engine_output_kind"] = OFFLINE_OUTPUTS  # what the engine phases' requests ask for
     results["moe_gemm"] = moe_gemm_choice()  # the MoE experts' GEMMs at prefill sizes (VLM_CATALOG_MOE_GEMM)
     results["sdpa_backend"] = sdpa_backend()  # the long images' SDPA kernel order (VLM_CATALOG_SDPA_BACKEND)

@@ -141,6 +141,13 @@ def roofline_section(record: dict, previous: dict | None) -> str | None:
              f"decode step at batch 1: {number(1e3 * roofline.get('decode_batch1_seconds', math.nan), 3)} ms, "
              f"{number(roofline.get('decode_over_floor'))}x the floor"
              + (f" (was {number(old['decode_over_floor'])}x)" if "decode_over_floor" in old else "") + " (target 1.5x)"]
+    other = roofline.get("decode_batch1_pdl")  # the same step with the other VLM_CATALOG_PDL setting
+    if isinstance(other, dict) and "seconds" in other:
+        lines.append(f"the same with programmatic dependent launch {'on' if other.get('pdl') else 'off'}: "
+                     f"{number(1e3 * other['seconds'], 3)} ms, {number(other.get('over_floor'))}x the floor")
+    elif isinstance(other, dict) and "error" in other:
+        lines.append(f"the same with programmatic dependent launch {'on' if other.get('pdl') else 'off'}: "
+                     f"error: {other['error']}")
     text = "## Roofline\n\n" + "\n".join(f"- {line}" for line in lines)
     for key in ("decode_batch1_kernels", "decode_large_batch"):
         value = roofline.get(key)

@@ -180,6 +180,10 @@ PLANS: dict[str, tuple[Step, ...]] = {
              max_s=90, min_s=30, env=(("VLM_CATALOG_KERNELS_OFF", "fp8_v_words"),)),
         Step("tune_decode_fp8", bench_kernels("--tune-decode", "--fp8"), max_s=200, min_s=60,
              tail_to="tune_decode_fp8.txt", tail_lines=200),
+        # the default engine with every Triton kernel launched with programmatic dependent launch
+        # (kernels/pdl.py; the roofline phase times the batch-1 decode step both ways)
+        Step("engine_pdl", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel", "--json",
+                            "{out}/engine_pdl.json"), max_s=130, min_s=100, env=(("VLM_CATALOG_PDL", "1"),)),
     ),
     # on CPU with the default model's shapes: the runner and the JSON merge, end to end (a test)
     "smoke": (

@@ -5,6 +5,7 @@ import triton
 import triton.language as tl
 
 from kernels.jit.fp8_quant import saturate_fp8
+from kernels.jit.pdl import after_previous_grid
 
 
 @triton.jit
@@ -30,6 +31,7 @@ def silu_and_mul_kernel(
     # meta-parameters
     BLOCK_SIZE: tl.constexpr,
 ):
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = cols < intermediate
@@ -52,6 +54,7 @@ def silu_and_mul_quantize_kernel(
     # meta-parameters
     BLOCK_SIZE: tl.constexpr,  # next power of two >= intermediate: the whole row in one program
 ):
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_SIZE)
     mask = cols < intermediate

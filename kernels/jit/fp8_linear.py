@@ -30,6 +30,7 @@ import triton.language as tl
 from kernels.jit.block_scales import column_scales
 from kernels.jit.fp8_widen import widen_e4m3
 from kernels.jit.fused_moe import grouped_tile
+from kernels.jit.pdl import after_previous_grid
 
 
 @triton.jit
@@ -65,6 +66,7 @@ def fp8_linear_kernel(
     SCALE_AFTER_LOOP: tl.constexpr,  # QUANT_K >= in_features: scales applied once (module doc)
     IMPRECISE_ACC_K: tl.constexpr,  # SCALE_AFTER_LOOP FP8 x FP8: products summed before float32 (module doc)
 ):
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     m_block, n_block = grouped_tile(
         tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(out_features, BLOCK_N), GROUP_M
     )

@@ -11,6 +11,8 @@ passes. Used between the two GEMMs of the fused MoE with FP8 activations.
 import triton
 import triton.language as tl
 
+from kernels.jit.pdl import after_previous_grid
+
 
 @triton.jit
 def saturate_fp8(x):
@@ -36,6 +38,7 @@ def quantize_activations_kernel(
     GROUP: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
 ):
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     row_block = tl.program_id(0)
     group = tl.program_id(1)
     row = (row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)  # [BLOCK_ROWS]

@@ -47,6 +47,7 @@ import triton.language as tl
 
 from kernels.jit.block_scales import column_scales
 from kernels.jit.fp8_widen import widen_e4m3
+from kernels.jit.pdl import after_previous_grid
 from kernels.jit.rounding import round_through
 
 
@@ -101,6 +102,7 @@ def moe_gate_up_silu_kernel(
     SCALE_AFTER_LOOP: tl.constexpr,  # FP8_WEIGHTS with QUANT_K >= hidden_size: scales applied once (module doc)
     IMPRECISE_ACC_K: tl.constexpr,  # SCALE_AFTER_LOOP FP8 x FP8: products summed before float32 (module doc)
 ):
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     m_block, n_block = grouped_tile(
         tl.program_id(0), num_m_blocks, tl.cdiv(intermediate, BLOCK_N), GROUP_M
     )
@@ -224,6 +226,7 @@ def moe_down_kernel(
     SCALE_AFTER_LOOP: tl.constexpr,  # FP8_WEIGHTS with QUANT_K >= intermediate: scales applied once (module doc)
     IMPRECISE_ACC_K: tl.constexpr,  # SCALE_AFTER_LOOP FP8 x FP8: products summed before float32 (module doc)
 ):
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     m_block, n_block = grouped_tile(
         tl.program_id(0), num_m_blocks, tl.cdiv(hidden_size, BLOCK_N), GROUP_M
     )

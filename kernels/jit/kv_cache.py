@@ -4,6 +4,7 @@ import triton
 import triton.language as tl
 
 from kernels.jit.fp8_quant import saturate_fp8
+from kernels.jit.pdl import after_previous_grid
 
 
 @triton.jit
@@ -34,6 +35,7 @@ def reshape_and_cache_kernel(
     BLOCK_D: tl.constexpr,
     SATURATE_FP8: tl.constexpr,  # the cache is float8 e4m3: clamp to +-448 before rounding
 ):
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:

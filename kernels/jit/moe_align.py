@@ -11,6 +11,8 @@ what lies past `num_tokens_post_padded` is left unwritten."""
 import triton
 import triton.language as tl
 
+from kernels.jit.pdl import after_previous_grid
+
 
 @triton.jit
 def expert_segment(counts, experts, expert, block_size_m):
@@ -59,6 +61,7 @@ def moe_count_kernel(
     # meta-parameters
     BLOCK: tl.constexpr,
 ):
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     expert = tl.program_id(0)
     hits = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, num_pairs, BLOCK):
@@ -86,6 +89,7 @@ def moe_scatter_kernel(
     COUNT_HERE: tl.constexpr,  # count every expert's pairs here instead of reading counts_ptr
     COUNT_BLOCK: tl.constexpr,  # pairs per step of that count ([BLOCK_EXPERTS, COUNT_BLOCK] compares)
 ):
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     expert = tl.program_id(0)
 
     # this expert's padded segment, from an exclusive prefix sum over all experts

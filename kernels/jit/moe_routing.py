@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from kernels.jit.moe_align import expert_segment, write_segment_blocks_and_padding
+from kernels.jit.pdl import after_previous_grid
 
 
 @triton.jit
@@ -61,6 +62,7 @@ def route_topk_kernel(
     RENORMALIZE: tl.constexpr,
 ):
     """One program per token."""
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_EXPERTS)
     logits = tl.load(
@@ -108,6 +110,7 @@ def route_topk_align_kernel(
     """One program per expert; each routes every token (a [BLOCK_T, BLOCK_EXPERTS] tile: decode
     batches only), counts every expert's pairs from what the tokens chose, and writes its own
     expert's segment of the align layout, as `moe_scatter_kernel` does."""
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     expert = tl.program_id(0)
     tokens = tl.arange(0, BLOCK_T)
     token_mask = tokens < num_tokens

@@ -63,6 +63,7 @@ import triton.language as tl
 
 from kernels.jit.fp8_quant import saturate_fp8
 from kernels.jit.fp8_widen import e4m3_words_to_float16, saturate_float16
+from kernels.jit.pdl import after_previous_grid
 
 
 @triton.jit
@@ -126,6 +127,7 @@ def paged_decode_split_kernel(
     V_WORDS: tl.constexpr,  # FP16_DOTS: V read as 4-byte words and widened where it lands (module doc)
     WIDEN_WITH_PTX: tl.constexpr,  # V_WORDS on a GPU: V widened by inline PTX (the interpreter runs none)
 ):
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -303,6 +305,7 @@ def paged_decode_reduce_kernel(
     BLOCK_SPLITS: tl.constexpr,  # next power of two >= num_splits
     BLOCK_N: tl.constexpr,  # the split kernel's (split_length)
 ):
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)

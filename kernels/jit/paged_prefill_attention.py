@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.jit.fp8_widen import saturate_float16
+from kernels.jit.pdl import after_previous_grid
 
 
 @triton.jit
@@ -57,6 +58,7 @@ def paged_prefill_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     FP16_DOTS: tl.constexpr,  # FP8 cache, 16-bit query: both dots in float16 (module docstring)
 ):
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     query_tile = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)

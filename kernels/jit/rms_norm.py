@@ -5,6 +5,8 @@ MoE's output and weighted here); one program per row."""
 import triton
 import triton.language as tl
 
+from kernels.jit.pdl import after_previous_grid
+
 
 @triton.jit
 def rms_norm_kernel(
@@ -31,6 +33,7 @@ def rms_norm_kernel(
     NUM_TERMS: tl.constexpr,  # 1: x is the row itself
     GATHER_TERMS: tl.constexpr,  # term k of row t: x[term_rows[t, k]] * term_weights[t, k]
 ):
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_SIZE)
     mask = cols < hidden_size

@@ -11,6 +11,8 @@ output dtype. All arithmetic is float32 (bfloat16 only at loads/stores/casts).
 import triton
 import triton.language as tl
 
+from kernels.jit.pdl import after_previous_grid
+
 
 @triton.jit
 def load_head_halves(
@@ -133,6 +135,7 @@ def qk_norm_mrope_kernel(
     SECTION_W: tl.constexpr,  # mrope_section[2]
     HEAD_STRIDE_MULTIPLE: tl.constexpr,  # every head stride is a multiple of this
 ):
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     token = tl.program_id(0).to(tl.int64)
 
     # cos/sin for this token, computed inline from its three positions

@@ -12,6 +12,8 @@ of a segment is whole and is read without masks."""
 import triton
 import triton.language as tl
 
+from kernels.jit.pdl import after_previous_grid
+
 
 @triton.jit
 def _load_rows(ptr, rows, row_mask, FIRST_DIM: tl.constexpr, MASK_ROWS: tl.constexpr, WIDTH: tl.constexpr,
@@ -97,6 +99,7 @@ def varlen_attention_kernel(
     STRIDE_MULTIPLE: tl.constexpr,  # every stride above is a multiple of this (a power of two <= 16)
     UNMASKED_WHOLE_TILES: tl.constexpr,  # whole key tiles read without masks (float32 spilled so)
 ):
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     query_tile = tl.program_id(0)
     segment = tl.program_id(1)
     head = tl.program_id(2)

@@ -10,6 +10,7 @@ rounded once to the input dtype at the store, as in the torch reference.
 import triton
 import triton.language as tl
 
+from kernels.jit.pdl import after_previous_grid
 from kernels.jit.rotary import load_head_halves, store_head_halves
 
 
@@ -69,6 +70,7 @@ def vision_rotary_kernel(
     BLOCK_HEADS: tl.constexpr,  # next power of two >= H
     STRIDE_MULTIPLE: tl.constexpr,  # the head strides and cos/sin's token strides are multiples of this
 ):
+    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     token = tl.program_id(0).to(tl.int64)
     half_cols = tl.arange(0, BLOCK_HALF)
     half_mask = half_cols < HEAD_DIM // 2

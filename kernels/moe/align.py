@@ -38,6 +38,7 @@ import torch
 
 from kernels.checks import INDEX_DTYPES, check_dtype
 from kernels.dispatch import use_triton
+from kernels.pdl import launch_options
 
 # Measured on an H100 (2026-11-25, docs/results/gpu/bench_gpu_2026-11-25.json): one launch is 1.30x and 1.03x
 # two at 8 and 128 pairs (1 and 16 tokens at K=8) and 0.35x at 2048, so the crossover is near 128.
@@ -139,6 +140,7 @@ def moe_align_block_size_triton(
             # meta-parameters
             BLOCK=scan_block,
             num_warps=4,
+            **launch_options(flat_ids),
         )
     moe_scatter_kernel[(num_experts,)](
         # pointers
@@ -157,6 +159,7 @@ def moe_align_block_size_triton(
         COUNT_HERE=count_here,
         COUNT_BLOCK=max(1, min(COUNT_TILE // block_experts, scan_block)),
         num_warps=4,
+        **launch_options(flat_ids),
     )
     return sorted_token_ids, expert_ids, num_tokens_post_padded
 

@@ -76,6 +76,7 @@ from kernels.fp8 import (
 from kernels.moe.align import MoeAlignment, max_padded_pairs
 from kernels.moe.configs import MoeKernelConfig, as_moe_config, get_moe_config
 from kernels.moe.grouped_gemm import fused_moe_grouped_gemm, grouped_gemm_wanted
+from kernels.pdl import launch_options
 
 MAX_TOKENS_PER_CHUNK = 16384  # bounds the [T*K, I] and [T*K, H] intermediates
 
@@ -370,6 +371,7 @@ def _fused_moe_chunk(
         BLOCK_K=gate_up_block_k,
         SCALE_AFTER_LOOP=gate_up_scaled_after,
         IMPRECISE_ACC_K=imprecise_accumulation(gate_up_block_k),
+        **launch_options(gemm1_input),
     )
     gemm2_input, gemm2_scale = activated, activated
     if fp8_activations:
@@ -403,6 +405,7 @@ def _fused_moe_chunk(
         BLOCK_K=down_block_k,
         SCALE_AFTER_LOOP=down_scaled_after,
         IMPRECISE_ACC_K=imprecise_accumulation(down_block_k),
+        **launch_options(gemm2_input),
     )
     terms = pair_out.view(num_tokens, top_k, hidden_size)  # [T*K, H] -> [T, K, H]
     if out is None:

@@ -22,6 +22,7 @@ import torch
 from kernels.checks import FLOAT_DTYPES, check_dtype, check_shape, check_unit_stride_last_dim
 from kernels.dispatch import use_triton
 from kernels.moe.align import MoeAlignment, empty_alignment
+from kernels.pdl import launch_options
 
 # Measured on an H100 (2026-11-25, docs/results/gpu/bench_gpu_2026-11-25.json): one launch is 1.8-1.9x faster
 # than route-then-align at 16 and 32 tokens and 0.94x at 64, so the crossover lies between 32 and 64.
@@ -94,6 +95,7 @@ def route_topk_triton(
         # meta-parameters
         **_routing_meta(top_k, num_experts, renormalize),
         num_warps=1 if num_experts <= 128 else 4,
+        **launch_options(router_logits),
     )
     return topk_weights, topk_ids
 
@@ -168,6 +170,7 @@ def route_topk_and_align_triton(
         # two token rows per warp: a row's k rounds of max/argmax are warp shuffles, and the sm_90
         # code grows with the rows a warp holds (2.8k PTX lines at 32 tokens x 16 warps, 7.7k at 4 warps)
         num_warps=min(16, max(1, triton.next_power_of_2(num_tokens) // 2)),
+        **launch_options(router_logits),
     )
     alignment = MoeAlignment(sorted_token_ids, expert_ids, num_tokens_post_padded, block_size)
     return topk_weights, topk_ids, alignment

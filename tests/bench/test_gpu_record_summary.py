@@ -45,6 +45,7 @@ NEW_RECORD = {
                                                   logit_masking_seconds=0.25)},
     "roofline": {"prefill_tokens": 8192, "prefill_mfu": 0.52, "decode_batch1_seconds": 0.0042,
                  "decode_over_floor": 1.9,
+                 "decode_batch1_pdl": {"pdl": True, "seconds": 0.0036, "over_floor": 1.63, "kernels": {}},
                  "decode_batch1_kernels": {"total_us_per_step": 3900.0, "kernels": [
                      {"name": "moe_gate_up_silu_kernel", "us_per_step": 850.0, "calls_per_step": 48.0}]},
                  "decode_large_batch": {"batch": 256, "context": 256, "seconds": 0.021,
@@ -79,6 +80,7 @@ def test_a_record_with_the_new_fields_prints_them_beside_the_previous_one(tmp_pa
     assert "0.81x (was 0.69x)" in text and "256 in 3.50 s" in text and "masks filled 1.75 s" in text
     assert "2.03x" in text and "1.90x the floor (was 2.03x)" in text
     assert "850.0 us x48: `moe_gate_up_silu_kernel`" in text
+    assert "the same with programmatic dependent launch on: 3.600 ms, 1.63x the floor" in text
     assert "decode_large_batch: error: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED" in text
     assert "| record | fused_moe[fp8 w8a8, per-channel, grouped_mm] | T=16384 | 1.6000 | 2.4000 | 1.50 |" in text
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import pdl
 from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner, default_buckets
 from vlm_catalog.engine.paged_attention import (
     DecodeBatch,
@@ -117,6 +118,20 @@ def test_graph_replay_equals_eager_on_gpu(engine_checkpoint):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     runner = check_graph_runner_equals_eager(engine_checkpoint, torch.device("cuda"), capture=True)
+    assert set(runner.graphs) == {2, 8}
+
+
+@pytest.mark.gpu
+def test_graph_replay_equals_eager_on_gpu_with_programmatic_dependent_launch(engine_checkpoint):
+    # the same checks with every Triton kernel launched with PDL (kernels/pdl.py), in the prefill,
+    # the eager decode and the captured graphs: each kernel waits for the one before it first,
+    # so only the launches overlap and the answers are the same
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not pdl.launch_options(torch.empty(0, device="cuda")):
+        pytest.skip("this GPU takes no programmatic dependent launch (before Hopper)")
+    with pdl.programmatic_dependent_launch(True):
+        runner = check_graph_runner_equals_eager(engine_checkpoint, torch.device("cuda"), capture=True)
     assert set(runner.graphs) == {2, 8}
 
 

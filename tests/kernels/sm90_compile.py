@@ -29,7 +29,9 @@ and ptxas' reason where it serialized a kernel's wgmma (its "Potential
 Performance Loss" note: then every wgmma waits for the one before it).
 A kernel fails when it does not compile or needs more shared memory per block
 than an H100 grants (227 KiB): its launch would raise `OutOfResources` on the
-GPU.
+GPU; or when its PTX has no `griddepcontrol.wait` (kernels/jit/pdl.py): launched
+with programmatic dependent launch, it could read what the grid before it still
+writes.
 
 Run as a script (``python -m tests.kernels.sm90_compile [--float32] [--moe-tile M,N,K,WARPS,STAGES]``,
 the last to compile every fused-MoE GEMM with one tile) with
@@ -173,6 +175,9 @@ class Compiled:
     # FP8 x FP8 dots that carry their sum across K steps in the tensor core's accumulator (fewer
     # bits than float32): `maxNumImpreciseAcc` above the dot's K on a loop-carried accumulator
     fp8_sums_across_k: int = 0
+    # the kernel waits for the grid before it (`griddepcontrol.wait`, kernels/jit/pdl.py): without
+    # the wait, a launch with programmatic dependent launch could read what that grid still writes
+    grid_dependency_wait: bool = True
 
     def summary(self) -> str:
         registers = "?" if self.registers is None else self.registers
@@ -184,7 +189,8 @@ class Compiled:
                 + ("" if self.block_n is None else f", BLOCK_N {self.block_n}")
                 + f", {'?' if self.loop_full_wgmma_waits is None else self.loop_full_wgmma_waits} full wgmma waits"
                 + ("" if self.wgmma_serialized is None else f", wgmma serialized by ptxas: {self.wgmma_serialized}")
-                + ("" if not self.fp8_sums_across_k else f", {self.fp8_sums_across_k} FP8 dots summing across K"))
+                + ("" if not self.fp8_sums_across_k else f", {self.fp8_sums_across_k} FP8 dots summing across K")
+                + ("" if self.grid_dependency_wait else ", no griddepcontrol.wait"))
 
 
 GLOBAL_ACCESS = re.compile(r"\b(?:ld|st)\.global[\w.:]*")
@@ -279,6 +285,7 @@ def compile_launch(launch: Launch) -> Compiled:
         block_n=launch.arguments.get("BLOCK_N"),
         wgmma_serialized=serialized.group(1) if (serialized := WGMMA_SERIALIZED.search(log.getvalue())) else None,
         fp8_sums_across_k=fp8_sums_across_k(compiled.asm["ttir"]),
+        grid_dependency_wait="griddepcontrol.wait" in compiled.asm["ptx"],
     )
 
 
@@ -512,6 +519,9 @@ def main(argv: list[str]) -> int:
             if compiled.shared > H100_MAX_SHARED_BYTES:
                 failures += 1
                 status = f"FAILED (more shared memory than an H100 block has: {H100_MAX_SHARED_BYTES} B)"
+            elif not compiled.grid_dependency_wait:
+                failures += 1
+                status = "FAILED (no griddepcontrol.wait: a launch with PDL could race the grid before it)"
             print(f"{name}: {status} ({compiled.summary()}) [{time.perf_counter() - start:.1f}s]", flush=True)
     return 1 if failures else 0
 

@@ -356,6 +356,8 @@ def test_bench_gpu_single_phases_on_cpu(tmp_path):
     large = report["roofline"]["decode_large_batch"]  # a small "large" batch on a CPU
     assert (large["batch"], large["context"]) == (4, 32) and large["seconds"] > 0 and large["tokens_per_s"] > 0
     assert large["kernels"]["total_us_per_step"] > 0 and not large["cuda_graphs"]
+    assert report["roofline"]["decode_batch1_pdl"] == {"skipped": "programmatic dependent launch needs a CUDA device"}
+    assert report["pdl"] is False
 
 
 def test_kernel_breakdown_sums_a_steps_time_by_kernel_and_records_a_failure():
@@ -449,6 +451,31 @@ def test_bench_gpu_a_failing_phase_does_not_stop_the_others(tmp_path, monkeypatc
     assert report["ceilings"] == {"error": "RuntimeError: CUDA error: an illegal memory access was encountered"}
     assert report["engine"]["fixed_150_tokens"]["generated_tokens"] == 2
     assert "failed phases: ceilings" in capsys.readouterr().out
+
+
+def test_the_roofline_times_the_batch1_step_with_the_other_pdl_setting(monkeypatch):
+    from kernels.pdl import PDL_ENV_VAR, pdl_requested
+
+    bench_gpu = load_bench_gpu()
+    seen = []
+
+    def decode_step(model, device, batch, context, context_bound, repeats=10):
+        seen.append(pdl_requested())  # the setting the step's graph is captured under
+        if len(seen) == 3:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return {"seconds": 0.003, "kernels": {"total_us_per_step": 2900.0}}
+
+    monkeypatch.setattr(bench_gpu, "measure_decode_batch", decode_step)
+    monkeypatch.setattr(bench_gpu, "release_memory", lambda device: None)
+    monkeypatch.delenv(PDL_ENV_VAR, raising=False)
+    cuda = torch.device("cuda")
+    assert bench_gpu.measure_decode_batch1_with_pdl(None, cuda, 8192, floor=0.002) == {
+        "pdl": True, "seconds": 0.003, "over_floor": 1.5, "kernels": {"total_us_per_step": 2900.0}}
+    monkeypatch.setenv(PDL_ENV_VAR, "1")  # the run's steps with PDL: this one without
+    assert bench_gpu.measure_decode_batch1_with_pdl(None, cuda, 8192, floor=0.002)["pdl"] is False
+    assert bench_gpu.measure_decode_batch1_with_pdl(None, cuda, 8192, floor=0.002) == {
+        "pdl": False, "error": "RuntimeError: operation not permitted when stream is capturing"}
+    assert seen == [True, False, False] and pdl_requested()  # the setting is back as it was
 
 
 def test_the_roofline_keeps_its_numbers_when_the_large_decode_batch_does_not_fit(tmp_path, monkeypatch):

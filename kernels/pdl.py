@@ -1,0 +1,65 @@
+"""Programmatic dependent launch (PDL, Hopper and later): a kernel may be launched while the one
+before it in the stream is still finishing, so its launch and set-up overlap that kernel's tail.
+
+A decode step is hundreds of small kernels in a CUDA graph (about 11 per layer at batch 1),
+and each boundary between two of them leaves the GPU idle for the next kernel's launch and
+ramp-up. With ``VLM_CATALOG_PDL=1`` our Triton kernels are launched with Triton's
+``launch_pdl=True``; each of them begins by waiting for the grid before it
+(`kernels/jit/pdl.py`: ``griddepcontrol.wait``, which returns once that grid has finished and
+its memory is visible), before touching any memory, and then lets the next grid launch.
+So a kernel computes exactly as it does without PDL, and only the launches overlap. Kernels of
+other libraries (cuBLAS, torch) are launched as usual and wait as usual.
+
+Off by default until an H100 has timed it (bench_gpu.py's roofline phase times the batch-1
+decode step both ways: ``decode_batch1_pdl``). Only CUDA tensors on a device of compute
+capability 9.0 or more are launched this way; elsewhere, and under the Triton interpreter,
+`launch_options` asks for nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+import torch
+
+PDL_ENV_VAR = "VLM_CATALOG_PDL"
+PDL_MIN_CAPABILITY = (9, 0)
+
+_forced: list[bool] = []  # programmatic_dependent_launch's setting, innermost last
+
+
+@contextlib.contextmanager
+def programmatic_dependent_launch(enabled: bool) -> Iterator[None]:
+    """PDL on or off for the launches in the block, whatever ``VLM_CATALOG_PDL`` says (the
+    roofline phase captures one decode graph each way)."""
+    _forced.append(enabled)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def pdl_requested() -> bool:
+    """The innermost `programmatic_dependent_launch`, else ``VLM_CATALOG_PDL`` (unset, "" or "0": off)."""
+    if _forced:
+        return _forced[-1]
+    from kernels.dispatch import _parse_flag
+
+    return _parse_flag(PDL_ENV_VAR, os.environ.get(PDL_ENV_VAR, ""))
+
+
+def launch_options(tensor: torch.Tensor) -> dict[str, bool]:
+    """The extra launch keywords of a Triton kernel whose tensors are on `tensor`'s device:
+    ``{"launch_pdl": True}`` where PDL is requested and the device takes it, else none."""
+    if not pdl_requested() or tensor.device.type != "cuda":
+        return {}
+    index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    return {"launch_pdl": True} if _device_takes_pdl(index) else {}
+
+
+@functools.cache
+def _device_takes_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= PDL_MIN_CAPABILITY

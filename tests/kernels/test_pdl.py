@@ -1,0 +1,92 @@
+"""Programmatic dependent launch (kernels/pdl.py): when a launch asks for it, and that every
+Triton kernel waits for the grid before it first (the device side: kernels/jit/pdl.py)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels import pdl
+from kernels.pdl import PDL_ENV_VAR, launch_options, pdl_requested, programmatic_dependent_launch
+
+JIT_DIR = Path(__file__).resolve().parents[2] / "kernels" / "jit"
+
+
+def on_cuda(index=0):
+    """A stand-in for a tensor on a CUDA device (only its `device` is read)."""
+    return SimpleNamespace(device=torch.device("cuda", index))
+
+
+def test_off_unless_asked(monkeypatch):
+    monkeypatch.delenv(PDL_ENV_VAR, raising=False)
+    monkeypatch.setattr(pdl, "_device_takes_pdl", lambda index: True)
+    assert not pdl_requested()
+    assert launch_options(on_cuda()) == {}
+
+
+def test_the_variable_asks_for_it_on_a_device_that_takes_it(monkeypatch):
+    monkeypatch.setenv(PDL_ENV_VAR, "1")
+    monkeypatch.setattr(pdl, "_device_takes_pdl", lambda index: index == 0)  # device 1: before Hopper
+    assert launch_options(on_cuda(0)) == {"launch_pdl": True}
+    assert launch_options(on_cuda(1)) == {}
+    assert launch_options(torch.zeros(1)) == {}  # CPU tensors (the interpreter) never
+
+
+def test_the_context_wins_over_the_variable(monkeypatch):
+    monkeypatch.setenv(PDL_ENV_VAR, "1")
+    monkeypatch.setattr(pdl, "_device_takes_pdl", lambda index: True)
+    with programmatic_dependent_launch(False):
+        assert launch_options(on_cuda()) == {}
+        with programmatic_dependent_launch(True):
+            assert launch_options(on_cuda()) == {"launch_pdl": True}
+        assert not pdl_requested()
+    assert pdl_requested()
+
+
+def test_a_bad_setting_is_named(monkeypatch):
+    monkeypatch.setenv(PDL_ENV_VAR, "sometimes")
+    with pytest.raises(ValueError, match="VLM_CATALOG_PDL='sometimes' is not a flag"):
+        pdl_requested()
+
+
+def kernel_functions():
+    """(module, kernel) for every `@triton.jit` function named *_kernel in kernels/jit."""
+    for path in sorted(JIT_DIR.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel"):
+                yield path.name, node
+
+
+def test_every_kernel_waits_for_the_grid_before_it_first():
+    # a kernel launched with launch_pdl=True may start while the one before it still runs: its
+    # first statement must be the wait, before any load or store (the docstring aside)
+    kernels = list(kernel_functions())
+    assert len(kernels) >= 18
+    for module, kernel in kernels:
+        body = [s for s in kernel.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        first = body[0]
+        assert (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+                and getattr(first.value.func, "id", None) == "after_previous_grid"), f"{module}: {kernel.name}"
+
+
+def kernel_launches():
+    """(file, kernel name, call) for every `<name>_kernel[grid](...)` launch in kernels/."""
+    root = JIT_DIR.parent
+    for path in sorted([*root.glob("*.py"), *root.glob("moe/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                    and getattr(node.func.value, "id", "").endswith("_kernel")):
+                yield path.relative_to(root).as_posix(), node.func.value.id, node
+
+
+def test_every_launch_passes_the_launch_options():
+    launches = list(kernel_launches())
+    assert len(launches) >= 18
+    for path, name, call in launches:
+        spread = [k.value for k in call.keywords if k.arg is None]  # **mapping arguments
+        assert any(getattr(value.func, "id", None) == "launch_options" for value in spread
+                   if isinstance(value, ast.Call)), f"{path}: {name} is launched without **launch_options(...)"
