@@ -25,6 +25,8 @@ from collections.abc import Iterator
 
 import torch
 
+from kernels.dispatch import _parse_flag
+
 PDL_ENV_VAR = "VLM_CATALOG_PDL"
 PDL_MIN_CAPABILITY = (9, 0)
 
@@ -34,7 +36,8 @@ _forced: list[bool] = []  # programmatic_dependent_launch's setting, innermost l
 @contextlib.contextmanager
 def programmatic_dependent_launch(enabled: bool) -> Iterator[None]:
     """PDL on or off for the launches in the block, whatever ``VLM_CATALOG_PDL`` says (the
-    roofline phase captures one decode graph each way)."""
+    roofline phase captures one decode graph each way). Process-wide: every thread's launches
+    follow it while the block runs."""
     _forced.append(enabled)
     try:
         yield
@@ -46,8 +49,6 @@ def pdl_requested() -> bool:
     """The innermost `programmatic_dependent_launch`, else ``VLM_CATALOG_PDL`` (unset, "" or "0": off)."""
     if _forced:
         return _forced[-1]
-    from kernels.dispatch import _parse_flag
-
     return _parse_flag(PDL_ENV_VAR, os.environ.get(PDL_ENV_VAR, ""))
 
 
