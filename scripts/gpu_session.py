@@ -180,6 +180,11 @@ PLANS: dict[str, tuple[Step, ...]] = {
              max_s=90, min_s=30, env=(("VLM_CATALOG_KERNELS_OFF", "fp8_v_words"),)),
         Step("tune_decode_fp8", bench_kernels("--tune-decode", "--fp8"), max_s=200, min_s=60,
              tail_to="tune_decode_fp8.txt", tail_lines=200),
+        # the vision tower with every image on our Triton kernel (its head now in 64 + 16 columns), against
+        # the record's vision_encoder; the attention rows above time its tile candidates alone
+        Step("vision_encoder_triton", ("python3", "scripts/bench_gpu.py", "--phases", "vision_encoder", "--json",
+                                       "{out}/vision_triton.json"),
+             max_s=60, min_s=30, env=(("VLM_CATALOG_VARLEN_ATTENTION", "triton"),)),
         # the default engine with every Triton kernel launched with programmatic dependent launch
         # (kernels/pdl.py; the roofline phase times the batch-1 decode step both ways)
         Step("engine_pdl", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel", "--json",
