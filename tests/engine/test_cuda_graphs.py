@@ -128,9 +128,9 @@ def test_graph_replay_equals_eager_on_gpu_with_programmatic_dependent_launch(eng
     # so only the launches overlap and the answers are the same
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    if not pdl.launch_options(torch.empty(0, device="cuda")):
-        pytest.skip("this GPU takes no programmatic dependent launch (before Hopper)")
     with pdl.programmatic_dependent_launch(True):
+        if not pdl.launch_options(torch.empty(0, device="cuda")):
+            pytest.skip("this GPU takes no programmatic dependent launch (before Hopper)")
         runner = check_graph_runner_equals_eager(engine_checkpoint, torch.device("cuda"), capture=True)
     assert set(runner.graphs) == {2, 8}
 
