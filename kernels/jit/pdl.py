@@ -4,8 +4,10 @@ Every Triton kernel begins with `after_previous_grid()`, before it reads or writ
 memory: it waits until the grid before it in the stream has finished and its writes are
 visible (``griddepcontrol.wait``), then lets the next grid launch
 (``griddepcontrol.launch_dependents``; that grid waits the same way before its own work).
-Launched without PDL (the default) both instructions do nothing. Under the Triton
-interpreter, or with a Triton without the grid dependency intrinsics, the function is empty.
+Launched without PDL (the default) both instructions do nothing. They exist from sm_90
+(Hopper) on: for an older GPU (the target Triton compiles for, `cuda_capability_geq`) the
+function is empty, as it is under the Triton interpreter or with a Triton without the grid
+dependency intrinsics.
 """
 
 import triton
@@ -19,8 +21,9 @@ if HAS_GRID_DEPENDENCY_CONTROL:
 
     @triton.jit
     def after_previous_grid():
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if tl.target_info.cuda_capability_geq(9, 0):
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
 else:
 
