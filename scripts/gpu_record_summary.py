@@ -27,8 +27,10 @@ from pathlib import Path
 ENGINE_PHASES = ("engine", "engine_fp8_kv", "engine_fp8", "engine_w8a8", "engine_w8a8_channel",
                  "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fast", "engine_profile")
 # kernel rows worth a line: their names start with one of these
+# the rows that set a switch or a default: decode attention, the MoE's GEMM choice, and every
+# vision attention row (our kernel at each tile shape, SDPA with cuDNN, FlashAttention's varlen)
 KERNEL_ROW_PREFIXES = ("paged_decode_attention", "fused_moe[grouped_mm]", "fused_moe[fp8 w8a8, per-channel",
-                       "varlen_attention[sdpa, cudnn]", "varlen_attention[flash varlen]")
+                       "varlen_attention")
 PROFILE_REGIONS = ("vlm.vision_encoder", "vlm.text_forward.prefill", "vlm.text_forward.decode", "vlm.step",
                    "unmarked")
 KINDS = ("attention", "moe", "gemm", "norm_rotary", "quantize", "copy", "other")

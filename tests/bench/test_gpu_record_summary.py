@@ -53,6 +53,8 @@ NEW_RECORD = {
     "kernels": {"rows": [
         {"name": "fused_moe[fp8 w8a8, per-channel, grouped_mm]", "shape": "T=16384", "triton_ms": 1.6,
          "baseline_ms": 2.4, "speedup": 1.5, "note": "sets VLM_CATALOG_MOE_GEMM's default"},
+        {"name": "varlen_attention[triton, 128x64 tiles, 8 warps, 3 stages]", "shape": "1 images x 15625 patches",
+         "triton_ms": 4.5, "baseline_ms": 5.4, "speedup": 1.2, "note": "sets varlen_tiles for long segments"},
         {"name": "rms_norm", "shape": "T=4096 H=2048", "triton_ms": 0.02, "baseline_ms": 0.1, "speedup": 5.0}]},
 }
 
@@ -83,6 +85,9 @@ def test_a_record_with_the_new_fields_prints_them_beside_the_previous_one(tmp_pa
     assert "the same with programmatic dependent launch on: 3.600 ms, 1.63x the floor" in text
     assert "decode_large_batch: error: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED" in text
     assert "| record | fused_moe[fp8 w8a8, per-channel, grouped_mm] | T=16384 | 1.6000 | 2.4000 | 1.50 |" in text
+    assert ("| record | varlen_attention[triton, 128x64 tiles, 8 warps, 3 stages] | 1 images x 15625 patches "
+            "| 4.5000 | 5.4000 | 1.20 |") in text
+    assert "rms_norm" not in text
 
 
 def test_the_sessions_other_files_get_rows_of_their_own(tmp_path, capsys):
