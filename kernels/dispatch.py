@@ -94,7 +94,13 @@ def kernels_off() -> frozenset[str]:
 def fp8_fast_accumulation() -> bool:
     """Whether ``VLM_CATALOG_FP8_FAST_ACCUMULATION`` asks for the tensor core's own accumulator
     across whole K loops in per-channel FP8 x FP8 GEMMs (module doc); unset, "" or "0": no."""
-    return _parse_flag(FP8_FAST_ACCUMULATION_ENV_VAR, os.environ.get(FP8_FAST_ACCUMULATION_ENV_VAR, ""))
+    return environment_flag(FP8_FAST_ACCUMULATION_ENV_VAR)
+
+
+def environment_flag(name: str) -> bool:
+    """The on/off setting of the variable `name`: unset, "", "0", "false", "no" or "off" is off;
+    "1", "true", "yes" or "on" is on; anything else is an error naming the variable."""
+    return _parse_flag(name, os.environ.get(name, ""))
 
 
 @contextlib.contextmanager

@@ -20,36 +20,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-from collections.abc import Iterator
 
 import torch
 
-from kernels.dispatch import _parse_flag
+from kernels.dispatch import environment_flag, environment_variable
 
 PDL_ENV_VAR = "VLM_CATALOG_PDL"
 PDL_MIN_CAPABILITY = (9, 0)
 
-_forced: list[bool] = []  # programmatic_dependent_launch's setting, innermost last
 
-
-@contextlib.contextmanager
-def programmatic_dependent_launch(enabled: bool) -> Iterator[None]:
-    """PDL on or off for the launches in the block, whatever ``VLM_CATALOG_PDL`` says (the
-    roofline phase captures one decode graph each way). Process-wide: every thread's launches
-    follow it while the block runs."""
-    _forced.append(enabled)
-    try:
-        yield
-    finally:
-        _forced.pop()
+def programmatic_dependent_launch(enabled: bool) -> contextlib.AbstractContextManager:
+    """Sets ``VLM_CATALOG_PDL`` for the block (`kernels.dispatch.environment_variable`: the roofline
+    phase captures one decode graph each way)."""
+    return environment_variable(PDL_ENV_VAR, "1" if enabled else "0")
 
 
 def pdl_requested() -> bool:
-    """The innermost `programmatic_dependent_launch`, else ``VLM_CATALOG_PDL`` (unset, "" or "0": off)."""
-    if _forced:
-        return _forced[-1]
-    return _parse_flag(PDL_ENV_VAR, os.environ.get(PDL_ENV_VAR, ""))
+    """Whether ``VLM_CATALOG_PDL`` asks for it (unset, "" or "0": no)."""
+    return environment_flag(PDL_ENV_VAR)
 
 
 def launch_options(tensor: torch.Tensor) -> dict[str, bool]:

@@ -102,14 +102,14 @@ def varlen_tiles(max_seqlen: int, head_dim: int, element_size: int) -> VarlenTil
     return VarlenTiles(block_m, block_n, num_warps=8 if wide_elements else 4, num_stages=2)
 
 
-def head_column_tiles(head_dim: int) -> tuple[int, int]:
+def head_column_tiles(head_dim: int, split: bool = True) -> tuple[int, int]:
     """(BLOCK_D, TAIL_D): the kernel holds a head as a power-of-two column tile and, where that
     pads fewer columns, a second one of at least 16 (a tensor-core step; 0: none). The vision
     tower's 72 -> (64, 16): 80 columns of dot work, against 128 in one tile; 128 -> (128, 0);
-    100 -> (128, 0), since 64 + 64 pads as much."""
+    100 -> (128, 0), since 64 + 64 pads as much. `split=False`: always one tile."""
     whole = 1 << (head_dim - 1).bit_length()  # the next power of two >= head_dim
-    if whole == head_dim:
-        return head_dim, 0
+    if whole == head_dim or not split:
+        return whole, 0
     main = whole // 2
     tail = max(16, 1 << (head_dim - main - 1).bit_length())
     return (whole, 0) if main + tail >= whole else (main, tail)
@@ -159,7 +159,7 @@ def varlen_attention_triton(
         tiles = varlen_tiles(max_seqlen, head_dim, q.element_size())
     # two column tiles save tensor-core work on 16-bit inputs; float32 dots run on the FMA
     # units, where the second tile's accumulator spilled 1.2 KB at D=72 (sm90_compile --float32)
-    block_d, tail_d = head_column_tiles(head_dim) if q.element_size() == 2 else (1 << (head_dim - 1).bit_length(), 0)
+    block_d, tail_d = head_column_tiles(head_dim, split=q.element_size() == 2)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                out.stride(0), out.stride(1))
     grid = (triton.cdiv(max(max_seqlen, 1), tiles.block_m), num_segments, num_heads)

@@ -227,16 +227,14 @@ def fused_moe_grouped_gemm(
     token_of_row = order // top_k  # [P]: the token each sorted row reads
     if expert_kind == "bf16":
         gate_up = grouped_mm(hidden.index_select(0, token_of_row), w13, offs)  # [P, 2I]
+        activated = silu_and_mul(gate_up)  # [P, 2I] -> [P, I] in one pass, rounded as the reference rounds
+        down = grouped_mm(activated, w2, offs)  # [P, H]
     else:
         quantized, scale = quantize_activations(hidden, hidden_size)  # [T, H] e4m3, [T, 1]
         rows = quantized.view(torch.uint8).index_select(0, token_of_row).view(FP8_DTYPE)  # [P, H]: gathered as bytes
         gate_up = scaled_grouped_mm(rows, scale[:, 0].index_select(0, token_of_row), w13, w13_scale[..., 0],
                                     offs)  # [P, 2I]
-    if expert_kind == "bf16":
-        activated = silu_and_mul(gate_up)  # [P, 2I] -> [P, I] in one pass, rounded as the reference rounds
-        down = grouped_mm(activated, w2, offs)  # [P, H]
-    else:  # the product quantized per row in the same pass: [P, I] e4m3, [P, 1]
-        quantized, scale = silu_and_mul_quantize(gate_up)
+        quantized, scale = silu_and_mul_quantize(gate_up)  # the product quantized per row: [P, I] e4m3, [P, 1]
         down = scaled_grouped_mm(quantized, scale[:, 0].contiguous(), w2, w2_scale[..., 0], offs)  # [P, H]
     terms = SortedExpertTerms(down, row_of_pair.view(num_tokens, top_k), topk_weights)
     return terms if not sum_experts else terms.sum()

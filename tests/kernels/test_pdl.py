@@ -36,7 +36,7 @@ def test_the_variable_asks_for_it_on_a_device_that_takes_it(monkeypatch):
     assert launch_options(torch.zeros(1)) == {}  # CPU tensors (the interpreter) never
 
 
-def test_the_context_wins_over_the_variable(monkeypatch):
+def test_the_context_sets_the_variable_for_its_block(monkeypatch):
     monkeypatch.setenv(PDL_ENV_VAR, "1")
     monkeypatch.setattr(pdl, "_device_takes_pdl", lambda index: True)
     with programmatic_dependent_launch(False):

@@ -78,6 +78,11 @@ def test_head_column_tiles(head_dim, tiles):
     assert head_column_tiles(head_dim) == tiles
 
 
+def test_one_column_tile_when_not_split():
+    assert head_column_tiles(72, split=False) == (128, 0)
+    assert head_column_tiles(64, split=False) == (64, 0)
+
+
 def test_head_column_tiles_cover_the_head_in_at_most_the_next_power_of_two():
     for head_dim in range(16, 257):
         main, tail = head_column_tiles(head_dim)
