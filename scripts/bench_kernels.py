@@ -64,6 +64,10 @@ class Shapes:
     moe_token_counts: tuple[int, ...] = (1, 16, 256, 1024, 4096, 16384)  # 16384: the engine's prefill steps
     grouped_gemm_min_tokens: int = 256  # MoE rows on torch's grouped GEMMs from here (the crossover)
     moe_target_tokens: int = 256
+    # calls of up to this many tokens run inside the engine's decode CUDA graphs (the default
+    # EngineConfig.cuda_graph_max_batch): their rows and tuning time the device alone
+    # (make_graph_timer), as the graphs run them; larger calls run eagerly, as prefill steps do
+    graph_max_tokens: int = 256
     decode_cases: tuple[tuple[int, int], ...] = (
         (1, 27000),
         (32, 2048),
@@ -111,6 +115,7 @@ TINY_SHAPES = Shapes(  # --interpret smoke run: every code path, seconds on a CP
     moe_token_counts=(4, 16),
     grouped_gemm_min_tokens=16,
     moe_target_tokens=16,
+    graph_max_tokens=4,  # the smoke run takes both timers: T=4 as in a graph, T=16 host-launched
     decode_cases=((2, 40),),
     decode_tuning_context=40,
     decode_graph_bound=64,
@@ -203,6 +208,15 @@ class GraphTimer:
         return ms
 
 
+def timer_for_tokens(num_tokens: int, shapes: Shapes, timer, graph_timer):
+    """The timer for a call of `num_tokens` tokens: `graph_timer` where the engine's decode CUDA
+    graphs run such calls (up to `shapes.graph_max_tokens`), else `timer` (do_bench), as prefill
+    steps launch them from the host. At decode sizes do_bench times the host's launches: on the
+    H100 of 2026-11-27 every fused-MoE candidate at T=1 took about 0.24 ms that way, ten times
+    what its weights take to read, so the tuner's pick there was noise."""
+    return graph_timer if num_tokens <= shapes.graph_max_tokens else timer
+
+
 def graph_note(timer) -> str:
     """A row's note on how its last timing ran."""
     if not isinstance(timer, GraphTimer):
@@ -211,9 +225,12 @@ def graph_note(timer) -> str:
 
 
 def row_timing_note(timer, baseline_note: str) -> str:
-    """How a row's two timings ran: one note when both ran alike, else each named."""
+    """How a row's two timings ran: one note when both ran alike (none when both were host-launched
+    by do_bench, the table's default), else each named."""
     ours = graph_note(timer)
-    return ours if ours == baseline_note else f"ours: {ours}; baseline: {baseline_note}"
+    if ours == baseline_note:
+        return ours
+    return f"ours: {ours or 'host-launched'}; baseline: {baseline_note or 'host-launched'}"
 
 
 def graph_ms_per_call(fn, *, capture, replay_ms, flush, calls: int = GRAPH_CALLS) -> float:
@@ -349,7 +366,8 @@ def _moe_cost(num_tokens: int, shapes: Shapes, element_bytes: int) -> tuple[floa
 
 
 # --------------------------------------------------------------------------- benchmarks
-def bench_elementwise(shapes: Shapes, dtype, device, timer) -> list[Row]:
+def bench_elementwise(shapes: Shapes, dtype, device, timer, graph_timer=None) -> list[Row]:
+    """`graph_timer` (default `make_graph_timer(device)`) times the decode-sized rows."""
     import torch
 
     from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
@@ -392,19 +410,25 @@ def bench_elementwise(shapes: Shapes, dtype, device, timer) -> list[Row]:
             gigabytes_per_second(4 * x.numel() * element, ms),
         )
     )
+    graph_timer = graph_timer or make_graph_timer(device)
     for num_tokens in (1, tokens):  # a MoE layer's 8 expert terms: decode at batch 1, and prefill
         terms = torch.randn(num_tokens, 8, hidden, dtype=dtype, device=device)
         part = residual[:num_tokens]
-        ms = timer(partial(fused_sum_add_rms_norm_triton, terms, part, weight, 1e-6))
+        row_timer = timer_for_tokens(num_tokens, shapes, timer, graph_timer)
+        baseline_ms = row_timer(lambda terms=terms, part=part: fused_add_rms_norm_triton(terms.sum(1), part, weight,
+                                                                                         1e-6))
+        baseline_note = graph_note(row_timer)
+        ms = row_timer(partial(fused_sum_add_rms_norm_triton, terms, part, weight, 1e-6))
         rows.append(
             Row(
                 "fused_sum_add_rms_norm",
                 f"T={num_tokens} K=8 H={hidden}",
                 ms,
                 "torch sum, then fused_add_rms_norm (Triton)",
-                timer(lambda terms=terms, part=part: fused_add_rms_norm_triton(terms.sum(1), part, weight, 1e-6)),
+                baseline_ms,
                 gigabytes_per_second((8 + 3) * num_tokens * hidden * element, ms),
                 target_speedup=1.0,
+                note=row_timing_note(row_timer, baseline_note),
             )
         )
 
@@ -724,7 +748,11 @@ def _fp8_experts(inputs, shapes: Shapes, per_channel: bool = False):
     return (hidden, q13, q2, weights, ids), {"w13_scale": s13, "w2_scale": s2, "block_shape": block}
 
 
-def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
+def bench_moe(shapes: Shapes, dtype, device, timer, graph_timer=None) -> list[Row]:
+    """The fused MoE per token count, bf16 and FP8, with its align and routing launches. Calls of
+    decode sizes (`timer_for_tokens`) are timed by `graph_timer` (default `make_graph_timer(device)`),
+    as the decode graphs run them, except the torch references, which cannot be captured (the
+    per-expert loop reads its counts on the host) and run host-launched."""
     import torch
 
     from kernels.dispatch import fp8_accumulation
@@ -734,7 +762,9 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
 
     rows = []
     element = torch.finfo(dtype).bits // 8
+    graph_timer = graph_timer or make_graph_timer(device)
     for num_tokens in shapes.moe_token_counts:
+        row_timer = timer_for_tokens(num_tokens, shapes, timer, graph_timer)
         inputs = _moe_inputs(num_tokens, shapes, dtype, device)
         ids = inputs[4]
         config = get_moe_config(
@@ -745,7 +775,8 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
             dtype,
             shapes.top_k,
         )
-        ms = timer(partial(fused_moe_triton, *inputs))
+        ms = row_timer(partial(fused_moe_triton, *inputs))
+        bf16_note = graph_note(row_timer)
         flops, weight_bytes = _moe_cost(num_tokens, shapes, element)
         target = 3.0 if num_tokens == shapes.moe_target_tokens else None
         rows.append(
@@ -757,6 +788,7 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 timer(partial(fused_moe_reference, *inputs)),
                 f"{teraflops(flops, ms)}, weights {gigabytes_per_second(weight_bytes, ms)}",
                 target_speedup=target,
+                note=row_timing_note(row_timer, graph_note(timer)),
             )
         )
         # the same experts in FP8 with 128 x 128 block scales (Qwen's -FP8): half the weight bytes;
@@ -772,8 +804,8 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
             if experts is None:  # the shapes allow no block
                 continue
             with fp8_accumulation(fast):
-                fp8_ms = fp8_times[name] = timer(partial(fused_moe_triton, *experts[0], **experts[1],
-                                                         fp8_activations=activations))
+                fp8_ms = fp8_times[name] = row_timer(partial(fused_moe_triton, *experts[0], **experts[1],
+                                                             fp8_activations=activations))
             rows.append(
                 Row(
                     f"fused_moe[{name}]",
@@ -782,12 +814,20 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
                     "bf16 experts (Triton)",
                     ms,
                     f"{teraflops(flops, fp8_ms)}, weights {gigabytes_per_second(weight_bytes // element, fp8_ms)}",
+                    note=row_timing_note(row_timer, bf16_note),
                 )
             )
+        if shapes.grouped_gemm_min_tokens <= num_tokens <= shapes.graph_max_tokens:
+            # the grouped GEMMs take prefill calls only (1024 tokens and more), launched from the
+            # host: their baselines are timed that way too
+            ms = timer(partial(fused_moe_triton, *inputs))
+            if per_channel is not None:
+                fp8_times["fp8 w8a8, per-channel"] = timer(partial(fused_moe_triton, *per_channel[0],
+                                                                   **per_channel[1], fp8_activations=True))
         rows += _grouped_gemm_rows(num_tokens, inputs, per_channel, ms, fp8_times.get("fp8 w8a8, per-channel"),
                                    flops, weight_bytes, element, shapes, timer)
         align_args = (ids, shapes.num_experts, config.block_size_m)
-        ms = timer(partial(moe_align_block_size_triton, *align_args))
+        ms = row_timer(partial(moe_align_block_size_triton, *align_args))
         rows.append(
             Row(
                 "moe_align_block_size",
@@ -796,10 +836,13 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 "torch reference",
                 timer(partial(moe_align_block_size_reference, *align_args)),
                 gigabytes_per_second(ids.numel() * 4, ms),
+                note=row_timing_note(row_timer, graph_note(timer)),
             )
         )
         if ids.numel() <= 4096:  # where one launch may win: decode batches
-            one, two = (_align_ms(timer, align_args, max_pairs) for max_pairs in (ids.numel(), 0))
+            two = _align_ms(row_timer, align_args, 0)
+            two_note = graph_note(row_timer)
+            one = _align_ms(row_timer, align_args, ids.numel())
             rows.append(
                 Row(
                     "moe_align_block_size[one launch]",
@@ -808,10 +851,11 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
                     "two launches (count, scatter)",
                     two,
                     gigabytes_per_second(ids.numel() * 4, one),
-                    note="sets SINGLE_LAUNCH_MAX_PAIRS (the largest T*K where one launch wins)",
+                    note="sets SINGLE_LAUNCH_MAX_PAIRS (the largest T*K where one launch wins); "
+                         + (row_timing_note(row_timer, two_note) or "host-launched"),
                 )
             )
-    rows += _route_and_align_rows(shapes, dtype, device, timer)
+    rows += _route_and_align_rows(shapes, dtype, device, timer, graph_timer)
     return rows
 
 
@@ -853,9 +897,10 @@ def _grouped_gemm_rows(num_tokens, inputs, per_channel, triton_ms, channel_trito
 ROUTE_ALIGN_BENCH_TOKENS = (1, 4, 8, 16, 32, 64)  # decode batches around ROUTE_ALIGN_MAX_TOKENS
 
 
-def _route_and_align_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
+def _route_and_align_rows(shapes: Shapes, dtype, device, timer, graph_timer) -> list[Row]:
     """Routing and align in one launch against the two launches it replaces, at decode batches on
-    both sides of ROUTE_ALIGN_MAX_TOKENS (whatever it is set to): the rows set it."""
+    both sides of ROUTE_ALIGN_MAX_TOKENS (whatever it is set to): the rows set it. Both sides
+    are timed by `timer_for_tokens`'s choice (in a graph at decode sizes)."""
     import torch
 
     from kernels.moe.configs import get_moe_config
@@ -875,17 +920,21 @@ def _route_and_align_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
         ).block_size_m
         logits = torch.randn(num_tokens, shapes.num_experts, dtype=dtype, device=device)
         route_args = (logits, shapes.top_k, True, dtype)
-        one = timer(partial(route_topk_and_align_triton, *route_args, block_size))
+        row_timer = timer_for_tokens(num_tokens, shapes, timer, graph_timer)
+        two = row_timer(partial(_route_then_align, route_args, shapes.num_experts, block_size))
+        two_note = graph_note(row_timer)
+        one = row_timer(partial(route_topk_and_align_triton, *route_args, block_size))
         rows.append(
             Row(
                 "route_topk_and_align[one launch]",
                 f"T={num_tokens}",
                 one,
                 "route_topk, then moe_align_block_size",
-                timer(partial(_route_then_align, route_args, shapes.num_experts, block_size)),
+                two,
                 gigabytes_per_second(logits.numel() * element, one),
                 target_speedup=1.0 if num_tokens == 1 else None,
-                note="sets ROUTE_ALIGN_MAX_TOKENS (the largest T where one launch wins)",
+                note="sets ROUTE_ALIGN_MAX_TOKENS (the largest T where one launch wins); "
+                     + (row_timing_note(row_timer, two_note) or "host-launched"),
             )
         )
     return rows
@@ -1139,20 +1188,22 @@ def tune_moe(
     All buckets at the model shape take a while (a few hundred compilations): pass
     `buckets` to split the work over several runs, and `compile_workers` to compile each
     bucket's candidates in that many processes first. `experts`: FP8 experts, W8A8 and
-    per-channel ones each have entries of their own."""
+    per-channel ones each have entries of their own. Buckets of decode sizes are timed in CUDA
+    graphs, as the engine runs them (`timer_for_tokens`)."""
     import torch
 
     from kernels.moe.configs import TOKEN_BUCKETS
 
     device = torch.device(device)
     dtype = dtype or torch.bfloat16
-    timer = make_timer(device)
+    timer, graph_timer = make_timer(device), make_graph_timer(device)
     best = {}
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(moe_compile_pool(compile_workers)) if compile_workers > 1 else None
         for bucket in buckets or TOKEN_BUCKETS:
-            best[bucket] = _tune_moe_bucket(bucket, device, shapes, dtype, experts, timer, max_candidates, pool,
-                                            compile_workers)
+            best[bucket] = _tune_moe_bucket(bucket, device, shapes, dtype, experts,
+                                            timer_for_tokens(bucket, shapes, timer, graph_timer), max_candidates,
+                                            pool, compile_workers)
     return best
 
 
@@ -1176,12 +1227,15 @@ def _tune_moe_bucket(bucket: int, device, shapes: Shapes, dtype, experts: Expert
         print(f"# T={bucket}: {compiled} of {len(candidates)} configs compiled by {compile_workers} "
               f"workers in {time.perf_counter() - started:.1f} s", flush=True)
     for config in candidates:
+        run = partial(fused_moe_triton, *inputs, config=config, **scales)
         try:
-            results.append((timer(partial(fused_moe_triton, *inputs, config=config, **scales)), config))
+            run()  # compiles; a config that cannot run fails here, before any capture
         except Exception as error:  # noqa: BLE001 - e.g. out of shared memory: skip the config
             print(f"  T={bucket}: skipped {config}: {type(error).__name__}", file=sys.stderr)
-    ms, config = min(results, key=lambda item: item[0])
-    print(f"# T={bucket}: {ms:.4f} ms (of {len(results)} configs)")
+            continue
+        results.append((timer(run), config, graph_note(timer)))  # (ms, config, how it was timed)
+    ms, config, timing = min(results, key=lambda item: item[0])
+    print(f"# T={bucket}: {ms:.4f} ms (of {len(results)} configs{', ' + timing if timing else ''})")
     print(
         format_config_entry(
             shapes.num_experts, shapes.hidden, shapes.moe_intermediate, inputs[1].dtype, bucket, config,

@@ -138,6 +138,10 @@ PLANS: dict[str, tuple[Step, ...]] = {
     "tune": (
         Step("tune_moe_w8a8", bench_kernels("--tune-moe", "--fp8", "--w8a8", "--buckets", "4096", "16384", "256", "1"),
              max_s=200, min_s=60, tail_to="tune_moe_w8a8.txt", tail_lines=200),
+        # the bf16 decode buckets (the roofline's batch-1 step), picked on 2026-11-25 by host-launched
+        # timings in which every candidate took the host's ~0.24 ms at T=1; now timed in CUDA graphs
+        Step("tune_moe_bf16_decode", bench_kernels("--tune-moe", "--buckets", "1", "16", "64", "256"),
+             max_s=150, min_s=60, tail_to="tune_moe_bf16_decode.txt", tail_lines=200),
         # summed into float32 every K step (the default), per-channel W8A8 takes the block-scaled
         # tiles just tuned; its own entries are for the fast accumulation's asynchronous loop
         Step("tune_moe_w8a8_channel", bench_kernels("--tune-moe", "--fp8", "--w8a8", "--per-channel",

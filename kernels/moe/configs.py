@@ -150,7 +150,11 @@ MOE_CONFIGS: dict[tuple[int, int, int, str, int], MoeKernelConfig] = {
     **_reasoned_table(128, 4096, 1536, "float8_e4m3fn" + W8A8_SUFFIX + CHANNEL_SUFFIX, top_k=8),
     # Paste measured entries from `scripts/bench_kernels.py --tune-moe` below this line.
     # H100 80GB, bf16, 2026-11-25 (docs/results/gpu/tune_moe.txt): 0.244, 0.418, 0.442, 0.936 and
-    # 3.07 ms per call at T = 1, 64, 256, 4096 and 16384 (the reasoned default: 1.15 ms at 4096)
+    # 3.07 ms per call at T = 1, 64, 256, 4096 and 16384 (the reasoned default: 1.15 ms at 4096).
+    # Those runs launched every call from the host (do_bench): at T=1 that is the host's time, about
+    # ten times what the 8 experts' weights take to read, so the T=1 pick among candidates was noise.
+    # The tuner now times buckets up to the decode graphs' batch in a graph (bench_kernels
+    # timer_for_tokens); `gpu_session.py --plan tune` re-tunes 1, 16, 64 and 256 (tune_moe_bf16_decode).
     (128, 2048, 768, 'bfloat16', 1): MoeKernelConfig(block_size_m=32, block_size_n=128, block_size_k=64, group_size_m=8, num_warps=8, num_stages=3, tuned=True),
     (128, 2048, 768, 'bfloat16', 64): MoeKernelConfig(block_size_m=16, block_size_n=128, block_size_k=128, group_size_m=1, num_warps=4, num_stages=3, tuned=True),
     (128, 2048, 768, 'bfloat16', 256): MoeKernelConfig(block_size_m=32, block_size_n=128, block_size_k=128, group_size_m=1, num_warps=8, num_stages=3, tuned=True),

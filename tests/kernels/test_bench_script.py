@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -569,3 +570,73 @@ def test_a_call_that_cannot_be_captured_is_timed_host_launched_and_said_so(capsy
     assert bench_kernels.graph_note(timer) == "device time in a CUDA graph, L2 cold"
     assert bench_kernels.row_timing_note(timer, "host-launched (graph capture failed)") == (
         "ours: device time in a CUDA graph, L2 cold; baseline: host-launched (graph capture failed)")
+
+
+class RecordingTimers:
+    """A host timer and a graph timer (a `GraphTimer` whose capture always works) that run
+    nothing and note which of them timed which call: (timer, the call's function name, its first
+    argument's row count)."""
+
+    def __init__(self, bench_kernels) -> None:
+        self.calls: list[tuple[str, str, int]] = []
+        self.host = partial(self.record, "host", 2.0)
+        self.graph = bench_kernels.GraphTimer(partial(self.record, "graph", 1.0), self.host)
+
+    def record(self, timer: str, ms: float, fn) -> float:
+        rows = next((arg.shape[0] for arg in getattr(fn, "args", ()) if isinstance(arg, torch.Tensor)), -1)
+        self.calls.append((timer, getattr(fn, "func", fn).__name__, rows))
+        return ms
+
+    def timers_of(self, name: str, rows: int) -> set[str]:
+        return {timer for timer, called, count in self.calls if called == name and count == rows}
+
+
+def test_decode_sized_moe_calls_are_timed_as_the_decode_graphs_run_them(triton_device):
+    """Up to `graph_max_tokens` (the engine's largest captured decode batch) the MoE rows, their
+    align and routing launches and the batch-1 norm time the device alone, in a graph, with a note
+    saying so; larger calls are host-launched, as prefill steps run them. The per-expert loop
+    cannot be captured and is always host-launched."""
+    bench_kernels = load_bench_gpu().load_bench_kernels()
+    shapes = bench_kernels.TINY_SHAPES  # MoE rows at T = 4 (a decode batch here) and 16
+    assert shapes.graph_max_tokens == 4 and shapes.moe_token_counts == (4, 16)
+    timers = RecordingTimers(bench_kernels)
+    rows = bench_kernels.bench_moe(shapes, torch.bfloat16, triton_device, timers.host, timers.graph)
+    assert timers.timers_of("fused_moe_triton", 4) == {"graph"}
+    assert timers.timers_of("fused_moe_triton", 16) == {"host"}
+    assert timers.timers_of("fused_moe_reference", 4) == timers.timers_of("fused_moe_reference", 16) == {"host"}
+    # the grouped GEMMs (prefill only, from grouped_gemm_min_tokens = 16 here) and their baselines: host
+    assert timers.timers_of("fused_moe_grouped_gemm", 16) == {"host"}
+    by_name = {(row.name, row.shape.split()[0]): row for row in rows}
+    in_graph = "device time in a CUDA graph, L2 cold"
+    assert by_name[("fused_moe[fp8 w8a8, per-channel]", "T=4")].note == in_graph
+    assert by_name[("fused_moe[fp8 w8a8, per-channel]", "T=4")].triton_ms == 1.0
+    assert by_name[("fused_moe[fp8 w8a8, per-channel]", "T=16")].note == ""
+    assert by_name[("fused_moe", "T=4")].note == f"ours: {in_graph}; baseline: host-launched"  # the loop
+    assert by_name[("moe_align_block_size[one launch]", "T=4")].note.endswith(in_graph)
+    assert by_name[("moe_align_block_size[one launch]", "T=16")].note.endswith("host-launched")
+    routing = {row.shape: row for row in rows if row.name == "route_topk_and_align[one launch]"}
+    assert routing["T=1"].note.endswith(in_graph) and routing["T=4"].note.endswith(in_graph)
+    assert routing["T=8"].note.endswith("host-launched") and routing["T=8"].triton_ms == 2.0
+
+    timers.calls.clear()
+    norm_rows = bench_kernels.bench_elementwise(shapes, torch.bfloat16, triton_device, timers.host, timers.graph)
+    norms = {row.shape: row for row in norm_rows if row.name == "fused_sum_add_rms_norm"}
+    assert norms["T=1 K=8 H=64"].note == in_graph and norms["T=1 K=8 H=64"].baseline_ms == 1.0
+    assert norms[f"T={shapes.num_tokens} K=8 H=64"].note == ""
+
+
+def test_tune_moe_times_decode_buckets_in_graphs(triton_device, monkeypatch, capsys):
+    """The MoE tuner picks decode-sized buckets' tiles by their device time in a graph (at T=1 on
+    the H100 every candidate took the host's ~0.24 ms when launched from the host), and
+    prefill-sized ones host-launched; a config that cannot run is skipped before any timing."""
+    bench_kernels = load_bench_gpu().load_bench_kernels()
+    timers = RecordingTimers(bench_kernels)
+    monkeypatch.setattr(bench_kernels, "make_timer", lambda device: timers.host)
+    monkeypatch.setattr(bench_kernels, "make_graph_timer", lambda device: timers.graph)
+    best = bench_kernels.tune_moe(triton_device, bench_kernels.TINY_SHAPES, buckets=[4, 16], max_candidates=2)
+    assert timers.timers_of("fused_moe_triton", 4) == {"graph"}
+    assert timers.timers_of("fused_moe_triton", 16) == {"host"}
+    assert best[4][0] == 1.0 and best[16][0] == 2.0
+    out = capsys.readouterr().out
+    assert "# T=4: 1.0000 ms (of 2 configs, device time in a CUDA graph, L2 cold)" in out
+    assert "# T=16: 2.0000 ms (of 2 configs)\n" in out
