@@ -15,15 +15,34 @@ signature of the one installed: causal is ``window_size=(-1, 0)`` (torch >= 2.11
 is given fewer KV heads as it is); ``scale`` only when it is not the default 1/sqrt(D).
 A call that raises turns the kernel off for that use (``bidirectional`` or ``causal``)
 for the rest of the process, with one warning: the caller's own fallback takes over.
+
+Two providers of the same call (`VLM_CATALOG_FLASH_VARLEN`):
+* ``torch`` (default): PyTorch's own, FlashAttention 2. On the H100 of 2026-11-27 the vision
+  tower's long images ran at about 313 TFLOP/s through it (heads of 72, which it runs as 96),
+  and fresh ~2k-token prompts at 244-315.
+* ``fa3``: FlashAttention 3, the Hopper kernels (wgmma, TMA, warp specialisation) that vLLM
+  runs prefill with on H100s: the module `flash_attn_interface` of a build from source
+  (flash-attention/hopper), else `fa3_fwd_interface` of the forward-only wheel on PyPI
+  (``pip install fa3-fwd``; bf16 only, no paged KV). Used only on a compute capability 9.x
+  GPU (its kernels are sm_90's); elsewhere, or where neither imports, the setting falls back
+  to ``torch`` with one warning, and `flash_varlen_provider()` says which ran. With FA3 the
+  callers send long sequences to the varlen call too (`flash_takes_long_sequences`): the
+  thresholds that send them to per-sequence SDPA were measured against FlashAttention 2's
+  varlen call. Not the default until an H100 has timed it (bench_kernels' ``[fa3]`` rows,
+  gpu_session's ``vision_encoder_fa3`` and ``engine_fa3``) and `pytest -m gpu` has checked it.
+Failures and the alignment check are kept per provider.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import logging
 
 import torch
+
+from kernels.dispatch import environment_choice
 
 logger = logging.getLogger(__name__)
 
@@ -31,17 +50,119 @@ FLASH_HEAD_DIMS = range(8, 257, 8)  # what FlashAttention's kernels take
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_DEVICE_TYPES = ("cuda",)  # tests add "cpu" with a stand-in kernel
 
-_failures: dict[str, str] = {}  # use -> its first failure; the use is off for good
+FLASH_VARLEN_ENV_VAR = "VLM_CATALOG_FLASH_VARLEN"
+FLASH_VARLEN_PROVIDERS = ("torch", "fa3")
+# FlashAttention 3's Python modules: a build from source (flash-attention/hopper), then the
+# forward-only wheel on PyPI (fa3-fwd), each with its build's flags beside it
+FA3_MODULES = (("flash_attn_interface", "flash_attn_config"), ("fa3_fwd_interface", "fa3_fwd_config"))
+
+_failures: dict[tuple[str, str], str] = {}  # (provider, use) -> its first failure; off for good
+_warned: set[str] = set()  # warnings given once per process
+
+
+def flash_varlen_function():
+    """The varlen entry point of the provider in use (`flash_varlen_provider`), or None where
+    it has none (a torch without varlen_attn)."""
+    if flash_varlen_provider() == "fa3":
+        return fa3_varlen_function()
+    return torch_varlen_function()
 
 
 @functools.cache
-def flash_varlen_function():
+def torch_varlen_function():
     """torch's FlashAttention varlen entry point, or None where this torch has none."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     return varlen_attn
+
+
+def flash_varlen_provider() -> str:
+    """``fa3`` when `VLM_CATALOG_FLASH_VARLEN` asks for it and FlashAttention 3 loads for this
+    GPU, else ``torch`` (after one warning, where fa3 was asked for and cannot run)."""
+    if environment_choice(FLASH_VARLEN_ENV_VAR, FLASH_VARLEN_PROVIDERS) == "fa3":
+        if fa3_varlen_function() is not None:
+            return "fa3"
+        _warn_once("fa3", f"{FLASH_VARLEN_ENV_VAR}=fa3, but FlashAttention 3 cannot run here "
+                          f"({fa3_unavailable_reason()}): torch's FlashAttention varlen call runs instead")
+    return "torch"
+
+
+def flash_takes_long_sequences() -> bool:
+    """Whether the varlen call should take every sequence, long ones too: with FlashAttention 3.
+    The length thresholds above which the callers run per-sequence SDPA instead
+    (`SDPA_MIN_SEGMENT_LEN`, `SDPA_MIN_PREFILL_LEN`) compare SDPA with FlashAttention 2's varlen
+    call; FlashAttention 3 is the faster kernel at every length."""
+    return flash_varlen_provider() == "fa3"
+
+
+class Fa3Varlen:
+    """FlashAttention 3's `flash_attn_varlen_func` behind torch's varlen call (its >= 2.11
+    keywords): causal is ``window_size=(-1, 0)``; grouped-query K/V go in as they are (FA3 takes
+    fewer KV heads natively). `dtypes`: what the build compiled (fa3-fwd leaves float16 out)."""
+
+    def __init__(self, function, module: str, dtypes: tuple[torch.dtype, ...] = FLASH_DTYPES) -> None:
+        self.function, self.module, self.dtypes = function, module, dtypes
+
+    def __call__(self, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                 enable_gqa=False):
+        window = tuple(window_size)
+        if window not in ((-1, -1), (-1, 0)):
+            raise ValueError(f"window_size {window}: only full or causal attention is used here")
+        out = self.function(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, softmax_scale=scale,
+                            causal=window == (-1, 0))
+        return out[0] if isinstance(out, tuple) else out  # older builds return (out, softmax_lse)
+
+
+def fa3_device_supported() -> bool:
+    """Whether this process's GPU runs FlashAttention 3's kernels (compute capability 9.x)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+_fa3_import_errors: list[str] = []
+
+
+@functools.cache
+def fa3_varlen_function() -> Fa3Varlen | None:
+    """FlashAttention 3's varlen forward (`FA3_MODULES`, first that imports), or None: not
+    installed, its library did not load, or no Hopper GPU here (`fa3_unavailable_reason`)."""
+    if not fa3_device_supported():
+        return None
+    for module_name, config_name in FA3_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except (ImportError, OSError) as exc:  # OSError: its library did not load (another CUDA or torch)
+            _fa3_import_errors.append(f"{module_name}: {type(exc).__name__}: {exc}")
+            continue
+        return Fa3Varlen(module.flash_attn_varlen_func, module_name, _fa3_dtypes(config_name))
+    return None
+
+
+def fa3_unavailable_reason() -> str:
+    """Why `fa3_varlen_function()` is None, in words (empty when it is not)."""
+    if fa3_varlen_function() is not None:
+        return ""
+    if not fa3_device_supported():
+        return "no GPU of compute capability 9.x (its kernels are Hopper's)"
+    tried = "; ".join(_fa3_import_errors) or "no module"
+    return f"neither {' nor '.join(name for name, _ in FA3_MODULES)} imports ({tried}); pip install fa3-fwd"
+
+
+def _fa3_dtypes(config_name: str) -> tuple[torch.dtype, ...]:
+    """The 16-bit dtypes an FA3 build compiled, from the flags module it installs beside its
+    interface (float16 can be left out: FLASHATTENTION_DISABLE_FP16)."""
+    try:
+        flags = importlib.import_module(config_name).CONFIG["build_flags"]
+    except (ImportError, AttributeError, KeyError, TypeError):
+        return FLASH_DTYPES
+    return (torch.bfloat16,) if flags.get("FLASHATTENTION_DISABLE_FP16") else FLASH_DTYPES
+
+
+def flash_varlen_module() -> str:
+    """Where the varlen call in use comes from: FA3's module name, or ``torch``."""
+    function = flash_varlen_function()
+    return function.module if isinstance(function, Fa3Varlen) else "torch"
 
 
 def _keywords(function) -> frozenset[str] | None:
@@ -80,12 +201,13 @@ def flash_varlen_options(
 
 
 def flash_varlen_usable(q: torch.Tensor, use: str) -> bool:
-    """Whether the kernel can take q (its dtype and head size) for `use`, if this torch has it."""
+    """Whether the kernel can take q (its dtype and head size) for `use`, if it is installed."""
+    if (flash_varlen_provider(), use) in _failures or q.device.type not in FLASH_DEVICE_TYPES:
+        return False
+    function = flash_varlen_function()
     return (
-        use not in _failures
-        and q.device.type in FLASH_DEVICE_TYPES
-        and flash_varlen_function() is not None
-        and q.dtype in FLASH_DTYPES
+        function is not None
+        and q.dtype in getattr(function, "dtypes", FLASH_DTYPES)
         and q.shape[-1] in FLASH_HEAD_DIMS
     )
 
@@ -126,14 +248,21 @@ def try_flash_varlen_attention(use: str, *args, **kwargs) -> torch.Tensor | None
 
 
 def failure_reason(use: str) -> str | None:
-    """Why `use` was turned off, or None while it is on."""
-    return _failures.get(use)
+    """Why `use` was turned off for the provider in use, or None while it is on."""
+    return _failures.get((flash_varlen_provider(), use))
 
 
 def _turn_off(use: str, reason: str) -> None:
-    _failures[use] = reason
-    logger.warning("FlashAttention varlen failed for %s attention (%s); its fallback takes over from now on",
-                   use, reason)
+    provider = flash_varlen_provider()
+    _failures[(provider, use)] = reason
+    logger.warning("FlashAttention varlen (%s) failed for %s attention (%s); its fallback takes over from now on",
+                   provider, use, reason)
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
 
 
 CAUSAL_WITH_CONTEXT = "causal with context"  # the use that `causal_with_context_supported` guards
@@ -146,14 +275,15 @@ def causal_with_context_supported(q: torch.Tensor) -> bool:
     use off, with the warning."""
     if not flash_varlen_usable(q, CAUSAL_WITH_CONTEXT):  # also False once the use is off
         return False
-    key = (q.device.type, q.device.index, q.dtype, q.shape[-1])
+    key = (flash_varlen_provider(), q.device.type, q.device.index, q.dtype, q.shape[-1])
     if key not in _alignment_checked:
         _alignment_checked.add(key)
         _check_bottom_right(q)  # turns the use off if the check fails
-    return CAUSAL_WITH_CONTEXT not in _failures
+    return (flash_varlen_provider(), CAUSAL_WITH_CONTEXT) not in _failures
 
 
-_alignment_checked: set[tuple] = set()  # (device type, index, dtype, head size) checked once each
+# (provider, device type, index, dtype, head size) checked once each
+_alignment_checked: set[tuple] = set()
 
 
 def _check_bottom_right(like: torch.Tensor) -> None:

@@ -35,6 +35,8 @@ per-prompt SDPA against the varlen kernel / the Triton kernel is 0.11x / 0.10x
 at 16 x 256 tokens, 0.31x / 0.28x at 8 x 512, 1.05x / 1.10x at 4 x 1024, 1.46x /
 1.82x at 2 x 2048 and 1.69x / 2.29x at 1 x 8192: the threshold, 1024, is the
 crossover.
+With FlashAttention 3 as the varlen kernel (`VLM_CATALOG_FLASH_VARLEN=fa3`), fresh
+chunks of every length take the varlen launch: the crossover above is FlashAttention 2's.
 `VLM_CATALOG_PREFILL_ATTENTION` (``auto`` | ``flash`` | ``triton`` | ``sdpa``)
 forces one backend for the fresh chunks; `VLM_CATALOG_KERNELS=triton` forces the kernel.
 """
@@ -58,6 +60,7 @@ from kernels.dispatch import kernel_backend, use_triton
 from kernels.flash_varlen import (
     CAUSAL_WITH_CONTEXT,
     causal_with_context_supported,
+    flash_takes_long_sequences,
     flash_varlen_usable,
     try_flash_varlen_attention,
 )
@@ -284,12 +287,13 @@ def sdpa_min_prefill_len() -> int:
 def whole_prompts_take_the_varlen_kernel(query_lens: list[int], kv_lens: list[int]) -> bool:
     """Whether a call's whole prompts (nothing cached before them) go through the varlen kernel:
     there are some, and none reaches `sdpa_min_prefill_len()` tokens, where per-prompt SDPA is
-    faster (module doc), unless the environment forces the kernel."""
+    faster than FlashAttention 2's varlen call (module doc), unless the environment forces the
+    kernel or it is FlashAttention 3 (`flash_takes_long_sequences`)."""
     whole = [n for n, total in zip(query_lens, kv_lens) if n and n == total]
     if not whole:
         return False
     return forced_attention_backend(PREFILL_BACKEND_ENV_VAR, PREFILL_BACKENDS) == "flash" or (
-        max(whole) < sdpa_min_prefill_len()
+        max(whole) < sdpa_min_prefill_len() or flash_takes_long_sequences()
     )
 
 

@@ -5,7 +5,8 @@ itself).
 Backends on CUDA. For 16-bit inputs with a head size FlashAttention takes, and
 every segment shorter than `SDPA_MIN_SEGMENT_LEN` rows: PyTorch's FlashAttention
 varlen kernel (`kernels.flash_varlen`), all segments in one launch with nothing
-copied. Otherwise, per segment: `F.scaled_dot_product_attention` (FlashAttention
+copied; with FlashAttention 3 there (`VLM_CATALOG_FLASH_VARLEN=fa3`), every call,
+long segments too. Otherwise, per segment: `F.scaled_dot_product_attention` (FlashAttention
 too, one launch per segment) for segments of at least `SDPA_MIN_SEGMENT_LEN`
 rows, and one Triton launch for all the shorter ones (the kernel skips the long
 segments, so the two write disjoint rows). Measured on an H100 (bf16, 16 heads
@@ -44,7 +45,11 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import kernel_backend, use_triton
-from kernels.flash_varlen import flash_varlen_usable, try_flash_varlen_attention
+from kernels.flash_varlen import (
+    flash_takes_long_sequences,
+    flash_varlen_usable,
+    try_flash_varlen_attention,
+)
 from kernels.pdl import launch_options
 from kernels.sdpa_backend import long_segment_sdpa
 from kernels.strides import common_power_of_two
@@ -271,12 +276,13 @@ def varlen_attention_on_device(
     seqlens: list[int] | None = None,
 ) -> torch.Tensor:
     """The CUDA choice: the varlen kernel when it can take the call and no segment is long
-    enough for SDPA (or the environment forces it), else segment by segment."""
+    enough for SDPA (or the environment forces it, or the kernel is FlashAttention 3, which
+    takes every length), else segment by segment."""
     forced = forced_attention_backend(VARLEN_BACKEND_ENV_VAR, VARLEN_BACKENDS)
     if forced in (None, "flash") and flash_varlen_usable(q, "bidirectional"):
         if max_seqlen is None:
             max_seqlen = max(seqlens) if seqlens is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        if forced == "flash" or max_seqlen < SDPA_MIN_SEGMENT_LEN:
+        if forced == "flash" or max_seqlen < SDPA_MIN_SEGMENT_LEN or flash_takes_long_sequences():
             out = try_flash_varlen_attention("bidirectional", q, k, v, cu_seqlens, scale, max_seqlen)
             if out is not None:
                 return out

@@ -81,6 +81,7 @@ import torch
 
 from kernels import fp8_linear_cublas
 from kernels.dispatch import fp8_accumulation, kernels_off
+from kernels.flash_varlen import flash_varlen_module
 from kernels.fp8 import per_channel_block
 from kernels.moe import grouped_gemm
 from kernels.moe.grouped_gemm import moe_gemm_choice
@@ -802,6 +803,9 @@ def main(argv: list[str] | None = None) -> int:
     results["engine_output_kind"] = OFFLINE_OUTPUTS  # what the engine phases' requests ask for
     results["moe_gemm"] = moe_gemm_choice()  # the MoE experts' GEMMs at prefill sizes (VLM_CATALOG_MOE_GEMM)
     results["sdpa_backend"] = sdpa_backend()  # the long images' SDPA kernel order (VLM_CATALOG_SDPA_BACKEND)
+    # the FlashAttention varlen kernel the attention ran (VLM_CATALOG_FLASH_VARLEN): torch's, or
+    # FlashAttention 3's module where it was asked for and could run
+    results["flash_varlen"] = flash_varlen_module() if device.type == "cuda" else "torch"
     results.setdefault("phase_seconds", {})
 
     failed: list[str] = []

@@ -528,6 +528,25 @@ def cudnn_refusal(call, device) -> str:
     return ""
 
 
+def fa3_runs(q) -> bool:
+    """Whether FlashAttention 3 can take `q` here (installed, a Hopper GPU, a dtype it built)."""
+    from kernels.flash_varlen import fa3_varlen_function
+
+    function = fa3_varlen_function()
+    return function is not None and q.dtype in function.dtypes
+
+
+def fa3_varlen() -> contextlib.AbstractContextManager:
+    """FlashAttention 3 as the varlen kernel for the block (`VLM_CATALOG_FLASH_VARLEN=fa3`)."""
+    from kernels.dispatch import environment_variable
+    from kernels.flash_varlen import FLASH_VARLEN_ENV_VAR
+
+    return environment_variable(FLASH_VARLEN_ENV_VAR, "fa3")
+
+
+FA3_NOTE = "sets VLM_CATALOG_FLASH_VARLEN's default"
+
+
 def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
     import torch
     import torch.nn.functional as F
@@ -645,6 +664,19 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
                     target_speedup=1.0,
                 )
             )
+        if fa3_runs(q):  # the engine's call with FlashAttention 3 (kernels/flash_varlen.py)
+            with fa3_varlen():
+                if causal_with_context_supported(q):
+                    lengths = [context] * num_seqs
+                    own_kv = q[:, : shapes.num_kv_heads]  # read only for whole prompts (prefix 0)
+                    fa3_call = partial(paged_prefill_attention_per_sequence, q, own_kv, own_kv, *args[1:],
+                                       [new_tokens] * num_seqs, lengths,
+                                       contexts=PackedContexts(block_tables, context_lens, lengths))
+                    fa3_call()
+                    fa3_ms = timer(fa3_call)
+                    rows.append(Row("paged_prefill_attention[fa3]", f"{num_seqs}x{new_tokens} new, prefix {prefix}",
+                                    fa3_ms, "the Triton kernel", ms, teraflops(flops, fa3_ms), target_speedup=1.0,
+                                    note=FA3_NOTE))
 
     for num_seqs, new_tokens in shapes.fresh_prefill_cases:  # whole prompts: Triton or SDPA on their k/v
         k_cache, v_cache, block_tables, context_lens = _paged_cache(num_seqs, new_tokens, shapes, dtype, device)
@@ -657,6 +689,7 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
         lengths = [new_tokens] * num_seqs
         sdpa = partial(paged_prefill_attention_per_sequence, q, new_k, new_v, *args[1:], lengths, lengths, threshold=1,
                        flash=False)
+        sdpa_ms = timer(sdpa)
         flops = 4 * num_seqs * new_tokens * (new_tokens + 1) / 2 * shapes.num_q_heads * shapes.head_dim
         rows.append(
             Row(
@@ -664,24 +697,31 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 f"{num_seqs}x{new_tokens} whole prompts",
                 ms,
                 "SDPA per prompt on its own k/v",
-                timer(sdpa),
+                sdpa_ms,
                 teraflops(flops, ms),
                 note="sets SDPA_MIN_PREFILL_LEN (crossover by prompt length)",
             )
         )
+        fresh_flash = partial(flash_varlen_attention, q, new_k, new_v, cu_seqlens, scale, new_tokens, causal=True)
         if flash_varlen_usable(q, "causal"):  # what the engine runs first for whole prompts
-            ms = timer(partial(flash_varlen_attention, q, new_k, new_v, cu_seqlens, scale, new_tokens, causal=True))
+            ms = timer(fresh_flash)
             rows.append(
                 Row(
                     "paged_prefill_attention[fresh, flash varlen]",
                     f"{num_seqs}x{new_tokens} whole prompts",
                     ms,
                     "SDPA per prompt on its own k/v",
-                    timer(sdpa),
+                    sdpa_ms,
                     teraflops(flops, ms),
                     target_speedup=1.0,
                 )
             )
+        if fa3_runs(q):
+            with fa3_varlen():
+                ms = timer(fresh_flash)
+            rows.append(Row("paged_prefill_attention[fresh, fa3]", f"{num_seqs}x{new_tokens} whole prompts", ms,
+                            "SDPA per prompt on its own k/v", sdpa_ms, teraflops(flops, ms), target_speedup=1.0,
+                            note=FA3_NOTE))
 
     for images, patches in shapes.vision_cases:
         total = images * patches
@@ -716,6 +756,10 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
         if flash_varlen_usable(q, "bidirectional"):  # what the vision tower runs first
             ms = timer(partial(flash_varlen_attention, *varlen_args, patches))
             rows.append(vision_row("varlen_attention[flash varlen]", ms, target_speedup=1.0))
+        if fa3_runs(q):  # every image in one FlashAttention 3 call, long ones too
+            with fa3_varlen():
+                ms = timer(partial(flash_varlen_attention, *varlen_args, patches))
+            rows.append(vision_row("varlen_attention[fa3]", ms, target_speedup=1.0, note=FA3_NOTE))
     return rows
 
 

@@ -29,7 +29,7 @@ ENGINE_PHASES = ("engine", "engine_fp8_kv", "engine_fp8", "engine_w8a8", "engine
 # kernel rows worth a line: their names start with one of these
 # the rows that set a switch or a default: decode attention, the MoE's GEMM choice, and every
 # vision attention row (our kernel at each tile shape, SDPA with cuDNN, FlashAttention's varlen)
-KERNEL_ROW_PREFIXES = ("paged_decode_attention", "fused_moe[grouped_mm]", "fused_moe[fp8 w8a8, per-channel",
+KERNEL_ROW_PREFIXES = ("paged_decode_attention", "paged_prefill_attention", "fused_moe[grouped_mm]", "fused_moe[fp8 w8a8, per-channel",
                        "varlen_attention")
 PROFILE_REGIONS = ("vlm.vision_encoder", "vlm.text_forward.prefill", "vlm.text_forward.decode", "vlm.step",
                    "unmarked")
@@ -200,7 +200,8 @@ def summarize(record: dict, previous: dict | None = None, extras: list[tuple[str
                 merged[key if key not in merged else f"{key} ({label})"] = value
     header = (f"# GPU record: {record.get('device', '?')}, {record.get('date', '?')}\n\n"
               f"versions {record.get('versions', {})}; kernels_off {record.get('kernels_off', [])}; "
-              f"moe_gemm {record.get('moe_gemm', '-')}; sdpa_backend {record.get('sdpa_backend', '-')}")
+              f"moe_gemm {record.get('moe_gemm', '-')}; sdpa_backend {record.get('sdpa_backend', '-')}; "
+              f"flash_varlen {record.get('flash_varlen', '-')}")
     sections = [header, engine_section(merged, previous), profile_section(merged),
                 constrained_section(merged, previous), roofline_section(merged, previous),
                 vision_section(merged, previous), kernel_rows_section([("record", record), *attention])]

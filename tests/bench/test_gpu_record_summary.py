@@ -30,6 +30,7 @@ def engine_run(samples_per_s: float) -> dict:
 
 NEW_RECORD = {
     "device": "NVIDIA H100 80GB HBM3", "date": "2026-11-28", "moe_gemm": "triton", "sdpa_backend": "default",
+    "flash_varlen": "fa3_fwd_interface",
     "engine_w8a8_channel": {"fixed_150_tokens": engine_run(14.5)},
     "engine_w8a8_channel_grouped_mm": {"error": "RuntimeError: CUDA error: an illegal memory access"},
     "engine_profile": {"fixed_150_tokens": engine_run(11.0), "profile": {
@@ -74,6 +75,7 @@ def test_a_record_with_the_new_fields_prints_them_beside_the_previous_one(tmp_pa
     assert module.main([str(tmp_path / "new.json"), "--previous", str(RECORD)]) == 0
     text = capsys.readouterr().out
     assert "| engine_w8a8_channel | 14.50 (was 13.24) |" in text
+    assert "sdpa_backend default; flash_varlen fa3_fwd_interface" in text
     assert "| 4.50 | 7.25 / 3.50 | 0.50 / 1.25 |" in text  # the device-time split
     assert "| engine_w8a8_channel_grouped_mm | error: RuntimeError: CUDA error: an illegal memory access |" in text
     assert "busy 4.50 s of 6.00 s (75%)" in text

@@ -88,8 +88,9 @@ def fake_flash(monkeypatch):
     module = importlib.import_module("kernels.flash_varlen")
     monkeypatch.setattr(module, "_failures", {})
     monkeypatch.setattr(module, "_alignment_checked", set())
+    monkeypatch.setattr(module, "_warned", set())
     monkeypatch.setattr(module, "FLASH_DEVICE_TYPES", ("cuda", "cpu"))
-    for env_var in ("VLM_CATALOG_VARLEN_ATTENTION", "VLM_CATALOG_PREFILL_ATTENTION"):
+    for env_var in ("VLM_CATALOG_VARLEN_ATTENTION", "VLM_CATALOG_PREFILL_ATTENTION", "VLM_CATALOG_FLASH_VARLEN"):
         monkeypatch.delenv(env_var, raising=False)
 
     def install(fake):
@@ -97,3 +98,30 @@ def fake_flash(monkeypatch):
         return fake
 
     return install
+
+
+@pytest.fixture
+def fake_fa3(monkeypatch, fake_flash):
+    """install(function, interface=..., float16=...) makes `function` FlashAttention 3's varlen
+    call of an install named `interface` (tests.kernels.flash_fakes.fa3_modules) on a Hopper
+    GPU, as far as `kernels.flash_varlen` can tell, with no FA3 module importable otherwise;
+    the provider stays torch's until `VLM_CATALOG_FLASH_VARLEN=fa3`."""
+    from tests.kernels.flash_fakes import fa3_modules
+
+    module = importlib.import_module("kernels.flash_varlen")
+    monkeypatch.setattr(module, "fa3_device_supported", lambda: True)
+    monkeypatch.setattr(module, "_fa3_import_errors", [])
+    for interface, config in module.FA3_MODULES:
+        monkeypatch.setitem(sys.modules, interface, None)  # import raises ImportError
+        monkeypatch.setitem(sys.modules, config, None)
+    module.fa3_varlen_function.cache_clear()
+
+    def install(function, interface: str = "fa3_fwd_interface", float16: bool = False):
+        for name, entry in fa3_modules(function, interface, float16).items():
+            monkeypatch.setitem(sys.modules, name, entry)
+        module.fa3_varlen_function.cache_clear()
+        return function
+
+    yield install
+    module.fa3_varlen_function.cache_clear()
+

@@ -64,3 +64,34 @@ class FakeFlashVarlenIsCausal:
     def __call__(self, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False):
         self.calls.append({"cu_seq_q": cu_seq_q, "cu_seq_k": cu_seq_k, "max_q": max_q, "is_causal": is_causal})
         return segment_attention(query, key, value, cu_seq_q, None, causal=is_causal, cu_seq_k=cu_seq_k)
+
+
+class FakeFa3Varlen:
+    """FlashAttention 3's `flash_attn_varlen_func` (its keywords: `softmax_scale`, `causal`;
+    fewer KV heads taken as they are), answering with per-segment SDPA and recording its calls.
+    `returns_lse`: an older build's (out, softmax_lse) result."""
+
+    def __init__(self, error: Exception | None = None, returns_lse: bool = False):
+        self.calls, self.error, self.returns_lse = [], error, returns_lse
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                 seqused_k=None, softmax_scale=None, causal=False, **rest):
+        self.calls.append({"cu_seq_q": cu_seqlens_q, "cu_seq_k": cu_seqlens_k, "max_q": max_seqlen_q,
+                           "max_k": max_seqlen_k, "softmax_scale": softmax_scale, "causal": causal,
+                           "num_kv_heads": k.shape[1], "rest": rest})
+        if self.error is not None:
+            raise self.error
+        out = segment_attention(q, k, v, cu_seqlens_q, softmax_scale, causal=causal, cu_seq_k=cu_seqlens_k)
+        return (out, torch.zeros(q.shape[1], q.shape[0])) if self.returns_lse else out
+
+
+def fa3_modules(function, interface: str = "fa3_fwd_interface", float16: bool = False) -> dict:
+    """sys.modules entries of an FA3 install: its interface with `function` and the build-flags
+    module beside it (fa3-fwd leaves float16 out)."""
+    import types
+
+    config = {"fa3_fwd_interface": "fa3_fwd_config", "flash_attn_interface": "flash_attn_config"}[interface]
+    module, flags = types.ModuleType(interface), types.ModuleType(config)
+    module.flash_attn_varlen_func = function
+    flags.CONFIG = {"build_flags": {"FLASHATTENTION_DISABLE_FP16": not float16}}
+    return {interface: module, config: flags}

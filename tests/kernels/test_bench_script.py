@@ -301,6 +301,7 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert report["engine_output_kind"] == "final_only"  # as the offline front doors ask
     assert report["moe_gemm"] == "triton" and report["engine"]["moe_grouped_gemm"] == {}  # unless asked
     assert report["sdpa_backend"] == "default"  # torch's own order unless VLM_CATALOG_SDPA_BACKEND says otherwise
+    assert report["flash_varlen"] == "torch"  # FlashAttention 3 only where VLM_CATALOG_FLASH_VARLEN=fa3 can run
     # the engine phases sample as the benchmark does (the checkpoint's generation_config)
     assert report["engine"]["sampling"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
     assert report["engine_w8a8"]["sampling"] == report["engine"]["sampling"]
@@ -640,3 +641,24 @@ def test_tune_moe_times_decode_buckets_in_graphs(triton_device, monkeypatch, cap
     out = capsys.readouterr().out
     assert "# T=4: 1.0000 ms (of 2 configs, device time in a CUDA graph, L2 cold)" in out
     assert "# T=16: 2.0000 ms (of 2 configs)\n" in out
+
+
+def test_the_attention_rows_time_fa3_where_it_runs(triton_device, fake_fa3, monkeypatch):
+    """With FlashAttention 3 loadable (a stand-in here), the attention group adds its rows beside
+    torch's varlen kernel: the vision images in one call, whole prompts, and the engine's prefill
+    call; each through FA3 (its stand-in records the calls), each noting the switch it sets."""
+    from kernels import flash_varlen
+    from tests.kernels.flash_fakes import FakeFa3Varlen, FakeFlashVarlen
+
+    torch_call = FakeFlashVarlen()
+    monkeypatch.setattr(flash_varlen, "torch_varlen_function", lambda: torch_call)
+    fa3 = fake_fa3(FakeFa3Varlen())
+    bench_kernels = load_bench_gpu().load_bench_kernels()
+    rows = bench_kernels.bench_attention(bench_kernels.TINY_SHAPES, torch.bfloat16, triton_device,
+                                         bench_kernels.make_timer(triton_device))
+    fa3_rows = {row.name: row for row in rows if "fa3" in row.name}
+    assert set(fa3_rows) == {"varlen_attention[fa3]", "paged_prefill_attention[fresh, fa3]",
+                             "paged_prefill_attention[fa3]"}
+    assert all(row.note == "sets VLM_CATALOG_FLASH_VARLEN's default" and row.triton_ms > 0 for row in fa3_rows.values())
+    assert {call["causal"] for call in fa3.calls} == {True, False}
+    assert os.environ.get("VLM_CATALOG_FLASH_VARLEN") is None  # set for the rows only

@@ -55,7 +55,7 @@ def test_a_call_the_version_cannot_express_switches_that_use_off(fake_flash, cap
     bounds = torch.tensor([0, 4], dtype=torch.int32)
     assert try_flash_varlen_attention("causal", q, k, k, bounds, 0.3, 4, causal=True) is None
     assert kernel.calls == []
-    assert "FlashAttention varlen failed for causal attention (ValueError: torch" in caplog.text
+    assert "FlashAttention varlen (torch) failed for causal attention (ValueError: torch" in caplog.text
     assert not flash_varlen_usable(q, "causal") and flash_varlen_usable(q, "bidirectional")
     out = try_flash_varlen_attention("bidirectional", q, k, k, bounds, 16**-0.5, 4)
     assert out is not None and len(kernel.calls) == 1

@@ -384,7 +384,7 @@ def test_a_causal_varlen_kernel_that_fails_hands_over_for_good(triton_device, fa
         assert_close(paged_prefill_attention_per_sequence(**case), reference(case), rel=TOLERANCE[torch.bfloat16])
     assert len(kernel.calls) == 2  # the alignment check, then the fresh chunks' call; neither tried again
     for use in ("causal with context", "causal"):
-        assert f"FlashAttention varlen failed for {use} attention (RuntimeError: window_size" in caplog.text
+        assert f"FlashAttention varlen (torch) failed for {use} attention (RuntimeError: window_size" in caplog.text
     assert flash_varlen_usable(case["q"], "bidirectional")  # the vision tower's use is not affected
 
 

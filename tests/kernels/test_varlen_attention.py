@@ -192,7 +192,7 @@ def test_a_varlen_kernel_that_fails_hands_over_to_the_segments_for_good(fake_fla
         out = varlen_attention_on_device(q, k, v, cu_seqlens, 0.25, seqlens=[5, 9])
         assert_close(out, varlen_attention_reference(q, k, v, cu_seqlens, 0.25), rel=1e-2)
     assert len(fake.calls) == 1  # not tried again
-    assert "FlashAttention varlen failed for bidirectional attention (RuntimeError: FlashAttention only supports" \
+    assert "FlashAttention varlen (torch) failed for bidirectional attention (RuntimeError: FlashAttention only supports" \
         in caplog.text
 
 
