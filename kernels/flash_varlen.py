@@ -132,7 +132,8 @@ def fa3_varlen_function() -> Fa3Varlen | None:
     for module_name, config_name in FA3_MODULES:
         try:
             module = importlib.import_module(module_name)
-        except (ImportError, OSError) as exc:  # OSError: its library did not load (another CUDA or torch)
+        except Exception as exc:  # noqa: BLE001 - not installed, its library did not load (another CUDA or
+            # torch: OSError), or its operators did not register (RuntimeError): torch's kernel runs instead
             _fa3_import_errors.append(f"{module_name}: {type(exc).__name__}: {exc}")
             continue
         return Fa3Varlen(module.flash_attn_varlen_func, module_name, _fa3_dtypes(config_name))

@@ -188,3 +188,15 @@ def test_gpu_fa3_causal_prompts_and_chunks_after_a_context(cuda_device):
     out = function(q, k, v, bounds_q, bounds_k, 2048, 8192, scale=128**-0.5, window_size=(-1, 0))
     expected = segment_attention(q, k, v, bounds_q, 128**-0.5, causal=True, cu_seq_k=bounds_k)
     assert_close(out, expected, rel=1e-2)
+
+
+def test_an_install_whose_operators_fail_to_register_is_passed_over(fake_fa3, monkeypatch, tmp_path):
+    """A wheel built for another torch can fail at import with other errors than ImportError (its
+    library's OSError, its operators' RuntimeError): torch's kernel runs, and the reason says why."""
+    (tmp_path / "fa3_fwd_interface.py").write_text(
+        "raise RuntimeError('Tried to register an operator (fa3_fwd::fwd) with the same name twice')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "fa3_fwd_interface")  # the fixture's "not installed" entry
+    monkeypatch.setenv(FLASH_VARLEN_ENV_VAR, "fa3")
+    assert flash_varlen_provider() == "torch"
+    assert "fa3_fwd_interface: RuntimeError: Tried to register an operator" in flash_varlen.fa3_unavailable_reason()
