@@ -39,6 +39,9 @@ call; `--json FILE` merges the phases' results into FILE.
                   experts of prefill-sized steps on torch's grouped GEMMs (CUTLASS) instead of
                   the Triton kernels, where they pass their first-call check
                   (kernels/moe/grouped_gemm.py; `moe_grouped_gemm` records the verdicts)
+- engine_w8a8_channel_fa3  engine_w8a8_channel with VLM_CATALOG_FLASH_VARLEN=fa3: the vision
+                  tower's and whole prompts' attention through FlashAttention 3 (kernels/flash_varlen.py),
+                  where it loads (`flash_varlen` in the phase records which kernel ran)
 - engine_profile  engine_w8a8_channel on the first --profile-records (128) records under
                   torch.profiler: the device's kernel time by region of the step (vision,
                   text forward in prefill and decode steps, the rest of the step), by kind
@@ -80,8 +83,8 @@ from pathlib import Path
 import torch
 
 from kernels import fp8_linear_cublas
-from kernels.dispatch import fp8_accumulation, kernels_off
-from kernels.flash_varlen import flash_varlen_module
+from kernels.dispatch import environment_variable, fp8_accumulation, kernels_off
+from kernels.flash_varlen import FLASH_VARLEN_ENV_VAR, flash_varlen_module
 from kernels.fp8 import per_channel_block
 from kernels.moe import grouped_gemm
 from kernels.moe.grouped_gemm import moe_gemm_choice
@@ -115,10 +118,11 @@ from vlm_catalog.structured import catalogue_schema
 
 PHASES = ("ceilings", "kernels", "roofline", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
           "engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fast",
-          "engine_profile", "transformers")  # engine_profile last of the engines: its analysis is the longest
+          "engine_w8a8_channel_fa3", "engine_profile",
+          "transformers")  # engine_profile last of the engines: its analysis is the longest
 # they quantize the experts in place: after the others
 FP8_MODEL_PHASES = {"engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_w8a8_channel_fast", "engine_profile",
-                    "engine_w8a8_channel_grouped_mm"}
+                    "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fa3"}
 NEEDS_RECORDS = {"vision_encoder", "engine", "engine_fp8_kv", "constrained", "transformers", *FP8_MODEL_PHASES}
 NEEDS_MODEL = {"roofline", "engine", "engine_fp8_kv", "constrained", *FP8_MODEL_PHASES}
 ENGINE_PHASES = NEEDS_MODEL - {"roofline"}  # they run the engine, after a warm-up (`warm_up`)
@@ -537,20 +541,25 @@ def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, o
                        fp8_activations: bool = False, sampling: Sampling = QWEN3_VL_SAMPLING,
                        async_scheduling: bool = False, warmup_records=(), per_channel: bool = False,
                        fast_accumulation: bool = False, moe_gemm_choice: str | None = None,
-                       max_num_batched_tokens: int = STEP_TOKENS, profiled: bool = False) -> dict:
+                       max_num_batched_tokens: int = STEP_TOKENS, profiled: bool = False,
+                       flash_varlen: str | None = None) -> dict:
     """`measure_engine` with FP8 experts (`quantize_model`, which says what `fp8_activations` and
     `per_channel` quantize) and an FP8 KV cache; `fast_accumulation`: under
     VLM_CATALOG_FP8_FAST_ACCUMULATION=1 (`kernels.dispatch.fp8_accumulation`); `moe_gemm_choice`:
     under VLM_CATALOG_MOE_GEMM=that (`kernels.moe.grouped_gemm.moe_gemm`; None: as set);
-    `profiled`: as `measure_engine`'s."""
+    `flash_varlen`: under VLM_CATALOG_FLASH_VARLEN=that (None: as set); `profiled`: as
+    `measure_engine`'s."""
     before = weight_sizes(model)
     block, dense_block = quantize_model(model, device, fp8_activations, per_channel)
     gemms = grouped_gemm.moe_gemm(moe_gemm_choice) if moe_gemm_choice else contextlib.nullcontext()
-    with fp8_accumulation(fast_accumulation), gemms:
+    attention = (environment_variable(FLASH_VARLEN_ENV_VAR, flash_varlen) if flash_varlen
+                 else contextlib.nullcontext())
+    with fp8_accumulation(fast_accumulation), gemms, attention:
         results = measure_engine(checkpoint, model, device, records, output_tokens, kv_cache_dtype="fp8",
                                  sampling=sampling, async_scheduling=async_scheduling, warmup_records=warmup_records,
                                  max_num_batched_tokens=max_num_batched_tokens, profiled=profiled)
         results["moe_gemm"] = grouped_gemm.moe_gemm_choice()
+        results["flash_varlen"] = flash_varlen_module() if device.type == "cuda" else "torch"
     results["fp8_fast_accumulation"] = fast_accumulation
     results["before"] = before
     results["after"] = weight_sizes(model)
@@ -893,6 +902,9 @@ def main(argv: list[str] | None = None) -> int:
                 "engine_w8a8_channel_fast": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
                     per_channel=True, fast_accumulation=True, **engine_options),
+                "engine_w8a8_channel_fa3": lambda: measure_engine_fp8(
+                    checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
+                    per_channel=True, flash_varlen="fa3", **engine_options),
                 "engine_profile": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records[: args.profile_records], args.output_tokens,
                     fp8_activations=True, per_channel=True, profiled=True, **engine_options),

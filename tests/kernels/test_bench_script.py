@@ -259,7 +259,8 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     result = run_script("--tiny", "--device", "cpu", "--records", "2", "--vision-images", "2", "--hf-records", "2",
                         "--image-size", "small", "--output-tokens", "4", "--warmup-records", "1",
                         "--phases", "vision_encoder,engine,engine_fp8_kv,constrained,engine_fp8,engine_w8a8,"
-                        "engine_w8a8_channel,engine_w8a8_channel_grouped_mm,engine_w8a8_channel_fast,transformers",
+                        "engine_w8a8_channel,engine_w8a8_channel_grouped_mm,engine_w8a8_channel_fast,"
+                        "engine_w8a8_channel_fa3,transformers",
                         "--json", str(out),
                         script=REPO_ROOT / "scripts" / "bench_gpu.py")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -333,13 +334,16 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     grouped = report["engine_w8a8_channel_grouped_mm"]
     assert grouped["moe_gemm"] == "grouped_mm" and channel["moe_gemm"] == fast["moe_gemm"] == "triton"
     assert grouped["fixed_150_tokens"]["errors"] == 0 and grouped["moe_grouped_gemm"] == {}
+    # FlashAttention 3 asked for, for that phase alone (on CPU the torch path runs: no varlen call)
+    fa3 = report["engine_w8a8_channel_fa3"]
+    assert fa3["flash_varlen"] == "torch" and fa3["fixed_150_tokens"]["errors"] == 0
     hf = report["transformers"]
     assert hf["batch_1_probe"]["samples_per_s"] > 0 and hf["batch_chosen"] >= 1 and hf["best_samples_per_s"] > 0
     # vision_encoder needs the matmul peak: ceilings are measured for it
     assert set(report["phase_seconds"]) == {"ceilings", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
                                             "engine_fp8", "engine_w8a8", "engine_w8a8_channel",
                                             "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fast",
-                                            "transformers"}
+                                            "engine_w8a8_channel_fa3", "transformers"}
 
 
 @pytest.mark.slow
