@@ -157,20 +157,19 @@ PLANS: dict[str, tuple[Step, ...]] = {
     # the attention rows as they are, with V read as bytes, and with bf16 dots (the old loop), then
     # the FP8 decode's launch settings tuned
     "decode": (
-        # in priority order: the attention rows (FlashAttention 3's among them), the vision tower and
-        # the engine with FlashAttention 3; the FP8-cache attention as on 2026-11-25 (bf16 dots),
+        # in priority order: the attention rows (FlashAttention 3's among them), the vision tower
+        # with FlashAttention 3; the FP8-cache attention as on 2026-11-25 (bf16 dots),
         # now both timed in CUDA graphs; the vision tower with cuDNN's attention; the per-channel
         # engine with fast accumulation (13.24 samples/s on 2026-11-27, against the record's
         # precise engine_w8a8_channel); V read as bytes; then the FP8 decode's launch settings tuned
         Step("attention", bench_kernels("--groups", "attention", "--json", "{out}/attention.json"),
              max_s=90, min_s=30, tail_to="attention.txt", tail_lines=60),
         # FlashAttention 3 (carried as the fa3-fwd wheel; kernels/flash_varlen.py): the attention rows
-        # above have its [fa3] rows; then the vision tower and the default engine with it
+        # above have its [fa3] rows; then the vision tower with it (the record plan's engines step
+        # runs the engine with it: engine_w8a8_channel_fa3)
         Step("vision_encoder_fa3", ("python3", "scripts/bench_gpu.py", "--phases", "vision_encoder", "--json",
                                     "{out}/vision_fa3.json"),
              max_s=60, min_s=30, env=(("VLM_CATALOG_FLASH_VARLEN", "fa3"),)),
-        Step("engine_fa3", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel", "--json",
-                            "{out}/engine_fa3.json"), max_s=130, min_s=100, env=(("VLM_CATALOG_FLASH_VARLEN", "fa3"),)),
         Step("attention_bf16_dots", bench_kernels("--groups", "attention", "--json",
                                                   "{out}/attention_bf16_dots.json"),
              max_s=90, min_s=30, env=(("VLM_CATALOG_KERNELS_OFF", "fp8_float16_dots"),)),
