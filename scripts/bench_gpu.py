@@ -51,6 +51,10 @@ call; `--json FILE` merges the phases' results into FILE.
 - constrained     the per-record schema (real stop) against an unconstrained run that
                   generates the same number of tokens per record (both counts reported;
                   target >= 0.95x)
+- constrained_w8a8_channel  the same comparison on the engine as it is served fastest:
+                  per-channel W8A8 weights and an FP8 KV cache (engine_w8a8_channel's), so
+                  every record decodes at once, as in the throughput runs, instead of the
+                  bf16 model's ~40 (its ~94k-token cache)
 - transformers    transformers generate (bf16, sdpa) on the first --hf-records records:
                   a batch-1 probe measures activation bytes per token, the batch size is
                   chosen from that and the free memory, halved on out-of-memory; stops at
@@ -118,11 +122,11 @@ from vlm_catalog.structured import catalogue_schema
 
 PHASES = ("ceilings", "kernels", "roofline", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
           "engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fast",
-          "engine_w8a8_channel_fa3", "engine_profile",
+          "engine_w8a8_channel_fa3", "constrained_w8a8_channel", "engine_profile",
           "transformers")  # engine_profile last of the engines: its analysis is the longest
 # they quantize the experts in place: after the others
 FP8_MODEL_PHASES = {"engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_w8a8_channel_fast", "engine_profile",
-                    "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fa3"}
+                    "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fa3", "constrained_w8a8_channel"}
 NEEDS_RECORDS = {"vision_encoder", "engine", "engine_fp8_kv", "constrained", "transformers", *FP8_MODEL_PHASES}
 NEEDS_MODEL = {"roofline", "engine", "engine_fp8_kv", "constrained", *FP8_MODEL_PHASES}
 ENGINE_PHASES = NEEDS_MODEL - {"roofline"}  # they run the engine, after a warm-up (`warm_up`)
@@ -575,9 +579,10 @@ PROFILE_RECORDS = 128
 
 def measure_constrained(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
                         async_scheduling: bool = False, warmup_records=(),
-                        max_num_batched_tokens: int = STEP_TOKENS) -> dict:
+                        max_num_batched_tokens: int = STEP_TOKENS, kv_cache_dtype: str = "auto") -> dict:
     """The per-record schema (real stop) against unconstrained decoding of the same token counts,
-    after an untimed constrained run of `warmup_records` (`warm_up`).
+    after an untimed constrained run of `warmup_records` (`warm_up`); `kv_cache_dtype`: the
+    engine's cache (``fp8``: e4m3, as the FP8 engine phases).
 
     The unconstrained run gives each record `max_tokens` = what its constrained run generated
     (ignore_eos), so the two runs generate the same tokens and differ only in the grammar work.
@@ -587,7 +592,7 @@ def measure_constrained(checkpoint: Path, model, device: torch.device, records, 
                                output_kind=OFFLINE_OUTPUTS)
                 for r in chosen]
 
-    engine = make_engine(checkpoint, model, device, async_scheduling=async_scheduling,
+    engine = make_engine(checkpoint, model, device, kv_cache_dtype=kv_cache_dtype, async_scheduling=async_scheduling,
                          max_num_batched_tokens=max_num_batched_tokens)
     results = {"warmup": warm_up(engine, [build_messages(r) for r in warmup_records], schema_params(warmup_records))}
     conversations = [build_messages(record) for record in records]
@@ -606,6 +611,16 @@ def measure_constrained(checkpoint: Path, model, device: torch.device, records, 
     results["max_num_batched_tokens"] = max_num_batched_tokens
     results.update(memory_summary(engine, device))
     engine.close()
+    return results
+
+
+def measure_constrained_fp8(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
+                            **options) -> dict:
+    """`measure_constrained` on the per-channel W8A8 model (`quantize_model`, in place, as
+    engine_w8a8_channel) with an FP8 KV cache."""
+    block, dense_block = quantize_model(model, device, fp8_activations=True, per_channel=True)
+    results = measure_constrained(checkpoint, model, device, records, output_tokens, kv_cache_dtype="fp8", **options)
+    results["expert_block"], results["dense_block"] = list(block.block), list(dense_block.block)
     return results
 
 
@@ -905,6 +920,10 @@ def main(argv: list[str] | None = None) -> int:
                 "engine_w8a8_channel_fa3": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
                     per_channel=True, flash_varlen="fa3", **engine_options),
+                "constrained_w8a8_channel": lambda: measure_constrained_fp8(
+                    checkpoint, model, device, engine_records, args.output_tokens,
+                    async_scheduling=args.async_scheduling, warmup_records=warmup_records,
+                    max_num_batched_tokens=args.max_num_batched_tokens),
                 "engine_profile": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records[: args.profile_records], args.output_tokens,
                     fp8_activations=True, per_channel=True, profiled=True, **engine_options),

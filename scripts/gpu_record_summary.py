@@ -116,21 +116,31 @@ def profile_section(record: dict) -> str | None:
     return text
 
 
+CONSTRAINED_PHASES = {"constrained": "bf16 model", "constrained_w8a8_channel": "per-channel W8A8, FP8 KV cache"}
+
+
 def constrained_section(record: dict, previous: dict | None) -> str | None:
-    result = record.get("constrained")
+    parts = [constrained_lines(record, previous, phase, label) for phase, label in CONSTRAINED_PHASES.items()]
+    parts = [part for part in parts if part]
+    return "## Constrained decoding\n\n" + "\n".join(parts) if parts else None
+
+
+def constrained_lines(record: dict, previous: dict | None, phase: str, label: str) -> str | None:
+    result = record.get(phase)
     if not isinstance(result, dict) or "error" in result:
         return None
     ratio = result.get("constrained_over_unconstrained")
-    was = (previous or {}).get("constrained", {}).get("constrained_over_unconstrained")
+    was = (previous or {}).get(phase, {}).get("constrained_over_unconstrained")
     run = result.get("constrained_real_stop", {})
-    lines = [f"constrained / unconstrained at equal tokens: {number(ratio)}x"
+    lines = [f"{phase} ({label}, KV cache {result.get('kv_cache_tokens', '-')} tokens): constrained / "
+             f"unconstrained at equal tokens: {number(ratio)}x"
              + (f" (was {number(was)}x)" if was else "") + " (target 0.95x)",
              f"grammar compilations: {result.get('grammar_compilations', '-')} in "
              f"{number(result.get('grammar_compile_seconds'))} s; mean wait before scheduling "
              f"{number(run.get('grammar_wait_seconds_mean'), 3)} s",
              f"host: masks filled {number(run.get('grammar_fill_seconds'))} s, grammars advanced "
              f"{number(run.get('grammar_advance_seconds'))} s, masks applied {number(run.get('logit_masking_seconds'))} s"]
-    return "## Constrained decoding\n\n" + "\n".join(f"- {line}" for line in lines)
+    return "\n".join(f"- {line}" for line in lines)
 
 
 def roofline_section(record: dict, previous: dict | None) -> str | None:

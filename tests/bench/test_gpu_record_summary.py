@@ -44,6 +44,8 @@ NEW_RECORD = {
                     "constrained_real_stop": dict(engine_run(9.0), grammar_wait_seconds_mean=0.125,
                                                   grammar_fill_seconds=1.75, grammar_advance_seconds=0.5,
                                                   logit_masking_seconds=0.25)},
+    "constrained_w8a8_channel": {"constrained_over_unconstrained": 0.93, "kv_cache_tokens": 794256,
+                                 "constrained_real_stop": engine_run(16.0)},
     "roofline": {"prefill_tokens": 8192, "prefill_mfu": 0.52, "decode_batch1_seconds": 0.0042,
                  "decode_over_floor": 1.9,
                  "decode_batch1_pdl": {"pdl": True, "seconds": 0.0036, "over_floor": 1.63, "kernels": {}},
@@ -82,6 +84,8 @@ def test_a_record_with_the_new_fields_prints_them_beside_the_previous_one(tmp_pa
     assert "| vlm.text_forward.prefill | 3.000 | 0.375 | 2.125 | 0.500 | - | - | - | - |" in text
     assert "384 calls: `moe_gate_up_silu_kernel`" in text
     assert "0.81x (was 0.69x)" in text and "256 in 3.50 s" in text and "masks filled 1.75 s" in text
+    assert ("- constrained_w8a8_channel (per-channel W8A8, FP8 KV cache, KV cache 794256 tokens): constrained / "
+            "unconstrained at equal tokens: 0.93x (target 0.95x)") in text
     assert "2.03x" in text and "1.90x the floor (was 2.03x)" in text
     assert "850.0 us x48: `moe_gate_up_silu_kernel`" in text
     assert "the same with programmatic dependent launch on: 3.600 ms, 1.63x the floor" in text

@@ -260,7 +260,7 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
                         "--image-size", "small", "--output-tokens", "4", "--warmup-records", "1",
                         "--phases", "vision_encoder,engine,engine_fp8_kv,constrained,engine_fp8,engine_w8a8,"
                         "engine_w8a8_channel,engine_w8a8_channel_grouped_mm,engine_w8a8_channel_fast,"
-                        "engine_w8a8_channel_fa3,transformers",
+                        "engine_w8a8_channel_fa3,constrained_w8a8_channel,transformers",
                         "--json", str(out),
                         script=REPO_ROOT / "scripts" / "bench_gpu.py")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -337,13 +337,19 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     # FlashAttention 3 asked for, for that phase alone (on CPU the torch path runs: no varlen call)
     fa3 = report["engine_w8a8_channel_fa3"]
     assert fa3["flash_varlen"] == "torch" and fa3["fixed_150_tokens"]["errors"] == 0
+    # the constrained comparison again on the per-channel W8A8 model and an FP8 cache (4x the
+    # float32 tokens), the same tokens both ways
+    served = report["constrained_w8a8_channel"]
+    assert served["kv_cache_tokens"] == fp8["kv_cache_tokens"] and served["expert_block"][0] == 1
+    assert served["constrained_real_stop"]["generated_tokens"] == served["unconstrained_same_tokens"]["generated_tokens"]
+    assert served["constrained_real_stop"]["grammar_fill_seconds"] > 0 and served["constrained_over_unconstrained"] > 0
     hf = report["transformers"]
     assert hf["batch_1_probe"]["samples_per_s"] > 0 and hf["batch_chosen"] >= 1 and hf["best_samples_per_s"] > 0
     # vision_encoder needs the matmul peak: ceilings are measured for it
     assert set(report["phase_seconds"]) == {"ceilings", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
                                             "engine_fp8", "engine_w8a8", "engine_w8a8_channel",
                                             "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fast",
-                                            "engine_w8a8_channel_fa3", "transformers"}
+                                            "engine_w8a8_channel_fa3", "constrained_w8a8_channel", "transformers"}
 
 
 @pytest.mark.slow
