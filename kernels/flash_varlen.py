@@ -29,7 +29,8 @@ Two providers of the same call (`VLM_CATALOG_FLASH_VARLEN`):
   callers send long sequences to the varlen call too (`flash_takes_long_sequences`): the
   thresholds that send them to per-sequence SDPA were measured against FlashAttention 2's
   varlen call. Not the default until an H100 has timed it (bench_kernels' ``[fa3]`` rows,
-  gpu_session's ``vision_encoder_fa3`` and ``engine_fa3``) and `pytest -m gpu` has checked it.
+  bench_gpu's ``engine_w8a8_channel_fa3``, gpu_session's ``vision_encoder_fa3``) and
+  `pytest -m gpu` has checked it.
 Failures and the alignment check are kept per provider.
 """
 
