@@ -32,12 +32,13 @@ from kernels.rms_norm import (
     gathered_sum_add_rms_norm,
     rms_norm,
 )
-from kernels.rotary import mrope_cos_sin, qk_norm_mrope
+from kernels.rotary import QKNormRope, mrope_cos_sin, qk_norm_mrope
 from kernels.varlen_attention import varlen_attention
 from kernels.vision_rotary import vision_rotary
 
 __all__ = [
     "PackedContexts",
+    "QKNormRope",
     "fp8_linear",
     "fused_add_rms_norm",
     "fused_moe",

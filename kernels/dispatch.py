@@ -67,6 +67,9 @@ FAST_PATHS = frozenset({
     "fp8_float16_dots",
     "fp8_v_words",
     "moe_grouped_gemm",  # kernels/moe/grouped_gemm.py (only where VLM_CATALOG_MOE_GEMM=grouped_mm asks)
+    # the decode kernel norms and rotates a step's raw q and k itself (off: qk_norm_mrope's launch
+    # first; kernels/paged_decode_attention.py)
+    "decode_qk_norm_rope",
 })
 FP8_FAST_ACCUMULATION_ENV_VAR = "VLM_CATALOG_FP8_FAST_ACCUMULATION"
 AUTO_DEVICE_TYPES = ("cuda",)  # where `auto` picks Triton; a test adds "cpu" to run the GPU choices interpreted

@@ -38,6 +38,7 @@ from kernels.paged_decode_configs import (
     get_decode_config,
 )
 from kernels.pdl import launch_options
+from kernels.rotary import QKNormRope, check_qk_norm_mrope_args
 
 MAX_SPLITS = 64  # the reduce kernel holds all splits of one head in registers
 
@@ -323,7 +324,10 @@ def _launch_decode(
     num_splits: int | None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     config: DecodeKernelConfig | None = None,
+    qk_norm_rope: QKNormRope | None = None,
 ) -> torch.Tensor:
+    """`qk_norm_rope` (with `new_kv` only): q and the new k are raw, and the split kernel norms and
+    rotates them itself (NORM_ROPE), checked as `qk_norm_mrope` checks them."""
     import triton
 
     from kernels.jit.paged_decode_attention import (
@@ -361,6 +365,19 @@ def _launch_decode(
         slot_mapping = context_lens
     else:
         new_k, new_v, slot_mapping = new_kv
+    norm = qk_norm_rope
+    if norm is not None:
+        if new_kv is None:
+            raise ValueError("qk_norm_rope needs the new k (the fused cache write): it norms and rotates it too")
+        positions = check_qk_norm_mrope_args(q, new_k, norm.q_weight, norm.k_weight, norm.positions, norm.inv_freq,
+                                             norm.mrope_section)
+        if not norm.keeps_dtypes(q, new_k):
+            raise ValueError(f"qk_norm_rope: weights of {norm.q_weight.dtype} would promote q/k of {q.dtype}")
+        norm_args = (norm.q_weight, norm.k_weight, positions, norm.inv_freq)
+        sections, eps = tuple(norm.mrope_section), norm.eps
+    else:  # placeholders, never read when NORM_ROPE is False
+        positions = context_lens[None, :]
+        norm_args, sections, eps = (q, q, positions, q), (0, 0, 0), 0.0
 
     block_d = triton.next_power_of_2(head_dim)
     fp16_dots = float16_dots(q.dtype, k_cache.dtype) and reads_fp8_words(v_cache)
@@ -379,10 +396,12 @@ def _launch_decode(
         new_k,
         new_v,
         slot_mapping,
+        *norm_args,
         # sizes
         scale * LOG2_E,
         min_split_tokens,
         queries_per_kv,
+        eps,
         # strides
         q.stride(0),
         q.stride(1),
@@ -404,6 +423,8 @@ def _launch_decode(
         new_k.stride(1),
         new_v.stride(0),
         new_v.stride(1),
+        positions.stride(0),
+        positions.stride(1),
         # meta-parameters
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
@@ -417,6 +438,9 @@ def _launch_decode(
         FP16_DOTS=fp16_dots,
         V_WORDS=v_words,
         WIDEN_WITH_PTX=v_words and widens_with_ptx(paged_decode_split_kernel),
+        NORM_ROPE=norm is not None,
+        SECTION_H=sections[1],
+        SECTION_W=sections[2],
         **config.launch_options(),
         **launch_options(q),
     )
@@ -495,7 +519,10 @@ def paged_decode_attention_with_kv_write_triton(
     max_context_len: int | None = None,
     num_splits: int | None = None,
     config: DecodeKernelConfig | None = None,
+    qk_norm_rope: QKNormRope | None = None,
 ) -> torch.Tensor:
+    """`qk_norm_rope`: q and k are raw; the kernel norms and rotates them as `qk_norm_mrope`
+    would, in the same launch."""
     _check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
     check_reshape_and_cache_args(k, v, k_cache, v_cache, slot_mapping)
     check_shape("k", k, (q.shape[0], None, None))
@@ -511,6 +538,7 @@ def paged_decode_attention_with_kv_write_triton(
         num_splits,
         new_kv=(k, v, slot_mapping),
         config=config,
+        qk_norm_rope=qk_norm_rope,
     )
 
 
@@ -546,13 +574,22 @@ def paged_decode_attention_with_kv_write(
     scale: float,
     *,
     max_context_len: int | None = None,
+    qk_norm_rope: QKNormRope | None = None,
 ) -> torch.Tensor:
     """`reshape_and_cache(k, v, ...)` + `paged_decode_attention(q, ...)` in one launch.
 
     k, v [B, Hkv, D] are the current tokens' K/V; `slot_mapping[b]` must be the slot of
     position ``context_lens[b] - 1`` (or negative for padding, which must also have
-    ``context_lens[b] == 0``: the fused kernel writes only for sequences it attends)."""
-    if use_triton(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, op="paged_decode_attention_with_kv_write"):
+    ``context_lens[b] == 0``: the fused kernel writes only for sequences it attends).
+    `qk_norm_rope`: q and k arrive raw and are normed and rotated first (`qk_norm_mrope`); the
+    Triton kernel does that in the same launch (`decode_qk_norm_rope` in VLM_CATALOG_KERNELS_OFF:
+    qk_norm_mrope's own launch first)."""
+    triton_path = use_triton(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens,
+                             op="paged_decode_attention_with_kv_write")
+    if qk_norm_rope is not None and not (triton_path and fuses_qk_norm_rope(qk_norm_rope, q, k)):
+        q, k = qk_norm_rope(q, k)
+        qk_norm_rope = None
+    if triton_path:
         return paged_decode_attention_with_kv_write_triton(
             q,
             k,
@@ -564,7 +601,16 @@ def paged_decode_attention_with_kv_write(
             context_lens,
             scale,
             max_context_len=max_context_len,
+            qk_norm_rope=qk_norm_rope,
         )
     return paged_decode_attention_with_kv_write_reference(
         q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, scale
     )
+
+
+def fuses_qk_norm_rope(qk_norm_rope: QKNormRope, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the Triton decode kernel norms and rotates q and k itself: unless
+    VLM_CATALOG_KERNELS_OFF names ``decode_qk_norm_rope`` or ``qk_norm_mrope`` (which must then
+    run its reference), and where the outputs keep q's and k's dtypes."""
+    off = kernels_off()
+    return "decode_qk_norm_rope" not in off and "qk_norm_mrope" not in off and qk_norm_rope.keeps_dtypes(q, k)

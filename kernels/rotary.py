@@ -17,6 +17,7 @@ to ordinary 1-D RoPE.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -88,7 +89,7 @@ def qk_norm_mrope_reference(
 
 
 # --------------------------------------------------------------------------- triton
-def qk_norm_mrope_triton(
+def check_qk_norm_mrope_args(
     q: torch.Tensor,
     k: torch.Tensor,
     q_weight: torch.Tensor,
@@ -96,17 +97,12 @@ def qk_norm_mrope_triton(
     positions: torch.Tensor,
     inv_freq: torch.Tensor,
     mrope_section: MRopeSection,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch: per token, normalise and rotate all q and k heads (cos/sin computed inline)."""
-    import triton
-
-    from kernels.jit.rotary import qk_norm_mrope_kernel
-
+) -> torch.Tensor:
+    """What the Triton kernels that norm and rotate q/k take (a clear error otherwise); returns
+    positions as [3, T]."""
     check_shape("q", q, (None, None, None))
-    num_tokens, num_q_heads, head_dim = q.shape
+    num_tokens, _, head_dim = q.shape
     check_shape("k", k, (num_tokens, None, head_dim))
-    num_kv_heads = k.shape[1]
     if head_dim % 2:
         raise ValueError(f"q: head_dim must be even for RoPE, got {head_dim}")
     check_shape("q_weight", q_weight, (head_dim,))
@@ -128,6 +124,27 @@ def qk_norm_mrope_triton(
     check_same_device(
         q=q, k=k, q_weight=q_weight, k_weight=k_weight, positions=positions, inv_freq=inv_freq
     )
+    return positions
+
+
+def qk_norm_mrope_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    mrope_section: MRopeSection,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch: per token, normalise and rotate all q and k heads (cos/sin computed inline)."""
+    import triton
+
+    from kernels.jit.rotary import qk_norm_mrope_kernel
+
+    positions = check_qk_norm_mrope_args(q, k, q_weight, k_weight, positions, inv_freq, mrope_section)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
 
     q_out = torch.empty(
         q.shape, dtype=torch.promote_types(q_weight.dtype, q.dtype), device=q.device
@@ -201,3 +218,31 @@ def qk_norm_mrope(
     return qk_norm_mrope_reference(
         q, k, q_weight, k_weight, positions, inv_freq, mrope_section, eps
     )
+
+
+@dataclass(frozen=True)
+class QKNormRope:
+    """`qk_norm_mrope`'s arguments besides q and k: what a layer does to a step's q and k before
+    attention. An attention kernel that reads the raw q and k can apply it itself and save that
+    launch (`paged_decode_attention_with_kv_write`); calling it applies it on its own."""
+
+    q_weight: torch.Tensor  # [D]
+    k_weight: torch.Tensor  # [D]
+    positions: torch.Tensor  # [3, T] int (or [T]: text only)
+    inv_freq: torch.Tensor  # [D/2] float32
+    mrope_section: MRopeSection
+    eps: float
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return qk_norm_mrope(q, k, self.q_weight, self.k_weight, self.positions, self.inv_freq,
+                             self.mrope_section, self.eps)
+
+    def rows(self, start: int, stop: int) -> QKNormRope:
+        """The same for tokens start:stop of the step."""
+        return replace(self, positions=_as_three_rows(self.positions)[:, start:stop])
+
+    def keeps_dtypes(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether its outputs have q's and k's own dtypes (`qk_norm_mrope` promotes to the weights')."""
+        return (torch.promote_types(self.q_weight.dtype, q.dtype) == q.dtype
+                and torch.promote_types(self.k_weight.dtype, k.dtype) == k.dtype)
+

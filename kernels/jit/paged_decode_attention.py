@@ -64,6 +64,7 @@ import triton.language as tl
 from kernels.jit.fp8_quant import saturate_fp8
 from kernels.jit.fp8_widen import e4m3_words_to_float16, saturate_float16
 from kernels.jit.pdl import after_previous_grid
+from kernels.jit.rotary import load_normed_rotated, mrope_cos_sin_columns
 
 
 @triton.jit
@@ -88,10 +89,15 @@ def paged_decode_split_kernel(
     new_k_ptr,  # [B, Hkv, D], read only when FUSE_CACHE_WRITE
     new_v_ptr,  # [B, Hkv, D], read only when FUSE_CACHE_WRITE
     slot_mapping_ptr,  # [B], read only when FUSE_CACHE_WRITE
+    q_norm_weight_ptr,  # [D], read only when NORM_ROPE
+    k_norm_weight_ptr,  # [D], read only when NORM_ROPE
+    positions_ptr,  # [3, B] int (t, h, w), read only when NORM_ROPE
+    inv_freq_ptr,  # [D/2] float32, read only when NORM_ROPE
     # sizes
     scale_log2,  # softmax scale * log2(e)
     min_split_tokens,  # a multiple of BLOCK_N (split_length)
     queries_per_kv,  # Hq // Hkv
+    norm_eps,  # NORM_ROPE's RMSNorm epsilon
     # strides
     stride_q_seq,
     stride_q_head,
@@ -113,6 +119,8 @@ def paged_decode_split_kernel(
     stride_new_k_head,
     stride_new_v_seq,
     stride_new_v_head,
+    stride_positions_axis,
+    stride_positions_seq,
     # meta-parameters
     BLOCK_SIZE: tl.constexpr,  # cache positions per block: a constant, so // and % are shifts and masks
     HEAD_DIM: tl.constexpr,
@@ -126,6 +134,9 @@ def paged_decode_split_kernel(
     FP16_DOTS: tl.constexpr,  # FP8 cache, 16-bit query: both dots in float16 (see the module docstring)
     V_WORDS: tl.constexpr,  # FP16_DOTS: V read as 4-byte words and widened where it lands (module doc)
     WIDEN_WITH_PTX: tl.constexpr,  # V_WORDS on a GPU: V widened by inline PTX (the interpreter runs none)
+    NORM_ROPE: tl.constexpr,  # q and the new k arrive raw: RMS-normed and MRoPE-rotated here (module doc)
+    SECTION_H: tl.constexpr,  # NORM_ROPE's mrope_section[1]
+    SECTION_W: tl.constexpr,  # NORM_ROPE's mrope_section[2]
 ):
     after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     seq = tl.program_id(0).to(tl.int64)
@@ -148,19 +159,30 @@ def paged_decode_split_kernel(
         if SINGLE_SPLIT:  # a sequence of length 0: zeros, as the reduce kernel gives
             tl.store(out_ptrs, tl.zeros([BLOCK_G, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=out_mask)
         return
-    q_ptrs = q_ptr + seq * stride_q_seq + q_heads[:, None] * stride_q_head + dims[None, :]
-    q = tl.load(
-        q_ptrs, mask=group_mask[:, None] & dim_mask[None, :], other=0.0
-    )  # [BLOCK_G, BLOCK_D]
+    q_rows = q_ptr + seq * stride_q_seq + q_heads[:, None] * stride_q_head  # [BLOCK_G, 1]
+    if NORM_ROPE:  # what qk_norm_mrope would have written for this token, rounded as it rounds
+        cos, sin = mrope_cos_sin_columns(positions_ptr + seq * stride_positions_seq, stride_positions_axis, inv_freq_ptr,
+                                 dims % (HEAD_DIM // 2), dim_mask, q_ptr.dtype.element_ty, SECTION_H, SECTION_W)
+        cos = cos[None, :]  # [1, BLOCK_D]
+        signed_sin = tl.where(dims < HEAD_DIM // 2, -sin, sin)[None, :]  # rotate_half's sign
+        q = load_normed_rotated(q_rows, group_mask[:, None], q_norm_weight_ptr, cos, signed_sin, dims, norm_eps,
+                                HEAD_DIM).to(q_ptr.dtype.element_ty)  # [BLOCK_G, BLOCK_D]
+    else:
+        q = tl.load(
+            q_rows + dims[None, :], mask=group_mask[:, None] & dim_mask[None, :], other=0.0
+        )  # [BLOCK_G, BLOCK_D]
     if FP16_DOTS:  # saturated: a query past float16's range (none a normed query reaches) stays finite
         q = saturate_float16(q)
 
     if FUSE_CACHE_WRITE:
-        new_k = tl.load(
-            new_k_ptr + seq * stride_new_k_seq + kv_head * stride_new_k_head + dims,
-            mask=dim_mask,
-            other=0.0,
-        )
+        new_k_row = new_k_ptr + seq * stride_new_k_seq + kv_head * stride_new_k_head
+        if NORM_ROPE:
+            one_row = tl.zeros([1, 1], dtype=tl.int32)
+            new_k = tl.sum(load_normed_rotated(new_k_row + one_row, one_row == 0, k_norm_weight_ptr, cos, signed_sin,
+                                               dims, norm_eps, HEAD_DIM),
+                           axis=0).to(new_k_ptr.dtype.element_ty)  # [1, BLOCK_D] -> [BLOCK_D]
+        else:
+            new_k = tl.load(new_k_row + dims, mask=dim_mask, other=0.0)
         new_v = tl.load(
             new_v_ptr + seq * stride_new_v_seq + kv_head * stride_new_v_head + dims,
             mask=dim_mask,

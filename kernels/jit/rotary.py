@@ -91,13 +91,53 @@ def _norm_rope_heads(
     out_dtype = out_ptr.dtype.element_ty
     w1 = tl.load(weight_ptr + half_cols, mask=half_mask, other=0.0).to(tl.float32)
     w2 = tl.load(weight_ptr + HEAD_DIM // 2 + half_cols, mask=half_mask, other=0.0).to(tl.float32)
-    n1 = (w1[None, :] * (x1 * inv_rms).to(in_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
-    n2 = (w2[None, :] * (x2 * inv_rms).to(in_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
+    n1 = rms_normed(x1, w1[None, :], inv_rms, in_dtype, out_dtype)
+    n2 = rms_normed(x2, w2[None, :], inv_rms, in_dtype, out_dtype)
 
-    out1 = (n1 * cos).to(out_dtype).to(tl.float32) + (-n2 * sin).to(out_dtype).to(tl.float32)
-    out2 = (n2 * cos).to(out_dtype).to(tl.float32) + (n1 * sin).to(out_dtype).to(tl.float32)
+    out1 = rotated(n1, n2, cos, -sin, out_dtype)
+    out2 = rotated(n2, n1, cos, sin, out_dtype)
     store_head_halves(out_ptr, out1, out2, mask, stride_out_head, half_cols, HEAD_DIM, BLOCK_HEADS,
                       HEAD_STRIDE_MULTIPLE)
+
+
+@triton.jit
+def rms_normed(x, weight, inv_rms, IN_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """weight * (x * inv_rms), with the reference's roundings: the normed value to the input's
+    dtype, the product to the output's (float32 in, float32 out)."""
+    return (weight * (x * inv_rms).to(IN_DTYPE).to(tl.float32)).to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def rotated(normed, partner, cos, signed_sin, OUT_DTYPE: tl.constexpr):
+    """RoPE of one column given its rotate_half partner: normed * cos + partner * signed_sin
+    (signed_sin = -sin in the first half), each product and the sum rounded to OUT_DTYPE as the
+    reference rounds them (returned in float32)."""
+    return (normed * cos).to(OUT_DTYPE).to(tl.float32) + (partner * signed_sin).to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def mrope_cos_sin_columns(
+    positions_ptr,  # the token's (t, h, w) positions, `stride_positions_axis` apart
+    stride_positions_axis,
+    inv_freq_ptr,  # [D/2] float32
+    freq_cols,  # frequency index of each column (a column c of a head and c + D/2 share one)
+    freq_mask,
+    DTYPE: tl.constexpr,  # cos and sin are rounded to it, as transformers casts them
+    SECTION_H: tl.constexpr,  # mrope_section[1]
+    SECTION_W: tl.constexpr,  # mrope_section[2]
+):
+    """Interleaved MRoPE's cos and sin (float32, rounded to DTYPE) of one token at `freq_cols`:
+    frequencies 1, 4, 7, ... below 3 * SECTION_H turn with the h position, 2, 5, 8, ... below
+    3 * SECTION_W with the w position, the others with t."""
+    position_t = tl.load(positions_ptr)
+    position_h = tl.load(positions_ptr + stride_positions_axis)
+    position_w = tl.load(positions_ptr + 2 * stride_positions_axis)
+    takes_h = (freq_cols % 3 == 1) & (freq_cols < 3 * SECTION_H)
+    takes_w = (freq_cols % 3 == 2) & (freq_cols < 3 * SECTION_W)
+    position = tl.where(takes_h, position_h, tl.where(takes_w, position_w, position_t))
+    inv_freq = tl.load(inv_freq_ptr + freq_cols, mask=freq_mask, other=0.0)
+    angle = position.to(tl.float32) * inv_freq
+    return tl.cos(angle).to(DTYPE).to(tl.float32), tl.sin(angle).to(DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -139,19 +179,12 @@ def qk_norm_mrope_kernel(
     token = tl.program_id(0).to(tl.int64)
 
     # cos/sin for this token, computed inline from its three positions
-    position_t = tl.load(positions_ptr + token * stride_positions_token)
-    position_h = tl.load(positions_ptr + stride_positions_axis + token * stride_positions_token)
-    position_w = tl.load(positions_ptr + 2 * stride_positions_axis + token * stride_positions_token)
     half_cols = tl.arange(0, BLOCK_HALF)
     half_mask = half_cols < HEAD_DIM // 2
-    takes_h = (half_cols % 3 == 1) & (half_cols < 3 * SECTION_H)
-    takes_w = (half_cols % 3 == 2) & (half_cols < 3 * SECTION_W)
-    position = tl.where(takes_h, position_h, tl.where(takes_w, position_w, position_t))
-    inv_freq = tl.load(inv_freq_ptr + half_cols, mask=half_mask, other=0.0)
-    angle = position.to(tl.float32) * inv_freq  # [BLOCK_HALF]
-    in_dtype = q_ptr.dtype.element_ty
-    cos = tl.cos(angle).to(in_dtype).to(tl.float32)[None, :]
-    sin = tl.sin(angle).to(in_dtype).to(tl.float32)[None, :]
+    cos, sin = mrope_cos_sin_columns(positions_ptr + token * stride_positions_token, stride_positions_axis, inv_freq_ptr,
+                             half_cols, half_mask, q_ptr.dtype.element_ty, SECTION_H, SECTION_W)  # [BLOCK_HALF]
+    cos = cos[None, :]
+    sin = sin[None, :]
 
     _norm_rope_heads(
         q_ptr + token * stride_q_token,
@@ -185,3 +218,32 @@ def qk_norm_mrope_kernel(
         BLOCK_KV_HEADS,
         HEAD_STRIDE_MULTIPLE,
     )
+
+
+@triton.jit
+def load_normed_rotated(
+    row_ptrs,  # [R, 1] each head's first column
+    row_mask,  # [R, 1]
+    weight_ptr,  # [D]
+    cos,  # [1, BLOCK_D] float32 (`mrope_cos_sin` of each column's frequency)
+    signed_sin,  # [1, BLOCK_D] float32, -sin in a head's first half
+    dims,  # [BLOCK_D]
+    eps,
+    HEAD_DIM: tl.constexpr,
+):
+    """Heads [R, BLOCK_D] loaded whole, each with its rotate_half partner columns, RMS-normed with
+    `weight` and rotated, rounded as `qk_norm_mrope` rounds them (float32; output dtype = input's).
+    For kernels that take the raw q/k of a step and would otherwise need qk_norm_mrope's launch."""
+    dim_mask = dims < HEAD_DIM
+    partners = (dims + HEAD_DIM // 2) % HEAD_DIM  # the column rotate_half pairs each one with
+    mask = row_mask & dim_mask[None, :]
+    x = tl.load(row_ptrs + dims[None, :], mask=mask, other=0.0).to(tl.float32)  # [R, BLOCK_D]
+    x_partner = tl.load(row_ptrs + partners[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]  # [R, 1]
+    dtype = row_ptrs.dtype.element_ty
+    weight = tl.load(weight_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
+    weight_partner = tl.load(weight_ptr + partners, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
+    normed = rms_normed(x, weight, inv_rms, dtype, dtype)
+    partner = rms_normed(x_partner, weight_partner, inv_rms, dtype, dtype)
+    return rotated(normed, partner, cos, signed_sin, dtype)
+

@@ -361,17 +361,24 @@ def moe_case(tokens: int, variant: str):
                      sum_experts=False)
 
 
-def decode_case(batch: int, context: int, cache_dtype: torch.dtype, fused_write: bool, dtype: torch.dtype = BF16):
+def decode_case(batch: int, context: int, cache_dtype: torch.dtype, fused_write: bool, dtype: torch.dtype = BF16,
+                norm_rope: bool = False):
+    """`norm_rope`: q and k raw, normed and rotated in the kernel (as the engine's decode steps run it)."""
     from kernels.paged_decode_attention import (
         paged_decode_attention_triton,
         paged_decode_attention_with_kv_write_triton,
     )
+    from kernels.rotary import QKNormRope
 
     q, k, v = qkv_views(batch, dtype)
     k_cache, v_cache = kv_cache(cache_dtype)
     lens = torch.full((batch,), context, dtype=torch.int32)
     tables = block_tables(batch)
     hints = {"max_context_len": MAX_MODEL_LEN}  # what the captured graphs pass
+    if norm_rope:
+        hints["qk_norm_rope"] = QKNormRope(empty(HEAD_DIM, dtype=dtype), empty(HEAD_DIM, dtype=dtype),
+                                           torch.zeros(3, batch, dtype=torch.int64),
+                                           empty(HEAD_DIM // 2, dtype=FP32), MROPE_SECTION, 1e-6)
     if fused_write:
         slots = torch.arange(batch, dtype=torch.int64)
         paged_decode_attention_with_kv_write_triton(q, k, v, k_cache, v_cache, slots, tables, lens, HEAD_DIM**-0.5,
@@ -467,6 +474,11 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
                 specs.append((
                     f"paged_decode[{name}, {cache_name} cache, B={batch}, ctx {context}, fused write={fused}]",
                     lambda b=batch, c=context, cd=cache_dtype, f=fused, d=dtype: decode_case(b, c, cd, f, d),
+                ))
+            for batch in (1, 256):  # the engine's decode steps: q and k normed and rotated in the kernel
+                specs.append((
+                    f"paged_decode[{name}, {cache_name} cache, B={batch}, ctx 2000, fused write, q/k norm+rope]",
+                    lambda b=batch, cd=cache_dtype, d=dtype: decode_case(b, 2000, cd, True, d, norm_rope=True),
                 ))
             specs.append((f"paged_prefill[{name}, {cache_name} cache]",
                           lambda cd=cache_dtype, d=dtype: prefill_case(cd, d)))

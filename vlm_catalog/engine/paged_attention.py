@@ -67,8 +67,11 @@ class PagedAttention(AttentionBackend):
         )
 
     def attend(
-        self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+        qk_norm_rope: kernels.QKNormRope | None = None,
     ) -> torch.Tensor:
+        """The decode rows (first) in one fused launch, with `qk_norm_rope` applied inside it where
+        the kernel can (one launch less per layer), then the prefill rows."""
         k_cache, v_cache = self.kv_caches[layer_index]
         decode, prefill = self.metadata.decode, self.metadata.prefill
         outputs = []
@@ -77,13 +80,17 @@ class PagedAttention(AttentionBackend):
             outputs.append(kernels.paged_decode_attention_with_kv_write(
                 q[:split], k[:split], v[:split], k_cache, v_cache, decode.slot_mapping,
                 decode.block_tables, decode.context_lens, scale, max_context_len=decode.max_context_len,
+                qk_norm_rope=qk_norm_rope.rows(0, split) if qk_norm_rope is not None else None,
             ))
         if prefill is not None:
-            kernels.reshape_and_cache(k[split:], v[split:], k_cache, v_cache, prefill.slot_mapping)
+            q_rest, k_rest = q[split:], k[split:]
+            if qk_norm_rope is not None:
+                q_rest, k_rest = qk_norm_rope.rows(split, q.shape[0])(q_rest, k_rest)
+            kernels.reshape_and_cache(k_rest, v[split:], k_cache, v_cache, prefill.slot_mapping)
             outputs.append(kernels.paged_prefill_attention(
-                q[split:], k_cache, v_cache, prefill.block_tables, prefill.cu_seqlens_q,
+                q_rest, k_cache, v_cache, prefill.block_tables, prefill.cu_seqlens_q,
                 prefill.context_lens, scale, max_query_len=prefill.max_query_len,
-                new_kv=(k[split:], v[split:]), host_lens=prefill.host_lens, contexts=self.prefill_contexts,
+                new_kv=(k_rest, v[split:]), host_lens=prefill.host_lens, contexts=self.prefill_contexts,
             ))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 

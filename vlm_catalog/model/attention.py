@@ -21,13 +21,18 @@ from collections.abc import Hashable, Sequence
 import torch
 import torch.nn.functional as F
 
+import kernels
+
 
 class AttentionBackend(ABC):
     @abstractmethod
     def attend(
-        self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+        qk_norm_rope: kernels.QKNormRope | None = None,
     ) -> torch.Tensor:
-        """Store k/v of this step's tokens and attend: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        """Store k/v of this step's tokens and attend: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
+        `qk_norm_rope`: q and k are raw, and get it first (what k is stored as included); a
+        backend may apply it inside its attention kernel."""
 
 
 class ContiguousKVCache(AttentionBackend):
@@ -54,8 +59,11 @@ class ContiguousKVCache(AttentionBackend):
             layer_values.pop(sequence_id, None)
 
     def attend(
-        self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+        qk_norm_rope: kernels.QKNormRope | None = None,
     ) -> torch.Tensor:
+        if qk_norm_rope is not None:
+            q, k = qk_norm_rope(q, k)
         if sum(length for _, length in self._plan) != q.shape[0]:
             raise ValueError(f"the planned query lengths do not add up to the {q.shape[0]} tokens given")
         outputs = []

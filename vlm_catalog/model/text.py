@@ -97,10 +97,10 @@ class TextAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = kernels.qk_norm_mrope(
-            q, k, self.q_norm.weight, self.k_norm.weight, positions, inv_freq, self.mrope_section, self.eps
-        )
-        out = attention.attend(self.layer_index, q, k, v, self.scale)  # [T, Hq, D]
+        # per-head RMSNorm and MRoPE of q and k, applied by the backend (a decode kernel may fuse it)
+        qk_norm_rope = kernels.QKNormRope(self.q_norm.weight, self.k_norm.weight, positions, inv_freq,
+                                          self.mrope_section, self.eps)
+        out = attention.attend(self.layer_index, q, k, v, self.scale, qk_norm_rope)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, H]
 
 
