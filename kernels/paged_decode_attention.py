@@ -369,8 +369,7 @@ def _launch_decode(
     if norm is not None:
         if new_kv is None:
             raise ValueError("qk_norm_rope needs the new k (the fused cache write): it norms and rotates it too")
-        positions = check_qk_norm_mrope_args(q, new_k, norm.q_weight, norm.k_weight, norm.positions, norm.inv_freq,
-                                             norm.mrope_section)
+        positions = check_qk_norm_mrope_args(q, new_k, norm)
         if not norm.keeps_dtypes(q, new_k):
             raise ValueError(f"qk_norm_rope: weights of {norm.q_weight.dtype} would promote q/k of {q.dtype}")
         norm_args = (norm.q_weight, norm.k_weight, positions, norm.inv_freq)

@@ -89,44 +89,6 @@ def qk_norm_mrope_reference(
 
 
 # --------------------------------------------------------------------------- triton
-def check_qk_norm_mrope_args(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    mrope_section: MRopeSection,
-) -> torch.Tensor:
-    """What the Triton kernels that norm and rotate q/k take (a clear error otherwise); returns
-    positions as [3, T]."""
-    check_shape("q", q, (None, None, None))
-    num_tokens, _, head_dim = q.shape
-    check_shape("k", k, (num_tokens, None, head_dim))
-    if head_dim % 2:
-        raise ValueError(f"q: head_dim must be even for RoPE, got {head_dim}")
-    check_shape("q_weight", q_weight, (head_dim,))
-    check_shape("k_weight", k_weight, (head_dim,))
-    positions = _as_three_rows(positions)
-    check_shape("positions", positions, (3, num_tokens))
-    check_shape("inv_freq", inv_freq, (head_dim // 2,))
-    if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
-        raise ValueError(
-            f"mrope_section: expected 3 sections summing to head_dim // 2 = {head_dim // 2}, "
-            f"got {tuple(mrope_section)}"
-        )
-    for name, tensor in (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight)):
-        check_dtype(name, tensor, FLOAT_DTYPES)
-        check_unit_stride_last_dim(name, tensor)
-    check_dtype("positions", positions, INDEX_DTYPES)
-    check_dtype("inv_freq", inv_freq, (torch.float32,))
-    check_unit_stride_last_dim("inv_freq", inv_freq)
-    check_same_device(
-        q=q, k=k, q_weight=q_weight, k_weight=k_weight, positions=positions, inv_freq=inv_freq
-    )
-    return positions
-
-
 def qk_norm_mrope_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -142,7 +104,8 @@ def qk_norm_mrope_triton(
 
     from kernels.jit.rotary import qk_norm_mrope_kernel
 
-    positions = check_qk_norm_mrope_args(q, k, q_weight, k_weight, positions, inv_freq, mrope_section)
+    positions = check_qk_norm_mrope_args(q, k, QKNormRope(q_weight, k_weight, positions, inv_freq, mrope_section,
+                                                          eps))
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
 
@@ -192,6 +155,37 @@ def qk_norm_mrope_triton(
         **launch_options(q),
     )
     return q_out, k_out
+
+
+def check_qk_norm_mrope_args(q: torch.Tensor, k: torch.Tensor, norm: QKNormRope) -> torch.Tensor:
+    """What the Triton kernels that norm and rotate q/k take (a clear error otherwise); returns
+    the positions as [3, T]."""
+    q_weight, k_weight, inv_freq, mrope_section = norm.q_weight, norm.k_weight, norm.inv_freq, norm.mrope_section
+    check_shape("q", q, (None, None, None))
+    num_tokens, _, head_dim = q.shape
+    check_shape("k", k, (num_tokens, None, head_dim))
+    if head_dim % 2:
+        raise ValueError(f"q: head_dim must be even for RoPE, got {head_dim}")
+    check_shape("q_weight", q_weight, (head_dim,))
+    check_shape("k_weight", k_weight, (head_dim,))
+    positions = _as_three_rows(norm.positions)
+    check_shape("positions", positions, (3, num_tokens))
+    check_shape("inv_freq", inv_freq, (head_dim // 2,))
+    if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
+        raise ValueError(
+            f"mrope_section: expected 3 sections summing to head_dim // 2 = {head_dim // 2}, "
+            f"got {tuple(mrope_section)}"
+        )
+    for name, tensor in (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight)):
+        check_dtype(name, tensor, FLOAT_DTYPES)
+        check_unit_stride_last_dim(name, tensor)
+    check_dtype("positions", positions, INDEX_DTYPES)
+    check_dtype("inv_freq", inv_freq, (torch.float32,))
+    check_unit_stride_last_dim("inv_freq", inv_freq)
+    check_same_device(
+        q=q, k=k, q_weight=q_weight, k_weight=k_weight, positions=positions, inv_freq=inv_freq
+    )
+    return positions
 
 
 # --------------------------------------------------------------------------- dispatch
