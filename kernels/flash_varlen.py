@@ -85,8 +85,10 @@ def flash_varlen_provider() -> str:
     if environment_choice(FLASH_VARLEN_ENV_VAR, FLASH_VARLEN_PROVIDERS) == "fa3":
         if fa3_varlen_function() is not None:
             return "fa3"
-        _warn_once("fa3", f"{FLASH_VARLEN_ENV_VAR}=fa3, but FlashAttention 3 cannot run here "
-                          f"({fa3_unavailable_reason()}): torch's FlashAttention varlen call runs instead")
+        if "fa3" not in _warned:  # the reason is worded only for the one warning (this is on every call)
+            _warned.add("fa3")
+            logger.warning("%s=fa3, but FlashAttention 3 cannot run here (%s): torch's FlashAttention varlen "
+                           "call runs instead", FLASH_VARLEN_ENV_VAR, fa3_unavailable_reason())
     return "torch"
 
 
@@ -259,12 +261,6 @@ def _turn_off(use: str, reason: str) -> None:
     _failures[(provider, use)] = reason
     logger.warning("FlashAttention varlen (%s) failed for %s attention (%s); its fallback takes over from now on",
                    provider, use, reason)
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message)
 
 
 CAUSAL_WITH_CONTEXT = "causal with context"  # the use that `causal_with_context_supported` guards

@@ -563,7 +563,7 @@ def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, o
                                  sampling=sampling, async_scheduling=async_scheduling, warmup_records=warmup_records,
                                  max_num_batched_tokens=max_num_batched_tokens, profiled=profiled)
         results["moe_gemm"] = grouped_gemm.moe_gemm_choice()
-        results["flash_varlen"] = flash_varlen_module() if device.type == "cuda" else "torch"
+        results["flash_varlen"] = flash_varlen_module()
     results["fp8_fast_accumulation"] = fast_accumulation
     results["before"] = before
     results["after"] = weight_sizes(model)
@@ -829,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
     results["sdpa_backend"] = sdpa_backend()  # the long images' SDPA kernel order (VLM_CATALOG_SDPA_BACKEND)
     # the FlashAttention varlen kernel the attention ran (VLM_CATALOG_FLASH_VARLEN): torch's, or
     # FlashAttention 3's module where it was asked for and could run
-    results["flash_varlen"] = flash_varlen_module() if device.type == "cuda" else "torch"
+    results["flash_varlen"] = flash_varlen_module()
     results.setdefault("phase_seconds", {})
 
     failed: list[str] = []

@@ -161,8 +161,9 @@ def paged_decode_split_kernel(
         return
     q_rows = q_ptr + seq * stride_q_seq + q_heads[:, None] * stride_q_head  # [BLOCK_G, 1]
     if NORM_ROPE:  # what qk_norm_mrope would have written for this token, rounded as it rounds
-        cos, sin = mrope_cos_sin_columns(positions_ptr + seq * stride_positions_seq, stride_positions_axis, inv_freq_ptr,
-                                 dims % (HEAD_DIM // 2), dim_mask, q_ptr.dtype.element_ty, SECTION_H, SECTION_W)
+        cos, sin = mrope_cos_sin_columns(positions_ptr + seq * stride_positions_seq, stride_positions_axis,
+                                         inv_freq_ptr, dims % (HEAD_DIM // 2), dim_mask, q_ptr.dtype.element_ty,
+                                         SECTION_H, SECTION_W)
         cos = cos[None, :]  # [1, BLOCK_D]
         signed_sin = tl.where(dims < HEAD_DIM // 2, -sin, sin)[None, :]  # rotate_half's sign
         q = load_normed_rotated(q_rows, group_mask[:, None], q_norm_weight_ptr, cos, signed_sin, dims, norm_eps,

@@ -181,8 +181,9 @@ def qk_norm_mrope_kernel(
     # cos/sin for this token, computed inline from its three positions
     half_cols = tl.arange(0, BLOCK_HALF)
     half_mask = half_cols < HEAD_DIM // 2
-    cos, sin = mrope_cos_sin_columns(positions_ptr + token * stride_positions_token, stride_positions_axis, inv_freq_ptr,
-                             half_cols, half_mask, q_ptr.dtype.element_ty, SECTION_H, SECTION_W)  # [BLOCK_HALF]
+    cos, sin = mrope_cos_sin_columns(positions_ptr + token * stride_positions_token, stride_positions_axis,
+                                     inv_freq_ptr, half_cols, half_mask, q_ptr.dtype.element_ty, SECTION_H,
+                                     SECTION_W)  # [BLOCK_HALF]
     cos = cos[None, :]
     sin = sin[None, :]
 
@@ -225,7 +226,7 @@ def load_normed_rotated(
     row_ptrs,  # [R, 1] each head's first column
     row_mask,  # [R, 1]
     weight_ptr,  # [D]
-    cos,  # [1, BLOCK_D] float32 (`mrope_cos_sin` of each column's frequency)
+    cos,  # [1, BLOCK_D] float32 (`mrope_cos_sin_columns` of each column's frequency)
     signed_sin,  # [1, BLOCK_D] float32, -sin in a head's first half
     dims,  # [BLOCK_D]
     eps,
@@ -246,4 +247,3 @@ def load_normed_rotated(
     normed = rms_normed(x, weight, inv_rms, dtype, dtype)
     partner = rms_normed(x_partner, weight_partner, inv_rms, dtype, dtype)
     return rotated(normed, partner, cos, signed_sin, dtype)
-
