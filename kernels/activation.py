@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kernels.checks import FLOAT_DTYPES, check_dtype, check_unit_stride_last_dim
 from kernels.dispatch import use_triton
 from kernels.fp8 import FP8_DTYPE, quantize_activations_reference
+from kernels.launch_math import cdiv, next_power_of_2
 from kernels.pdl import launch_options
 
 
@@ -42,7 +43,6 @@ def _check_gate_up(x: torch.Tensor) -> None:
 
 
 def silu_and_mul_quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    import triton
 
     from kernels.jit.activation import silu_and_mul_quantize_kernel
 
@@ -52,7 +52,7 @@ def silu_and_mul_quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.T
     scale = torch.empty((num_tokens, 1), dtype=torch.float32, device=x.device)
     if num_tokens == 0 or intermediate == 0:
         return quantized, scale
-    block_size = triton.next_power_of_2(intermediate)
+    block_size = next_power_of_2(intermediate)
     silu_and_mul_quantize_kernel[(num_tokens,)](
         # pointers
         x,
@@ -72,7 +72,6 @@ def silu_and_mul_quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
-    import triton
 
     from kernels.jit.activation import silu_and_mul_kernel
 
@@ -81,8 +80,8 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((num_tokens, intermediate), dtype=x.dtype, device=x.device)
     if num_tokens == 0 or intermediate == 0:
         return out
-    block_size = min(triton.next_power_of_2(intermediate), 1024)
-    grid = (num_tokens, triton.cdiv(intermediate, block_size))
+    block_size = min(next_power_of_2(intermediate), 1024)
+    grid = (num_tokens, cdiv(intermediate, block_size))
     silu_and_mul_kernel[grid](
         # pointers
         x,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.launch_math import cdiv, next_power_of_2
 from kernels.pdl import launch_options
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -83,13 +84,12 @@ def quantize_activations_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_activations` on the Triton kernel, into `quantized` [T, K] (unit column stride)
     and `scale` [T, ceil(K/group)] (any strides) when given, new row-major tensors otherwise."""
-    import triton
 
     from kernels.jit.fp8_quant import quantize_activations_kernel
 
     rows, cols = values.shape
     if group >= cols:  # one group per row (per-token scales): a power-of-two tile over the row alone
-        group = max(16, triton.next_power_of_2(cols))
+        group = max(16, next_power_of_2(cols))
     if quantized is None:
         quantized = torch.empty((rows, cols), dtype=FP8_DTYPE, device=values.device)
     if scale is None:
@@ -97,7 +97,7 @@ def quantize_activations_triton(
     if rows == 0:
         return quantized, scale
     block_rows = max(1, min(32, 4096 // group))
-    quantize_activations_kernel[(triton.cdiv(rows, block_rows), scale.shape[1])](
+    quantize_activations_kernel[(cdiv(rows, block_rows), scale.shape[1])](
         values, quantized, scale, rows, cols, values.stride(0), quantized.stride(0), scale.stride(0), scale.stride(1),
         GROUP=group, BLOCK_ROWS=block_rows, num_warps=4,
         **launch_options(values),

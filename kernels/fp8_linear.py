@@ -42,6 +42,7 @@ from kernels.fp8 import (
     imprecise_accumulation,
     quantize_activations,
 )
+from kernels.launch_math import cdiv
 from kernels.moe.configs import MoeKernelConfig, as_moe_config
 from kernels.pdl import launch_options
 
@@ -100,7 +101,6 @@ def fp8_linear_triton(
     fp8_activations: bool = False,
     config: MoeKernelConfig | None = None,
 ) -> torch.Tensor:
-    import triton
 
     from kernels.jit.fp8_linear import fp8_linear_kernel
 
@@ -120,7 +120,7 @@ def fp8_linear_triton(
     if fp8_activations:
         inputs, input_scale = quantize_activations(flat, quant_k)  # [M, K] e4m3, [M, K / quant_k]
     block_k, scale_after_loop = fp8_k_loop(config.block_size_k, quant_k, in_features)
-    grid = (triton.cdiv(num_rows, config.block_size_m) * triton.cdiv(out_features, config.block_size_n),)
+    grid = (cdiv(num_rows, config.block_size_m) * cdiv(out_features, config.block_size_n),)
     fp8_linear_kernel[grid](
         # pointers
         inputs,

@@ -27,6 +27,7 @@ from kernels.checks import (
 )
 from kernels.dispatch import use_triton
 from kernels.fp8 import FP8_DTYPE, FP8_MAX
+from kernels.launch_math import next_power_of_2
 from kernels.pdl import launch_options
 
 
@@ -152,7 +153,6 @@ def reshape_and_cache_triton(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    import triton
 
     from kernels.jit.kv_cache import reshape_and_cache_kernel
 
@@ -183,8 +183,8 @@ def reshape_and_cache_triton(
         v_cache.stride(2),
         # meta-parameters
         HEAD_DIM=head_dim,
-        BLOCK_HEADS=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_HEADS=next_power_of_2(num_kv_heads),
+        BLOCK_D=next_power_of_2(head_dim),
         SATURATE_FP8=k_cache.dtype == FP8_DTYPE,
         num_warps=4,
         **launch_options(k),

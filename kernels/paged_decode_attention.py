@@ -31,6 +31,7 @@ from kernels.kv_cache import (
     check_reshape_and_cache_args,
     reshape_and_cache_reference,
 )
+from kernels.launch_math import next_power_of_2
 from kernels.paged_decode_configs import (
     MIN_TOKENS_PER_SPLIT,
     PROGRAMS_PER_SM,
@@ -328,7 +329,6 @@ def _launch_decode(
 ) -> torch.Tensor:
     """`qk_norm_rope` (with `new_kv` only): q and the new k are raw, and the split kernel norms and
     rotates them itself (NORM_ROPE), checked as `qk_norm_mrope` checks them."""
-    import triton
 
     from kernels.jit.paged_decode_attention import (
         paged_decode_reduce_kernel,
@@ -378,7 +378,7 @@ def _launch_decode(
         positions = context_lens[None, :]
         norm_args, sections, eps = (q, q, positions, q), (0, 0, 0), 0.0
 
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     fp16_dots = float16_dots(q.dtype, k_cache.dtype) and reads_fp8_words(v_cache)
     v_words = fp16_dots and "fp8_v_words" not in kernels_off()  # off: V read as bytes, cast to float16
     paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
@@ -428,7 +428,7 @@ def _launch_decode(
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)),
+        BLOCK_G=max(16, next_power_of_2(queries_per_kv)),
         BLOCK_N=block_n,
         FUSE_CACHE_WRITE=new_kv is not None,
         SATURATE_FP8=k_cache.dtype == FP8_DTYPE,
@@ -466,7 +466,7 @@ def _launch_decode(
         # meta-parameters
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+        BLOCK_SPLITS=next_power_of_2(num_splits),
         BLOCK_N=block_n,
         num_warps=4,
         **launch_options(partial_out),

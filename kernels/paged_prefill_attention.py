@@ -71,6 +71,7 @@ from kernels.kv_cache import (
     gather_sequence_kv,
     to_cache_dtype,
 )
+from kernels.launch_math import cdiv, next_power_of_2
 from kernels.paged_decode_attention import paged_attention_rows
 from kernels.pdl import launch_options
 
@@ -194,7 +195,6 @@ def paged_prefill_attention_triton(
     (otherwise computed here, which costs a device sync). `skip_fresh_from`: chunks with
     nothing cached before them and at least this many tokens are not computed (their
     output rows are left unwritten, for SDPA)."""
-    import triton
 
     from kernels.jit.paged_prefill_attention import paged_prefill_attention_kernel
 
@@ -232,7 +232,7 @@ def paged_prefill_attention_triton(
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     block_m = 64 if max_query_len > 32 else 16
-    grid = (triton.cdiv(max_query_len, block_m), batch, num_q_heads)
+    grid = (cdiv(max_query_len, block_m), batch, num_q_heads)
     paged_prefill_attention_kernel[grid](
         # pointers
         q,
@@ -261,7 +261,7 @@ def paged_prefill_attention_triton(
         # meta-parameters
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=next_power_of_2(head_dim),
         BLOCK_M=block_m,
         BLOCK_N=64 if head_dim <= 128 else 32,
         DOT_PRECISION=dot_precision(q.dtype),

@@ -26,6 +26,7 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton
+from kernels.launch_math import next_power_of_2
 from kernels.pdl import launch_options
 
 
@@ -86,7 +87,6 @@ def _launch(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [..., H], or [T, num_terms, H] when num_terms > 1 (summed over the terms first), or with
     `gather` = (rows, weights) [T, num_terms] the values [R, H] those rows pick."""
-    import triton
 
     from kernels.jit.rms_norm import rms_norm_kernel
 
@@ -113,7 +113,7 @@ def _launch(
     if gather is None:  # placeholders, never read when GATHER_TERMS is False
         term_rows = term_weights = out
     if num_rows > 0:
-        block_size = triton.next_power_of_2(hidden_size)
+        block_size = next_power_of_2(hidden_size)
         rms_norm_kernel[(num_rows,)](
             # pointers
             rows,

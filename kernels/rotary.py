@@ -30,6 +30,7 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton
+from kernels.launch_math import next_power_of_2
 from kernels.pdl import launch_options
 from kernels.rms_norm import rms_norm_reference
 from kernels.strides import common_power_of_two
@@ -100,7 +101,6 @@ def qk_norm_mrope_triton(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch: per token, normalise and rotate all q and k heads (cos/sin computed inline)."""
-    import triton
 
     from kernels.jit.rotary import qk_norm_mrope_kernel
 
@@ -144,9 +144,9 @@ def qk_norm_mrope_triton(
         positions.stride(1),
         # meta-parameters
         HEAD_DIM=head_dim,
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads),
-        BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=next_power_of_2(head_dim // 2),
+        BLOCK_Q_HEADS=next_power_of_2(num_q_heads),
+        BLOCK_KV_HEADS=next_power_of_2(num_kv_heads),
         SECTION_H=mrope_section[1],
         SECTION_W=mrope_section[2],
         HEAD_STRIDE_MULTIPLE=common_power_of_two(

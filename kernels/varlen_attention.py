@@ -50,6 +50,7 @@ from kernels.flash_varlen import (
     flash_varlen_usable,
     try_flash_varlen_attention,
 )
+from kernels.launch_math import cdiv
 from kernels.pdl import launch_options
 from kernels.sdpa_backend import long_segment_sdpa
 from kernels.strides import common_power_of_two
@@ -135,7 +136,6 @@ def varlen_attention_triton(
     `max_segment_len`: segments longer than this are not computed (their rows of the
     output are left unwritten, for another backend); None computes all.
     `tiles`: the launch's tiles (None: `varlen_tiles`)."""
-    import triton
 
     from kernels.jit.varlen_attention import varlen_attention_kernel
 
@@ -167,7 +167,7 @@ def varlen_attention_triton(
     block_d, tail_d = head_column_tiles(head_dim, split=q.element_size() == 2)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                out.stride(0), out.stride(1))
-    grid = (triton.cdiv(max(max_seqlen, 1), tiles.block_m), num_segments, num_heads)
+    grid = (cdiv(max(max_seqlen, 1), tiles.block_m), num_segments, num_heads)
     varlen_attention_kernel[grid](
         # pointers
         q,

@@ -28,6 +28,7 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton
+from kernels.launch_math import next_power_of_2
 from kernels.pdl import launch_options
 from kernels.rotary import rotate_half
 from kernels.strides import common_power_of_two
@@ -52,7 +53,6 @@ def vision_rotary_triton(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch, one program per patch: every head of q and k rotated."""
-    import triton
 
     from kernels.jit.vision_rotary import vision_rotary_kernel
 
@@ -98,8 +98,8 @@ def vision_rotary_triton(
         q_out.stride(1),
         # meta-parameters
         HEAD_DIM=head_dim,
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        BLOCK_HEADS=triton.next_power_of_2(num_heads),
+        BLOCK_HALF=next_power_of_2(head_dim // 2),
+        BLOCK_HEADS=next_power_of_2(num_heads),
         STRIDE_MULTIPLE=common_power_of_two((q.stride(1), k.stride(1), q_out.stride(1), cos.stride(0), sin.stride(0))),
         num_warps=4,
         **launch_options(q),

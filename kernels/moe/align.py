@@ -38,6 +38,7 @@ import torch
 
 from kernels.checks import INDEX_DTYPES, check_dtype
 from kernels.dispatch import use_triton
+from kernels.launch_math import next_power_of_2
 from kernels.pdl import launch_options
 
 # Measured on an H100 (2026-11-25, docs/results/gpu/bench_gpu_2026-11-25.json): one launch is 1.30x and 1.03x
@@ -112,7 +113,6 @@ def moe_align_block_size_triton(
     """Two launches: count the pairs of each expert, then each expert's program
     derives its offset from the counts and scatters its pairs in order. Up to
     SINGLE_LAUNCH_MAX_PAIRS pairs, one: the scatter programs count for themselves."""
-    import triton
 
     from kernels.jit.moe_align import moe_count_kernel, moe_scatter_kernel
 
@@ -127,8 +127,8 @@ def moe_align_block_size_triton(
         return sorted_token_ids, expert_ids, num_tokens_post_padded.zero_()
     counts = torch.empty((num_experts,), dtype=torch.int32, device=device)
 
-    scan_block = min(triton.next_power_of_2(num_pairs), 1024)
-    block_experts = triton.next_power_of_2(num_experts)
+    scan_block = min(next_power_of_2(num_pairs), 1024)
+    block_experts = next_power_of_2(num_experts)
     count_here = num_pairs <= SINGLE_LAUNCH_MAX_PAIRS
     if not count_here:
         moe_count_kernel[(num_experts,)](

@@ -73,6 +73,7 @@ from kernels.fp8 import (
     quantize_activations,
     spans_reduction,
 )
+from kernels.launch_math import cdiv
 from kernels.moe.align import MoeAlignment, max_padded_pairs
 from kernels.moe.configs import MoeKernelConfig, as_moe_config, get_moe_config
 from kernels.moe.grouped_gemm import fused_moe_grouped_gemm, grouped_gemm_wanted
@@ -292,7 +293,6 @@ def _fused_moe_chunk(
 ) -> torch.Tensor | None:
     """The chunk's output summed into `out` [T, H]; with `out` None, its unsummed terms [T, K, H].
     `alignment`: the pairs' layout made ahead (else aligned here)."""
-    import triton
 
     from kernels.jit.fused_moe import moe_down_kernel, moe_gate_up_silu_kernel
     from kernels.moe.align import moe_align_block_size
@@ -343,7 +343,7 @@ def _fused_moe_chunk(
         **config.launch_options(),
     )
 
-    moe_gate_up_silu_kernel[(num_m_blocks * triton.cdiv(intermediate, config.block_size_n),)](
+    moe_gate_up_silu_kernel[(num_m_blocks * cdiv(intermediate, config.block_size_n),)](
         # pointers
         gemm1_input,
         gemm1_scale,
@@ -376,7 +376,7 @@ def _fused_moe_chunk(
     gemm2_input, gemm2_scale = activated, activated
     if fp8_activations:
         gemm2_input, gemm2_scale = quantize_activations(activated, quant_k)  # [T*K, I] e4m3, [T*K, I/group]
-    moe_down_kernel[(num_m_blocks * triton.cdiv(hidden_size, config.block_size_n),)](
+    moe_down_kernel[(num_m_blocks * cdiv(hidden_size, config.block_size_n),)](
         # pointers
         gemm2_input,
         gemm2_scale,

@@ -21,6 +21,7 @@ import torch
 
 from kernels.checks import FLOAT_DTYPES, check_dtype, check_shape, check_unit_stride_last_dim
 from kernels.dispatch import use_triton
+from kernels.launch_math import next_power_of_2
 from kernels.moe.align import MoeAlignment, empty_alignment
 from kernels.pdl import launch_options
 
@@ -62,12 +63,10 @@ def _routing_outputs(
 
 def _routing_meta(top_k: int, num_experts: int, renormalize: bool) -> dict:
     """The meta-parameters both routing kernels take."""
-    import triton
-
     return dict(
         TOP_K=top_k,
-        BLOCK_K=triton.next_power_of_2(top_k),
-        BLOCK_EXPERTS=triton.next_power_of_2(num_experts),
+        BLOCK_K=next_power_of_2(top_k),
+        BLOCK_EXPERTS=next_power_of_2(num_experts),
         RENORMALIZE=renormalize,
     )
 
@@ -134,7 +133,6 @@ def route_topk_and_align_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, MoeAlignment]:
     """One launch, whatever the batch (callers keep it to decode batches: every program
     routes every token)."""
-    import triton
 
     from kernels.jit.moe_routing import route_topk_align_kernel
 
@@ -165,11 +163,11 @@ def route_topk_and_align_triton(
         topk_ids.stride(0),
         # meta-parameters
         **_routing_meta(top_k, num_experts, renormalize),
-        BLOCK_T=triton.next_power_of_2(num_tokens),
-        BLOCK=min(triton.next_power_of_2(max(num_tokens, block_size)), 1024),
+        BLOCK_T=next_power_of_2(num_tokens),
+        BLOCK=min(next_power_of_2(max(num_tokens, block_size)), 1024),
         # two token rows per warp: a row's k rounds of max/argmax are warp shuffles, and the sm_90
         # code grows with the rows a warp holds (2.8k PTX lines at 32 tokens x 16 warps, 7.7k at 4 warps)
-        num_warps=min(16, max(1, triton.next_power_of_2(num_tokens) // 2)),
+        num_warps=min(16, max(1, next_power_of_2(num_tokens) // 2)),
         **launch_options(router_logits),
     )
     alignment = MoeAlignment(sorted_token_ids, expert_ids, num_tokens_post_padded, block_size)
