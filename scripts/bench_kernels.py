@@ -3,12 +3,13 @@
 
 Shapes are Qwen3-VL-30B-A3B's (hidden 2048, 32 query heads, 4 KV heads, head_dim
 128, 128 experts, top-8, expert intermediate 768; vision: 16 heads of 72). Each
-row times the Triton op and its baseline with `triton.testing.do_bench` (median
-of repeated runs after warm-up, L2 flushed between runs) on fresh random data,
-and reports the speed-up and the achieved memory bandwidth or FLOP rate. The decode
-attention rows and `--tune-decode` time the device alone, in CUDA graphs, as the
-engine's decode steps run (`make_graph_timer`): do_bench measures the host's launches
-when they outlast the kernel.
+row times the Triton op and its baseline on fresh random data, and reports the
+speed-up and the achieved memory bandwidth or FLOP rate. Times are the device's
+alone, in CUDA graphs with L2 flushed between calls (`make_graph_timer`); an op that
+cannot be captured is timed by `triton.testing.do_bench` instead, and its row says
+so. Beside each row, `host_ms` is the host's time per call of ours when calls are
+launched back to back: what an eager step pays to launch it. (do_bench alone
+measures the host's launches wherever they outlast the kernel.)
 
 Targets: fused MoE >= 3x the per-expert loop at 256 tokens; paged decode
 attention at or above PyTorch SDPA on pre-gathered (contiguous) K/V.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -65,8 +67,8 @@ class Shapes:
     grouped_gemm_min_tokens: int = 256  # MoE rows on torch's grouped GEMMs from here (the crossover)
     moe_target_tokens: int = 256
     # calls of up to this many tokens run inside the engine's decode CUDA graphs (the default
-    # EngineConfig.cuda_graph_max_batch): their rows and tuning time the device alone
-    # (make_graph_timer), as the graphs run them; larger calls run eagerly, as prefill steps do
+    # EngineConfig.cuda_graph_max_batch): `--tune-moe` times such buckets in graphs
+    # (timer_for_tokens), larger ones host-launched (quicker, and as accurate for long calls)
     graph_max_tokens: int = 256
     decode_cases: tuple[tuple[int, int], ...] = (
         (1, 27000),
@@ -115,7 +117,7 @@ TINY_SHAPES = Shapes(  # --interpret smoke run: every code path, seconds on a CP
     moe_token_counts=(4, 16),
     grouped_gemm_min_tokens=16,
     moe_target_tokens=16,
-    graph_max_tokens=4,  # the smoke run takes both timers: T=4 as in a graph, T=16 host-launched
+    graph_max_tokens=4,  # --tune-moe takes both timers: T=4 as in a graph, T=16 host-launched
     decode_cases=((2, 40),),
     decode_tuning_context=40,
     decode_graph_bound=64,
@@ -136,6 +138,16 @@ class Row:
     rate: str  # achieved bandwidth or FLOP rate of the Triton op
     target_speedup: float | None = None  # the speed-up this row must reach, if any
     note: str = ""
+    host_ms: float | None = None  # the host's time per call of ours, launched back to back (Timing)
+
+    def __post_init__(self) -> None:
+        """Takes the host time and the way each was timed from `Timing`s (a GPU's timer), which
+        become plain numbers: a note names each timing that is not device time in a graph."""
+        if self.host_ms is None:
+            self.host_ms = getattr(self.triton_ms, "host_ms", None)
+        notes = (timing_note("ours", self.triton_ms), timing_note("baseline", self.baseline_ms))
+        self.note = "; ".join(part for part in (self.note, *notes) if part)
+        self.triton_ms, self.baseline_ms = float(self.triton_ms), float(self.baseline_ms)
 
     @property
     def speedup(self) -> float:
@@ -166,35 +178,61 @@ def make_timer(device) -> Callable[[Callable[[], object]], float]:
     return wall_clock
 
 
-GRAPH_CALLS = 20  # calls per captured graph: the replay's own launch is spread over them
+GRAPH_CALLS = 20  # calls per captured graph at most: the replay's own launch is spread over them
+GRAPH_TARGET_MS = 2.0  # ... and as many as make about this much device time (a long op takes one)
+HOST_CALLS = 50  # calls launched back to back to time the host's share of one, at most
+HOST_TARGET_MS = 20.0  # ... and as many as make about this much device time (at least 3)
 FLUSH_BYTES = 256 << 20  # several times an H100's 50 MB L2
 
 
+class Timing(float):
+    """Milliseconds per call, and how they were measured: `in_graph` (the device's time alone, in a
+    CUDA graph) or not (do_bench's host-launched calls, where capturing failed), and `host_ms`, the
+    host's time per call when calls are launched back to back without waiting (`host_ms_per_call`;
+    None where not measured). A `Row` takes both into its `host_ms` and its note."""
+
+    in_graph: bool
+    host_ms: float | None
+
+    def __new__(cls, ms: float, *, in_graph: bool, host_ms: float | None = None) -> Timing:
+        timing = super().__new__(cls, ms)
+        timing.in_graph, timing.host_ms = in_graph, host_ms
+        return timing
+
+
 def make_graph_timer(device) -> Callable[[Callable[[], object]], float]:
-    """Milliseconds per call as a decode CUDA graph runs it: the device's time alone, L2 cold
-    (`graph_ms_per_call`). do_bench launches each call from the host between its events, so a
-    call whose host work (argument checks, Triton's launcher, two launches) outlasts its device
-    time measures the host; the engine replays its decode steps as graphs, where that work is
-    gone. On CPU: `make_timer`'s wall clock."""
+    """Every row's timer on a GPU: milliseconds per call of the device alone, L2 cold, in a CUDA
+    graph (`graph_ms_per_call`), with the host's time per call beside it (`host_ms_per_call`).
+
+    do_bench launches each call from the host between its events, so a call whose host work
+    (argument checks, Triton's launcher, the allocations) outlasts its device time measures the
+    host. On the H100 of 2026-11-27 that was most small rows: fused_add_rms_norm at T=4096 took
+    0.070 ms against 0.028 on 2026-11-25, its torch reference with it, and large kernels read the
+    same both days (docs/benchmarks.md). Timed apart, the two numbers say what each costs where:
+    a decode graph replays the device's part only, and an eager step keeps the device busy as
+    long as the host launches faster than the device runs. On CPU: `make_timer`'s wall clock."""
     if device.type != "cuda":
         return make_timer(device)
     import torch
 
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
     return GraphTimer(partial(graph_ms_per_call, capture=capture_cuda_graph, replay_ms=cuda_replay_ms,
-                              flush=flush.zero_), make_timer(device))
+                              flush=flush.zero_), make_timer(device),
+                      host=partial(host_ms_per_call, synchronize=torch.cuda.synchronize))
 
 
 class GraphTimer:
-    """`timed(fn)` in CUDA graphs, or `fallback(fn)` (do_bench) where capturing fails; the failure
-    is printed once per kind and `fell_back` says whether the last call took the fallback."""
+    """`timed(fn)` in CUDA graphs, or `fallback(fn)` (do_bench) where capturing fails, as a
+    `Timing` with `host(fn, calls=n)`'s host time (when given; n from HOST_CALLS down to 3 for
+    long calls, whose launches hardly matter); the failure is printed once per kind and
+    `fell_back` says whether the last call took the fallback."""
 
-    def __init__(self, timed, fallback) -> None:
-        self.timed, self.fallback = timed, fallback
+    def __init__(self, timed, fallback, host=None) -> None:
+        self.timed, self.fallback, self.host = timed, fallback, host
         self.fell_back = False
         self._reported: set[str] = set()
 
-    def __call__(self, fn) -> float:
+    def __call__(self, fn) -> Timing:
         try:
             ms = self.timed(fn)
         except Exception as error:  # noqa: BLE001 - e.g. an op that cannot be captured: time it as do_bench does
@@ -203,40 +241,64 @@ class GraphTimer:
                 self._reported.add(kind)
                 print(f"  graph timing failed, timing host-launched calls instead ({kind})", file=sys.stderr)
             self.fell_back = True
-            return self.fallback(fn)
-        self.fell_back = False
-        return ms
+            ms = self.fallback(fn)
+        else:
+            self.fell_back = False
+        host_ms = None
+        if self.host is not None:
+            host_ms = self.host(fn, calls=max(3, min(HOST_CALLS, math.ceil(HOST_TARGET_MS / max(ms, 1e-3)))))
+        return Timing(ms, in_graph=not self.fell_back, host_ms=host_ms)
 
 
 def timer_for_tokens(num_tokens: int, shapes: Shapes, timer, graph_timer):
-    """The timer for a call of `num_tokens` tokens: `graph_timer` where the engine's decode CUDA
-    graphs run such calls (up to `shapes.graph_max_tokens`), else `timer` (do_bench), as prefill
-    steps launch them from the host. At decode sizes do_bench times the host's launches: on the
-    H100 of 2026-11-27 every fused-MoE candidate at T=1 took about 0.24 ms that way, ten times
-    what its weights take to read, so the tuner's pick there was noise."""
+    """The MoE tuner's timer for a bucket of `num_tokens` tokens: `graph_timer` up to
+    `shapes.graph_max_tokens` (the decode graphs' sizes), else `timer` (do_bench), which is as
+    accurate for calls far longer than their launch and much quicker over ~100 candidates. At
+    decode sizes do_bench times the host's launches: on the H100 of 2026-11-27 every fused-MoE
+    candidate at T=1 took about 0.24 ms that way, ten times what its weights take to read, so
+    the tuner's pick there was noise."""
     return graph_timer if num_tokens <= shapes.graph_max_tokens else timer
 
 
 def graph_note(timer) -> str:
-    """A row's note on how its last timing ran."""
+    """How `timer`'s last timing ran (the tuner prints it)."""
     if not isinstance(timer, GraphTimer):
         return ""
     return "host-launched (graph capture failed)" if timer.fell_back else "device time in a CUDA graph, L2 cold"
 
 
-def row_timing_note(timer, baseline_note: str) -> str:
-    """How a row's two timings ran: one note when both ran alike (none when both were host-launched
-    by do_bench, the table's default), else each named."""
-    ours = graph_note(timer)
-    if ours == baseline_note:
-        return ours
-    return f"ours: {ours or 'host-launched'}; baseline: {baseline_note or 'host-launched'}"
+def timing_note(whose: str, ms: float) -> str:
+    """A row's note for one of its timings that is not the table's default (device time in a
+    graph): "<whose>: host-launched (graph capture failed)"; "" otherwise, and for a plain
+    number (the CPU's wall clock)."""
+    if isinstance(ms, Timing) and not ms.in_graph:
+        return f"{whose}: host-launched (graph capture failed)"
+    return ""
 
 
-def graph_ms_per_call(fn, *, capture, replay_ms, flush, calls: int = GRAPH_CALLS) -> float:
-    """`fn`'s time per call: a graph of `calls` x (flush, fn) against one of `calls` x flush,
-    each captured by `capture(body)` and timed by `replay_ms(graph)`."""
+def host_ms_per_call(fn, *, synchronize, calls: int = HOST_CALLS, clock=time.perf_counter) -> float:
+    """The host's milliseconds per call of `fn` when `calls` of them are launched back to back:
+    the device is not waited for in between (only before and after), so this is the argument
+    checks, the allocations and the launches, as an eager step pays them. Far fewer launches than
+    a CUDA stream queues, so none waits for a free slot."""
+    fn()
+    synchronize()
+    start = clock()
+    for _ in range(calls):
+        fn()
+    elapsed = clock() - start
+    synchronize()
+    return elapsed * 1e3 / calls
+
+
+def graph_ms_per_call(fn, *, capture, replay_ms, flush, max_calls: int = GRAPH_CALLS,
+                      target_ms: float = GRAPH_TARGET_MS) -> float:
+    """`fn`'s time per call: a graph of n x (flush, fn) against one of n x flush, each captured by
+    `capture(body)` and timed by `replay_ms(graph)`. n: enough calls for about `target_ms` of
+    device time by a one-call graph's estimate, from 1 to `max_calls`."""
     fn()  # compiles (and autotunes) outside the capture
+    estimate = replay_ms(capture(fn))
+    calls = max(1, min(max_calls, math.ceil(target_ms / max(estimate, 1e-6))))
 
     def flushed_calls() -> None:
         for _ in range(calls):
@@ -366,8 +428,7 @@ def _moe_cost(num_tokens: int, shapes: Shapes, element_bytes: int) -> tuple[floa
 
 
 # --------------------------------------------------------------------------- benchmarks
-def bench_elementwise(shapes: Shapes, dtype, device, timer, graph_timer=None) -> list[Row]:
-    """`graph_timer` (default `make_graph_timer(device)`) times the decode-sized rows."""
+def bench_elementwise(shapes: Shapes, dtype, device, timer) -> list[Row]:
     import torch
 
     from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
@@ -410,15 +471,11 @@ def bench_elementwise(shapes: Shapes, dtype, device, timer, graph_timer=None) ->
             gigabytes_per_second(4 * x.numel() * element, ms),
         )
     )
-    graph_timer = graph_timer or make_graph_timer(device)
     for num_tokens in (1, tokens):  # a MoE layer's 8 expert terms: decode at batch 1, and prefill
         terms = torch.randn(num_tokens, 8, hidden, dtype=dtype, device=device)
         part = residual[:num_tokens]
-        row_timer = timer_for_tokens(num_tokens, shapes, timer, graph_timer)
-        baseline_ms = row_timer(lambda terms=terms, part=part: fused_add_rms_norm_triton(terms.sum(1), part, weight,
-                                                                                         1e-6))
-        baseline_note = graph_note(row_timer)
-        ms = row_timer(partial(fused_sum_add_rms_norm_triton, terms, part, weight, 1e-6))
+        baseline_ms = timer(lambda terms=terms, part=part: fused_add_rms_norm_triton(terms.sum(1), part, weight, 1e-6))
+        ms = timer(partial(fused_sum_add_rms_norm_triton, terms, part, weight, 1e-6))
         rows.append(
             Row(
                 "fused_sum_add_rms_norm",
@@ -428,7 +485,6 @@ def bench_elementwise(shapes: Shapes, dtype, device, timer, graph_timer=None) ->
                 baseline_ms,
                 gigabytes_per_second((8 + 3) * num_tokens * hidden * element, ms),
                 target_speedup=1.0,
-                note=row_timing_note(row_timer, baseline_note),
             )
         )
 
@@ -573,8 +629,6 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
     rows = []
     element = torch.finfo(dtype).bits // 8
     scale = shapes.head_dim**-0.5
-    # decode runs inside the engine's CUDA graphs: its rows time the device alone (make_graph_timer)
-    graph_timer = make_graph_timer(torch.device(device))
     for batch, context in shapes.decode_cases:
         k_cache, v_cache, block_tables, context_lens = _paged_cache(
             batch, context, shapes, dtype, device
@@ -587,9 +641,8 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
         q_sdpa = q.unsqueeze(2)  # [B, Hq, 1, D]
         decode_args = (q, k_cache, v_cache, block_tables, context_lens, scale)
         sdpa = partial(F.scaled_dot_product_attention, q_sdpa, dense_k, dense_v, scale=scale)
-        sdpa_ms = graph_timer(partial(sdpa, enable_gqa=True))
-        sdpa_note = graph_note(graph_timer)
-        ms = graph_timer(partial(paged_decode_attention_triton, *decode_args, max_context_len=context))
+        sdpa_ms = timer(partial(sdpa, enable_gqa=True))
+        ms = timer(partial(paged_decode_attention_triton, *decode_args, max_context_len=context))
         kv_bytes = 2 * batch * context * shapes.num_kv_heads * shapes.head_dim * element
         rows.append(
             Row(
@@ -600,13 +653,12 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 sdpa_ms,
                 gigabytes_per_second(kv_bytes, ms),
                 target_speedup=1.0,
-                note=row_timing_note(graph_timer, sdpa_note),
             )
         )
         # the same cache in FP8 (e4m3): half the bytes to read, widened in the kernel
         fp8_k, fp8_v = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
-        fp8_ms = graph_timer(partial(paged_decode_attention_triton, q, fp8_k, fp8_v, block_tables, context_lens,
-                                     scale, max_context_len=context))
+        fp8_ms = timer(partial(paged_decode_attention_triton, q, fp8_k, fp8_v, block_tables, context_lens, scale,
+                               max_context_len=context))
         rows.append(
             Row(
                 "paged_decode_attention[fp8 kv]",
@@ -616,7 +668,6 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 sdpa_ms,
                 gigabytes_per_second(kv_bytes // element, fp8_ms),
                 target_speedup=1.0,
-                note=row_timing_note(graph_timer, sdpa_note),
             )
         )
 
@@ -792,11 +843,10 @@ def _fp8_experts(inputs, shapes: Shapes, per_channel: bool = False):
     return (hidden, q13, q2, weights, ids), {"w13_scale": s13, "w2_scale": s2, "block_shape": block}
 
 
-def bench_moe(shapes: Shapes, dtype, device, timer, graph_timer=None) -> list[Row]:
-    """The fused MoE per token count, bf16 and FP8, with its align and routing launches. Calls of
-    decode sizes (`timer_for_tokens`) are timed by `graph_timer` (default `make_graph_timer(device)`),
-    as the decode graphs run them, except the torch references, which cannot be captured (the
-    per-expert loop reads its counts on the host) and run host-launched."""
+def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
+    """The fused MoE per token count, bf16 and FP8, with its align and routing launches. The
+    per-expert loop (the torch reference) reads its counts on the host, so a GPU's graph timer
+    times it host-launched, and its rows say so."""
     import torch
 
     from kernels.dispatch import fp8_accumulation
@@ -806,9 +856,7 @@ def bench_moe(shapes: Shapes, dtype, device, timer, graph_timer=None) -> list[Ro
 
     rows = []
     element = torch.finfo(dtype).bits // 8
-    graph_timer = graph_timer or make_graph_timer(device)
     for num_tokens in shapes.moe_token_counts:
-        row_timer = timer_for_tokens(num_tokens, shapes, timer, graph_timer)
         inputs = _moe_inputs(num_tokens, shapes, dtype, device)
         ids = inputs[4]
         config = get_moe_config(
@@ -819,8 +867,7 @@ def bench_moe(shapes: Shapes, dtype, device, timer, graph_timer=None) -> list[Ro
             dtype,
             shapes.top_k,
         )
-        ms = row_timer(partial(fused_moe_triton, *inputs))
-        bf16_note = graph_note(row_timer)
+        ms = timer(partial(fused_moe_triton, *inputs))
         flops, weight_bytes = _moe_cost(num_tokens, shapes, element)
         target = 3.0 if num_tokens == shapes.moe_target_tokens else None
         rows.append(
@@ -832,7 +879,6 @@ def bench_moe(shapes: Shapes, dtype, device, timer, graph_timer=None) -> list[Ro
                 timer(partial(fused_moe_reference, *inputs)),
                 f"{teraflops(flops, ms)}, weights {gigabytes_per_second(weight_bytes, ms)}",
                 target_speedup=target,
-                note=row_timing_note(row_timer, graph_note(timer)),
             )
         )
         # the same experts in FP8 with 128 x 128 block scales (Qwen's -FP8): half the weight bytes;
@@ -848,8 +894,8 @@ def bench_moe(shapes: Shapes, dtype, device, timer, graph_timer=None) -> list[Ro
             if experts is None:  # the shapes allow no block
                 continue
             with fp8_accumulation(fast):
-                fp8_ms = fp8_times[name] = row_timer(partial(fused_moe_triton, *experts[0], **experts[1],
-                                                             fp8_activations=activations))
+                fp8_ms = fp8_times[name] = timer(partial(fused_moe_triton, *experts[0], **experts[1],
+                                                         fp8_activations=activations))
             rows.append(
                 Row(
                     f"fused_moe[{name}]",
@@ -858,20 +904,12 @@ def bench_moe(shapes: Shapes, dtype, device, timer, graph_timer=None) -> list[Ro
                     "bf16 experts (Triton)",
                     ms,
                     f"{teraflops(flops, fp8_ms)}, weights {gigabytes_per_second(weight_bytes // element, fp8_ms)}",
-                    note=row_timing_note(row_timer, bf16_note),
                 )
             )
-        if shapes.grouped_gemm_min_tokens <= num_tokens <= shapes.graph_max_tokens:
-            # the grouped GEMMs take prefill calls only (1024 tokens and more), launched from the
-            # host: their baselines are timed that way too
-            ms = timer(partial(fused_moe_triton, *inputs))
-            if per_channel is not None:
-                fp8_times["fp8 w8a8, per-channel"] = timer(partial(fused_moe_triton, *per_channel[0],
-                                                                   **per_channel[1], fp8_activations=True))
         rows += _grouped_gemm_rows(num_tokens, inputs, per_channel, ms, fp8_times.get("fp8 w8a8, per-channel"),
                                    flops, weight_bytes, element, shapes, timer)
         align_args = (ids, shapes.num_experts, config.block_size_m)
-        ms = row_timer(partial(moe_align_block_size_triton, *align_args))
+        ms = timer(partial(moe_align_block_size_triton, *align_args))
         rows.append(
             Row(
                 "moe_align_block_size",
@@ -880,13 +918,11 @@ def bench_moe(shapes: Shapes, dtype, device, timer, graph_timer=None) -> list[Ro
                 "torch reference",
                 timer(partial(moe_align_block_size_reference, *align_args)),
                 gigabytes_per_second(ids.numel() * 4, ms),
-                note=row_timing_note(row_timer, graph_note(timer)),
             )
         )
         if ids.numel() <= 4096:  # where one launch may win: decode batches
-            two = _align_ms(row_timer, align_args, 0)
-            two_note = graph_note(row_timer)
-            one = _align_ms(row_timer, align_args, ids.numel())
+            two = _align_ms(timer, align_args, 0)
+            one = _align_ms(timer, align_args, ids.numel())
             rows.append(
                 Row(
                     "moe_align_block_size[one launch]",
@@ -895,11 +931,10 @@ def bench_moe(shapes: Shapes, dtype, device, timer, graph_timer=None) -> list[Ro
                     "two launches (count, scatter)",
                     two,
                     gigabytes_per_second(ids.numel() * 4, one),
-                    note="sets SINGLE_LAUNCH_MAX_PAIRS (the largest T*K where one launch wins); "
-                         + (row_timing_note(row_timer, two_note) or "host-launched"),
+                    note="sets SINGLE_LAUNCH_MAX_PAIRS (the largest T*K where one launch wins)",
                 )
             )
-    rows += _route_and_align_rows(shapes, dtype, device, timer, graph_timer)
+    rows += _route_and_align_rows(shapes, dtype, device, timer)
     return rows
 
 
@@ -941,10 +976,9 @@ def _grouped_gemm_rows(num_tokens, inputs, per_channel, triton_ms, channel_trito
 ROUTE_ALIGN_BENCH_TOKENS = (1, 4, 8, 16, 32, 64)  # decode batches around ROUTE_ALIGN_MAX_TOKENS
 
 
-def _route_and_align_rows(shapes: Shapes, dtype, device, timer, graph_timer) -> list[Row]:
+def _route_and_align_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
     """Routing and align in one launch against the two launches it replaces, at decode batches on
-    both sides of ROUTE_ALIGN_MAX_TOKENS (whatever it is set to): the rows set it. Both sides
-    are timed by `timer_for_tokens`'s choice (in a graph at decode sizes)."""
+    both sides of ROUTE_ALIGN_MAX_TOKENS (whatever it is set to): the rows set it."""
     import torch
 
     from kernels.moe.configs import get_moe_config
@@ -964,10 +998,8 @@ def _route_and_align_rows(shapes: Shapes, dtype, device, timer, graph_timer) -> 
         ).block_size_m
         logits = torch.randn(num_tokens, shapes.num_experts, dtype=dtype, device=device)
         route_args = (logits, shapes.top_k, True, dtype)
-        row_timer = timer_for_tokens(num_tokens, shapes, timer, graph_timer)
-        two = row_timer(partial(_route_then_align, route_args, shapes.num_experts, block_size))
-        two_note = graph_note(row_timer)
-        one = row_timer(partial(route_topk_and_align_triton, *route_args, block_size))
+        two = timer(partial(_route_then_align, route_args, shapes.num_experts, block_size))
+        one = timer(partial(route_topk_and_align_triton, *route_args, block_size))
         rows.append(
             Row(
                 "route_topk_and_align[one launch]",
@@ -977,8 +1009,7 @@ def _route_and_align_rows(shapes: Shapes, dtype, device, timer, graph_timer) -> 
                 two,
                 gigabytes_per_second(logits.numel() * element, one),
                 target_speedup=1.0 if num_tokens == 1 else None,
-                note="sets ROUTE_ALIGN_MAX_TOKENS (the largest T where one launch wins); "
-                     + (row_timing_note(row_timer, two_note) or "host-launched"),
+                note="sets ROUTE_ALIGN_MAX_TOKENS (the largest T where one launch wins)",
             )
         )
     return rows
@@ -1085,7 +1116,7 @@ def run_kernel_benchmarks(device, shapes: Shapes = GPU_SHAPES, dtype=None,
     device = torch.device(device)
     dtype = dtype or torch.bfloat16
     torch.manual_seed(0)
-    timer = make_timer(device)
+    timer = make_graph_timer(device)
     rows, errors = [], []
     groups = groups or tuple(BENCHMARK_GROUPS)
     for group in groups:
@@ -1106,7 +1137,8 @@ def run_kernel_benchmarks(device, shapes: Shapes = GPU_SHAPES, dtype=None,
         "groups": list(groups),
         "kernels_off": sorted(kernels_off()),  # ops and fast paths turned off (VLM_CATALOG_KERNELS_OFF)
         "fp8_fast_accumulation": fp8_fast_accumulation(),  # VLM_CATALOG_FP8_FAST_ACCUMULATION
-        "timer": "triton.testing.do_bench median (ms)"
+        "timer": "device time per call in CUDA graphs, L2 flushed (ms; do_bench where an op cannot be captured, "
+                 "as its note says); host_ms: the host's time per call, launched back to back"
         if device.type == "cuda"
         else "wall-clock median (ms)",
         "date": time.strftime("%Y-%m-%d"),
@@ -1124,7 +1156,7 @@ def print_table(report: dict) -> None:
         f"torch {report['versions']['torch']}, triton {report['versions']['triton']}"
     )
     header = (
-        f"{'op':<24} {'shape':<34} {'triton ms':>10} {'baseline ms':>12} {'speed-up':>9}  "
+        f"{'op':<24} {'shape':<34} {'triton ms':>10} {'host ms':>8} {'baseline ms':>12} {'speed-up':>9}  "
         f"{'rate':<36} baseline"
     )
     print(header)
@@ -1134,8 +1166,9 @@ def print_table(report: dict) -> None:
         if row["target_speedup"] is not None:
             verdict = "met" if row["meets_target"] else "MISSED"
             flag += f"  [target >= {row['target_speedup']:.1f}x: {verdict}]"
+        host = "-" if row.get("host_ms") is None else f"{row['host_ms']:.4f}"
         print(
-            f"{row['name']:<24} {row['shape']:<34} {row['triton_ms']:>10.4f} "
+            f"{row['name']:<24} {row['shape']:<34} {row['triton_ms']:>10.4f} {host:>8} "
             f"{row['baseline_ms']:>12.4f} {row['speedup']:>8.2f}x  {row['rate']:<36} "
             f"{row['baseline']}{flag}"
         )

@@ -195,10 +195,13 @@ def kernel_rows_section(records: list[tuple[str, dict]]) -> str | None:
         for row in kernels.get("rows", []) if isinstance(kernels, dict) else []:
             if row["name"].startswith(KERNEL_ROW_PREFIXES):
                 rows.append([label, row["name"], row["shape"], number(row["triton_ms"], 4),
-                             number(row["baseline_ms"], 4), number(row.get("speedup")), row.get("note", "")[:60]])
+                             number(row.get("host_ms"), 4), number(row["baseline_ms"], 4), number(row.get("speedup")),
+                             row.get("note", "")[:60]])
     if not rows:
         return None
-    return "## Kernel rows\n\n" + table(["file", "row", "shape", "ms", "baseline ms", "speed-up", "note"], rows)
+    header = ["file", "row", "shape", "ms", "host ms", "baseline ms", "speed-up", "note"]
+    return ("## Kernel rows\n\n(host ms: the host's time per call of ours, launched back to back; above ms, an "
+            "eager step launching it waits on the host)\n\n" + table(header, rows))
 
 
 def summarize(record: dict, previous: dict | None = None, extras: list[tuple[str, dict]] = (),

@@ -6,6 +6,7 @@ explicitly, so they behave the same on a GPU machine as on a CPU-only one."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -541,8 +542,9 @@ def test_bench_gpu_refuses_a_negative_warmup(capsys):
 
 
 def test_the_graph_timer_takes_the_flush_off_each_call():
-    """graph_ms_per_call: (flush, fn) x calls against flush x calls, per call. Here a "graph" is
-    the body itself and its replay is timed by the wall clock (CUDA graphs need a GPU)."""
+    """graph_ms_per_call: (flush, fn) x n against flush x n, per call, n from a one-call graph's
+    estimate. Here a "graph" is the body itself and its replay is timed by the wall clock (CUDA
+    graphs need a GPU)."""
     bench_kernels = load_bench_gpu().load_bench_kernels()
     calls = []
 
@@ -559,28 +561,74 @@ def test_the_graph_timer_takes_the_flush_off_each_call():
         body()
         return (time.perf_counter() - start) * 1e3
 
-    ms = bench_kernels.graph_ms_per_call(fn, capture=lambda body: body, replay_ms=replay_ms, flush=flush, calls=3)
+    ms = bench_kernels.graph_ms_per_call(fn, capture=lambda body: body, replay_ms=replay_ms, flush=flush,
+                                         target_ms=10.0)
     assert 3.5 <= ms <= 6.0  # the 4 ms call, without the 2 ms flush before it
-    assert calls == ["fn"] + ["flush", "fn"] * 3 + ["flush"] * 3  # compiled once outside the capture
+    # compiled outside the capture, one call to estimate, then ceil(10 / ~4) = 3 calls per graph
+    assert calls == ["fn", "fn"] + ["flush", "fn"] * 3 + ["flush"] * 3
+    calls.clear()
+    bench_kernels.graph_ms_per_call(fn, capture=lambda body: body, replay_ms=replay_ms, flush=flush, target_ms=1.0)
+    assert calls.count("fn") == 3  # a call longer than the target: one per graph
+    calls.clear()
+    bench_kernels.graph_ms_per_call(fn, capture=lambda body: body, replay_ms=replay_ms, flush=flush, max_calls=2,
+                                    target_ms=1000.0)
+    assert calls.count("fn") == 4  # at most max_calls per graph
     assert bench_kernels.make_graph_timer(torch.device("cpu"))(lambda: None) >= 0  # CPU: the wall clock
 
 
+def test_the_host_time_is_the_launches_without_waiting_for_the_device():
+    """host_ms_per_call: the device is waited for before and after the calls, never between them,
+    and the clock runs over the calls alone."""
+    bench_kernels = load_bench_gpu().load_bench_kernels()
+    events, now = [], [0.0]
+
+    def fn():
+        events.append("call")
+        now[0] += 0.003  # each call's host work: 3 ms on the fake clock
+
+    def synchronize():
+        events.append("sync")
+        now[0] += 1.0  # the device's backlog: outside the timed span
+
+    ms = bench_kernels.host_ms_per_call(fn, synchronize=synchronize, calls=4, clock=lambda: now[0])
+    assert ms == pytest.approx(3.0)
+    assert events == ["call", "sync"] + ["call"] * 4 + ["sync"]  # a warm-up call first
+
+
 def test_a_call_that_cannot_be_captured_is_timed_host_launched_and_said_so(capsys):
+    """A GraphTimer's timing is a `Timing` with the host's time beside it; where capturing fails it
+    is do_bench's, reported once per kind of failure, and the row that takes it says so."""
     bench_kernels = load_bench_gpu().load_bench_kernels()
 
     def capture_fails(fn):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    timer = bench_kernels.GraphTimer(capture_fails, lambda fn: 1.5)
-    assert timer(lambda: None) == 1.5 and timer.fell_back
+    host_calls = []
+
+    def host(fn, calls):
+        host_calls.append(calls)
+        return 0.04
+
+    timer = bench_kernels.GraphTimer(capture_fails, lambda fn: 1.5, host=host)
+    fallback = timer(lambda: None)
+    assert fallback == 1.5 and timer.fell_back and not fallback.in_graph and fallback.host_ms == 0.04
     assert bench_kernels.graph_note(timer) == "host-launched (graph capture failed)"
     timer(lambda: None)
     assert capsys.readouterr().err.count("graph timing failed") == 1  # reported once per kind
     timer.timed = lambda fn: 0.25
-    assert timer(lambda: None) == 0.25 and not timer.fell_back
+    in_graph = timer(lambda: None)
+    assert in_graph == 0.25 and in_graph.in_graph and not timer.fell_back
+    assert host_calls == [14, 14, 50]  # ~20 ms of device time: 14 calls of 1.5 ms, the most (50) of 0.25
     assert bench_kernels.graph_note(timer) == "device time in a CUDA graph, L2 cold"
-    assert bench_kernels.row_timing_note(timer, "host-launched (graph capture failed)") == (
-        "ours: device time in a CUDA graph, L2 cold; baseline: host-launched (graph capture failed)")
+
+    row = bench_kernels.Row("op", "T=1", in_graph, "reference", fallback, "-", note="sets X")
+    assert row.note == "sets X; baseline: host-launched (graph capture failed)"
+    assert row.host_ms == 0.04 and type(row.triton_ms) is float and type(row.baseline_ms) is float
+    assert json.loads(json.dumps(dataclasses.asdict(row)))["host_ms"] == 0.04
+    both_in_graphs = bench_kernels.Row("op", "T=1", in_graph, "reference", in_graph, "-")
+    assert both_in_graphs.note == ""  # the table's default needs no note
+    plain = bench_kernels.Row("op", "T=1", 2.0, "reference", 3.0, "-")  # the CPU's wall clock
+    assert plain.note == "" and plain.host_ms is None
 
 
 class RecordingTimers:
@@ -602,38 +650,38 @@ class RecordingTimers:
         return {timer for timer, called, count in self.calls if called == name and count == rows}
 
 
-def test_decode_sized_moe_calls_are_timed_as_the_decode_graphs_run_them(triton_device):
-    """Up to `graph_max_tokens` (the engine's largest captured decode batch) the MoE rows, their
-    align and routing launches and the batch-1 norm time the device alone, in a graph, with a note
-    saying so; larger calls are host-launched, as prefill steps run them. The per-expert loop
-    cannot be captured and is always host-launched."""
+def test_every_row_is_timed_by_the_one_timer_and_a_fallback_shows_in_its_note(triton_device):
+    """The rows of every size take the one timer they are given (a GPU's: device time in graphs);
+    the per-expert loop, which reads its counts on the host, cannot be captured, and the rows
+    that compare against it say their baseline was host-launched."""
     bench_kernels = load_bench_gpu().load_bench_kernels()
-    shapes = bench_kernels.TINY_SHAPES  # MoE rows at T = 4 (a decode batch here) and 16
-    assert shapes.graph_max_tokens == 4 and shapes.moe_token_counts == (4, 16)
+    shapes = bench_kernels.TINY_SHAPES  # MoE rows at T = 4 and 16
     timers = RecordingTimers(bench_kernels)
-    rows = bench_kernels.bench_moe(shapes, torch.bfloat16, triton_device, timers.host, timers.graph)
-    assert timers.timers_of("fused_moe_triton", 4) == {"graph"}
-    assert timers.timers_of("fused_moe_triton", 16) == {"host"}
-    assert timers.timers_of("fused_moe_reference", 4) == timers.timers_of("fused_moe_reference", 16) == {"host"}
-    # the grouped GEMMs (prefill only, from grouped_gemm_min_tokens = 16 here) and their baselines: host
-    assert timers.timers_of("fused_moe_grouped_gemm", 16) == {"host"}
-    by_name = {(row.name, row.shape.split()[0]): row for row in rows}
-    in_graph = "device time in a CUDA graph, L2 cold"
-    assert by_name[("fused_moe[fp8 w8a8, per-channel]", "T=4")].note == in_graph
-    assert by_name[("fused_moe[fp8 w8a8, per-channel]", "T=4")].triton_ms == 1.0
-    assert by_name[("fused_moe[fp8 w8a8, per-channel]", "T=16")].note == ""
-    assert by_name[("fused_moe", "T=4")].note == f"ours: {in_graph}; baseline: host-launched"  # the loop
-    assert by_name[("moe_align_block_size[one launch]", "T=4")].note.endswith(in_graph)
-    assert by_name[("moe_align_block_size[one launch]", "T=16")].note.endswith("host-launched")
-    routing = {row.shape: row for row in rows if row.name == "route_topk_and_align[one launch]"}
-    assert routing["T=1"].note.endswith(in_graph) and routing["T=4"].note.endswith(in_graph)
-    assert routing["T=8"].note.endswith("host-launched") and routing["T=8"].triton_ms == 2.0
 
-    timers.calls.clear()
-    norm_rows = bench_kernels.bench_elementwise(shapes, torch.bfloat16, triton_device, timers.host, timers.graph)
+    def capture(fn):
+        if getattr(fn, "func", fn).__name__ == "fused_moe_reference":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return timers.record("graph", 1.0, fn)
+
+    timer = bench_kernels.GraphTimer(capture, timers.host, host=lambda fn, calls: 0.5)
+    rows = bench_kernels.bench_moe(shapes, torch.bfloat16, triton_device, timer)
+    assert timers.timers_of("fused_moe_triton", 4) == timers.timers_of("fused_moe_triton", 16) == {"graph"}
+    assert timers.timers_of("fused_moe_reference", 4) == timers.timers_of("fused_moe_reference", 16) == {"host"}
+    assert timers.timers_of("fused_moe_grouped_gemm", 16) == {"graph"}  # prefill-sized, in a graph too
+    by_name = {(row.name, row.shape.split()[0]): row for row in rows}
+    for size in ("T=4", "T=16"):
+        loop_row = by_name[("fused_moe", size)]
+        assert loop_row.note == "baseline: host-launched (graph capture failed)"
+        assert (loop_row.triton_ms, loop_row.baseline_ms, loop_row.host_ms) == (1.0, 2.0, 0.5)
+        assert by_name[("fused_moe[fp8 w8a8, per-channel]", size)].note == ""
+    assert all(row.host_ms == 0.5 for row in rows if row.triton_ms == 1.0)
+    routing = [row for row in rows if row.name == "route_topk_and_align[one launch]"]
+    assert routing and all(row.triton_ms == row.baseline_ms == 1.0 for row in routing)
+    assert all(row.note.startswith("sets ROUTE_ALIGN_MAX_TOKENS") for row in routing)
+
+    norm_rows = bench_kernels.bench_elementwise(shapes, torch.bfloat16, triton_device, timer)
     norms = {row.shape: row for row in norm_rows if row.name == "fused_sum_add_rms_norm"}
-    assert norms["T=1 K=8 H=64"].note == in_graph and norms["T=1 K=8 H=64"].baseline_ms == 1.0
-    assert norms[f"T={shapes.num_tokens} K=8 H=64"].note == ""
+    assert {norms["T=1 K=8 H=64"].baseline_ms, norms[f"T={shapes.num_tokens} K=8 H=64"].baseline_ms} == {1.0}
 
 
 def test_tune_moe_times_decode_buckets_in_graphs(triton_device, monkeypatch, capsys):
