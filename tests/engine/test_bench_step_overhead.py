@@ -30,3 +30,29 @@ def test_step_overhead_smoke(tmp_path):
     parts = report["ms_forward"] + report["ms_logits"] + report["ms_host"]
     assert parts == pytest.approx(report["ms_per_step"], rel=1e-9)
     assert "ms/step = forward" in result.stdout
+
+
+def test_gpu_paths_time_the_forwards_host_work_with_the_launches_skipped(tmp_path):
+    """--gpu-paths: the decode forward takes the GPU code paths with every Triton launch skipped;
+    the launches it counts per step are a decode step's census (tests/kernels/test_engine_on_triton.py:
+    per layer two norms, paged decode, routing and align, the two MoE GEMMs; the final norm)."""
+    out = tmp_path / "overhead.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "bench_step_overhead.py"), "--gpu-paths",
+         "--batch", "4", "--skip", "2", "--steps", "3", "--output-kind", "final_only", "--json", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    layers = report["layers"]
+    assert report["gpu_paths"] is True and layers >= 1
+    assert report["launches_per_step"] == {
+        "rms_norm_kernel": 2 * layers + 1,
+        "paged_decode_split_kernel": layers,
+        "route_topk_align_kernel": layers,  # batch 4: routing and align in one launch
+        "moe_gate_up_silu_kernel": layers,
+        "moe_down_kernel": layers,
+    }
+    assert report["triton_launches_per_step"] == 6 * layers + 1
+    assert report["ms_forward_per_layer"] == pytest.approx(report["ms_forward"] / layers)
+    assert "ms per layer" in result.stdout
