@@ -200,7 +200,7 @@ class Timing(float):
         return timing
 
 
-def make_graph_timer(device) -> Callable[[Callable[[], object]], float]:
+def make_graph_timer(device, measure_host: bool = True) -> Callable[[Callable[[], object]], float]:
     """Every row's timer on a GPU: milliseconds per call of the device alone, L2 cold, in a CUDA
     graph (`graph_ms_per_call`), with the host's time per call beside it (`host_ms_per_call`).
 
@@ -210,7 +210,8 @@ def make_graph_timer(device) -> Callable[[Callable[[], object]], float]:
     0.070 ms against 0.028 on 2026-11-25, its torch reference with it, and large kernels read the
     same both days (docs/benchmarks.md). Timed apart, the two numbers say what each costs where:
     a decode graph replays the device's part only, and an eager step keeps the device busy as
-    long as the host launches faster than the device runs. On CPU: `make_timer`'s wall clock."""
+    long as the host launches faster than the device runs. The tuners, which compare device
+    times only, skip the host's (`measure_host=False`). On CPU: `make_timer`'s wall clock."""
     if device.type != "cuda":
         return make_timer(device)
     import torch
@@ -218,7 +219,7 @@ def make_graph_timer(device) -> Callable[[Callable[[], object]], float]:
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
     return GraphTimer(partial(graph_ms_per_call, capture=capture_cuda_graph, replay_ms=cuda_replay_ms,
                               flush=flush.zero_), make_timer(device),
-                      host=partial(host_ms_per_call, synchronize=torch.cuda.synchronize))
+                      host=partial(host_ms_per_call, synchronize=torch.cuda.synchronize) if measure_host else None)
 
 
 class GraphTimer:
@@ -1273,7 +1274,7 @@ def tune_moe(
 
     device = torch.device(device)
     dtype = dtype or torch.bfloat16
-    timer, graph_timer = make_timer(device), make_graph_timer(device)
+    timer, graph_timer = make_timer(device), make_graph_timer(device, measure_host=False)
     best = {}
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(moe_compile_pool(compile_workers)) if compile_workers > 1 else None
@@ -1362,7 +1363,7 @@ def tune_decode(device, shapes: Shapes = GPU_SHAPES, dtype=None, batches=None, f
 
     device = torch.device(device)
     dtype = dtype or torch.bfloat16
-    timer = make_graph_timer(device)  # as the decode graphs run it: the device's time alone
+    timer = make_graph_timer(device, measure_host=False)  # as the decode graphs run it: the device's time alone
     context, bound = shapes.decode_tuning_context, shapes.decode_graph_bound
     best = {}
     for batch in batches or shapes.decode_tuning_batches:

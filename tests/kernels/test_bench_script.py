@@ -691,8 +691,15 @@ def test_tune_moe_times_decode_buckets_in_graphs(triton_device, monkeypatch, cap
     bench_kernels = load_bench_gpu().load_bench_kernels()
     timers = RecordingTimers(bench_kernels)
     monkeypatch.setattr(bench_kernels, "make_timer", lambda device: timers.host)
-    monkeypatch.setattr(bench_kernels, "make_graph_timer", lambda device: timers.graph)
+    host_measured = []
+
+    def make_graph_timer(device, measure_host=True):
+        host_measured.append(measure_host)
+        return timers.graph
+
+    monkeypatch.setattr(bench_kernels, "make_graph_timer", make_graph_timer)
     best = bench_kernels.tune_moe(triton_device, bench_kernels.TINY_SHAPES, buckets=[4, 16], max_candidates=2)
+    assert host_measured == [False]  # the tuner compares device times only
     assert timers.timers_of("fused_moe_triton", 4) == {"graph"}
     assert timers.timers_of("fused_moe_triton", 16) == {"host"}
     assert best[4][0] == 1.0 and best[16][0] == 2.0
