@@ -194,7 +194,8 @@ class Timing(float):
     in_graph: bool
     host_ms: float | None
 
-    def __new__(cls, ms: float, *, in_graph: bool, host_ms: float | None = None) -> Timing:
+    def __new__(cls, ms: float, *, in_graph: bool = True, host_ms: float | None = None) -> Timing:
+        # (defaults: pickle and copy rebuild it from the number, then restore the attributes)
         timing = super().__new__(cls, ms)
         timing.in_graph, timing.host_ms = in_graph, host_ms
         return timing

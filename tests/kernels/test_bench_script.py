@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -625,6 +626,8 @@ def test_a_call_that_cannot_be_captured_is_timed_host_launched_and_said_so(capsy
     assert row.note == "sets X; baseline: host-launched (graph capture failed)"
     assert row.host_ms == 0.04 and type(row.triton_ms) is float and type(row.baseline_ms) is float
     assert json.loads(json.dumps(dataclasses.asdict(row)))["host_ms"] == 0.04
+    copied = pickle.loads(pickle.dumps(fallback))  # as a worker process would send it back
+    assert (copied, copied.in_graph, copied.host_ms) == (1.5, False, 0.04)
     both_in_graphs = bench_kernels.Row("op", "T=1", in_graph, "reference", in_graph, "-")
     assert both_in_graphs.note == ""  # the table's default needs no note
     plain = bench_kernels.Row("op", "T=1", 2.0, "reference", 3.0, "-")  # the CPU's wall clock
