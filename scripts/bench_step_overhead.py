@@ -80,7 +80,10 @@ def skip_gpu_launches() -> collections.Counter:
         raise RuntimeError("skip_gpu_launches() must run before the Triton kernels are imported")
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["VLM_CATALOG_KERNELS"] = "auto"
-    from triton.runtime.interpreter import InterpretedFunction
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError as error:
+        raise SystemExit(f"--gpu-paths needs triton (the dev extra): {error}") from None
 
     import kernels.dispatch
 
