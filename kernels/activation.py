@@ -43,7 +43,6 @@ def _check_gate_up(x: torch.Tensor) -> None:
 
 
 def silu_and_mul_quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-
     from kernels.jit.activation import silu_and_mul_quantize_kernel
 
     _check_gate_up(x)
@@ -72,7 +71,6 @@ def silu_and_mul_quantize_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
-
     from kernels.jit.activation import silu_and_mul_kernel
 
     _check_gate_up(x)

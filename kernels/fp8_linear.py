@@ -101,7 +101,6 @@ def fp8_linear_triton(
     fp8_activations: bool = False,
     config: MoeKernelConfig | None = None,
 ) -> torch.Tensor:
-
     from kernels.jit.fp8_linear import fp8_linear_kernel
 
     _check_args(x, weight, weight_scale, block, bias)

@@ -153,7 +153,6 @@ def reshape_and_cache_triton(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-
     from kernels.jit.kv_cache import reshape_and_cache_kernel
 
     check_reshape_and_cache_args(k, v, k_cache, v_cache, slot_mapping)
