@@ -316,18 +316,66 @@ def graph_ms_per_call(fn, *, capture, replay_ms, flush, max_calls: int = GRAPH_C
 
 
 def capture_cuda_graph(body):
-    """`body`'s launches captured in a CUDA graph (after a run on a side stream, as torch asks)."""
+    """`body`'s launches captured in a CUDA graph (after a run on a side stream, as torch asks).
+
+    A body that waits on the device (`.item()`, a boolean-mask index, `.tolist()`) cannot be
+    captured, and a failed capture leaves the process broken: torch's capture ends with an error
+    before it gives back the stream and the default generator's capture mode, so every later
+    `torch.randn` on the device raised "Offset increment outside graph capture" (the kernels
+    phase on the H200 of 2026-11-27 lost every row to it). So the side-stream run happens under
+    torch's sync debug mode "error": such a body raises `HostSyncError` before any capture
+    starts. A capture that fails anyway gives the stream and the generator back before its error
+    goes on (`_recover_from_failed_capture`)."""
     import torch
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        body()
+        refuse_host_syncs(body)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
+    caller_stream = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph):
+            body()
+    except Exception:
+        _recover_from_failed_capture(caller_stream)
+        raise
     return graph
+
+
+class HostSyncError(RuntimeError):
+    """The timed call waits on the device from the host, so a CUDA graph cannot hold it."""
+
+
+def refuse_host_syncs(body) -> None:
+    """Runs `body` once with torch's sync debug mode at "error" (restored after): a call that
+    synchronizes raises `HostSyncError` instead of starting a capture that must fail."""
+    import torch
+
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        body()
+    except RuntimeError as error:
+        if "synchronizing" not in str(error):
+            raise
+        raise HostSyncError(f"it synchronizes with the device ({str(error).strip().splitlines()[0][:120]})") from error
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def _recover_from_failed_capture(caller_stream) -> None:
+    """After `torch.cuda.graph` raised: the caller's stream current again, and the default CUDA
+    generator on a fresh state (same seed) outside capture mode, so the process can go on."""
+    import torch
+
+    torch.cuda.set_stream(caller_stream)
+    device = caller_stream.device
+    generator = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    fresh = torch.Generator(device=device)
+    fresh.manual_seed(generator.initial_seed())
+    generator.graphsafe_set_state(fresh)
 
 
 def cuda_replay_ms(graph, replays: int = 10) -> float:
@@ -622,7 +670,6 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
         paged_prefill_attention_triton,
     )
     from kernels.varlen_attention import (
-        WIDE_TILE_CANDIDATES,
         _sdpa_segments,
         varlen_attention_reference,
         varlen_attention_triton,
@@ -796,11 +843,6 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
 
         ms = timer(partial(varlen_attention_triton, *varlen_args, max_seqlen=patches))
         rows.append(vision_row("varlen_attention", ms, note="sets SDPA_MIN_SEGMENT_LEN (crossover by segment length)"))
-        # the kernel at the tiles Hopper attention kernels take for long segments (the default's candidates)
-        for tiles in WIDE_TILE_CANDIDATES:
-            ms = timer(partial(varlen_attention_triton, *varlen_args, max_seqlen=patches, tiles=tiles))
-            rows.append(vision_row(f"varlen_attention[triton, {tiles.label}]", ms,
-                                   note="sets varlen_tiles for long segments"))
         # the long images' per-segment SDPA with cuDNN's attention first (VLM_CATALOG_SDPA_BACKEND=cudnn)
         bounds = [(image * patches, (image + 1) * patches) for image in range(images)]
         cudnn_sdpa = partial(_sdpa_segments, q, k, v, bounds, vision_scale, torch.empty_like(q), backend="cudnn")

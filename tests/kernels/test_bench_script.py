@@ -262,7 +262,7 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
                         "--image-size", "small", "--output-tokens", "4", "--warmup-records", "1",
                         "--phases", "vision_encoder,engine,engine_fp8_kv,constrained,engine_fp8,engine_w8a8,"
                         "engine_w8a8_channel,engine_w8a8_channel_grouped_mm,engine_w8a8_channel_fast,"
-                        "engine_w8a8_channel_fa3,constrained_w8a8_channel,transformers",
+                        "engine_w8a8_channel_fa3,engine_w8a8_channel_fa2,constrained_w8a8_channel,transformers",
                         "--json", str(out),
                         script=REPO_ROOT / "scripts" / "bench_gpu.py")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -304,7 +304,7 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert report["engine_output_kind"] == "final_only"  # as the offline front doors ask
     assert report["moe_gemm"] == "triton" and report["engine"]["moe_grouped_gemm"] == {}  # unless asked
     assert report["sdpa_backend"] == "default"  # torch's own order unless VLM_CATALOG_SDPA_BACKEND says otherwise
-    assert report["flash_varlen"] == "torch"  # FlashAttention 3 only where VLM_CATALOG_FLASH_VARLEN=fa3 can run
+    assert report["flash_varlen"] == "torch"  # FlashAttention 3 only where it can run (a Hopper GPU)
     # the engine phases sample as the benchmark does (the checkpoint's generation_config)
     assert report["engine"]["sampling"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
     assert report["engine_w8a8"]["sampling"] == report["engine"]["sampling"]
@@ -339,6 +339,8 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     # FlashAttention 3 asked for, for that phase alone (on CPU the torch path runs: no varlen call)
     fa3 = report["engine_w8a8_channel_fa3"]
     assert fa3["flash_varlen"] == "torch" and fa3["fixed_150_tokens"]["errors"] == 0
+    fa2 = report["engine_w8a8_channel_fa2"]  # torch's FlashAttention 2 asked for by name
+    assert fa2["flash_varlen"] == "torch" and fa2["fixed_150_tokens"]["errors"] == 0
     # the constrained comparison again on the per-channel W8A8 model and an FP8 cache (4x the
     # float32 tokens), the same tokens both ways
     served = report["constrained_w8a8_channel"]
@@ -351,7 +353,8 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert set(report["phase_seconds"]) == {"ceilings", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
                                             "engine_fp8", "engine_w8a8", "engine_w8a8_channel",
                                             "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fast",
-                                            "engine_w8a8_channel_fa3", "constrained_w8a8_channel", "transformers"}
+                                            "engine_w8a8_channel_fa3", "engine_w8a8_channel_fa2",
+                                            "constrained_w8a8_channel", "transformers"}
 
 
 @pytest.mark.slow
@@ -730,3 +733,37 @@ def test_the_attention_rows_time_fa3_where_it_runs(triton_device, fake_fa3, monk
     assert all(row.note == "sets VLM_CATALOG_FLASH_VARLEN's default" and row.triton_ms > 0 for row in fa3_rows.values())
     assert {call["causal"] for call in fa3.calls} == {True, False}
     assert os.environ.get("VLM_CATALOG_FLASH_VARLEN") is None  # set for the rows only
+
+
+@pytest.mark.gpu
+def test_gpu_graph_timer_times_a_syncing_op_host_launched_and_goes_on(cuda_device):
+    """A call that waits on the device is refused before capture (do_bench times it), and the
+    process keeps its stream and its random generator: on the H200 of 2026-11-27 a failed capture
+    left every later torch.randn raising, and the kernels phase lost all its rows."""
+    bench_kernels = load_bench_gpu().load_bench_kernels()
+    timer = bench_kernels.make_graph_timer(cuda_device, measure_host=False)
+    x = torch.randn(1 << 16, device=cuda_device)
+    assert timer(lambda: x.mul(2)).in_graph
+    synced = timer(lambda: x[x > 0].sum())  # a boolean-mask index: nonzero waits on the device
+    assert not synced.in_graph and synced > 0
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    torch.randn(8, device=cuda_device)
+    assert timer(lambda: x.mul(2)).in_graph
+
+
+@pytest.mark.gpu
+def test_gpu_failed_capture_gives_back_the_stream_and_the_generator(cuda_device):
+    bench_kernels = load_bench_gpu().load_bench_kernels()
+    x = torch.randn(1 << 10, device=cuda_device)
+    caller_stream = torch.cuda.current_stream()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError):
+        try:
+            with torch.cuda.graph(graph):
+                torch.randn(4, device=cuda_device)  # the generator enters capture mode
+                x.nonzero()  # waits on the device: the capture fails
+        except RuntimeError:
+            bench_kernels._recover_from_failed_capture(caller_stream)
+            raise
+    assert torch.cuda.current_stream() == caller_stream
+    assert torch.randn(8, device=cuda_device).isfinite().all()
