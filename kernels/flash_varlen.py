@@ -16,21 +16,24 @@ is given fewer KV heads as it is); ``scale`` only when it is not the default 1/s
 A call that raises turns the kernel off for that use (``bidirectional`` or ``causal``)
 for the rest of the process, with one warning: the caller's own fallback takes over.
 
-Two providers of the same call (`VLM_CATALOG_FLASH_VARLEN`):
-* ``torch`` (default): PyTorch's own, FlashAttention 2. On the H100 of 2026-11-27 the vision
-  tower's long images ran at about 313 TFLOP/s through it (heads of 72, which it runs as 96),
-  and fresh ~2k-token prompts at 244-315.
+Two providers of the same call (`VLM_CATALOG_FLASH_VARLEN`: ``auto``, the default, ``torch``
+or ``fa3``):
+* ``torch``: PyTorch's own, FlashAttention 2. On the H100 of 2026-11-27 the vision tower's long
+  images ran at about 313 TFLOP/s through it (heads of 72, which it runs as 96), and fresh
+  ~2k-token prompts at 244-315.
 * ``fa3``: FlashAttention 3, the Hopper kernels (wgmma, TMA, warp specialisation) that vLLM
   runs prefill with on H100s: the module `flash_attn_interface` of a build from source
   (flash-attention/hopper), else `fa3_fwd_interface` of the forward-only wheel on PyPI
-  (``pip install fa3-fwd``; bf16 only, no paged KV). Used only on a compute capability 9.x
-  GPU (its kernels are sm_90's); elsewhere, or where neither imports, the setting falls back
-  to ``torch`` with one warning, and `flash_varlen_provider()` says which ran. With FA3 the
-  callers send long sequences to the varlen call too (`flash_takes_long_sequences`): the
-  thresholds that send them to per-sequence SDPA were measured against FlashAttention 2's
-  varlen call. Not the default until an H100 has timed it (bench_kernels' ``[fa3]`` rows,
-  bench_gpu's ``engine_w8a8_channel_fa3``, gpu_session's ``vision_encoder_fa3``) and
-  `pytest -m gpu` has checked it.
+  (``pip install fa3-fwd``, the ``.[fa3]`` extra; bf16 only, no paged KV). Used only on a
+  compute capability 9.x GPU (its kernels are sm_90's); asked for elsewhere, or where neither
+  imports, it falls back to ``torch`` with one warning, and `flash_varlen_provider()` says
+  which ran. With FA3 the callers send long sequences to the varlen call too
+  (`flash_takes_long_sequences`): the thresholds that send them to per-sequence SDPA were
+  measured against FlashAttention 2's varlen call.
+* ``auto``: ``fa3`` where it can run, ``torch`` elsewhere, without a warning. On the H200 of
+  2026-11-27 the per-channel W8A8 engine ran 17.34 samples/s with FA3 against 14.37 with
+  torch's (vision 3.80 s against 5.05, text prefill 6.32 s against 7.98; docs/benchmarks.md),
+  and `pytest -m gpu` passed its FA3 tests there.
 Failures and the alignment check are kept per provider.
 """
 
@@ -52,7 +55,7 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_DEVICE_TYPES = ("cuda",)  # tests add "cpu" with a stand-in kernel
 
 FLASH_VARLEN_ENV_VAR = "VLM_CATALOG_FLASH_VARLEN"
-FLASH_VARLEN_PROVIDERS = ("torch", "fa3")
+FLASH_VARLEN_PROVIDERS = ("auto", "torch", "fa3")  # the first is the default
 # FlashAttention 3's Python modules: a build from source (flash-attention/hopper), then the
 # forward-only wheel on PyPI (fa3-fwd), each with its build's flags beside it
 FA3_MODULES = (("flash_attn_interface", "flash_attn_config"), ("fa3_fwd_interface", "fa3_fwd_config"))
@@ -80,15 +83,18 @@ def torch_varlen_function():
 
 
 def flash_varlen_provider() -> str:
-    """``fa3`` when `VLM_CATALOG_FLASH_VARLEN` asks for it and FlashAttention 3 loads for this
-    GPU, else ``torch`` (after one warning, where fa3 was asked for and cannot run)."""
-    if environment_choice(FLASH_VARLEN_ENV_VAR, FLASH_VARLEN_PROVIDERS) == "fa3":
-        if fa3_varlen_function() is not None:
-            return "fa3"
-        if "fa3" not in _warned:  # the reason is worded only for the one warning (this is on every call)
-            _warned.add("fa3")
-            logger.warning("%s=fa3, but FlashAttention 3 cannot run here (%s): torch's FlashAttention varlen "
-                           "call runs instead", FLASH_VARLEN_ENV_VAR, fa3_unavailable_reason())
+    """``fa3`` where FlashAttention 3 loads for this GPU and `VLM_CATALOG_FLASH_VARLEN` is
+    ``auto`` (unset) or ``fa3``; else ``torch`` (after one warning, where fa3 was asked for by
+    name and cannot run)."""
+    choice = environment_choice(FLASH_VARLEN_ENV_VAR, FLASH_VARLEN_PROVIDERS)
+    if choice == "torch":
+        return "torch"
+    if fa3_varlen_function() is not None:
+        return "fa3"
+    if choice == "fa3" and "fa3" not in _warned:  # the reason is worded only for the one warning
+        _warned.add("fa3")
+        logger.warning("%s=fa3, but FlashAttention 3 cannot run here (%s): torch's FlashAttention varlen "
+                       "call runs instead", FLASH_VARLEN_ENV_VAR, fa3_unavailable_reason())
     return "torch"
 
 

@@ -41,7 +41,10 @@ call; `--json FILE` merges the phases' results into FILE.
                   (kernels/moe/grouped_gemm.py; `moe_grouped_gemm` records the verdicts)
 - engine_w8a8_channel_fa3  engine_w8a8_channel with VLM_CATALOG_FLASH_VARLEN=fa3: the vision
                   tower's and whole prompts' attention through FlashAttention 3 (kernels/flash_varlen.py),
-                  where it loads (`flash_varlen` in the phase records which kernel ran)
+                  where it loads (`flash_varlen` in the phase records which kernel ran); the
+                  default (`auto`) is the same where FA3 is installed on a Hopper GPU
+- engine_w8a8_channel_fa2  engine_w8a8_channel with VLM_CATALOG_FLASH_VARLEN=torch: PyTorch's
+                  FlashAttention 2 varlen call, the default before 2026-11-27's H200 run
 - engine_profile  engine_w8a8_channel on the first --profile-records (128) records under
                   torch.profiler: the device's kernel time by region of the step (vision,
                   text forward in prefill and decode steps, the rest of the step), by kind
@@ -122,11 +125,12 @@ from vlm_catalog.structured import catalogue_schema
 
 PHASES = ("ceilings", "kernels", "roofline", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
           "engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fast",
-          "engine_w8a8_channel_fa3", "constrained_w8a8_channel", "engine_profile",
+          "engine_w8a8_channel_fa3", "engine_w8a8_channel_fa2", "constrained_w8a8_channel", "engine_profile",
           "transformers")  # engine_profile last of the engines: its analysis is the longest
 # they quantize the experts in place: after the others
 FP8_MODEL_PHASES = {"engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_w8a8_channel_fast", "engine_profile",
-                    "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fa3", "constrained_w8a8_channel"}
+                    "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fa3", "engine_w8a8_channel_fa2",
+                    "constrained_w8a8_channel"}
 NEEDS_RECORDS = {"vision_encoder", "engine", "engine_fp8_kv", "constrained", "transformers", *FP8_MODEL_PHASES}
 NEEDS_MODEL = {"roofline", "engine", "engine_fp8_kv", "constrained", *FP8_MODEL_PHASES}
 ENGINE_PHASES = NEEDS_MODEL - {"roofline"}  # they run the engine, after a warm-up (`warm_up`)
@@ -920,6 +924,9 @@ def main(argv: list[str] | None = None) -> int:
                 "engine_w8a8_channel_fa3": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
                     per_channel=True, flash_varlen="fa3", **engine_options),
+                "engine_w8a8_channel_fa2": lambda: measure_engine_fp8(
+                    checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
+                    per_channel=True, flash_varlen="torch", **engine_options),
                 "constrained_w8a8_channel": lambda: measure_constrained_fp8(
                     checkpoint, model, device, engine_records, args.output_tokens,
                     async_scheduling=args.async_scheduling, warmup_records=warmup_records,

@@ -42,7 +42,8 @@ def test_asked_for_it_runs_the_fa3_call_with_its_own_keywords(fake_fa3, monkeypa
     KV heads as they are (it takes fewer natively). Tolerance: exact, the stand-in computes what
     the reference does."""
     fa3 = fake_fa3(FakeFa3Varlen())
-    assert flash_varlen_provider() == "torch"  # installed, but not asked for
+    monkeypatch.setenv(FLASH_VARLEN_ENV_VAR, "torch")
+    assert flash_varlen_provider() == "torch" and not flash_takes_long_sequences()  # installed, not asked for
     monkeypatch.setenv(FLASH_VARLEN_ENV_VAR, "fa3")
     assert flash_varlen_provider() == "fa3" and flash_varlen_module() == "fa3_fwd_interface"
     assert flash_takes_long_sequences()
@@ -99,6 +100,24 @@ def test_asked_for_where_it_cannot_run_torchs_call_runs_after_one_warning(fake_f
     assert not flash_takes_long_sequences()
 
 
+def test_by_default_fa3_runs_where_it_can_and_torchs_call_elsewhere_without_a_warning(fake_fa3, monkeypatch, caplog):
+    """`auto` (unset): FA3 wherever it loads on a Hopper GPU (faster at every length on the H200
+    of 2026-11-27), torch's FlashAttention 2 where it is not installed or cannot run, silently."""
+    monkeypatch.delenv(FLASH_VARLEN_ENV_VAR, raising=False)
+    with caplog.at_level(logging.WARNING, logger="kernels.flash_varlen"):
+        assert flash_varlen_provider() == "torch" and not flash_takes_long_sequences()  # not installed
+        fa3 = fake_fa3(FakeFa3Varlen())
+        assert flash_varlen_provider() == "fa3" and flash_takes_long_sequences()
+        q, k, v, bounds = packed([3, 5], num_q=2, num_kv=2)
+        flash_varlen_attention(q, k, v, bounds, 0.25, 5)
+        assert len(fa3.calls) == 1
+        monkeypatch.setattr(flash_varlen, "fa3_device_supported", lambda: False)  # not a Hopper GPU
+        flash_varlen.fa3_varlen_function.cache_clear()
+        monkeypatch.setenv(FLASH_VARLEN_ENV_VAR, " AUTO ")
+        assert flash_varlen_provider() == "torch"
+    assert caplog.text == ""
+
+
 def test_not_installed_says_what_was_tried(fake_fa3, monkeypatch):
     monkeypatch.setenv(FLASH_VARLEN_ENV_VAR, "fa3")
     assert flash_varlen.fa3_varlen_function() is None
@@ -106,7 +125,7 @@ def test_not_installed_says_what_was_tried(fake_fa3, monkeypatch):
     assert "neither flash_attn_interface nor fa3_fwd_interface imports" in reason
     assert "pip install fa3-fwd" in reason
     monkeypatch.setenv(FLASH_VARLEN_ENV_VAR, "fa4")
-    with pytest.raises(ValueError, match="VLM_CATALOG_FLASH_VARLEN='fa4' is not one of torch, fa3"):
+    with pytest.raises(ValueError, match="VLM_CATALOG_FLASH_VARLEN='fa4' is not one of auto, torch, fa3"):
         flash_varlen_provider()
 
 
@@ -144,6 +163,7 @@ def test_with_fa3_the_vision_tower_sends_long_images_to_the_one_call(fake_fa3, m
 def test_with_fa3_whole_prompts_of_any_length_take_the_varlen_call(fake_fa3, monkeypatch):
     fake_fa3(FakeFa3Varlen())
     long_prompt = [SDPA_MIN_PREFILL_LEN + 500]
+    monkeypatch.setenv(FLASH_VARLEN_ENV_VAR, "torch")
     assert not whole_prompts_take_the_varlen_kernel(long_prompt, long_prompt)  # FA2's crossover
     monkeypatch.setenv(FLASH_VARLEN_ENV_VAR, "fa3")
     assert whole_prompts_take_the_varlen_kernel(long_prompt, long_prompt)
