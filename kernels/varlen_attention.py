@@ -5,7 +5,7 @@ itself).
 Backends on CUDA. For 16-bit inputs with a head size FlashAttention takes, and
 every segment shorter than `SDPA_MIN_SEGMENT_LEN` rows: PyTorch's FlashAttention
 varlen kernel (`kernels.flash_varlen`), all segments in one launch with nothing
-copied; with FlashAttention 3 there (`VLM_CATALOG_FLASH_VARLEN=fa3`), every call,
+copied; with FlashAttention 3 there (the default on Hopper GPUs where it is installed), every call,
 long segments too. Otherwise, per segment: `F.scaled_dot_product_attention` (FlashAttention
 too, one launch per segment) for segments of at least `SDPA_MIN_SEGMENT_LEN`
 rows, and one Triton launch for all the shorter ones (the kernel skips the long
@@ -50,7 +50,7 @@ from kernels.flash_varlen import (
     flash_varlen_usable,
     try_flash_varlen_attention,
 )
-from kernels.launch_math import cdiv
+from kernels.launch_math import cdiv, next_power_of_2
 from kernels.pdl import launch_options
 from kernels.sdpa_backend import long_segment_sdpa
 from kernels.strides import common_power_of_two
@@ -82,20 +82,6 @@ class VarlenTiles:
     num_warps: int
     num_stages: int
 
-    @property
-    def label(self) -> str:
-        return f"{self.block_m}x{self.block_n} tiles, {self.num_warps} warps, {self.num_stages} stages"
-
-
-# Tiles Hopper attention kernels run long segments with (two warpgroups of 64 query rows), against
-# `varlen_tiles`' 64-row tiles on one warpgroup. sm_90 builds (tests/kernels/sm90_compile.py, D=72,
-# bf16): 147 registers and 404 instructions per 64 keys, and 208 and 637 per 128 keys, no spills.
-# Not the default until an H100 has timed them: bench_kernels' varlen_attention[triton, <label>] rows.
-WIDE_TILE_CANDIDATES = (
-    VarlenTiles(block_m=128, block_n=64, num_warps=8, num_stages=3),
-    VarlenTiles(block_m=128, block_n=128, num_warps=8, num_stages=2),
-)
-
 
 def varlen_tiles(max_seqlen: int, head_dim: int, element_size: int) -> VarlenTiles:
     """The kernel's tiles for segments of up to `max_seqlen` rows (as measured on the H100 of
@@ -108,19 +94,6 @@ def varlen_tiles(max_seqlen: int, head_dim: int, element_size: int) -> VarlenTil
     return VarlenTiles(block_m, block_n, num_warps=8 if wide_elements else 4, num_stages=2)
 
 
-def head_column_tiles(head_dim: int, split: bool = True) -> tuple[int, int]:
-    """(BLOCK_D, TAIL_D): the kernel holds a head as a power-of-two column tile and, where that
-    pads fewer columns, a second one of at least 16 (a tensor-core step; 0: none). The vision
-    tower's 72 -> (64, 16): 80 columns of dot work, against 128 in one tile; 128 -> (128, 0);
-    100 -> (128, 0), since 64 + 64 pads as much. `split=False`: always one tile."""
-    whole = 1 << (head_dim - 1).bit_length()  # the next power of two >= head_dim
-    if whole == head_dim or not split:
-        return whole, 0
-    main = whole // 2
-    tail = max(16, 1 << (head_dim - main - 1).bit_length())
-    return (whole, 0) if main + tail >= whole else (main, tail)
-
-
 def varlen_attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -130,12 +103,10 @@ def varlen_attention_triton(
     *,
     max_seqlen: int | None = None,
     max_segment_len: int | None = None,
-    tiles: VarlenTiles | None = None,
 ) -> torch.Tensor:
     """`max_seqlen`: optional host-side longest segment (otherwise computed: a device sync).
     `max_segment_len`: segments longer than this are not computed (their rows of the
-    output are left unwritten, for another backend); None computes all.
-    `tiles`: the launch's tiles (None: `varlen_tiles`)."""
+    output are left unwritten, for another backend); None computes all."""
 
     from kernels.jit.varlen_attention import varlen_attention_kernel
 
@@ -160,11 +131,7 @@ def varlen_attention_triton(
         return out
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    if tiles is None:
-        tiles = varlen_tiles(max_seqlen, head_dim, q.element_size())
-    # two column tiles save tensor-core work on 16-bit inputs; float32 dots run on the FMA
-    # units, where the second tile's accumulator spilled 1.2 KB at D=72 (sm90_compile --float32)
-    block_d, tail_d = head_column_tiles(head_dim, split=q.element_size() == 2)
+    tiles = varlen_tiles(max_seqlen, head_dim, q.element_size())
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                out.stride(0), out.stride(1))
     grid = (cdiv(max(max_seqlen, 1), tiles.block_m), num_segments, num_heads)
@@ -182,13 +149,11 @@ def varlen_attention_triton(
         *strides,
         # meta-parameters
         HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        TAIL_D=tail_d,
+        BLOCK_D=next_power_of_2(head_dim),
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         DOT_PRECISION=dot_precision(q.dtype),
         STRIDE_MULTIPLE=common_power_of_two(strides),
-        UNMASKED_WHOLE_TILES=q.element_size() == 2,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         **launch_options(q),

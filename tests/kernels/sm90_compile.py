@@ -398,7 +398,7 @@ def prefill_case(cache_dtype: torch.dtype, dtype: torch.dtype = BF16):
                                    max_query_len=512)
 
 
-def vision_attention_case(dtype: torch.dtype = BF16, tiles=None):
+def vision_attention_case(dtype: torch.dtype = BF16):
     from kernels.varlen_attention import varlen_attention_triton
     from kernels.vision_rotary import vision_rotary_triton
 
@@ -411,7 +411,7 @@ def vision_attention_case(dtype: torch.dtype = BF16, tiles=None):
     else:
         q, k = q.contiguous(), k.contiguous()
     cu_seqlens = torch.arange(0, patches + 1, 1024, dtype=torch.int32)
-    varlen_attention_triton(q, k, v, cu_seqlens, VISION_HEAD_DIM**-0.5, max_seqlen=1024, tiles=tiles)
+    varlen_attention_triton(q, k, v, cu_seqlens, VISION_HEAD_DIM**-0.5, max_seqlen=1024)
 
 
 def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
@@ -430,7 +430,6 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
         rms_norm_triton,
     )
     from kernels.rotary import qk_norm_mrope_triton
-    from kernels.varlen_attention import WIDE_TILE_CANDIDATES
 
     tokens = 256
     weight = empty(HIDDEN)
@@ -463,8 +462,6 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
            lambda count=count: moe_align_block_size_triton(routing(count)[1], EXPERTS, 16))
           for count in (1, 32, 4096)),
         ("vision_rotary + varlen_attention[bf16, D=72]", vision_attention_case),
-        *((f"varlen_attention[bf16, D=72, {tiles.label}]", lambda tiles=tiles: vision_attention_case(tiles=tiles))
-          for tiles in WIDE_TILE_CANDIDATES),
     ]
     attention_dtypes = [BF16] + ([FP32] if include_float32 else [])
     for dtype in attention_dtypes:

@@ -14,8 +14,6 @@ from kernels.flash_varlen import flash_varlen_attention, flash_varlen_function, 
 from kernels.varlen_attention import (
     SDPA_MIN_SEGMENT_LEN,
     VARLEN_BACKEND_ENV_VAR,
-    WIDE_TILE_CANDIDATES,
-    head_column_tiles,
     varlen_attention_on_device,
     varlen_attention_per_segment,
     varlen_attention_reference,
@@ -64,42 +62,13 @@ def test_triton_varlen_attention(
     )
 
 
-@pytest.mark.parametrize("head_dim,tiles", [
-    (72, (64, 16)),  # the vision tower: 80 columns of dot work instead of 128
-    (80, (64, 16)),
-    (96, (64, 32)),
-    (48, (32, 16)),
-    (128, (128, 0)),
-    (16, (16, 0)),
-    (24, (32, 0)),  # 16 + 16 pads as much as one tile of 32
-    (100, (128, 0)),
-])
-def test_head_column_tiles(head_dim, tiles):
-    assert head_column_tiles(head_dim) == tiles
-
-
-def test_one_column_tile_when_not_split():
-    assert head_column_tiles(72, split=False) == (128, 0)
-    assert head_column_tiles(64, split=False) == (64, 0)
-
-
-def test_head_column_tiles_cover_the_head_in_at_most_the_next_power_of_two():
-    for head_dim in range(16, 257):
-        main, tail = head_column_tiles(head_dim)
-        whole = 1 << (head_dim - 1).bit_length()
-        assert head_dim <= main + tail <= whole
-        assert main & (main - 1) == 0 and (tail == 0 or (tail >= 16 and tail & (tail - 1) == 0))
-        assert tail == 0 or main < head_dim
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [48, 72, 96])
-@pytest.mark.parametrize("tiles", [None, *WIDE_TILE_CANDIDATES], ids=lambda tiles: tiles.label if tiles else "default")
-def test_triton_two_column_tiles_and_whole_key_tiles(triton_device, poison_allocations, dtype, head_dim, tiles):
-    # tolerance: TOLERANCE[dtype]; heads split into two column tiles (72 = 64 + 16 with 8 padded),
-    # segments of whole key tiles, a partial last tile, and a single row, at every tile shape
+def test_triton_padded_heads_whole_and_partial_key_tiles(triton_device, poison_allocations, dtype, head_dim):
+    # tolerance: TOLERANCE[dtype]; heads padded to a power of two (72 -> 128), segments of whole
+    # key tiles, a partial last tile, and a single row
     q, k, v, cu_seqlens = packed([130, 64, 1], 2, head_dim, dtype, triton_device)
-    out = varlen_attention_triton(q, k, v, cu_seqlens, head_dim**-0.5, max_seqlen=130, tiles=tiles)
+    out = varlen_attention_triton(q, k, v, cu_seqlens, head_dim**-0.5, max_seqlen=130)
     assert_close(out, varlen_attention_reference(q, k, v, cu_seqlens, head_dim**-0.5), rel=TOLERANCE[dtype])
 
 
@@ -234,18 +203,6 @@ def test_gpu_varlen_attention_vision_shapes(cuda_device, monkeypatch, backend):
     q, k, v, cu_seqlens = packed([1024, 4096, 15625], 16, 72, torch.bfloat16, cuda_device)
     assert_close(
         kernels.varlen_attention(q, k, v, cu_seqlens, 72**-0.5),
-        varlen_attention_reference(q, k, v, cu_seqlens, 72**-0.5),
-        rel=1e-2,
-    )
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tiles", WIDE_TILE_CANDIDATES, ids=lambda tiles: tiles.label)
-def test_gpu_varlen_attention_wide_tiles(cuda_device, tiles):
-    # tolerance: 1e-2 (bfloat16); the long-segment tile candidates that bench_kernels times
-    q, k, v, cu_seqlens = packed([1000, 4096], 16, 72, torch.bfloat16, cuda_device)
-    assert_close(
-        varlen_attention_triton(q, k, v, cu_seqlens, 72**-0.5, max_seqlen=4096, tiles=tiles),
         varlen_attention_reference(q, k, v, cu_seqlens, 72**-0.5),
         rel=1e-2,
     )
