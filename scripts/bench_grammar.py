@@ -17,7 +17,8 @@ Then the per-step cost: the token bitmask of a batch of `--fill-batch` requests
 (each record's grammar, advanced to a different point of its answer), filled
 row by row (`GrammarState.fill_bitmask`) and in parallel threads
 (`BitmaskFiller`, what the engine does), with the rows checked equal. Mask width
-is the model's padded vocabulary.
+is the tokenizer's ids (`GrammarVocabulary.mask_size`), whatever the logits' width
+(`--vocab-size`, default the model's padded vocabulary).
 
 And the grammars' host work of whole decode steps as answers progress (`--walk-batch`): each
 request walks its own answer token by token; a step fills the batch's masks (`BitmaskFiller`,
@@ -25,7 +26,7 @@ forced spans planned as they come, as in the engine) and then advances every gra
 next token (`GrammarState.accept`). Fixed positions (above) never plan a span twice.
 
     python scripts/bench_grammar.py [--dataset data/sample_catalogue] [--records 64] [--fill-batch 256]
-        [--walk-batch 256] [--json out.json]
+        [--walk-batch 256] [--vocab-size 151936] [--json out.json]
 """
 
 from __future__ import annotations
@@ -65,12 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fill-repeats", type=int, default=20)
     parser.add_argument("--fill-threads", default="auto", help="BitmaskFiller threads (auto: half the CPUs)")
     parser.add_argument("--walk-batch", type=int, default=256, help="requests walking their answers (0: skip)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="the logits' width (default: the model's); e.g. 151936, bench_gpu.py's random 30B-shape "
+                             "model over the shipped tokenizer")
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
     stop_ids = [tokenizer.convert_tokens_to_ids(token) for token in ("<|im_end|>", "<|endoftext|>")]
-    vocabulary = GrammarVocabulary(tokenizer, ModelConfig.from_pretrained(args.model).text.vocab_size, stop_ids)
+    vocabulary = GrammarVocabulary(tokenizer, args.vocab_size or ModelConfig.from_pretrained(args.model).text.vocab_size,
+                                   stop_ids)
     compiler = xgr.GrammarCompiler(vocabulary.info, max_threads=1, cache_enabled=False)
     records = list(load_catalogue(args.dataset))[: args.records]
 
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{accepted}/{len(records)} records")
     if "bitmask_fill" in report:
         fill = report["bitmask_fill"]
-        print(f"bitmask fill, {fill['batch']} requests x {fill['vocab_size']} ids: row by row "
+        print(f"bitmask fill, {fill['batch']} requests, logits of {fill['vocab_size']} ids: row by row "
               f"{fill['ms_row_by_row']:.2f} ms, BitmaskFiller {fill['ms_batched']:.2f} ms "
               f"({fill['speedup']:.2f}x; {fill['threads']} threads, {fill['cpu_count']} CPUs); "
               f"rows equal: {fill['rows_equal']}")
@@ -159,7 +164,7 @@ def measure_walk(tokenizer, vocab_size: int, stop_ids: list[int], records, batch
     compiled = compiled_grammars(tokenizer, vocab_size, stop_ids, records)
     answers = catalogue_answers(tokenizer, stop_ids, records, batch)
     states = [GrammarState(compiled[i % len(compiled)]) for i in range(batch)]
-    filler, bitmask, rows = BitmaskFiller(threads), allocate_bitmask(batch, vocab_size), list(range(batch))
+    filler, bitmask, rows = BitmaskFiller(threads), allocate_bitmask(batch, states[0].mask_size), list(range(batch))
     fill, advance = [], []
     for step in range(min(len(answer) for answer in answers) - 1):  # all still inside their answers
         bitmask.fill_(-1)
@@ -189,7 +194,7 @@ def measure_fill(
         states.append(state)
     rows = list(range(batch))
     filler = BitmaskFiller(threads)
-    one_by_one, batched = allocate_bitmask(batch, vocab_size), allocate_bitmask(batch, vocab_size)
+    one_by_one, batched = (allocate_bitmask(batch, states[0].mask_size) for _ in range(2))
     timings: dict[str, list[float]] = {"row_by_row": [], "batched": []}
     for _ in range(repeats):
         start = time.perf_counter()

@@ -74,6 +74,32 @@ def test_every_constrained_answer_parses_over_hundreds_of_generations(llm):
         assert answer.category in candidates
 
 
+def test_a_head_wider_than_the_tokenizer_never_samples_its_padding_under_a_grammar(tmp_path):
+    """970 tokens under a 1,024-wide head: the grammars' bitmasks cover 992 ids (the tokenizer's to a
+    whole word, `GrammarVocabulary.mask_size`) and the engine disallows the 32 columns past them;
+    sampled at temperature 1 from a random model, every answer parses and no token is padding."""
+    from tests.model.helpers import build_checkpoint
+    from vlm_catalog.model.tiny_checkpoint import build_tokenizer
+
+    tokenizer = build_tokenizer(970)
+    padded = LLM(build_checkpoint(tmp_path / "padded", tokenizer, seed=11))
+    assert padded.engine.grammar_service.vocabulary.mask_size == 992 < padded.engine.model_config.text.vocab_size
+    rng = random.Random(5)
+    prompts, params = [], []
+    for index in range(16):
+        messages, candidates = product_prompt(index, rng)
+        schema = catalogue_schema(candidates).json_schema
+        schema["properties"]["brand"]["maxLength"] = 8
+        prompts.append(messages)
+        params.append(SamplingParams(max_tokens=100, temperature=1.0, seed=index, json_schema=schema))
+    outputs = padded.chat(prompts, params)
+    assert all(token < len(tokenizer) for output in outputs for token in output.token_ids)
+    for output in outputs:
+        if output.finish_reason == "stop":
+            ProductMetadata.model_validate_json(output.text)
+    assert sum(output.finish_reason == "stop" for output in outputs) >= 12
+
+
 def test_jump_forward_on_and_off_give_the_same_text_with_fewer_steps(engine_checkpoint):
     rng = random.Random(1)
     prompts, params = [], []

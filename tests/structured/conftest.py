@@ -12,7 +12,8 @@ from vlm_catalog.model.tiny_checkpoint import build_tokenizer
 from vlm_catalog.structured import GrammarCompilerService
 
 TOKENIZER_SIZE = 1000
-MODEL_VOCAB_SIZE = 1024  # padded to a multiple of 64, like Qwen's 151,936
+MASK_SIZE = 1024  # the ids a grammar bitmask row covers: the tokenizer's, to a whole word of 32
+MODEL_VOCAB_SIZE = 1088  # padded to a multiple of 64 past the bitmask words (1,024 ids), like Qwen's 151,936
 
 
 @pytest.fixture(scope="session")

@@ -80,7 +80,7 @@ def decode(
     ON: forced tokens are appended without model steps (one extend step follows).
     OFF: every token costs a model step; the mask forces the canonical span.
     """
-    bitmask = allocate_bitmask(1, model.vocab_size)
+    bitmask = allocate_bitmask(1, state.mask_size)
     tokens: list[int] = []
     steps = 0
     while not state.is_finished() and len(tokens) < max_tokens:

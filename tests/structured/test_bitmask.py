@@ -86,10 +86,29 @@ def test_allow_only_tokens_writes_what_allow_only_token_writes_row_by_row():
         allow_only_tokens(batched, [0, 1], [5])
 
 
+@pytest.mark.parametrize("inference", [False, True], ids=["plain logits", "inference-mode logits"])
+@pytest.mark.parametrize("rows", [[0, 2], [0, 1, 2]], ids=["some rows", "every row"])
+def test_columns_past_the_bitmask_are_never_allowed_in_its_rows(rows, inference):
+    """A grammar row covers the tokenizer's ids; the logits' padding past them is -inf in the
+    listed rows (the rest untouched, within the covered columns too); the engine's logits come
+    from an inference-mode forward and are masked outside it."""
+    generator = torch.Generator().manual_seed(1)
+    bitmask, allowed = random_bitmask(3, generator)  # covers VOCAB = 1024 ids
+    with torch.inference_mode(inference):
+        logits = torch.randn(3, VOCAB + 300, generator=generator)
+    before = logits.clone()
+    apply_bitmask(logits, bitmask, rows)
+    for row in range(3):
+        if row in rows:
+            expected = before[row].clone()
+            expected[:VOCAB][~reference_mask([allowed[row]], VOCAB)[0]] = float("-inf")
+            expected[VOCAB:] = float("-inf")
+            assert torch.equal(logits[row], expected)
+        else:
+            assert torch.equal(logits[row], before[row])
+
+
 def test_shape_errors_are_clear():
-    bitmask = allocate_bitmask(2, 512)
-    with pytest.raises(ValueError, match="bitmask covers 512 tokens but logits have 1024"):
-        apply_bitmask(torch.zeros(2, VOCAB), bitmask, [0])
     bitmask = allocate_bitmask(2, VOCAB)
     with pytest.raises(ValueError, match="rows must be unique"):
         apply_bitmask(torch.zeros(2, VOCAB), bitmask, [1, 1])

@@ -10,7 +10,7 @@ import torch
 import xgrammar as xgr
 
 from schemas import ProductMetadata
-from tests.structured.conftest import MODEL_VOCAB_SIZE, TOKENIZER_SIZE
+from tests.structured.conftest import MASK_SIZE, MODEL_VOCAB_SIZE, TOKENIZER_SIZE
 from tests.structured.decoding import HistoryModel
 from vlm_catalog.structured import (
     GrammarError,
@@ -40,7 +40,7 @@ def walk_with_reference(compiled, tokenizer, seed: int, steps: int = 80):
     state = GrammarState(compiled)
     reference = xgr.GrammarMatcher(compiled.grammar)
     model = HistoryModel(tokenizer, MODEL_VOCAB_SIZE, seed=seed)
-    bitmask = allocate_bitmask(1, MODEL_VOCAB_SIZE)
+    bitmask = allocate_bitmask(1, MASK_SIZE)
     tokens: list[int] = []
     for _ in range(steps):
         if state.is_finished():
@@ -90,13 +90,13 @@ def test_single_token_forced_string_forces_nothing(service, tokenizer):
 
 def test_force_canonical_mask_allows_only_the_next_forced_token(catalogue_compiled):
     state = GrammarState(catalogue_compiled)
-    bitmask = allocate_bitmask(2, MODEL_VOCAB_SIZE)
+    bitmask = allocate_bitmask(2, MASK_SIZE)
     state.fill_bitmask(bitmask, 1, force_canonical=True)
-    assert row_token_ids(bitmask[1], MODEL_VOCAB_SIZE) == state.forced_tokens()[:1]
-    untouched = row_token_ids(bitmask[0], MODEL_VOCAB_SIZE)
-    assert untouched == list(range(MODEL_VOCAB_SIZE))
+    assert row_token_ids(bitmask[1], MASK_SIZE) == state.forced_tokens()[:1]
+    untouched = row_token_ids(bitmask[0], MASK_SIZE)
+    assert untouched == list(range(MASK_SIZE))
     state.fill_bitmask(bitmask, 1)
-    assert len(row_token_ids(bitmask[1], MODEL_VOCAB_SIZE)) >= 1
+    assert len(row_token_ids(bitmask[1], MASK_SIZE)) >= 1
 
 
 def test_padded_and_special_ids_never_allowed(catalogue_compiled, tokenizer, stop_token_ids):
@@ -154,7 +154,7 @@ def test_finished_without_stop_token(service, tokenizer, stop_token_ids):
     assert state.is_terminated() and state.is_finished()
     assert state.forced_tokens() == [] and state.allowed_token_ids() == []
     with pytest.raises(GrammarError, match="has terminated"):
-        state.fill_bitmask(allocate_bitmask(1, MODEL_VOCAB_SIZE), 0)
+        state.fill_bitmask(allocate_bitmask(1, MASK_SIZE), 0)
 
 
 def test_complete_but_extendable_is_not_finished(service, tokenizer):
@@ -175,13 +175,27 @@ def test_inside_a_multibyte_character_forces_nothing(service, tokenizer):
 
 def test_apply_bitmask_on_logits_masks_padding(catalogue_compiled):
     state = GrammarState(catalogue_compiled)
-    bitmask = allocate_bitmask(1, MODEL_VOCAB_SIZE)
+    bitmask = allocate_bitmask(1, MASK_SIZE)
     state.fill_bitmask(bitmask, 0)
     logits = torch.zeros(1, MODEL_VOCAB_SIZE)
     apply_bitmask(logits, bitmask, [0])
     finite = torch.isfinite(logits[0]).nonzero().flatten().tolist()
     assert finite == state.allowed_token_ids()
-    assert torch.isinf(logits[0, TOKENIZER_SIZE:]).all()
+    assert torch.isinf(logits[0, TOKENIZER_SIZE:]).all()  # the blanked ids and the padding past the bitmask
+
+
+def test_a_bitmask_of_the_logits_width_is_refused_clearly(catalogue_compiled):
+    """Grammar rows cover the tokenizer's ids only (xgrammar walks every id of its table on each
+    fill and accept, padding included); a bitmask as wide as the logits is a clear error."""
+    from vlm_catalog.structured import BitmaskFiller
+
+    state = GrammarState(catalogue_compiled)
+    assert state.mask_size == MASK_SIZE < MODEL_VOCAB_SIZE
+    wide = allocate_bitmask(1, MODEL_VOCAB_SIZE)
+    with pytest.raises(ValueError, match=r"int32 \[B, 32\] \(the tokenizer's 1024 ids"):
+        state.fill_bitmask(wide, 0)
+    with pytest.raises(ValueError, match=r"allocate_bitmask\(B, vocabulary.mask_size\)"):
+        BitmaskFiller().fill([state], [0], wide)
 
 
 def test_bitmask_filler_writes_what_each_state_would(catalogue_compiled, tokenizer):
@@ -193,7 +207,7 @@ def test_bitmask_filler_writes_what_each_state_would(catalogue_compiled, tokeniz
     for seed in range(12):
         state = GrammarState(catalogue_compiled)
         model = HistoryModel(tokenizer, MODEL_VOCAB_SIZE, seed=seed)
-        scratch = allocate_bitmask(1, MODEL_VOCAB_SIZE)
+        scratch = allocate_bitmask(1, MASK_SIZE)
         tokens: list[int] = []
         for _ in range(seed * 3):  # seed 0 at the start, seed 11 deep into the answer
             if state.is_finished():
@@ -210,9 +224,9 @@ def test_bitmask_filler_writes_what_each_state_would(catalogue_compiled, tokeniz
     rows = [2 * i + 1 for i in range(len(states))]  # not 0..n-1: rows are passed through
     filler = BitmaskFiller(max_threads=2)
     for force_canonical in (False, True):
-        batched = allocate_bitmask(2 * len(states) + 1, MODEL_VOCAB_SIZE)
+        batched = allocate_bitmask(2 * len(states) + 1, MASK_SIZE)
         filler.fill(states, rows, batched, force_canonical=force_canonical)
-        one_by_one = allocate_bitmask(2 * len(states) + 1, MODEL_VOCAB_SIZE)
+        one_by_one = allocate_bitmask(2 * len(states) + 1, MASK_SIZE)
         for state, row in zip(states, rows):
             state.fill_bitmask(one_by_one, row, force_canonical=force_canonical)
         assert torch.equal(batched, one_by_one)
@@ -228,4 +242,4 @@ def test_bitmask_filler_refuses_a_terminated_grammar(service, tokenizer, stop_to
     state.accept(encode(tokenizer, "yes") + [stop_token_ids[0]])
     assert state.is_terminated()
     with pytest.raises(GrammarError, match="has terminated"):
-        BitmaskFiller().fill([state], [0], allocate_bitmask(1, MODEL_VOCAB_SIZE))
+        BitmaskFiller().fill([state], [0], allocate_bitmask(1, MASK_SIZE))

@@ -456,7 +456,8 @@ class LLMEngine:
             from vlm_catalog.structured import BitmaskBuffer, BitmaskFiller, apply_bitmask
 
             if self._bitmasks is None:  # once: pinned host rows and their device copy, the fill threads
-                self._bitmasks = BitmaskBuffer(self.config.max_num_seqs, logits.shape[-1], logits.device)
+                self._bitmasks = BitmaskBuffer(self.config.max_num_seqs, self.grammar_service.vocabulary.mask_size,
+                                               logits.device)
                 self._bitmask_filler = BitmaskFiller()
             # filled on the CPU while the device still runs this step's forward pass
             # (the runner returns logits without waiting for them), all rows in parallel threads;

@@ -1,7 +1,8 @@
 """Token bitmasks: one int32 word per 32 vocabulary ids, bit set = token allowed.
 
-The engine allocates one `[max_batch, ceil(vocab/32)]` bitmask on the CPU once
-(`BitmaskBuffer`: pinned, with a device copy, on CUDA), each grammar request
+The engine allocates one `[max_batch, ceil(mask_size/32)]` bitmask on the CPU once
+in `BitmaskBuffer` (pinned, with a device copy, on CUDA; `mask_size`: the tokenizer's
+ids, `GrammarVocabulary.mask_size`, the logits' padding past them never allowed), each grammar request
 fills its row (`GrammarState.fill_bitmask`) while the device runs the forward
 pass, and `apply_bitmask` sets the disallowed logits of those rows to -inf in one
 batched call, on the logits' device (xgrammar's CPU kernel or, on CUDA, its
@@ -63,10 +64,12 @@ class BitmaskBuffer:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
     """Set `logits[r, t] = -inf` for every token `t` not allowed by `bitmask[r]`, for `r` in `rows`.
 
-    In place. `logits` is `[B, V]` (any float dtype, CPU or CUDA); `bitmask` must
-    cover all `V` columns, so vocabulary padding can only be allowed if a row says
-    so (grammar rows never do). Rows not listed (requests without a grammar) are
-    left untouched. The bitmask is copied to the logits' device if needed.
+    In place. `logits` is `[B, V]` (any float dtype, CPU or CUDA); `bitmask` is
+    `[B, W]` and covers the first `32 W` columns: the listed rows' columns past those
+    are never allowed (the vocabulary's padding past the tokenizer: grammar rows
+    cover the tokenizer's ids only, `GrammarVocabulary.mask_size`). Rows not listed
+    (requests without a grammar) are left untouched. The bitmask is copied to the
+    logits' device if needed.
     """
     rows = [int(r) for r in rows]
     if not rows:
@@ -78,11 +81,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
         )
     if bitmask.dtype != torch.int32:
         raise ValueError(f"bitmask must be int32, got {bitmask.dtype}")
-    vocab_size = logits.shape[1]
-    if bitmask.shape[1] * BITS_PER_WORD < vocab_size:
-        raise ValueError(
-            f"bitmask covers {bitmask.shape[1] * BITS_PER_WORD} tokens but logits have {vocab_size}"
-        )
+    covered = min(logits.shape[1], bitmask.shape[1] * BITS_PER_WORD)
     if len(set(rows)) != len(rows):
         raise ValueError(f"rows must be unique, got {rows}")
     batch_limit = min(logits.shape[0], bitmask.shape[0])
@@ -91,7 +90,16 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
         raise ValueError(f"rows {bad_rows} are outside the batch of {batch_limit}")
     if bitmask.device != logits.device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=covered, indices=rows)
+    if covered < logits.shape[1]:
+        # the engine's logits come from an inference-mode forward: written in place only in that mode
+        with torch.inference_mode(logits.is_inference()):
+            past = logits[:, covered:]  # [B, V - covered] view: the columns no row covers
+            if rows == list(range(logits.shape[0])):
+                past.fill_(float("-inf"))
+            else:
+                index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+                past.index_fill_(0, index, float("-inf"))
 
 
 def allow_only_token(bitmask: torch.Tensor, row: int, token_id: int) -> None:

@@ -86,7 +86,12 @@ class GrammarState:
         self._matcher = xgr.GrammarMatcher(compiled.grammar)
         self._plan: Plan = None
         self._plans_before: list[Plan] = []  # the plan before each accepted token, for rollback
-        self._scratch = allocate_bitmask(1, self._vocabulary.vocab_size)
+        self._scratch = allocate_bitmask(1, self._vocabulary.mask_size)
+
+    @property
+    def mask_size(self) -> int:
+        """The ids a bitmask row for this grammar covers (`GrammarVocabulary.mask_size`)."""
+        return self._vocabulary.mask_size
 
     @property
     def num_accepted(self) -> int:
@@ -170,6 +175,7 @@ class GrammarState:
         token (jump-forward OFF; see the module doc). Do not fill for a state
         whose grammar has terminated.
         """
+        self._vocabulary.check_bitmask(bitmask)
         source = self._next_token_source(force_canonical)
         if isinstance(source, int):
             allow_only_token(bitmask, row, source)
@@ -194,7 +200,7 @@ class GrammarState:
         if self._matcher.is_terminated():
             return []
         self._matcher.fill_next_token_bitmask(self._scratch, 0)
-        return row_token_ids(self._scratch[0], self._vocabulary.vocab_size)
+        return row_token_ids(self._scratch[0], self._vocabulary.mask_size)
 
     # -- ending ---------------------------------------------------------------------------
 
@@ -232,6 +238,8 @@ class BitmaskFiller:
         """Write `states[i]`'s allowed next tokens into `bitmask[rows[i]]` for every i."""
         if len(states) != len(rows):
             raise ValueError(f"{len(states)} grammar states for {len(rows)} rows")
+        for vocabulary in {id(state._vocabulary): state._vocabulary for state in states}.values():
+            vocabulary.check_bitmask(bitmask)
         matchers: list[xgr.GrammarMatcher] = []
         matcher_rows: list[int] = []
         forced_rows: list[int] = []
