@@ -25,8 +25,12 @@ request walks its own answer token by token; a step fills the batch's masks (`Bi
 forced spans planned as they come, as in the engine) and then advances every grammar over its
 next token (`GrammarState.accept`). Fixed positions (above) never plan a span twice.
 
+And the same steps as bench_gpu.py's random-weight model takes them (`--random-steps`): each
+request samples a token uniformly among those its mask allows, until its grammar finishes,
+so most steps are spent inside free-text strings rather than on forced spans.
+
     python scripts/bench_grammar.py [--dataset data/sample_catalogue] [--records 64] [--fill-batch 256]
-        [--walk-batch 256] [--vocab-size 151936] [--json out.json]
+        [--walk-batch 256] [--random-steps 150] [--vocab-size 151936] [--json out.json]
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from vlm_catalog.structured import (
     allocate_bitmask,
     catalogue_schema,
 )
+from vlm_catalog.structured.bitmask import row_token_ids
 from vlm_catalog.structured.compiler import json_schema_grammar
 from vlm_catalog.structured.vocabulary import GrammarVocabulary
 
@@ -66,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fill-repeats", type=int, default=20)
     parser.add_argument("--fill-threads", default="auto", help="BitmaskFiller threads (auto: half the CPUs)")
     parser.add_argument("--walk-batch", type=int, default=256, help="requests walking their answers (0: skip)")
+    parser.add_argument("--random-steps", type=int, default=0,
+                        help="steps of --walk-batch requests sampling uniformly among allowed tokens (0: skip)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="the logits' width (default: the model's); e.g. 151936, bench_gpu.py's random 30B-shape "
                              "model over the shipped tokenizer")
@@ -119,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         threads = args.fill_threads if args.fill_threads == "auto" else int(args.fill_threads)
         report["decode_steps"] = measure_walk(tokenizer, vocabulary.vocab_size, stop_ids, records, args.walk_batch,
                                               threads)
+    if args.random_steps > 0:
+        threads = args.fill_threads if args.fill_threads == "auto" else int(args.fill_threads)
+        report["random_steps"] = measure_random_steps(tokenizer, vocabulary.vocab_size, stop_ids, records,
+                                                      args.walk_batch, args.random_steps, threads)
     for name in seconds:
         timing = report["ms_per_record"][name]
         print(f"{name:<5} median {timing['median']:6.2f} ms  mean {timing['mean']:6.2f} ms  "
@@ -134,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     if "decode_steps" in report:
         walk = report["decode_steps"]
         print(f"decode steps, {walk['batch']} requests walking their answers ({walk['steps']} steps): "
+              f"fill {walk['ms_fill_median']:.2f} ms, advance {walk['ms_advance_median']:.2f} ms per step (median)")
+    if "random_steps" in report:
+        walk = report["random_steps"]
+        print(f"random-model steps, {walk['batch']} requests ({walk['steps']} steps): "
               f"fill {walk['ms_fill_median']:.2f} ms, advance {walk['ms_advance_median']:.2f} ms per step (median)")
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=2) + "\n")
@@ -175,6 +190,35 @@ def measure_walk(tokenizer, vocab_size: int, stop_ids: list[int], records, batch
             state.accept(answer[step:step + 1])
         fill.append(middle - start)
         advance.append(time.perf_counter() - middle)
+    return {"batch": batch, "steps": len(fill), "vocab_size": vocab_size, "threads": threads,
+            "ms_fill_median": 1e3 * statistics.median(fill), "ms_advance_median": 1e3 * statistics.median(advance)}
+
+
+def measure_random_steps(tokenizer, vocab_size: int, stop_ids: list[int], records, batch: int, steps: int,
+                         threads: int | str = "auto", seed: int = 0) -> dict:
+    """Median ms per step of the grammars' host work while `batch` requests sample uniformly among
+    their allowed tokens (seeded), for up to `steps` steps or until every grammar finishes."""
+    import random
+
+    compiled = compiled_grammars(tokenizer, vocab_size, stop_ids, records)
+    states = [GrammarState(compiled[i % len(compiled)]) for i in range(batch)]
+    filler, bitmask = BitmaskFiller(threads), allocate_bitmask(batch, states[0].mask_size)
+    rng = random.Random(seed)
+    fill, advance = [], []
+    for _ in range(steps):
+        alive = [state for state in states if not state.is_finished()]
+        if not alive:
+            break
+        start = time.perf_counter()
+        filler.fill(alive, list(range(len(alive))), bitmask, force_canonical=True)
+        middle = time.perf_counter()
+        tokens = [rng.choice(row_token_ids(bitmask[row], state.mask_size)) for row, state in enumerate(alive)]
+        chosen = time.perf_counter()
+        for state, token in zip(alive, tokens):
+            state.accept([token])
+            state.is_finished()  # as the engine asks after each accept
+        fill.append(middle - start)
+        advance.append(time.perf_counter() - chosen)
     return {"batch": batch, "steps": len(fill), "vocab_size": vocab_size, "threads": threads,
             "ms_fill_median": 1e3 * statistics.median(fill), "ms_advance_median": 1e3 * statistics.median(advance)}
 
