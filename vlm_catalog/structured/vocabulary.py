@@ -32,8 +32,9 @@ class GrammarVocabulary:
     the logits' columns past them. xgrammar walks its blanked ids on every mask fill and
     token accept, so a table as wide as the logits cost in proportion to the padding:
     with the 4,096-token tokenizer under a 151,936-wide head (bench_gpu.py's random
-    30B-shape model), 256 rows took 60 ms to fill and 9.7 ms to advance per step on
-    the 2-core VM, against 1.9 and 1.7 ms with the table at 4,096.
+    30B-shape model), 256 requests sampling among their allowed tokens took 60 ms to fill
+    and 9.7 ms to advance per step on the 2-core VM, and 3.1 and 2.3 ms with the table
+    at the tokenizer's 4,096 (`scripts/bench_grammar.py --vocab-size 151936 --random-steps 150`).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
