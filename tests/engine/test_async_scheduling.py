@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from tests.engine.conftest import conversation, mixed_conversations, run_waves_with_aborts
-from tests.engine.test_engine_behaviour import product_prompt
+from tests.engine.test_engine_behaviour import catalogue_requests
 from vlm_catalog import LLM, SamplingParams
 from vlm_catalog.engine.pending_tokens import PendingTokens
 from vlm_catalog.engine.request import PLACEHOLDER_TOKEN, Request
-from vlm_catalog.structured import catalogue_schema
 
 
 def answers(outputs) -> list[tuple]:
@@ -64,15 +63,7 @@ def test_stop_tokens_stop_strings_and_logprobs(sync_and_async):
 
 def test_constrained_answers_with_jump_forward(sync_and_async):
     sync, pipelined = sync_and_async
-    rng = random.Random(3)
-    prompts, params = [], []
-    for index in range(16):
-        messages, candidates = product_prompt(index, rng)
-        schema = catalogue_schema(candidates).json_schema
-        schema["properties"]["brand"]["maxLength"] = 10
-        prompts.append(messages)
-        params.append(SamplingParams(max_tokens=100, temperature=0.8 if index % 3 == 0 else 0.0, seed=index,
-                                     json_schema=schema))
+    prompts, params = catalogue_requests(16, seed=3, brand_max=10, temperature=lambda index: 0.8 if index % 3 == 0 else 0.0)
     expected = sync.chat(prompts, params)
     assert answers(pipelined.chat(prompts, params)) == answers(expected)
     assert pipelined.engine.stats.num_jump_forward_tokens > 0

@@ -44,6 +44,22 @@ def product_prompt(index: int, rng: random.Random) -> tuple[list[dict], list[str
     return [{"role": "user", "content": text}], candidates
 
 
+def catalogue_requests(count: int, seed: int, brand_max: int, temperature, max_tokens: int = 100):
+    """`count` product prompts with their per-record schemas (the brand at most `brand_max`
+    characters, so a random model's answers finish), sampled at `temperature(index)`, seeded
+    by index: (prompts, params)."""
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for index in range(count):
+        messages, candidates = product_prompt(index, rng)
+        schema = catalogue_schema(candidates).json_schema
+        schema["properties"]["brand"]["maxLength"] = brand_max
+        prompts.append(messages)
+        params.append(SamplingParams(max_tokens=max_tokens, temperature=temperature(index), seed=index,
+                                     json_schema=schema))
+    return prompts, params
+
+
 def test_every_constrained_answer_parses_over_hundreds_of_generations(llm):
     rng = random.Random(0)
     prompts, params, candidate_lists = [], [], []
@@ -84,14 +100,7 @@ def test_a_head_wider_than_the_tokenizer_never_samples_its_padding_under_a_gramm
     tokenizer = build_tokenizer(970)
     padded = LLM(build_checkpoint(tmp_path / "padded", tokenizer, seed=11))
     assert padded.engine.grammar_service.vocabulary.mask_size == 992 < padded.engine.model_config.text.vocab_size
-    rng = random.Random(5)
-    prompts, params = [], []
-    for index in range(16):
-        messages, candidates = product_prompt(index, rng)
-        schema = catalogue_schema(candidates).json_schema
-        schema["properties"]["brand"]["maxLength"] = 8
-        prompts.append(messages)
-        params.append(SamplingParams(max_tokens=100, temperature=1.0, seed=index, json_schema=schema))
+    prompts, params = catalogue_requests(16, seed=5, brand_max=8, temperature=lambda index: 1.0)
     outputs = padded.chat(prompts, params)
     assert all(token < len(tokenizer) for output in outputs for token in output.token_ids)
     for output in outputs:
@@ -101,15 +110,9 @@ def test_a_head_wider_than_the_tokenizer_never_samples_its_padding_under_a_gramm
 
 
 def test_jump_forward_on_and_off_give_the_same_text_with_fewer_steps(engine_checkpoint):
-    rng = random.Random(1)
-    prompts, params = [], []
-    for index in range(24):
-        messages, candidates = product_prompt(index, rng)
-        schema = catalogue_schema(candidates).json_schema
-        schema["properties"]["brand"]["maxLength"] = 12  # brand-sized answers, as real products have
-        prompts.append(messages)
-        params.append(SamplingParams(max_tokens=120, temperature=0.8 if index % 3 == 0 else 0.0, seed=index,
-                                     json_schema=schema))
+    # brand-sized answers, as real products have
+    prompts, params = catalogue_requests(24, seed=1, brand_max=12, temperature=lambda index: 0.8 if index % 3 == 0 else 0.0,
+                                         max_tokens=120)
     on, off = LLM(engine_checkpoint), LLM(engine_checkpoint, enable_jump_forward=False)
     outputs_on, outputs_off = on.chat(prompts, params), off.chat(prompts, params)
     assert [o.text for o in outputs_on] == [o.text for o in outputs_off]
