@@ -642,18 +642,26 @@ def fa3_runs(q) -> bool:
     return function is not None and q.dtype in function.dtypes
 
 
-def fa3_varlen() -> contextlib.AbstractContextManager:
-    """FlashAttention 3 as the varlen kernel for the block (`VLM_CATALOG_FLASH_VARLEN=fa3`)."""
+def flash_varlen_as(provider: str) -> contextlib.AbstractContextManager:
+    """`provider` ("torch" or "fa3") as the varlen kernel for the block (`VLM_CATALOG_FLASH_VARLEN`)."""
     from kernels.dispatch import environment_variable
     from kernels.flash_varlen import FLASH_VARLEN_ENV_VAR
 
-    return environment_variable(FLASH_VARLEN_ENV_VAR, "fa3")
+    return environment_variable(FLASH_VARLEN_ENV_VAR, provider)
 
 
 FA3_NOTE = "sets VLM_CATALOG_FLASH_VARLEN's default"
 
 
 def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
+    """The attention rows. Their `[flash varlen]` rows are torch's FlashAttention 2, pinned: the
+    default (`auto`) would run FlashAttention 3 where it loads, and the `[fa3]` rows beside them
+    would then compare FA3 with itself (as the H200 run of 2026-11-27 did)."""
+    with flash_varlen_as("torch"):
+        return _attention_rows(shapes, dtype, device, timer)
+
+
+def _attention_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
     import torch
     import torch.nn.functional as F
 
@@ -765,7 +773,7 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 )
             )
         if fa3_runs(q):  # the engine's call with FlashAttention 3 (kernels/flash_varlen.py)
-            with fa3_varlen():
+            with flash_varlen_as("fa3"):
                 if causal_with_context_supported(q):
                     lengths = [context] * num_seqs
                     own_kv = q[:, : shapes.num_kv_heads]  # read only for whole prompts (prefix 0)
@@ -817,7 +825,7 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 )
             )
         if fa3_runs(q):
-            with fa3_varlen():
+            with flash_varlen_as("fa3"):
                 ms = timer(fresh_flash)
             rows.append(Row("paged_prefill_attention[fresh, fa3]", f"{num_seqs}x{new_tokens} whole prompts", ms,
                             "SDPA per prompt on its own k/v", sdpa_ms, teraflops(flops, ms), target_speedup=1.0,
@@ -852,7 +860,7 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
             ms = timer(partial(flash_varlen_attention, *varlen_args, patches))
             rows.append(vision_row("varlen_attention[flash varlen]", ms, target_speedup=1.0))
         if fa3_runs(q):  # every image in one FlashAttention 3 call, long ones too
-            with fa3_varlen():
+            with flash_varlen_as("fa3"):
                 ms = timer(partial(flash_varlen_attention, *varlen_args, patches))
             rows.append(vision_row("varlen_attention[fa3]", ms, target_speedup=1.0, note=FA3_NOTE))
     return rows

@@ -732,6 +732,9 @@ def test_the_attention_rows_time_fa3_where_it_runs(triton_device, fake_fa3, monk
                              "paged_prefill_attention[fa3]"}
     assert all(row.note == "sets VLM_CATALOG_FLASH_VARLEN's default" and row.triton_ms > 0 for row in fa3_rows.values())
     assert {call["causal"] for call in fa3.calls} == {True, False}
+    # the [flash varlen] rows stay torch's FlashAttention 2, though the default would take FA3 here
+    flash_rows = [row for row in rows if "flash varlen" in row.name]
+    assert flash_rows and len(torch_call.calls) >= len(flash_rows)
     assert os.environ.get("VLM_CATALOG_FLASH_VARLEN") is None  # set for the rows only
 
 
