@@ -84,7 +84,6 @@ def quantize_activations_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_activations` on the Triton kernel, into `quantized` [T, K] (unit column stride)
     and `scale` [T, ceil(K/group)] (any strides) when given, new row-major tensors otherwise."""
-
     from kernels.jit.fp8_quant import quantize_activations_kernel
 
     rows, cols = values.shape

@@ -329,7 +329,6 @@ def _launch_decode(
 ) -> torch.Tensor:
     """`qk_norm_rope` (with `new_kv` only): q and the new k are raw, and the split kernel norms and
     rotates them itself (NORM_ROPE), checked as `qk_norm_mrope` checks them."""
-
     from kernels.jit.paged_decode_attention import (
         paged_decode_reduce_kernel,
         paged_decode_split_kernel,

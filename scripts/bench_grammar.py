@@ -175,23 +175,13 @@ def compiled_grammars(tokenizer, vocab_size: int, stop_ids: list[int], records) 
 def measure_walk(tokenizer, vocab_size: int, stop_ids: list[int], records, batch: int,
                  threads: int | str = "auto") -> dict:
     """Median ms per decode step of the grammars' host work while `batch` requests walk their
-    answers in step: filling the masks, then advancing the grammars (module doc)."""
+    answers in step (module doc)."""
     compiled = compiled_grammars(tokenizer, vocab_size, stop_ids, records)
     answers = catalogue_answers(tokenizer, stop_ids, records, batch)
     states = [GrammarState(compiled[i % len(compiled)]) for i in range(batch)]
-    filler, bitmask, rows = BitmaskFiller(threads), allocate_bitmask(batch, states[0].mask_size), list(range(batch))
-    fill, advance = [], []
-    for step in range(min(len(answer) for answer in answers) - 1):  # all still inside their answers
-        bitmask.fill_(-1)
-        start = time.perf_counter()
-        filler.fill(states, rows, bitmask, force_canonical=True)
-        middle = time.perf_counter()
-        for state, answer in zip(states, answers):
-            state.accept(answer[step:step + 1])
-        fill.append(middle - start)
-        advance.append(time.perf_counter() - middle)
-    return {"batch": batch, "steps": len(fill), "vocab_size": vocab_size, "threads": threads,
-            "ms_fill_median": 1e3 * statistics.median(fill), "ms_advance_median": 1e3 * statistics.median(advance)}
+    steps = min(len(answer) for answer in answers) - 1  # all still inside their answers: none finishes
+    report = time_grammar_steps(states, threads, steps, lambda step, alive, bitmask: [a[step] for a in answers])
+    return {**report, "vocab_size": vocab_size}
 
 
 def measure_random_steps(tokenizer, vocab_size: int, stop_ids: list[int], records, batch: int, steps: int,
@@ -202,24 +192,36 @@ def measure_random_steps(tokenizer, vocab_size: int, stop_ids: list[int], record
 
     compiled = compiled_grammars(tokenizer, vocab_size, stop_ids, records)
     states = [GrammarState(compiled[i % len(compiled)]) for i in range(batch)]
-    filler, bitmask = BitmaskFiller(threads), allocate_bitmask(batch, states[0].mask_size)
     rng = random.Random(seed)
+
+    def sampled(step, alive, bitmask):
+        return [rng.choice(row_token_ids(bitmask[row], state.mask_size)) for row, state in enumerate(alive)]
+
+    return {**time_grammar_steps(states, threads, steps, sampled), "vocab_size": vocab_size}
+
+
+def time_grammar_steps(states: list[GrammarState], threads: int | str, steps: int, next_tokens) -> dict:
+    """Median ms per step of the grammars' host work, as the engine does it: the masks of the
+    states not yet finished filled in one `BitmaskFiller` call (forced spans planned as they
+    come), then each advanced over its token from `next_tokens(step, alive, bitmask)` and asked
+    `is_finished`; up to `steps` steps or until every state finishes."""
+    filler, bitmask = BitmaskFiller(threads), allocate_bitmask(len(states), states[0].mask_size)
     fill, advance = [], []
-    for _ in range(steps):
+    for step in range(steps):
         alive = [state for state in states if not state.is_finished()]
         if not alive:
             break
         start = time.perf_counter()
         filler.fill(alive, list(range(len(alive))), bitmask, force_canonical=True)
         middle = time.perf_counter()
-        tokens = [rng.choice(row_token_ids(bitmask[row], state.mask_size)) for row, state in enumerate(alive)]
+        tokens = next_tokens(step, alive, bitmask)
         chosen = time.perf_counter()
         for state, token in zip(alive, tokens):
             state.accept([token])
-            state.is_finished()  # as the engine asks after each accept
+            state.is_finished()
         fill.append(middle - start)
         advance.append(time.perf_counter() - chosen)
-    return {"batch": batch, "steps": len(fill), "vocab_size": vocab_size, "threads": threads,
+    return {"batch": len(states), "steps": len(fill), "threads": threads,
             "ms_fill_median": 1e3 * statistics.median(fill), "ms_advance_median": 1e3 * statistics.median(advance)}
 
 

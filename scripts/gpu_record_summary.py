@@ -29,7 +29,7 @@ ENGINE_PHASES = ("engine", "engine_fp8_kv", "engine_fp8", "engine_w8a8", "engine
                  "engine_w8a8_channel_fa2", "engine_profile")
 # kernel rows worth a line: their names start with one of these
 # the rows that set a switch or a default: decode attention, the MoE's GEMM choice, and every
-# vision attention row (our kernel at each tile shape, SDPA with cuDNN, FlashAttention's varlen)
+# vision attention row (our kernel, SDPA with cuDNN, FlashAttention's varlen)
 KERNEL_ROW_PREFIXES = ("paged_decode_attention", "paged_prefill_attention", "fused_moe[grouped_mm]", "fused_moe[fp8 w8a8, per-channel",
                        "varlen_attention")
 PROFILE_REGIONS = ("vlm.vision_encoder", "vlm.text_forward.prefill", "vlm.text_forward.decode", "vlm.step",

@@ -113,7 +113,6 @@ def moe_align_block_size_triton(
     """Two launches: count the pairs of each expert, then each expert's program
     derives its offset from the counts and scatters its pairs in order. Up to
     SINGLE_LAUNCH_MAX_PAIRS pairs, one: the scatter programs count for themselves."""
-
     from kernels.jit.moe_align import moe_count_kernel, moe_scatter_kernel
 
     check_dtype("topk_ids", topk_ids, INDEX_DTYPES)

@@ -293,7 +293,6 @@ def _fused_moe_chunk(
 ) -> torch.Tensor | None:
     """The chunk's output summed into `out` [T, H]; with `out` None, its unsummed terms [T, K, H].
     `alignment`: the pairs' layout made ahead (else aligned here)."""
-
     from kernels.jit.fused_moe import moe_down_kernel, moe_gate_up_silu_kernel
     from kernels.moe.align import moe_align_block_size
 

@@ -133,7 +133,6 @@ def route_topk_and_align_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, MoeAlignment]:
     """One launch, whatever the batch (callers keep it to decode batches: every program
     routes every token)."""
-
     from kernels.jit.moe_routing import route_topk_align_kernel
 
     topk_weights, topk_ids = _routing_outputs(router_logits, top_k, weights_dtype)

@@ -238,8 +238,8 @@ class BitmaskFiller:
         """Write `states[i]`'s allowed next tokens into `bitmask[rows[i]]` for every i."""
         if len(states) != len(rows):
             raise ValueError(f"{len(states)} grammar states for {len(rows)} rows")
-        for vocabulary in {id(state._vocabulary): state._vocabulary for state in states}.values():
-            vocabulary.check_bitmask(bitmask)
+        if states:  # one engine's states share one vocabulary
+            states[0]._vocabulary.check_bitmask(bitmask)
         matchers: list[xgr.GrammarMatcher] = []
         matcher_rows: list[int] = []
         forced_rows: list[int] = []
