@@ -341,7 +341,7 @@ def _launch_decode(
     if batch == 0:
         return out
 
-    config = config or get_decode_config(k_cache.dtype, head_dim, batch)
+    config = config or get_decode_config(k_cache.dtype, head_dim, batch, q.device)
     block_n = config.block_n
     if max_context_len is None:  # an upper bound known without a device sync
         max_context_len = block_tables.shape[1] * block_size

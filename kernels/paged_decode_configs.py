@@ -11,7 +11,10 @@ gathered K/V (B=1 ctx 27k, B=32 ctx 2k, B=128 ctx 1k) and, with an FP8 cache,
 read 1.1 TB/s at B=128 (37% of the copy bandwidth). `python scripts/bench_kernels.py
 --tune-decode` on the target GPU times candidates under the engine's conditions
 (the fused cache write, the CUDA graphs' `max_model_len` bound, contexts of 0.4-1.6x a
-2k-token mean) and prints one ready-to-paste line per (dtype, batch bucket).
+2k-token mean) and prints one ready-to-paste line per (dtype, batch bucket); with
+`--write-table PATH` it writes them into a JSON table of that GPU model, which takes
+precedence over this one (`kernels/tuned_configs.py`: `VLM_CATALOG_TUNED_CONFIGS=PATH`,
+or the packaged `kernels/tuned/<GPU model>.json`).
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kernels.checks import dtype_name
+from kernels.tuned_configs import tuned_configs
 
 DECODE_BATCH_BUCKETS = (1, 8, 32, 64, 128, 256)
+KV_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")  # the cache dtypes a key may name
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism (default)
 PROGRAMS_PER_SM = 2  # the split count fills the GPU about this many times over (default)
 
@@ -56,9 +61,12 @@ def default_decode_config(head_dim: int) -> DecodeKernelConfig:
     return DecodeKernelConfig(block_n=64 if head_dim <= 128 else 32)
 
 
-def get_decode_config(kv_dtype: torch.dtype, head_dim: int, batch: int) -> DecodeKernelConfig:
+def get_decode_config(kv_dtype: torch.dtype, head_dim: int, batch: int,
+                      device: torch.device | str | None = None) -> DecodeKernelConfig:
+    """The entry for this cache and batch from the tuned tables in effect on `device`
+    (`kernels.tuned_configs`), else from DECODE_CONFIGS, else the default."""
     key = (dtype_name(kv_dtype), head_dim, decode_batch_bucket(batch))
-    return DECODE_CONFIGS.get(key) or default_decode_config(head_dim)
+    return tuned_configs(device).paged_decode.get(key) or DECODE_CONFIGS.get(key) or default_decode_config(head_dim)
 
 
 def format_decode_config_entry(kv_dtype: torch.dtype, head_dim: int, bucket: int, config: DecodeKernelConfig) -> str:

@@ -26,7 +26,11 @@ tuned neighbours agree on; every other entry is a reasoned default
   scale block and the same bytes per stage as a 16-bit tile's 64.
 
 Measure with ``python scripts/bench_kernels.py --tune-moe [--fp8 [--w8a8]]`` on
-the target GPU: it prints one ready-to-paste line per bucket (tuned=True).
+the target GPU: it prints one ready-to-paste line per bucket (tuned=True), and with
+``--write-table PATH`` it writes them into a JSON table of that GPU model
+(`kernels/tuned_configs.py`). Such tables take precedence over this one:
+``VLM_CATALOG_TUNED_CONFIGS=PATH`` on every device, and the packaged
+``kernels/tuned/<GPU model>.json`` on that model (`get_moe_config`'s `device`).
 
 Every config `get_moe_config` returns fits an H100 block's shared memory for
 the weights' element size (`fit_shared_memory`): the table is written for
@@ -42,6 +46,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from kernels.checks import dtype_name
+from kernels.tuned_configs import tuned_configs
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 W8A8_SUFFIX = "_w8a8"  # the dtype field of FP8 experts' entries for FP8 activations (table_dtype)
@@ -183,6 +188,13 @@ def table_dtype(dtype: torch.dtype, fp8_activations: bool = False, per_channel: 
     return dtype_name(dtype) + (W8A8_SUFFIX if fp8_activations else "") + (CHANNEL_SUFFIX if per_channel else "")
 
 
+def table_dtypes() -> tuple[str, ...]:
+    """Every dtype field a table entry may have (`table_dtype`'s values)."""
+    plain = ("bfloat16", "float16", "float32")
+    fp8 = tuple(table_dtype(torch.float8_e4m3fn, w8a8, channel) for w8a8 in (False, True) for channel in (False, True))
+    return plain + fp8
+
+
 def get_moe_config(
     num_tokens: int,
     num_experts: int,
@@ -192,13 +204,16 @@ def get_moe_config(
     top_k: int = 8,
     fp8_activations: bool = False,
     per_channel: bool = False,
+    device: torch.device | str | None = None,
 ) -> MoeKernelConfig:
-    """The table entry for this shape and batch size (`fp8_activations`: the W8A8 entries;
-    `per_channel`: the per-channel FP8 ones), else the heuristic, fitted to shared memory for
-    `dtype`'s element size."""
+    """The entry for this shape and batch size (`fp8_activations`: the W8A8 entries;
+    `per_channel`: the per-channel FP8 ones) from the tuned tables in effect on `device`
+    (`kernels.tuned_configs`), else from MOE_CONFIGS, else the heuristic, fitted to shared
+    memory for `dtype`'s element size."""
     key = (num_experts, hidden, intermediate, table_dtype(dtype, fp8_activations, per_channel),
            token_bucket(num_tokens))
-    config = MOE_CONFIGS.get(key) or heuristic_moe_config(num_tokens, num_experts, top_k, dtype.itemsize)
+    config = (tuned_configs(device).moe.get(key) or MOE_CONFIGS.get(key)
+              or heuristic_moe_config(num_tokens, num_experts, top_k, dtype.itemsize))
     return fit_shared_memory(config, dtype.itemsize)
 
 

@@ -244,14 +244,15 @@ def moe_gemm_config(
     block_shape: tuple[int, int] | None = None,
 ) -> MoeKernelConfig:
     """The GEMM block sizes `fused_moe` uses for `num_tokens` tokens with these gate/up weights
-    (keyed by their dtype: FP8 experts have entries of their own, W8A8 others again), unless
-    `config` is given. Per-channel W8A8 experts (by `block_shape`) whose K loops keep the wgmma
-    chain asynchronous (`asynchronous_k_loops`) have entries of their own too; otherwise their
-    loops wait for each K step's wgmma as the block-scaled ones do, and take those tiles."""
+    (keyed by their dtype: FP8 experts have entries of their own, W8A8 others again; the tuned
+    tables of their device first), unless `config` is given. Per-channel W8A8 experts (by
+    `block_shape`) whose K loops keep the wgmma chain asynchronous (`asynchronous_k_loops`) have
+    entries of their own too; otherwise their loops wait for each K step's wgmma as the
+    block-scaled ones do, and take those tiles."""
     if config is None:
         num_experts, two_intermediate, hidden_size = w13.shape
         config = get_moe_config(num_tokens, num_experts, hidden_size, two_intermediate // 2, w13.dtype, top_k,
-                                fp8_activations, asynchronous_k_loops(w13, block_shape, fp8_activations))
+                                fp8_activations, asynchronous_k_loops(w13, block_shape, fp8_activations), w13.device)
     return as_moe_config(config)
 
 

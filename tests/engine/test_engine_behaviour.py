@@ -301,3 +301,33 @@ def test_grammars_compile_on_the_configured_threads_half_the_cpus_by_default(eng
     assert engine.grammar_service.workers == 3
     engine.close()
 
+
+
+def test_the_engine_reads_the_tuned_tables_at_start_and_refuses_a_broken_one(engine_checkpoint, monkeypatch, tmp_path):
+    """The tuned-settings table VLM_CATALOG_TUNED_CONFIGS names is read when the engine starts (and
+    reported as `tuned_tables`); a broken one stops the start with an error naming the file and
+    the entry, before the model loads, instead of failing the first forward pass."""
+    from kernels import tuned_configs
+    from kernels.moe.configs import MoeKernelConfig
+    from vlm_catalog.engine.config import EngineConfigError
+
+    monkeypatch.setattr(tuned_configs, "TABLES_DIR", tmp_path / "packaged")  # no packaged table for any device
+    tuned_configs.clear_cache()
+    monkeypatch.delenv(tuned_configs.TUNED_CONFIGS_ENV_VAR, raising=False)
+    engine = LLMEngine(model=engine_checkpoint)
+    assert engine.tuned_tables == ()
+    engine.close()
+    table = tuned_configs.write_entries(tmp_path / "tuned.json", None, moe=[tuned_configs.moe_entry(
+        (4, 64, 32, "float32", 16), MoeKernelConfig(16, 32, 64, 1, 4, 2, tuned=True), 0.1, 0.2)])
+    monkeypatch.setenv(tuned_configs.TUNED_CONFIGS_ENV_VAR, str(table))
+    engine = LLMEngine(model=engine_checkpoint)
+    assert engine.tuned_tables == (str(table),)
+    engine.close()
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"format": 1, "paged_decode": [{"kv_dtype": "float32", "head_dim": 16, "batch": 3, '
+                      '"config": {"block_n": 16}}]}')
+    monkeypatch.setenv(tuned_configs.TUNED_CONFIGS_ENV_VAR, str(broken))
+    monkeypatch.setattr("vlm_catalog.engine.llm_engine.load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(EngineConfigError, match=f"tuned table {broken}: paged_decode entry 0: batch=3"):
+        LLMEngine(model=engine_checkpoint)
+    tuned_configs.clear_cache()

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kernels.tuned_configs import TunedTableError, tuned_configs
 from vlm_catalog.device_upload import upload
 from vlm_catalog.engine.block_manager import BlockManager
 from vlm_catalog.engine.config import EngineConfig, EngineConfigError
@@ -111,6 +112,7 @@ class LLMEngine:
         provides the config, tokenizer, chat template and preprocessor settings."""
         config = config or EngineConfig(**overrides)
         self.config = config
+        self.tuned_tables = self._tuned_tables()  # read first: a broken table fails here, not mid-step
         if config.tune_cpu_allocator and config.torch_device.type == "cpu":
             keep_freed_memory()
         self.model_config = ModelConfig.from_pretrained(config.model)
@@ -187,6 +189,17 @@ class LLMEngine:
             str(config.torch_kv_cache_dtype).removeprefix("torch."),
         )
         return int(num_blocks)
+
+    def _tuned_tables(self) -> tuple[str, ...]:
+        """The tables of tuned kernel launch settings this engine's device reads
+        (`kernels.tuned_configs`: its GPU model's packaged one, then VLM_CATALOG_TUNED_CONFIGS)."""
+        try:
+            sources = tuned_configs(self.config.torch_device).sources
+        except TunedTableError as error:
+            raise EngineConfigError(str(error)) from error
+        if sources:
+            logger.info("tuned kernel launch settings: %s", ", ".join(sources))
+        return sources
 
     def _device_memory(self) -> DeviceMemory | None:
         """Memory queries of the device whose KV pool is sized by profiling (CUDA); None on CPU."""
