@@ -45,6 +45,10 @@ call; `--json FILE` merges the phases' results into FILE.
                   default (`auto`) is the same where FA3 is installed on a Hopper GPU
 - engine_w8a8_channel_fa2  engine_w8a8_channel with VLM_CATALOG_FLASH_VARLEN=torch: PyTorch's
                   FlashAttention 2 varlen call, the default before 2026-11-27's H200 run
+- engine_w8a8_channel_tuned  engine_w8a8_channel with the tuned table --tuned-configs names
+                  (VLM_CATALOG_TUNED_CONFIGS: the MoE tiles and decode attention launch settings
+                  the tuners just wrote, kernels/tuned_configs.py), against the tables in effect
+                  without it; every engine run records the tables it read (`tuned_configs`)
 - engine_profile  engine_w8a8_channel on the first --profile-records (128) records under
                   torch.profiler: the device's kernel time by region of the step (vision,
                   text forward in prefill and decode steps, the rest of the step), by kind
@@ -97,6 +101,7 @@ from kernels.moe import grouped_gemm
 from kernels.moe.grouped_gemm import moe_gemm_choice
 from kernels.pdl import pdl_requested, programmatic_dependent_launch
 from kernels.sdpa_backend import sdpa_backend
+from kernels.tuned_configs import TUNED_CONFIGS_ENV_VAR, TunedTableError, load_table
 from vlm_catalog.bench.device_profile import profiled_call
 from vlm_catalog.bench.random_model import (
     QWEN3_VL_30B_A3B,
@@ -125,11 +130,13 @@ from vlm_catalog.structured import catalogue_schema
 
 PHASES = ("ceilings", "kernels", "roofline", "vision_encoder", "engine", "engine_fp8_kv", "constrained",
           "engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fast",
-          "engine_w8a8_channel_fa3", "engine_w8a8_channel_fa2", "constrained_w8a8_channel", "engine_profile",
+          "engine_w8a8_channel_fa3", "engine_w8a8_channel_fa2", "engine_w8a8_channel_tuned", "constrained_w8a8_channel",
+          "engine_profile",
           "transformers")  # engine_profile last of the engines: its analysis is the longest
 # they quantize the experts in place: after the others
 FP8_MODEL_PHASES = {"engine_fp8", "engine_w8a8", "engine_w8a8_channel", "engine_w8a8_channel_fast", "engine_profile",
                     "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fa3", "engine_w8a8_channel_fa2",
+                    "engine_w8a8_channel_tuned",
                     "constrained_w8a8_channel"}
 NEEDS_RECORDS = {"vision_encoder", "engine", "engine_fp8_kv", "constrained", "transformers", *FP8_MODEL_PHASES}
 NEEDS_MODEL = {"roofline", "engine", "engine_fp8_kv", "constrained", *FP8_MODEL_PHASES}
@@ -497,7 +504,9 @@ def measure_engine(checkpoint: Path, model, device: torch.device, records, outpu
     else:
         results["fixed_150_tokens"] = timed_run()
     results.update({"sampling": asdict(sampling), "async_scheduling": async_scheduling,
-                    "max_num_batched_tokens": max_num_batched_tokens})
+                    "max_num_batched_tokens": max_num_batched_tokens,
+                    # the tuned tables (JSON) whose MoE tiles and decode launch settings it ran
+                    "tuned_configs": list(engine.tuned_tables)})
     results.update(memory_summary(engine, device))
     engine.close()
     return results
@@ -550,19 +559,21 @@ def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, o
                        async_scheduling: bool = False, warmup_records=(), per_channel: bool = False,
                        fast_accumulation: bool = False, moe_gemm_choice: str | None = None,
                        max_num_batched_tokens: int = STEP_TOKENS, profiled: bool = False,
-                       flash_varlen: str | None = None) -> dict:
+                       flash_varlen: str | None = None, tuned_table: Path | None = None) -> dict:
     """`measure_engine` with FP8 experts (`quantize_model`, which says what `fp8_activations` and
     `per_channel` quantize) and an FP8 KV cache; `fast_accumulation`: under
     VLM_CATALOG_FP8_FAST_ACCUMULATION=1 (`kernels.dispatch.fp8_accumulation`); `moe_gemm_choice`:
     under VLM_CATALOG_MOE_GEMM=that (`kernels.moe.grouped_gemm.moe_gemm`; None: as set);
-    `flash_varlen`: under VLM_CATALOG_FLASH_VARLEN=that (None: as set); `profiled`: as
-    `measure_engine`'s."""
+    `flash_varlen`: under VLM_CATALOG_FLASH_VARLEN=that (None: as set); `tuned_table`: under
+    VLM_CATALOG_TUNED_CONFIGS=that (None: as set); `profiled`: as `measure_engine`'s."""
     before = weight_sizes(model)
     block, dense_block = quantize_model(model, device, fp8_activations, per_channel)
     gemms = grouped_gemm.moe_gemm(moe_gemm_choice) if moe_gemm_choice else contextlib.nullcontext()
     attention = (environment_variable(FLASH_VARLEN_ENV_VAR, flash_varlen) if flash_varlen
                  else contextlib.nullcontext())
-    with fp8_accumulation(fast_accumulation), gemms, attention:
+    table = (environment_variable(TUNED_CONFIGS_ENV_VAR, str(tuned_table)) if tuned_table is not None
+             else contextlib.nullcontext())
+    with fp8_accumulation(fast_accumulation), gemms, attention, table:
         results = measure_engine(checkpoint, model, device, records, output_tokens, kv_cache_dtype="fp8",
                                  sampling=sampling, async_scheduling=async_scheduling, warmup_records=warmup_records,
                                  max_num_batched_tokens=max_num_batched_tokens, profiled=profiled)
@@ -798,6 +809,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="engine phases: tokens per step (prefill chunks and decodes together)")
     parser.add_argument("--profile-records", type=int, default=PROFILE_RECORDS,
                         help="engine_profile: the records of its profiled run (the first of --records)")
+    parser.add_argument("--tuned-configs", type=Path, default=None,
+                        help="engine_w8a8_channel_tuned: the tuned table (JSON) it runs with "
+                             "(bench_kernels.py --tune-moe/--tune-decode --write-table)")
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
     engine_sampling = QWEN3_VL_SAMPLING if args.engine_sampling == "benchmark" else GREEDY
@@ -815,6 +829,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--warmup-records must be >= 0 (0: no warm-up), got {args.warmup_records}")
     if args.max_num_batched_tokens < 1:
         parser.error(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
+    if "engine_w8a8_channel_tuned" in phases:
+        if args.tuned_configs is None:
+            parser.error("engine_w8a8_channel_tuned needs --tuned-configs PATH")
+        try:
+            load_table(args.tuned_configs)  # a missing or broken table fails here, not after the other phases
+        except TunedTableError as error:
+            parser.error(str(error))
     if device.type == "cpu" and "kernels" in phases:
         # the kernels run under the Triton interpreter on CPU; it is chosen when kernels.jit is
         # first imported, which has not happened yet (only the Triton wrappers import it)
@@ -927,6 +948,9 @@ def main(argv: list[str] | None = None) -> int:
                 "engine_w8a8_channel_fa2": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
                     per_channel=True, flash_varlen="torch", **engine_options),
+                "engine_w8a8_channel_tuned": lambda: measure_engine_fp8(
+                    checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
+                    per_channel=True, tuned_table=args.tuned_configs, **engine_options),
                 "constrained_w8a8_channel": lambda: measure_constrained_fp8(
                     checkpoint, model, device, engine_records, args.output_tokens,
                     async_scheduling=args.async_scheduling, warmup_records=warmup_records,

@@ -918,6 +918,7 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
             shapes.moe_intermediate,
             dtype,
             shapes.top_k,
+            device=device,
         )
         ms = timer(partial(fused_moe_triton, *inputs))
         flops, weight_bytes = _moe_cost(num_tokens, shapes, element)
@@ -1046,7 +1047,7 @@ def _route_and_align_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
         if route_align_tile(num_tokens, shapes.num_experts) > ROUTE_ALIGN_MAX_TILE:
             continue
         block_size = get_moe_config(
-            num_tokens, shapes.num_experts, shapes.hidden, shapes.moe_intermediate, dtype, shapes.top_k
+            num_tokens, shapes.num_experts, shapes.hidden, shapes.moe_intermediate, dtype, shapes.top_k, device=device
         ).block_size_m
         logits = torch.randn(num_tokens, shapes.num_experts, dtype=dtype, device=device)
         route_args = (logits, shapes.top_k, True, dtype)
@@ -1229,25 +1230,32 @@ def print_table(report: dict) -> None:
 
 
 # --------------------------------------------------------------------------- MoE tuning
-def candidate_configs(rows_per_expert: float):
+MEMORY_BOUND_ROWS_PER_EXPERT = 32  # up to here an expert's weights are read for a block or two of rows
+
+
+def candidate_configs(rows_per_expert: float, max_block_k: int = 256):
+    """The tiles `--tune-moe` times for a bucket with this many rows per expert.
+
+    Up to MEMORY_BOUND_ROWS_PER_EXPERT (decode batches) the GEMMs stream each expert's weights
+    once for one or two M blocks: longer K steps (up to `max_block_k`) and deeper pipelines keep
+    more bytes in flight, and GROUP_M has nothing to group (vLLM's H100 table for this expert
+    shape picks K steps of 128-256 and 2-5 stages there). Past it the tiles grow in M and N for
+    reuse. `max_block_k`: 128 where a longer step cannot help or would change the sums (FP8
+    weights in 128-column scale blocks; per-channel W8A8 adding into float32 once per K step)."""
     from kernels.moe.configs import MoeKernelConfig
 
-    block_ms = (16, 32) if rows_per_expert <= 32 else (32, 64, 128)
+    if rows_per_expert <= MEMORY_BOUND_ROWS_PER_EXPERT:
+        block_ms, block_ks, group_ms, stages = (16, 32), (64, 128, 256), (1,), (3, 4, 5)
+    else:
+        block_ms, block_ks, group_ms, stages = (32, 64, 128), (64, 128), (1, 8), (3, 4)
     for block_m in block_ms:
         for block_n in (32, 64, 128):
-            for block_k in (64, 128):
-                for group_m in (1, 8):
+            for block_k in (k for k in block_ks if k <= max_block_k):
+                for group_m in group_ms:
                     for num_warps in (4, 8):
-                        for num_stages in (3, 4):
-                            yield MoeKernelConfig(
-                                block_m,
-                                block_n,
-                                block_k,
-                                group_m,
-                                num_warps,
-                                num_stages,
-                                tuned=True,
-                            )
+                        for num_stages in stages:
+                            yield MoeKernelConfig(block_m, block_n, block_k, group_m, num_warps, num_stages,
+                                                  tuned=True)
 
 
 def _moe_tuning_inputs(num_tokens: int, shapes: Shapes, dtype, device,
@@ -1311,17 +1319,20 @@ def precompile_moe_configs(pool, workers: int, device, num_tokens: int, shapes: 
 
 def tune_moe(
     device, shapes: Shapes = GPU_SHAPES, dtype=None, buckets=None, max_candidates: int | None = None,
-    experts: ExpertFormat = ExpertFormat(), compile_workers: int = 0,
+    experts: ExpertFormat = ExpertFormat(), compile_workers: int = 0, write_table: Path | None = None,
 ) -> dict[int, tuple]:
-    """Times every candidate config per token bucket; prints and returns the best.
+    """Times every candidate config per token bucket, the one in effect competing; prints and
+    returns the best, {bucket: (ms, config, the config in effect's ms)}.
     All buckets at the model shape take a while (a few hundred compilations): pass
     `buckets` to split the work over several runs, and `compile_workers` to compile each
     bucket's candidates in that many processes first. `experts`: FP8 experts, W8A8 and
     per-channel ones each have entries of their own. Buckets of decode sizes are timed in CUDA
-    graphs, as the engine runs them (`timer_for_tokens`)."""
+    graphs, as the engine runs them (`timer_for_tokens`). `write_table`: each bucket's best goes
+    into this JSON table as soon as it is known (`kernels.tuned_configs`)."""
     import torch
 
     from kernels.moe.configs import TOKEN_BUCKETS
+    from kernels.tuned_configs import device_name, moe_entry, write_entries
 
     device = torch.device(device)
     dtype = dtype or torch.bfloat16
@@ -1330,26 +1341,47 @@ def tune_moe(
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(moe_compile_pool(compile_workers)) if compile_workers > 1 else None
         for bucket in buckets or TOKEN_BUCKETS:
-            best[bucket] = _tune_moe_bucket(bucket, device, shapes, dtype, experts,
-                                            timer_for_tokens(bucket, shapes, timer, graph_timer), max_candidates,
-                                            pool, compile_workers)
+            key, ms, config, default_ms = _tune_moe_bucket(
+                bucket, device, shapes, dtype, experts, timer_for_tokens(bucket, shapes, timer, graph_timer),
+                max_candidates, pool, compile_workers)
+            best[bucket] = (ms, config, default_ms)
+            if write_table is not None:
+                write_entries(write_table, device_name(device), moe=[moe_entry(key, config, ms, default_ms)])
+                print(f"# T={bucket}: written to {write_table}", flush=True)
     return best
 
 
 def _tune_moe_bucket(bucket: int, device, shapes: Shapes, dtype, experts: ExpertFormat, timer,
                      max_candidates: int | None, pool, compile_workers: int) -> tuple:
-    """The fastest candidate for one bucket, (ms, config); printed with its line for MOE_CONFIGS."""
-    from kernels.moe.configs import format_config_entry
+    """The fastest candidate for one bucket, the config in effect among them: (its table key, ms,
+    config, the config in effect's ms); printed with its line for MOE_CONFIGS."""
+    from kernels.moe.configs import (
+        MAX_SHARED_MEMORY_BYTES,
+        format_config_entry,
+        gate_up_shared_memory_bytes,
+        get_moe_config,
+        table_dtype,
+    )
     from kernels.moe.fused_moe import asynchronous_k_loops, fused_moe_triton
 
     inputs, scales = _moe_tuning_inputs(bucket, shapes, dtype, device, experts)
     # per-channel experts' own entries are for K loops that do not wait per step; per-channel
     # W8A8 summing into float32 every step takes (and so tunes) the block-scaled W8A8 entries
     own_entries = asynchronous_k_loops(inputs[1], scales.get("block_shape"), experts.w8a8)
+    weights_dtype = inputs[1].dtype
+    key = (shapes.num_experts, shapes.hidden, shapes.moe_intermediate,
+           table_dtype(weights_dtype, experts.w8a8, own_entries), bucket)
+    in_effect = replace(get_moe_config(bucket, shapes.num_experts, shapes.hidden, shapes.moe_intermediate,
+                                       weights_dtype, shapes.top_k, experts.w8a8, own_entries, device), tuned=True)
     results = []
-    candidates = list(candidate_configs(bucket * shapes.top_k / shapes.num_experts))[
-        :max_candidates
-    ]
+    # K steps past 128: only where the K loop neither clamps them to its 128-column scale blocks nor
+    # adds into float32 once per step (bf16 experts, and per-channel ones with asynchronous loops)
+    searched = candidate_configs(bucket * shapes.top_k / shapes.num_experts,
+                                 max_block_k=256 if own_entries or not experts.fp8 else 128)
+    # tiles whose pipeline cannot fit a block's shared memory would only fail to compile
+    searched = (config for config in searched
+                if gate_up_shared_memory_bytes(config, weights_dtype.itemsize) <= MAX_SHARED_MEMORY_BYTES)
+    candidates = [in_effect, *(config for config in searched if config != in_effect)][:max_candidates]  # in effect first
     if pool is not None:
         started = time.perf_counter()
         compiled = precompile_moe_configs(pool, compile_workers, device, bucket, shapes, dtype, experts, candidates)
@@ -1364,15 +1396,17 @@ def _tune_moe_bucket(bucket: int, device, shapes: Shapes, dtype, experts: Expert
             continue
         results.append((timer(run), config, graph_note(timer)))  # (ms, config, how it was timed)
     ms, config, timing = min(results, key=lambda item: item[0])
-    print(f"# T={bucket}: {ms:.4f} ms (of {len(results)} configs{', ' + timing if timing else ''})")
+    default_ms = next((item[0] for item in results if item[1] == in_effect), None)
+    against = f", against {default_ms:.4f} ms for the config in effect" if default_ms is not None else ""
+    print(f"# T={bucket}: {ms:.4f} ms (of {len(results)} configs{', ' + timing if timing else ''}){against}")
     print(
         format_config_entry(
-            shapes.num_experts, shapes.hidden, shapes.moe_intermediate, inputs[1].dtype, bucket, config,
+            shapes.num_experts, shapes.hidden, shapes.moe_intermediate, weights_dtype, bucket, config,
             experts.w8a8, own_entries,
         ),
         flush=True,
     )
-    return ms, config
+    return key, ms, config, default_ms
 
 
 # --------------------------------------------------------------------------- decode tuning
@@ -1392,25 +1426,29 @@ def decode_candidates(max_candidates: int | None = None):
 
 
 def tune_decode(device, shapes: Shapes = GPU_SHAPES, dtype=None, batches=None, fp8: bool = False,
-                max_candidates: int | None = None) -> dict[int, tuple]:
+                max_candidates: int | None = None, write_table: Path | None = None) -> dict[int, tuple]:
     """Times the split kernel's launch settings per batch bucket as the engine runs it (in a CUDA
     graph, fused cache write, `decode_graph_bound` as the host's bound, contexts spread around
     `decode_tuning_context`: `spread_lengths`);
     candidates that launch the same grid are timed once. Prints each bucket's best against the
-    default with its line for DECODE_CONFIGS, and returns {batch: (ms, default ms, config)}.
-    `fp8`: an FP8 (e4m3) cache."""
+    setting in effect (`get_decode_config`) with its line for DECODE_CONFIGS, and returns
+    {batch: (ms, the setting in effect's ms, config)}.
+    `fp8`: an FP8 (e4m3) cache. `write_table`: each bucket's best goes into this JSON table as
+    soon as it is known (`kernels.tuned_configs`)."""
     import torch
 
     from kernels.attention_common import multiprocessor_count
+    from kernels.checks import dtype_name
     from kernels.paged_decode_attention import (
         paged_decode_attention_with_kv_write_triton,
         split_plan,
     )
     from kernels.paged_decode_configs import (
         decode_batch_bucket,
-        default_decode_config,
         format_decode_config_entry,
+        get_decode_config,
     )
+    from kernels.tuned_configs import decode_entry, device_name, write_entries
 
     device = torch.device(device)
     dtype = dtype or torch.bfloat16
@@ -1432,7 +1470,7 @@ def tune_decode(device, shapes: Shapes = GPU_SHAPES, dtype=None, batches=None, f
             return paged_decode_attention_with_kv_write_triton(*args, shapes.head_dim**-0.5, max_context_len=bound,
                                                                config=config)
 
-        default = default_decode_config(shapes.head_dim)
+        default = get_decode_config(k_cache.dtype, shapes.head_dim, batch, device)  # in effect (a table's, if any)
         default_ms = timer(partial(run, default))
         seen, results = set(), []
         for config in [replace(default, tuned=True), *decode_candidates(max_candidates)]:  # the default competes too
@@ -1453,6 +1491,10 @@ def tune_decode(device, shapes: Shapes = GPU_SHAPES, dtype=None, batches=None, f
               f"(of {len(results)} launches)")
         print(format_decode_config_entry(k_cache.dtype, shapes.head_dim, decode_batch_bucket(batch), config), flush=True)
         best[batch] = (ms, default_ms, config)
+        if write_table is not None:
+            key = (dtype_name(k_cache.dtype), shapes.head_dim, decode_batch_bucket(batch))
+            write_entries(write_table, device_name(device), paged_decode=[decode_entry(key, config, ms, default_ms)])
+            print(f"# B={batch}: written to {write_table}", flush=True)
     return best
 
 
@@ -1472,6 +1514,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tune-decode", action="store_true",
         help="search the paged decode attention's launch settings per batch bucket",
+    )
+    parser.add_argument(
+        "--write-table", type=Path, default=None,
+        help="--tune-moe / --tune-decode: also write each bucket's best into this JSON table "
+             "(merged with what it holds; VLM_CATALOG_TUNED_CONFIGS=PATH makes an engine use it)",
     )
     parser.add_argument("--fp8", action="store_true",
                         help="--tune-moe with FP8 experts (128 x 128 scales); --tune-decode with an FP8 KV cache")
@@ -1499,6 +1546,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--w8a8 goes with --tune-moe --fp8")
     if args.per_channel and not (args.tune_moe and args.fp8):
         parser.error("--per-channel goes with --tune-moe --fp8")
+    if args.write_table is not None and not (args.tune_moe or args.tune_decode):
+        parser.error("--write-table goes with --tune-moe or --tune-decode")
 
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
@@ -1521,7 +1570,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.tune_decode:
-        tune_decode(device, shapes, batches=args.buckets, fp8=args.fp8, max_candidates=2 if args.interpret else None)
+        tune_decode(device, shapes, batches=args.buckets, fp8=args.fp8, max_candidates=2 if args.interpret else None,
+                    write_table=args.write_table)
         return 0
     if args.tune_moe:
         workers = args.compile_workers
@@ -1530,9 +1580,10 @@ def main(argv: list[str] | None = None) -> int:
         experts = ExpertFormat(args.fp8, args.w8a8, args.per_channel)
         if args.interpret:  # the smoke run tries two configs per bucket
             tune_moe(device, shapes, buckets=args.buckets or shapes.moe_token_counts, max_candidates=2,
-                     experts=experts, compile_workers=workers)
+                     experts=experts, compile_workers=workers, write_table=args.write_table)
         else:
-            tune_moe(device, shapes, buckets=args.buckets, experts=experts, compile_workers=workers)
+            tune_moe(device, shapes, buckets=args.buckets, experts=experts, compile_workers=workers,
+                     write_table=args.write_table)
         return 0
     report = run_kernel_benchmarks(device, shapes, groups=args.groups)
     print_table(report)

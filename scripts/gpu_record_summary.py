@@ -26,7 +26,7 @@ from pathlib import Path
 
 ENGINE_PHASES = ("engine", "engine_fp8_kv", "engine_fp8", "engine_w8a8", "engine_w8a8_channel",
                  "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fast", "engine_w8a8_channel_fa3",
-                 "engine_w8a8_channel_fa2", "engine_profile")
+                 "engine_w8a8_channel_fa2", "engine_w8a8_channel_tuned", "engine_profile")
 # kernel rows worth a line: their names start with one of these
 # the rows that set a switch or a default: decode attention, the MoE's GEMM choice, and every
 # vision attention row (our kernel, SDPA with cuDNN, FlashAttention's varlen)

@@ -5,7 +5,7 @@ A session that is lent a GPU gets 15 minutes of device time in all, the machine'
 (a minute or more) included, and at most 10 minutes per call. This script is that call:
 
     python3 scripts/gpu_session.py --wheels .whl --out $OUT                # the `record` plan
-    python3 scripts/gpu_session.py --plan tune --budget 400 --out $OUT     # tune the W8A8 engine
+    python3 scripts/gpu_session.py --plan tune --out $OUT                  # tune, then the engine with it
     python3 scripts/gpu_session.py --plan record --dry-run                 # print the plan, run nothing
     python3 scripts/gpu_session.py --steps kernels,vision_encoder --budget 200 --out $OUT  # a second call
 
@@ -29,9 +29,11 @@ own results into `$OUT` (at most 8 files come back from a device call):
   async scheduling and with 32k-token steps (engine_*.json), the attention rows with V read
   as bytes (each into its own JSON), then the FP8 decode attention's launch settings tuned;
   `--steps` picks among them.
-- `tune`: the W8A8 MoE tile tuning (block scales, then per-channel with fast accumulation,
-  the one whose tiles are its own) and the FP8 decode attention's launch settings, each
-  bucket printed as it is done.
+- `tune`: the record engine's W8A8 MoE tiles and FP8 decode attention launch settings
+  tuned, each bucket's best written into `tuned_configs.json` as it is known
+  (`kernels/tuned_configs.py`), then engine_w8a8_channel as served and with that table
+  (engine_tuned.json); with time left, the bf16 decode buckets and the per-channel tiles
+  under fast accumulation.
 - `smoke`: two engine phases on CPU at the default model's shapes, to try the runner here.
 """
 
@@ -136,21 +138,37 @@ PLANS: dict[str, tuple[Step, ...]] = {
         # 51% MFU on 2026-11-27 (target 35%) and unchanged since: only if time is left
         Step("vision_encoder", bench_gpu("vision_encoder"), max_s=60, min_s=30),
     ),
+    # tune, then measure what the tuning gives, in one call: every tuner writes each bucket's best
+    # into {out}/tuned_configs.json as soon as it is known (kernels/tuned_configs.py), and the
+    # engine then runs as served and with that table, in one process on the same records. The
+    # table comes back with the call; committed as kernels/tuned/<GPU model>.json it is the
+    # default on that GPU model.
     "tune": (
-        Step("tune_moe_w8a8", bench_kernels("--tune-moe", "--fp8", "--w8a8", "--buckets", "4096", "16384", "256", "1"),
+        # the record engine's expert tiles (per-channel W8A8 summing into float32 every K step
+        # takes the block-scaled W8A8 entries): its decode steps at batch 256 first (150 of them a
+        # run; 0.46 ms per layer on the H100 of 2026-11-27 for the 0.6 GB of weights, 1.3 TB/s),
+        # then its 16k-token prefill steps, then the smaller decode batches of a run's tail
+        Step("tune_moe_w8a8", bench_kernels("--tune-moe", "--fp8", "--w8a8", "--buckets", "256", "16384", "128", "1",
+                                            "--write-table", "{out}/tuned_configs.json"),
              max_s=200, min_s=60, tail_to="tune_moe_w8a8.txt", tail_lines=200),
-        # the bf16 decode buckets (the roofline's batch-1 step), picked on 2026-11-25 by host-launched
-        # timings in which every candidate took the host's ~0.24 ms at T=1; now timed in CUDA graphs
-        Step("tune_moe_bf16_decode", bench_kernels("--tune-moe", "--buckets", "1", "16", "64", "256"),
+        # the FP8-cache decode attention at the decode batches a run goes through
+        Step("tune_decode_fp8", bench_kernels("--tune-decode", "--fp8", "--buckets", "256", "128", "32", "1",
+                                              "--write-table", "{out}/tuned_configs.json"),
+             max_s=100, min_s=40, tail_to="tune_decode_fp8.txt", tail_lines=200),
+        Step("engine_tuned", ("python3", "scripts/bench_gpu.py", "--phases",
+                              "engine_w8a8_channel,engine_w8a8_channel_tuned", "--tuned-configs",
+                              "{out}/tuned_configs.json", "--json", "{out}/engine_tuned.json"),
+             max_s=260, min_s=150),
+        # with time left: the bf16 decode buckets (the roofline's batch-1 step), and per-channel
+        # W8A8 under fast accumulation, whose tiles are its own
+        Step("tune_moe_bf16_decode", bench_kernels("--tune-moe", "--buckets", "1", "16", "64", "256",
+                                                   "--write-table", "{out}/tuned_configs.json"),
              max_s=150, min_s=60, tail_to="tune_moe_bf16_decode.txt", tail_lines=200),
-        # summed into float32 every K step (the default), per-channel W8A8 takes the block-scaled
-        # tiles just tuned; its own entries are for the fast accumulation's asynchronous loop
         Step("tune_moe_w8a8_channel", bench_kernels("--tune-moe", "--fp8", "--w8a8", "--per-channel",
-                                                    "--buckets", "4096", "16384", "256", "1"),
+                                                    "--buckets", "4096", "16384", "256", "1",
+                                                    "--write-table", "{out}/tuned_configs.json"),
              max_s=200, min_s=60, tail_to="tune_moe_w8a8_channel.txt", tail_lines=200,
              env=(("VLM_CATALOG_FP8_FAST_ACCUMULATION", "1"),)),
-        Step("tune_decode_fp8", bench_kernels("--tune-decode", "--fp8"), max_s=180, min_s=60,
-             tail_to="tune_decode_fp8.txt", tail_lines=200),
     ),
     # the FP8-cache decode attention, slower on 2026-11-27 than on 2026-11-25 (docs/benchmarks.md):
     # the attention rows as they are, with V read as bytes, and with bf16 dots (the old loop), then
@@ -191,9 +209,9 @@ PLANS: dict[str, tuple[Step, ...]] = {
              max_s=130, min_s=100),
         Step("attention_v_bytes", bench_kernels("--groups", "attention", "--json", "{out}/attention_v_bytes.json"),
              max_s=90, min_s=30, env=(("VLM_CATALOG_KERNELS_OFF", "fp8_v_words"),)),
-        Step("tune_decode_fp8", bench_kernels("--tune-decode", "--fp8"), max_s=200, min_s=60,
-             tail_to="tune_decode_fp8.txt", tail_lines=200),
-        # the vision tower with every image on our Triton kernel (its head now in 64 + 16 columns), against
+        Step("tune_decode_fp8", bench_kernels("--tune-decode", "--fp8", "--write-table", "{out}/tuned_configs.json"),
+             max_s=200, min_s=60, tail_to="tune_decode_fp8.txt", tail_lines=200),
+        # the vision tower with every image on our Triton kernel (one masked 128-column tile), against
         # the record's vision_encoder; the attention rows above time its tile candidates alone
         Step("vision_encoder_triton", ("python3", "scripts/bench_gpu.py", "--phases", "vision_encoder", "--json",
                                        "{out}/vision_triton.json"),

@@ -115,3 +115,14 @@ def test_the_sessions_other_files_get_rows_of_their_own(tmp_path, capsys):
     text = module.summarize(json.loads(RECORD.read_text()), extras=[("vision_cudnn.json", {"vision_encoder": vision})])
     assert "- vision_encoder: 32 images, 145528 patches: 0.759 s" in text
     assert "- vision_encoder (vision_cudnn.json): 32 images, 145528 patches: 0.500 s, 70.0% MFU" in text
+
+
+def test_every_engine_throughput_phase_of_bench_gpu_is_summarized():
+    """A new engine phase in bench_gpu.py shows up in the summary's engine table (the constrained
+    comparisons have their own runs)."""
+    source = (REPO_ROOT / "scripts" / "bench_gpu.py").read_text()
+    phases = source[source.index("PHASES = (") : source.index(")", source.index("PHASES = ("))]
+    engine_phases = {name for name in phases.replace("\n", " ").split('"')
+                     if name.startswith("engine") and name.replace("_", "").isalnum()}
+    assert "engine_w8a8_channel_tuned" in engine_phases
+    assert engine_phases <= set(load_summary().ENGINE_PHASES)

@@ -163,8 +163,15 @@ def test_dry_run_prints_the_plan(session, capsys):
         assert f"{step.name}: {shlex.join(step.argv)}" in printed
     assert "[-n 4 --dist loadgroup where xdist is importable]" in printed
     assert session.main(["--plan", "tune", "--dry-run"]) == 0
-    assert "--per-channel --buckets 4096 16384 256 1 [with VLM_CATALOG_FP8_FAST_ACCUMULATION=1]" in \
-        capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "--per-channel --buckets 4096 16384 256 1 --write-table '{out}/tuned_configs.json' " \
+           "[with VLM_CATALOG_FP8_FAST_ACCUMULATION=1]" in printed
+    # the tuners write one table, which the engine step then runs with
+    tune = {step.name: step.argv for step in session.PLANS["tune"]}
+    assert tune["tune_moe_w8a8"][-2:] == tune["tune_decode_fp8"][-2:] == ("--write-table", "{out}/tuned_configs.json")
+    engine = tune["engine_tuned"]
+    assert "engine_w8a8_channel_tuned" in engine[engine.index("--phases") + 1]
+    assert engine[engine.index("--tuned-configs") + 1] == "{out}/tuned_configs.json"
 
 
 def test_a_steps_variables_reach_its_process_alone(session, tmp_path):

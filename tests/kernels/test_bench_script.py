@@ -27,7 +27,8 @@ SCRIPT = REPO_ROOT / "scripts" / "bench_kernels.py"
 def cpu_only_env(interpret: bool) -> dict[str, str]:
     """This process's environment with no GPU visible and the interpreter set or unset (and the
     kernel switches unset)."""
-    switches = ("VLM_CATALOG_KERNELS", "TRITON_INTERPRET", "VLM_CATALOG_FP8_FAST_ACCUMULATION")
+    switches = ("VLM_CATALOG_KERNELS", "TRITON_INTERPRET", "VLM_CATALOG_FP8_FAST_ACCUMULATION",
+                "VLM_CATALOG_TUNED_CONFIGS")
     env = {key: value for key, value in os.environ.items() if key not in switches}
     env["CUDA_VISIBLE_DEVICES"] = ""
     if interpret:
@@ -150,6 +151,45 @@ def test_tune_moe_compiles_in_workers_and_prints_entries_to_paste():
         assert key[-1] == bucket and config.tuned
 
 
+def test_tuners_write_their_bests_into_a_table_the_lookups_read(tmp_path):
+    """--write-table: each bucket's best (the config in effect competing, its time kept as
+    default_ms) goes into one JSON table, MoE tiles and decode launches alike, merged across
+    runs; pointed at by VLM_CATALOG_TUNED_CONFIGS, the lookups return those entries."""
+    pytest.importorskip("triton")
+    from kernels.moe.configs import MoeKernelConfig
+    from kernels.paged_decode_configs import DecodeKernelConfig
+    from kernels.tuned_configs import load_table
+
+    table = tmp_path / "tuned.json"
+    moe = run_script("--interpret", "--tune-moe", "--buckets", "4", "64", "--compile-workers", "0",
+                     "--write-table", str(table), interpret=True)
+    assert moe.returncode == 0, moe.stdout + moe.stderr
+    assert moe.stdout.count("for the config in effect") == 2 and f"# T=64: written to {table}" in moe.stdout
+    decode = run_script("--interpret", "--tune-decode", "--fp8", "--write-table", str(table), interpret=True)
+    assert decode.returncode == 0, decode.stdout + decode.stderr
+    written = load_table(table)
+    pasted = [line for line in moe.stdout.splitlines() if "MoeKernelConfig(" in line]
+    assert written.moe == {key: config for line in pasted
+                           for key, config in eval("{" + line.strip() + "}", {"MoeKernelConfig": MoeKernelConfig}).items()}
+    pasted = [line for line in decode.stdout.splitlines() if "DecodeKernelConfig(" in line]
+    assert written.paged_decode == {
+        key: config for line in pasted
+        for key, config in eval("{" + line.strip() + "}", {"DecodeKernelConfig": DecodeKernelConfig}).items()}
+    entries = json.loads(table.read_text())["moe"]
+    assert all(entry["ms"] > 0 and entry["default_ms"] >= entry["ms"] for entry in entries), entries
+    # the engine's lookups, in a process told to use the table
+    ((key, config),) = [(key, config) for key, config in written.moe.items() if key[-1] == 64]
+    experts, hidden, intermediate, dtype, _ = key
+    probe = ("import torch; from kernels.moe.configs import get_moe_config; "
+             f"print(get_moe_config(64, {experts}, {hidden}, {intermediate}, torch.{dtype}, top_k=2, device='cpu'))")
+    env = {**cpu_only_env(False), "VLM_CATALOG_TUNED_CONFIGS": str(table)}
+    looked_up = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO_ROOT, env=env,
+                               timeout=120)
+    assert looked_up.stdout.strip() == repr(config), looked_up.stderr
+    refused = run_script("--write-table", str(table))
+    assert refused.returncode == 2 and "--write-table goes with --tune-moe or --tune-decode" in refused.stderr
+
+
 def test_tune_decode_prints_entries_to_paste():
     """--tune-decode: per batch bucket, the best launch (the default competing) and its line for
     DECODE_CONFIGS."""
@@ -175,6 +215,35 @@ def test_decode_tuning_spreads_context_lengths_around_the_mean():
     assert abs(sum(lengths) / 256 - 2048) < 1
     assert lengths != sorted(lengths) and lengths == spread_lengths(256, 2048)  # shuffled, the same every run
     assert spread_lengths(1, 2048) == [2048]
+
+
+def test_moe_candidates_search_longer_k_steps_and_deeper_pipelines_at_decode_sizes():
+    """Decode-sized buckets (an expert's weights streamed for one or two row blocks) try K steps up
+    to 256 and 2-5 stages' worth of pipeline, without GROUP_M variants; `max_block_k` 128 keeps
+    the FP8 loops' steps within their scale blocks; prefill-sized buckets keep their space."""
+    candidate_configs = load_bench_gpu().load_bench_kernels().candidate_configs
+    decode = list(candidate_configs(16))
+    assert {c.block_size_k for c in decode} == {64, 128, 256} and {c.num_stages for c in decode} == {3, 4, 5}
+    assert {c.group_size_m for c in decode} == {1} and {c.block_size_m for c in decode} == {16, 32}
+    assert len(decode) == len(set(decode)) == 2 * 3 * 3 * 2 * 3
+    assert {c.block_size_k for c in candidate_configs(16, max_block_k=128)} == {64, 128}
+    prefill = list(candidate_configs(1024))
+    assert {c.block_size_k for c in prefill} == {64, 128} and {c.group_size_m for c in prefill} == {1, 8}
+    assert {c.block_size_m for c in prefill} == {32, 64, 128} and len(prefill) == 3 * 3 * 2 * 2 * 2 * 2
+
+
+def test_the_moe_tuner_times_only_tiles_that_fit_shared_memory(triton_device, monkeypatch, capsys):
+    """Candidates whose pipeline cannot fit a block's shared memory (for the weights' element size)
+    are not compiled or timed."""
+    from kernels.moe.configs import MoeKernelConfig
+
+    bench_kernels = load_bench_gpu().load_bench_kernels()
+    fits, too_big = MoeKernelConfig(16, 32, 64, 1, 4, 3, tuned=True), MoeKernelConfig(32, 128, 256, 1, 4, 5, tuned=True)
+    monkeypatch.setattr(bench_kernels, "candidate_configs", lambda rows, max_block_k=256: iter([too_big, fits]))
+    timed = []
+    monkeypatch.setattr(bench_kernels, "make_timer", lambda device: lambda run: timed.append(run.keywords["config"]) or 1.0)
+    bench_kernels.tune_moe(triton_device, bench_kernels.TINY_SHAPES, buckets=[16])
+    assert too_big not in timed and fits in timed
 
 
 def test_a_compile_worker_skips_a_config_that_fails(triton_device):
@@ -257,13 +326,19 @@ def test_vision_flops_match_torch_flop_counter(monkeypatch):
 def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     """Every model phase of bench_gpu.py on the tiny model (kernels: see above; ceilings and
     roofline: the slow test below), each written to the JSON as it finishes."""
+    from kernels.moe.configs import MoeKernelConfig
+    from kernels.tuned_configs import moe_entry, write_entries
+
     out = tmp_path / "bench_gpu.json"
+    table = write_entries(tmp_path / "tuned.json", None, moe=[moe_entry(
+        (8, 64, 32, "float8_e4m3fn_w8a8", 16), MoeKernelConfig(16, 32, 64, 1, 4, 2, tuned=True), 0.1, 0.2)])
     result = run_script("--tiny", "--device", "cpu", "--records", "2", "--vision-images", "2", "--hf-records", "2",
                         "--image-size", "small", "--output-tokens", "4", "--warmup-records", "1",
                         "--phases", "vision_encoder,engine,engine_fp8_kv,constrained,engine_fp8,engine_w8a8,"
                         "engine_w8a8_channel,engine_w8a8_channel_grouped_mm,engine_w8a8_channel_fast,"
-                        "engine_w8a8_channel_fa3,engine_w8a8_channel_fa2,constrained_w8a8_channel,transformers",
-                        "--json", str(out),
+                        "engine_w8a8_channel_fa3,engine_w8a8_channel_fa2,engine_w8a8_channel_tuned,"
+                        "constrained_w8a8_channel,transformers",
+                        "--tuned-configs", str(table), "--json", str(out),
                         script=REPO_ROOT / "scripts" / "bench_gpu.py")
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
@@ -341,6 +416,10 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert fa3["flash_varlen"] == "torch" and fa3["fixed_150_tokens"]["errors"] == 0
     fa2 = report["engine_w8a8_channel_fa2"]  # torch's FlashAttention 2 asked for by name
     assert fa2["flash_varlen"] == "torch" and fa2["fixed_150_tokens"]["errors"] == 0
+    # the tuned table named for that phase alone, and recorded (no packaged table for a CPU)
+    tuned = report["engine_w8a8_channel_tuned"]
+    assert tuned["tuned_configs"] == [str(table)] and tuned["fixed_150_tokens"]["errors"] == 0
+    assert channel["tuned_configs"] == fa2["tuned_configs"] == report["engine"]["tuned_configs"] == []
     # the constrained comparison again on the per-channel W8A8 model and an FP8 cache (4x the
     # float32 tokens), the same tokens both ways
     served = report["constrained_w8a8_channel"]
@@ -354,7 +433,20 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
                                             "engine_fp8", "engine_w8a8", "engine_w8a8_channel",
                                             "engine_w8a8_channel_grouped_mm", "engine_w8a8_channel_fast",
                                             "engine_w8a8_channel_fa3", "engine_w8a8_channel_fa2",
-                                            "constrained_w8a8_channel", "transformers"}
+                                            "engine_w8a8_channel_tuned", "constrained_w8a8_channel", "transformers"}
+
+
+def test_the_tuned_engine_phase_needs_a_table_that_reads(tmp_path):
+    """engine_w8a8_channel_tuned refuses to start without --tuned-configs, or with a table that
+    cannot be used, before any other phase has run."""
+    bench_gpu = REPO_ROOT / "scripts" / "bench_gpu.py"
+    missing = run_script("--tiny", "--device", "cpu", "--phases", "engine,engine_w8a8_channel_tuned", script=bench_gpu)
+    assert missing.returncode == 2 and "engine_w8a8_channel_tuned needs --tuned-configs PATH" in missing.stderr
+    broken = tmp_path / "tuned.json"
+    broken.write_text('{"format": 1, "moe": [{"num_experts": 8}]}')
+    refused = run_script("--tiny", "--device", "cpu", "--phases", "engine_w8a8_channel_tuned", "--tuned-configs",
+                         str(broken), script=bench_gpu)
+    assert refused.returncode == 2 and f"tuned table {broken}: moe entry 0: missing hidden" in refused.stderr
 
 
 @pytest.mark.slow
@@ -711,7 +803,7 @@ def test_tune_moe_times_decode_buckets_in_graphs(triton_device, monkeypatch, cap
     assert best[4][0] == 1.0 and best[16][0] == 2.0
     out = capsys.readouterr().out
     assert "# T=4: 1.0000 ms (of 2 configs, device time in a CUDA graph, L2 cold)" in out
-    assert "# T=16: 2.0000 ms (of 2 configs)\n" in out
+    assert "# T=16: 2.0000 ms (of 2 configs), against 2.0000 ms for the config in effect\n" in out
 
 
 def test_the_attention_rows_time_fa3_where_it_runs(triton_device, fake_fa3, monkeypatch):
