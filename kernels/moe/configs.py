@@ -16,8 +16,13 @@ tuned neighbours agree on; every other entry is a reasoned default
 
 * rows per expert ~ T * top_k / E (8/128 of the tokens for Qwen3-VL-MoE). Up to
   ~16 rows (T <= 256) every expert's weights are streamed once for a handful of
-  rows: the GEMMs are weight-bandwidth bound, so BLOCK_M = 16 (the tl.dot
-  minimum), wide BLOCK_K for long contiguous weight loads, deep pipelines.
+  rows: the GEMMs are weight-bandwidth bound, so one row block should hold all
+  of an expert's rows. Up to 8 rows on average (T <= 128) that is BLOCK_M = 16
+  (the tl.dot minimum; an expert gets more than 16 in about 1 case of 250).
+  At 16 on average about 4 experts in 10 get 17 or more, and a second row block
+  reads their weights again, so BLOCK_M = 32 there: the bf16 tuning on the H100
+  (2026-11-25) and vLLM's bf16 H100 table for this expert shape both pick 32
+  at 256 tokens (vLLM's picks 16 at every bucket below).
 * with more rows per expert, larger BLOCK_M reuses each weight tile across more
   rows; BLOCK_N * BLOCK_K stays within shared memory at 3-4 stages
   (the gate/up kernel holds two weight tiles and two accumulators).
@@ -117,7 +122,7 @@ def heuristic_moe_config(num_tokens: int, num_experts: int, top_k: int = 8, weig
     1.27 / 1.69 at BLOCK_K 64, with no spill (docs/benchmarks.md)."""
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
     block_k = 128 if weight_bytes == 1 else 64  # for the two larger tiles; the small ones take 128
-    if rows_per_expert <= 16:
+    if rows_per_expert <= 8:
         return MoeKernelConfig(16, 64, 128, 1, num_warps=4, num_stages=4)
     if rows_per_expert <= 64:
         return MoeKernelConfig(32, 64, 128, 4, num_warps=4, num_stages=4)
