@@ -6,6 +6,7 @@ files) wrote, as the Markdown tables docs/benchmarks.md keeps.
     python scripts/gpu_record_summary.py $OUT/bench_gpu.json --previous docs/results/gpu/bench_gpu.json
     python scripts/gpu_record_summary.py $OUT/bench_gpu.json --extra $OUT/engine_fast.json \\
         --attention $OUT/attention.json $OUT/attention_bf16_dots.json
+    python scripts/gpu_record_summary.py $OUT/engine_tuned.json --tuned $OUT/tuned_configs.json
 
 Sections (each only where the record has its phase): the engine runs (samples/s, tokens/s,
 steps, and where their seconds went on the device: `device_seconds`), the profiled run's
@@ -13,7 +14,9 @@ device time by region and kind of kernel (`engine_profile`), constrained decodin
 grammars' host time, the roofline with the decode step's largest kernels, the vision
 encoder, and the kernel rows with a target or a switch to set (decode attention, the MoE's
 grouped GEMMs, cuDNN attention). `--previous`: a column of an older record beside each
-engine and target number. Records from before a field existed print "-" for it.
+engine and target number. `--tuned`: a tuned table the tuners wrote (kernels/tuned_configs.py),
+each entry's time against the setting it replaced. Records from before a field existed print
+"-" for it.
 """
 
 from __future__ import annotations
@@ -89,7 +92,27 @@ def engine_section(record: dict, previous: dict | None) -> str:
         ])
     header = ["run", "samples/s", "seconds", "prefill tok/s", "decode tok/s", "steps", "vision s",
               "text forward s (prefill / decode steps)", "rest of steps / between steps s"]
-    return "## Engine runs\n\n" + table(header, rows)
+    tables = [f"{phase}: {', '.join(Path(source).name for source in result['tuned_configs'])}"
+              for phase, result in record.items()
+              if phase.split(" (")[0] in ENGINE_PHASES and isinstance(result, dict) and result.get("tuned_configs")]
+    read = f"\n\ntuned tables read: {'; '.join(tables)}" if tables else ""
+    return "## Engine runs\n\n" + table(header, rows) + read
+
+
+def tuned_section(label: str, tuned: dict) -> str:
+    """A tuned table's entries: the kernel, its key, the config, its time against the setting in
+    effect before it (both measured by the tuner on the same inputs)."""
+    rows = []
+    for kind, key_fields in (("moe", ("dtype", "tokens")), ("paged_decode", ("kv_dtype", "batch"))):
+        for entry in tuned.get(kind, []):
+            config = entry.get("config", {})
+            ms, default_ms = entry.get("ms"), entry.get("default_ms")
+            rows.append([kind, " ".join(f"{name}={entry.get(name)}" for name in key_fields),
+                         " ".join(f"{value}" for name, value in config.items() if name != "tuned"),
+                         number(ms, 4), number(default_ms, 4),
+                         number(default_ms / ms if ms and default_ms else None)])
+    header = ["kernel", "key", "config", "ms", "ms before", "speed-up"]
+    return f"## Tuned table {label} ({tuned.get('device', '?')})\n\n" + table(header, rows)
 
 
 def profile_section(record: dict) -> str | None:
@@ -206,7 +229,7 @@ def kernel_rows_section(records: list[tuple[str, dict]]) -> str | None:
 
 
 def summarize(record: dict, previous: dict | None = None, extras: list[tuple[str, dict]] = (),
-              attention: list[tuple[str, dict]] = ()) -> str:
+              attention: list[tuple[str, dict]] = (), tuned: list[tuple[str, dict]] = ()) -> str:
     merged = dict(record)
     for label, extra in extras:  # a second call's phases (engine_fast.json, engine_async.json, vision_cudnn.json)
         for key, value in extra.items():
@@ -218,7 +241,8 @@ def summarize(record: dict, previous: dict | None = None, extras: list[tuple[str
               f"flash_varlen {record.get('flash_varlen', '-')}")
     sections = [header, engine_section(merged, previous), profile_section(merged),
                 constrained_section(merged, previous), roofline_section(merged, previous),
-                vision_section(merged, previous), kernel_rows_section([("record", record), *attention])]
+                vision_section(merged, previous), kernel_rows_section([("record", record), *attention]),
+                *(tuned_section(label, table_document) for label, table_document in tuned)]
     return "\n\n".join(section for section in sections if section) + "\n"
 
 
@@ -237,10 +261,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="other bench_gpu JSON files of the same session (engine_fast.json, vision_cudnn.json)")
     parser.add_argument("--attention", type=Path, nargs="*", default=[],
                         help="bench_kernels JSON files of the decode plan (attention*.json)")
+    parser.add_argument("--tuned", type=Path, nargs="*", default=[],
+                        help="tuned tables the tune plan wrote (tuned_configs.json)")
     args = parser.parse_args(argv)
     sys.stdout.write(summarize(load(args.record), load(args.previous) if args.previous else None,
                                [(path.name, load(path)) for path in args.extra],
-                               [(path.name, load(path)) for path in args.attention]))
+                               [(path.name, load(path)) for path in args.attention],
+                               [(path.name, load(path)) for path in args.tuned]))
     return 0
 
 

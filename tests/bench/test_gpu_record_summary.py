@@ -126,3 +126,27 @@ def test_every_engine_throughput_phase_of_bench_gpu_is_summarized():
                      if name.startswith("engine") and name.replace("_", "").isalnum()}
     assert "engine_w8a8_channel_tuned" in engine_phases
     assert engine_phases <= set(load_summary().ENGINE_PHASES)
+
+
+def test_the_tune_plan_files_print_the_tuned_engine_run_and_each_entry_against_its_predecessor(tmp_path, capsys):
+    """`engine_tuned.json --tuned tuned_configs.json`: the tuned engine run beside the one as
+    served, the tables it read, and every table entry's time against the setting it replaced."""
+    from kernels.moe.configs import MoeKernelConfig
+    from kernels.paged_decode_configs import DecodeKernelConfig
+    from kernels.tuned_configs import decode_entry, moe_entry, write_entries
+
+    table = write_entries(tmp_path / "tuned_configs.json", "NVIDIA H100 80GB HBM3",
+                          moe=[moe_entry((128, 2048, 768, "float8_e4m3fn_w8a8", 256),
+                                         MoeKernelConfig(32, 64, 256, 1, 4, 5, tuned=True), 0.25, 0.5)],
+                          paged_decode=[decode_entry(("float8_e4m3fn", 128, 256), DecodeKernelConfig(32), 0.5, 0.5)])
+    record = {"device": "NVIDIA H100 80GB HBM3",
+              "engine_w8a8_channel": {"fixed_150_tokens": engine_run(14.5), "tuned_configs": []},
+              "engine_w8a8_channel_tuned": {"fixed_150_tokens": engine_run(16.0), "tuned_configs": [str(table)]}}
+    (tmp_path / "engine_tuned.json").write_text(json.dumps(record))
+    assert load_summary().main([str(tmp_path / "engine_tuned.json"), "--tuned", str(table)]) == 0
+    text = capsys.readouterr().out
+    assert "| engine_w8a8_channel_tuned | 16.00 |" in text and "| engine_w8a8_channel | 14.50 |" in text
+    assert "tuned tables read: engine_w8a8_channel_tuned: tuned_configs.json" in text
+    assert "## Tuned table tuned_configs.json (NVIDIA H100 80GB HBM3)" in text
+    assert "| moe | dtype=float8_e4m3fn_w8a8 tokens=256 | 32 64 256 1 4 5 | 0.2500 | 0.5000 | 2.00 |" in text
+    assert "| paged_decode | kv_dtype=float8_e4m3fn batch=256 | 32 4 2 2 256 | 0.5000 | 0.5000 | 1.00 |" in text
