@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 import torch
 import xgrammar as xgr
 
+from vlm_catalog.device_upload import upload
+
 BITS_PER_WORD = 32
 
 
@@ -98,8 +100,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
             if rows == list(range(logits.shape[0])):
                 past.fill_(float("-inf"))
             else:
-                index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
-                past.index_fill_(0, index, float("-inf"))
+                past.index_fill_(0, upload(rows, logits.device, torch.int64), float("-inf"))
 
 
 def allow_only_token(bitmask: torch.Tensor, row: int, token_id: int) -> None:
