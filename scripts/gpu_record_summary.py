@@ -35,8 +35,9 @@ ENGINE_PHASES = ("engine", "engine_fp8_kv", "engine_fp8", "engine_w8a8", "engine
 # vision attention row (our kernel, SDPA with cuDNN, FlashAttention's varlen)
 KERNEL_ROW_PREFIXES = ("paged_decode_attention", "paged_prefill_attention", "fused_moe[grouped_mm]", "fused_moe[fp8 w8a8, per-channel",
                        "varlen_attention")
+UNMARKED_REGION = "unmarked"  # vlm_catalog.bench.device_profile.UNMARKED (this script imports no project code)
 PROFILE_REGIONS = ("vlm.vision_encoder", "vlm.text_forward.prefill", "vlm.text_forward.decode", "vlm.step",
-                   "unmarked")
+                   UNMARKED_REGION)
 KINDS = ("attention", "moe", "gemm", "norm_rotary", "quantize", "copy", "other")
 
 
@@ -130,9 +131,12 @@ def profile_section(record: dict) -> str | None:
     text = (f"## Profiled run ({profile.get('time')})\n\n"
             f"busy {number(profile.get('busy_seconds'))} s of {number(profile.get('wall_seconds'))} s "
             f"({number(100 * (profile.get('busy_fraction') or math.nan), 0)}%), kernels "
-            f"{number(profile.get('kernel_seconds'))} s\n\n")
+            f"{number(profile.get('kernel_seconds'))} s"
+            + (f" ({number(profile['unlinked_kernel_seconds'])} s of them linked to no host event, charged by the "
+               "marks on the device's timeline)" if profile.get("unlinked_kernel_seconds") is not None else "")
+            + "\n\n")
     text += table(["region", "seconds", *KINDS], rows)
-    for region in ("vlm.text_forward.prefill", "vlm.text_forward.decode"):
+    for region in ("vlm.text_forward.prefill", "vlm.text_forward.decode", UNMARKED_REGION):
         top = regions.get(region, {}).get("top", [])[:6]
         if top:
             text += f"\n\nlargest in {region}:\n" + "\n".join(

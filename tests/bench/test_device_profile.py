@@ -67,29 +67,40 @@ def test_ops_are_charged_to_their_innermost_mark():
 
 
 def test_on_cuda_kernels_count_and_the_marks_device_ranges_do_not():
-    """The CUDA branch on stand-in events shaped as torch's: each host event lists the kernels it
-    launched, and kineto also draws each mark on the device's timeline, a range spanning its
-    kernels and the gaps between them, which is neither a kernel nor busy time."""
+    """The CUDA branch on stand-in events shaped as torch's: each kernel carries the id of the host
+    event it was launched under (`linked_correlation_id`), and kineto also draws each mark on the
+    device's timeline, a range spanning its kernels and the gaps between them, which is neither a
+    kernel nor busy time. A kernel linked to no host event (Triton's, a CUDA graph's replay, on the
+    H200 of 2026-11-27) goes to the innermost device-side mark around it, else to `unmarked`."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
-    from torch.autograd.profiler_util import Kernel
 
-    def event(name, device_type, start, end, kernels=(), parent=None, annotation=False):
+    def event(name, device_type, start, end, id=0, linked=0, parent=None, annotation=False):
         return SimpleNamespace(name=name, device_type=device_type, time_range=SimpleNamespace(start=start, end=end),
-                               kernels=list(kernels), cpu_parent=parent, is_user_annotation=annotation)
+                               id=id, linked_correlation_id=linked, cpu_parent=parent, is_user_annotation=annotation)
 
-    mark = event("vlm.text_forward.decode", DeviceType.CPU, 0, 100,
-                 [Kernel("paged_decode_split_kernel", 0, 30.0), Kernel("vlm.text_forward.decode", 0, 100.0)])
-    matmul = event("aten::mm", DeviceType.CPU, 10, 20, [Kernel("sm90_xmma_gemm_bf16", 0, 50.0)], parent=mark)
-    device = [event("paged_decode_split_kernel", DeviceType.CUDA, 0, 30),
-              event("sm90_xmma_gemm_bf16", DeviceType.CUDA, 40, 90),
-              event("vlm.text_forward.decode", DeviceType.CUDA, 0, 100, annotation=True)]
-    profiler = SimpleNamespace(events=lambda: [mark, matmul, *device])
-    breakdown = profile_breakdown(profiler, on_cuda=True, wall_seconds=200e-6)
-    region = breakdown["regions"]["vlm.text_forward.decode"]
-    assert region["kinds"] == {"gemm": pytest.approx(50e-6), "attention": pytest.approx(30e-6)}
-    assert breakdown["busy_seconds"] == pytest.approx(80e-6) and breakdown["busy_fraction"] == pytest.approx(0.4)
+    step = event("vlm.step", DeviceType.CPU, 0, 400, id=1)
+    mark = event("vlm.text_forward.decode", DeviceType.CPU, 0, 100, id=2, parent=step)
+    matmul = event("aten::mm", DeviceType.CPU, 10, 20, id=3, parent=mark)
+    launch = event("cudaLaunchKernel", DeviceType.CPU, 11, 12, id=9, linked=3, parent=matmul)  # not a host op
+    device = [event("paged_decode_split_kernel", DeviceType.CUDA, 0, 30, linked=2),
+              event("sm90_xmma_gemm_bf16", DeviceType.CUDA, 40, 90, linked=3),
+              event("fused_moe_kernel", DeviceType.CUDA, 100, 160),  # unlinked, inside the forward's range
+              event("sampling_kernel", DeviceType.CUDA, 300, 310),  # unlinked, inside the step's range only
+              event("stray_kernel", DeviceType.CUDA, 500, 505),  # unlinked, outside every mark
+              event("vlm.step", DeviceType.CUDA, 0, 400, annotation=True),
+              event("vlm.text_forward.decode", DeviceType.CUDA, 0, 200, annotation=True)]
+    profiler = SimpleNamespace(events=lambda: [step, mark, matmul, launch, *device])
+    breakdown = profile_breakdown(profiler, on_cuda=True, wall_seconds=1000e-6)
+    regions = breakdown["regions"]
+    assert regions["vlm.text_forward.decode"]["kinds"] == {
+        "gemm": pytest.approx(50e-6), "moe": pytest.approx(60e-6), "attention": pytest.approx(30e-6)}
+    assert regions["vlm.step"]["kinds"] == {"other": pytest.approx(10e-6)}
+    assert regions[UNMARKED]["kinds"] == {"other": pytest.approx(5e-6)}
+    assert breakdown["unlinked_kernel_seconds"] == pytest.approx(75e-6)
+    assert breakdown["kernel_seconds"] == pytest.approx(155e-6)
+    assert breakdown["busy_seconds"] == pytest.approx(155e-6) and breakdown["busy_fraction"] == pytest.approx(0.155)
 
 
 def test_a_profiled_call_returns_its_result_and_where_its_time_went(monkeypatch):

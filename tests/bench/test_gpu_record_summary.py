@@ -35,7 +35,7 @@ NEW_RECORD = {
     "engine_w8a8_channel_grouped_mm": {"error": "RuntimeError: CUDA error: an illegal memory access"},
     "engine_profile": {"fixed_150_tokens": engine_run(11.0), "profile": {
         "time": "device kernels", "wall_seconds": 6.0, "busy_seconds": 4.5, "busy_fraction": 0.75,
-        "kernel_seconds": 4.4, "regions": {
+        "kernel_seconds": 4.4, "unlinked_kernel_seconds": 2.25, "regions": {
             "vlm.text_forward.prefill": {"seconds": 3.0, "kinds": {"moe": 2.125, "gemm": 0.5, "attention": 0.375},
                                          "top": [{"name": "moe_gate_up_silu_kernel", "seconds": 1.5, "calls": 384}]},
             "vlm.vision_encoder": {"seconds": 1.4, "kinds": {"attention": 0.875, "gemm": 0.525}, "top": []}}}},
@@ -82,7 +82,7 @@ def test_a_record_with_the_new_fields_prints_them_beside_the_previous_one(tmp_pa
     assert "sdpa_backend default; flash_varlen fa3_fwd_interface" in text
     assert "| 4.50 | 7.25 / 3.50 | 0.50 / 1.25 |" in text  # the device-time split
     assert "| engine_w8a8_channel_grouped_mm | error: RuntimeError: CUDA error: an illegal memory access |" in text
-    assert "busy 4.50 s of 6.00 s (75%)" in text
+    assert "busy 4.50 s of 6.00 s (75%), kernels 4.40 s (2.25 s of them linked to no host event" in text
     assert "| vlm.text_forward.prefill | 3.000 | 0.375 | 2.125 | 0.500 | - | - | - | - |" in text
     assert "384 calls: `moe_gate_up_silu_kernel`" in text
     assert "0.81x (was 0.69x)" in text and "256 in 3.50 s" in text and "masks filled 1.75 s" in text
