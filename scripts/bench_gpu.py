@@ -409,6 +409,11 @@ def engine_run_summary(engine: LLMEngine, conversations, params) -> tuple[dict, 
         "prefill_tokens_per_s": delta["num_prompt_tokens_computed"] / max(delta["seconds_in_prefill_steps"], 1e-9),
         "decode_tokens_per_s": delta["num_output_tokens_computed"] / max(delta["seconds_in_decode_steps"], 1e-9),
         "model_steps": delta["num_steps"],
+        "prefill_steps": delta["num_prefill_steps"],  # steps with a prefill chunk; the rest are decode steps
+        # the host clock inside the text forward calls (launches, or a graph's replay): where it is
+        # about the device time beside it, the device waited for the launches
+        "host_forward_seconds": {"prefill_steps": delta["seconds_host_forward_prefill_steps"],
+                                 "decode_steps": delta["seconds_host_forward_decode_steps"]},
         "jump_forward_tokens": delta["num_jump_forward_tokens"],
         "images_prefetched": delta["num_images_prefetched"],  # decoded while an earlier step ran
         "image_wait_seconds": delta["seconds_waiting_for_images"],  # steps waiting for image decodes

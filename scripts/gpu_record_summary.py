@@ -76,9 +76,10 @@ def engine_section(record: dict, previous: dict | None) -> str:
     rows = []
     for name, run in runs.items():
         if "error" in run:
-            rows.append([name, f"error: {run['error'][:80]}"] + ["-"] * 7)
+            rows.append([name, f"error: {run['error'][:80]}"] + ["-"] * 8)
             continue
         split = run.get("device_seconds", {})
+        host = run.get("host_forward_seconds", {})
         rows.append([
             name,
             number(run.get("samples_per_s")) + (f" (was {number(before[name].get('samples_per_s'))})"
@@ -86,13 +87,15 @@ def engine_section(record: dict, previous: dict | None) -> str:
             number(run.get("seconds")),
             number(run.get("prefill_tokens_per_s"), 0),
             number(run.get("decode_tokens_per_s"), 0),
-            str(run.get("model_steps", "-")),
+            str(run.get("model_steps", "-")) + (f" ({run['prefill_steps']} prefill)" if "prefill_steps" in run else ""),
             number(split.get("vision_encoder", run.get("vision_encoder_seconds"))),
             " / ".join(number(split.get(part)) for part in ("text_forward_prefill_steps", "text_forward_decode_steps")),
             " / ".join(number(split.get(part)) for part in ("rest_of_steps", "between_steps")),
+            " / ".join(number(host.get(part)) for part in ("prefill_steps", "decode_steps")) if host else "-",
         ])
     header = ["run", "samples/s", "seconds", "prefill tok/s", "decode tok/s", "steps", "vision s",
-              "text forward s (prefill / decode steps)", "rest of steps / between steps s"]
+              "text forward s (prefill / decode steps)", "rest of steps / between steps s",
+              "host s in the text forward (prefill / decode steps)"]
     tables = [f"{phase}: {', '.join(Path(source).name for source in result['tuned_configs'])}"
               for phase, result in record.items()
               if phase.split(" (")[0] in ENGINE_PHASES and isinstance(result, dict) and result.get("tuned_configs")]

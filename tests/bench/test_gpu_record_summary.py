@@ -23,7 +23,8 @@ def load_summary():
 
 def engine_run(samples_per_s: float) -> dict:
     return {"samples_per_s": samples_per_s, "seconds": 256 / samples_per_s, "prefill_tokens_per_s": 40000.0,
-            "decode_tokens_per_s": 9000.0, "model_steps": 179,
+            "decode_tokens_per_s": 9000.0, "model_steps": 179, "prefill_steps": 29,
+            "host_forward_seconds": {"prefill_steps": 1.5, "decode_steps": 0.75},
             "device_seconds": {"vision_encoder": 4.5, "text_forward_prefill_steps": 7.25,
                                "text_forward_decode_steps": 3.5, "rest_of_steps": 0.5, "between_steps": 1.25}}
 
@@ -80,7 +81,7 @@ def test_a_record_with_the_new_fields_prints_them_beside_the_previous_one(tmp_pa
     text = capsys.readouterr().out
     assert "| engine_w8a8_channel | 14.50 (was 13.24) |" in text
     assert "sdpa_backend default; flash_varlen fa3_fwd_interface" in text
-    assert "| 4.50 | 7.25 / 3.50 | 0.50 / 1.25 |" in text  # the device-time split
+    assert "| 179 (29 prefill) | 4.50 | 7.25 / 3.50 | 0.50 / 1.25 | 1.50 / 0.75 |" in text  # the device-time split
     assert "| engine_w8a8_channel_grouped_mm | error: RuntimeError: CUDA error: an illegal memory access |" in text
     assert "busy 4.50 s of 6.00 s (75%), kernels 4.40 s (2.25 s of them linked to no host event" in text
     assert "| vlm.text_forward.prefill | 3.000 | 0.375 | 2.125 | 0.500 | - | - | - | - |" in text

@@ -18,6 +18,7 @@ def test_on_cpu_the_host_clock_measures_the_timed_calls():
         with timer:
             time.sleep(0.02)
     assert 0.04 <= timer.seconds < 1.0
+    assert timer.host_seconds == pytest.approx(timer.seconds, rel=0.2)  # on CPU both are the host clock
 
 
 class FakeEvent:
@@ -55,6 +56,15 @@ def test_on_cuda_a_pair_counts_once_the_device_has_passed_it(monkeypatch):
     second_start.done = second_end.done = True
     assert timer.seconds == pytest.approx(0.080)
     assert timer.seconds == pytest.approx(0.080)  # each pair counted once
+    assert 0.0 < timer.host_seconds < 0.030  # the host's launches took microseconds, not the device's 80 ms
+
+
+def test_on_cuda_the_host_clock_counts_the_launches_before_the_device_finishes(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    timer = DeviceTimer(torch.device("cuda"))
+    with timer:
+        time.sleep(0.02)  # a slow launch (or a wait inside the call)
+    assert timer.seconds == 0.0 and timer.host_seconds >= 0.02  # known at once, without the device
 
 
 def test_the_engine_reports_the_vision_towers_time(engine_checkpoint):
@@ -75,11 +85,14 @@ def test_the_engine_splits_its_steps_device_time(engine_checkpoint):
     stats = llm.engine.stats
     assert stats.seconds_device_forward_prefill_steps > 0.0  # the prompt's step
     assert stats.seconds_device_forward_decode_steps > 0.0  # the two steps after it
+    assert (stats.num_prefill_steps, stats.num_decode_steps) == (1, 2)
+    assert 0.0 < stats.seconds_host_forward_prefill_steps <= stats.seconds_in_prefill_steps
+    assert 0.0 < stats.seconds_host_forward_decode_steps <= stats.seconds_in_decode_steps
     parts = (stats.seconds_in_vision_encoder + stats.seconds_device_forward_prefill_steps
              + stats.seconds_device_forward_decode_steps)
     assert parts <= stats.seconds_device_in_steps <= stats.seconds_in_prefill_steps + stats.seconds_in_decode_steps
     runner = llm.engine.runner
     runner.reset_counters()
     assert runner.step_timer.seconds == 0.0
-    assert all(timer.seconds == 0.0 for timer in runner.forward_timers.values())
+    assert all(timer.seconds == 0.0 == timer.host_seconds for timer in runner.forward_timers.values())
     llm.engine.close()

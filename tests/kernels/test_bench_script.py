@@ -353,6 +353,10 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert split["text_forward_prefill_steps"] > 0 and split["text_forward_decode_steps"] > 0
     assert split["rest_of_steps"] >= 0 and split["between_steps"] >= 0
     assert sum(split.values()) == pytest.approx(engine["seconds"])
+    assert 1 <= engine["prefill_steps"] < engine["model_steps"]
+    host = engine["host_forward_seconds"]  # on CPU the forward's host clock is its time
+    assert host["prefill_steps"] == pytest.approx(split["text_forward_prefill_steps"], rel=0.05)
+    assert host["decode_steps"] == pytest.approx(split["text_forward_decode_steps"], rel=0.05)
     constrained = report["constrained"]
     # equal generated tokens by construction, both reported
     assert constrained["constrained_real_stop"]["generated_tokens"] == constrained["unconstrained_same_tokens"]["generated_tokens"]

@@ -7,6 +7,10 @@ them (`seconds` never waits: a pair still in flight is counted on a later
 read; after the step's sampling has synchronized, every pair is done). On CPU
 the work is synchronous and a host clock measures it.
 
+`host_seconds` is the host clock inside the timed calls on every device: on CUDA,
+what launching them took (and any wait inside). A timed call whose device time
+is about its host time was bound by its launches: the device waited for the host.
+
 A timer with a `label` also marks its calls for torch.profiler (`record_function`),
 so a profile can tell which part of a step launched each kernel
 (`vlm_catalog/bench/device_profile.py`); outside a profile the mark costs a few
@@ -28,12 +32,15 @@ class DeviceTimer:
         self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._done_seconds = 0.0
         self._started: torch.cuda.Event | float | None = None
+        self._host_started = 0.0
+        self.host_seconds = 0.0  # the host clock inside the timed calls (module docstring)
         self._mark: torch.profiler.record_function | None = None
 
     def __enter__(self) -> DeviceTimer:
         if self.label is not None:
             self._mark = torch.profiler.record_function(self.label)
             self._mark.__enter__()
+        self._host_started = time.perf_counter()
         if self.on_cuda:
             self._started = torch.cuda.Event(enable_timing=True)
             self._started.record()
@@ -48,6 +55,7 @@ class DeviceTimer:
             self._pending.append((self._started, ended))
         else:
             self._done_seconds += time.perf_counter() - self._started
+        self.host_seconds += time.perf_counter() - self._host_started
         self._started = None
         if self._mark is not None:
             self._mark.__exit__(*exc_info)

@@ -91,6 +91,12 @@ class EngineStats:
     seconds_device_forward_prefill_steps: float = 0.0
     seconds_device_forward_decode_steps: float = 0.0
     seconds_device_in_steps: float = 0.0
+    # the host clock inside those forward calls: launching them (eager prefill) or replaying a graph;
+    # device time about equal to it means the device waited for the launches
+    seconds_host_forward_prefill_steps: float = 0.0
+    seconds_host_forward_decode_steps: float = 0.0
+    num_prefill_steps: int = 0  # steps with at least one prefill chunk
+    num_decode_steps: int = 0  # steps where every sequence computed one token
     # host time of constrained requests' grammars: filling the next token masks (while the device
     # runs the forward pass) and advancing them over the taken tokens (after the step's tokens are read)
     seconds_filling_grammar_masks: float = 0.0
@@ -377,8 +383,10 @@ class LLMEngine:
             self._copy_runner_stats()
             if all(chunk.is_decode for chunk in chunks):
                 self.stats.seconds_in_decode_steps += elapsed
+                self.stats.num_decode_steps += 1
             else:
                 self.stats.seconds_in_prefill_steps += elapsed
+                self.stats.num_prefill_steps += 1
         if pending is not None:  # nothing ran this step
             touched = self._take_pending(pending)
         return touched
@@ -393,6 +401,8 @@ class LLMEngine:
         self.stats.seconds_device_forward_prefill_steps = self.runner.forward_timers["prefill"].seconds
         self.stats.seconds_device_forward_decode_steps = self.runner.forward_timers["decode"].seconds
         self.stats.seconds_device_in_steps = self.runner.step_timer.seconds
+        self.stats.seconds_host_forward_prefill_steps = self.runner.forward_timers["prefill"].host_seconds
+        self.stats.seconds_host_forward_decode_steps = self.runner.forward_timers["decode"].host_seconds
 
     def _release_host_memory_when_due(self) -> None:
         interval = self.config.release_host_memory_every_s
