@@ -272,11 +272,18 @@ def _versions() -> dict[str, str | None]:
 
 def write_entries(path: Path, device: str | None, *, moe: Iterable[dict] = (),
                   paged_decode: Iterable[dict] = ()) -> Path:
-    """Merges entries into the table at `path` (created if absent; an entry with the key of one
-    already there replaces it), checks the result as a reader would, and writes it whole
-    (a reader never sees half a file). `device`: the GPU model it was measured on."""
+    """Merges entries into the table at `path` (an entry with the key of one already there
+    replaces it), checks the result as a reader would, and writes it whole (a reader never sees
+    half a file). `device`: the GPU model it was measured on. A new table starts from that
+    model's packaged one where there is one, so a tuning run's table is whole: committed over
+    the packaged file, it drops none of its entries."""
     path = Path(path)
-    document = _read(path) if path.exists() else {"format": FORMAT, "moe": [], "paged_decode": []}
+    if path.exists():
+        document = _read(path)
+    elif device is not None and device_table_path(device).is_file():
+        document = _read(device_table_path(device))
+    else:
+        document = {"format": FORMAT, "moe": [], "paged_decode": []}
     if device is not None:
         document["device"] = device
     for kind, new in (("moe", list(moe)), ("paged_decode", list(paged_decode))):

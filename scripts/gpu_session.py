@@ -16,7 +16,9 @@ get its minimum is skipped, one that runs over is stopped (SIGINT to its process
 pytest still prints its summary of what ran; then SIGTERM and SIGKILL) and the next one
 starts. Every step's output goes to `$OUT/session.log`; `$OUT/session.json` says for each
 step its status (ok, failed, timeout, skipped), exit code and seconds. The steps write their
-own results into `$OUT` (at most 8 files come back from a device call):
+own results into `$OUT`. A device call brings back at most 8 files: where the steps run
+would write more (the `decode` plan's 14), each step's files that no later step writes
+again are moved into `$OUT/results.tar` once it ends (`tar xf results.tar` gives them back):
 
 - `record`: `pytest -m gpu` (its slowest tests and summary in pytest_gpu.txt; on four
   workers where pytest-xdist is carried, each test limited where pytest-timeout is), then
@@ -57,6 +59,9 @@ SITE_DIR = Path("/tmp/site")  # where the carried wheels are installed (../share
 # ran, Python code its traceback), SIGTERM after the first grace, SIGKILL after the second
 STOP_SIGNALS = ((signal.SIGINT, 15.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, None))
 PYTEST_SUMMARY_LINES = 100  # the tail of pytest's output kept as pytest_gpu.txt (durations, summary)
+FILES_BACK = 8  # the most files a device call brings back from $OUT
+SESSION_FILES = ("session.json", "session.log")
+RESULTS_TAR = "results.tar"  # the steps' files, where they would be more than FILES_BACK
 
 
 @dataclass(frozen=True)
@@ -139,10 +144,10 @@ PLANS: dict[str, tuple[Step, ...]] = {
         Step("vision_encoder", bench_gpu("vision_encoder"), max_s=60, min_s=30),
     ),
     # tune, then measure what the tuning gives, in one call: every tuner writes each bucket's best
-    # into {out}/tuned_configs.json as soon as it is known (kernels/tuned_configs.py), and the
-    # engine then runs as served and with that table, in one process on the same records. The
-    # table comes back with the call; committed as kernels/tuned/<GPU model>.json it is the
-    # default on that GPU model.
+    # into {out}/tuned_configs.json as soon as it is known (kernels/tuned_configs.py; a GPU model
+    # with a packaged table starts from it), and the engine then runs as served and with that
+    # table, in one process on the same records. The table comes back with the call; committed as
+    # kernels/tuned/<GPU model>.json it is the default on that GPU model.
     "tune": (
         # the record engine's expert tiles (per-channel W8A8 summing into float32 every K step
         # takes the block-scaled W8A8 entries): its decode steps at batch 256 first (150 of them a
@@ -159,8 +164,12 @@ PLANS: dict[str, tuple[Step, ...]] = {
                               "engine_w8a8_channel,engine_w8a8_channel_tuned", "--tuned-configs",
                               "{out}/tuned_configs.json", "--json", "{out}/engine_tuned.json"),
              max_s=260, min_s=150),
-        # with time left: the bf16 decode buckets (the roofline's batch-1 step), and per-channel
-        # W8A8 under fast accumulation, whose tiles are its own
+        # with time left: the bf16-cache decode attention (the kernel rows' comparison with SDPA is
+        # on a bf16 cache; 0.86-0.99x on the H200), the bf16 MoE's decode buckets (the roofline's
+        # batch-1 step), and per-channel W8A8 under fast accumulation, whose tiles are its own
+        Step("tune_decode_bf16", bench_kernels("--tune-decode", "--buckets", "1", "32", "128", "256",
+                                               "--write-table", "{out}/tuned_configs.json"),
+             max_s=100, min_s=40),  # its lines are in session.log: a call brings back 8 files at most
         Step("tune_moe_bf16_decode", bench_kernels("--tune-moe", "--buckets", "1", "16", "64", "256",
                                                    "--write-table", "{out}/tuned_configs.json"),
              max_s=150, min_s=60, tail_to="tune_moe_bf16_decode.txt", tail_lines=200),
@@ -245,17 +254,49 @@ def install_wheels(wheels: Path, log) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([str(SITE_DIR), str(REPO_ROOT)])}
 
 
+def step_files(step: Step) -> set[str]:
+    """The files a step writes into the output folder: its tail and the `{out}/...` of its command."""
+    named = {part.removeprefix("{out}/") for part in step.argv if part.startswith("{out}/")}
+    return named | ({step.tail_to} if step.tail_to else set())
+
+
+def packs_results(steps: tuple[Step, ...] | list[Step]) -> bool:
+    """Whether `steps` would leave more files than a device call brings back."""
+    written = set(SESSION_FILES).union(*(step_files(step) for step in steps))
+    return len(written) > FILES_BACK
+
+
+def pack_finished_files(out: Path, still_written: set[str]) -> list[str]:
+    """Move the files in `out` that no later step writes (`still_written`: the later steps' files)
+    into `out/RESULTS_TAR`, appended, and return their names. A file a later step rewrites or
+    merges into stays in place until then."""
+    import tarfile
+
+    done = sorted(path.name for path in out.iterdir()
+                  if path.is_file() and path.name not in {*SESSION_FILES, RESULTS_TAR, *still_written})
+    if done:
+        with tarfile.open(out / RESULTS_TAR, "a") as archive:
+            for name in done:
+                archive.add(out / name, arcname=name)
+        for name in done:
+            (out / name).unlink()
+    return done
+
+
 def run_plan(steps: tuple[Step, ...] | list[Step], budget_s: float, out: Path,
              env: dict[str, str] | None = None, cwd: Path = REPO_ROOT) -> list[StepResult]:
     """Run `steps` in order within `budget_s` seconds from now; results are also written to
-    `out/session.json` after every step (a call cut short keeps what finished)."""
+    `out/session.json` after every step (a call cut short keeps what finished). Where the steps
+    would write more files than a device call brings back, each step's finished files go into
+    `out/RESULTS_TAR` when it ends (`pack_finished_files`)."""
     out = out.resolve()  # the steps run in `cwd`
+    pack = packs_results(steps)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + budget_s
     step_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     results: list[StepResult] = []
     with open(out / "session.log", "a") as log:
-        for step in steps:
+        for index, step in enumerate(steps):
             command = [part.replace("{out}", str(out)) for part in step.argv]
             if command[0] == "python3":  # the interpreter running this script (a venv's, here)
                 command[0] = sys.executable
@@ -272,6 +313,10 @@ def run_plan(steps: tuple[Step, ...] | list[Step], budget_s: float, out: Path,
                         log.write(f"[gpu_session] {step.name}: {module} is not importable, running without "
                                   f"{shlex.join(options)}\n")
                 results.append(_run_step(step, command, limit, out, log, {**step_env, **dict(step.env)}, cwd))
+            if pack:
+                packed = pack_finished_files(out, set().union(*(step_files(later) for later in steps[index + 1:])))
+                if packed:
+                    log.write(f"[gpu_session] {step.name}: {', '.join(packed)} moved into {RESULTS_TAR}\n")
             (out / "session.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     return results
 

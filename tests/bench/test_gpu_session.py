@@ -143,6 +143,37 @@ def test_plans_name_what_exists(session):
     assert record[0] == "pytest_gpu"  # the correctness check first: the engine numbers mean little without it
 
 
+def test_plans_that_would_write_too_many_files_pack_them(session):
+    """session.json, session.log, the steps' tails and the `{out}/...` files: the record and tune
+    plans stay within the 8 files a device call brings back (one more in the tune plan once went
+    unnoticed), and the decode plan, which would not, packs them."""
+    written = {name: set(session.SESSION_FILES).union(*(session.step_files(step) for step in plan))
+               for name, plan in session.PLANS.items()}
+    assert len(written["tune"]) <= session.FILES_BACK and not session.packs_results(session.PLANS["tune"])
+    assert len(written["record"]) <= session.FILES_BACK and not session.packs_results(session.PLANS["record"])
+    assert len(written["decode"]) > session.FILES_BACK and session.packs_results(session.PLANS["decode"])
+    assert "tuned_configs.json" in written["tune"] and "pytest_gpu.txt" in written["record"]
+
+
+def test_packed_files_come_back_in_one_archive_and_a_file_a_later_step_merges_into_waits(session, tmp_path,
+                                                                                        monkeypatch):
+    import tarfile
+
+    monkeypatch.setattr(session, "FILES_BACK", 3)  # session.json, session.log and one more
+    write = "import sys; [open(path, 'a').write(sys.argv[1]) for path in sys.argv[2:]]"
+    steps = [session.Step("first", ("python3", "-c", write, "1", "{out}/a.json", "{out}/shared.json"),
+                          max_s=30, min_s=0, tail_to="first.txt"),
+             session.Step("second", ("python3", "-c", write, "2", "{out}/b.json", "{out}/shared.json"),
+                          max_s=30, min_s=0)]
+    session.run_plan(steps, budget_s=120, out=tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["results.tar", "session.json", "session.log"]
+    with tarfile.open(tmp_path / "results.tar") as archive:
+        members = {member.name: archive.extractfile(member).read().decode() for member in archive.getmembers()}
+    # shared.json stayed in place for the second step, then went in once, with both steps' writes
+    assert members == {"a.json": "1", "first.txt": "", "b.json": "2", "shared.json": "12"}
+    assert "first: a.json, first.txt moved into results.tar" in (tmp_path / "session.log").read_text()
+
+
 def test_the_smoke_plan_merges_both_engine_phases_into_one_json(session, tmp_path, capsys):
     """The CPU plan end to end through main(): bench_gpu.py runs twice, each writing its phase into
     the output folder's bench_gpu.json; the summary says both steps passed."""
@@ -168,7 +199,9 @@ def test_dry_run_prints_the_plan(session, capsys):
            "[with VLM_CATALOG_FP8_FAST_ACCUMULATION=1]" in printed
     # the tuners write one table, which the engine step then runs with
     tune = {step.name: step.argv for step in session.PLANS["tune"]}
-    assert tune["tune_moe_w8a8"][-2:] == tune["tune_decode_fp8"][-2:] == ("--write-table", "{out}/tuned_configs.json")
+    assert tune["tune_moe_w8a8"][-2:] == tune["tune_decode_fp8"][-2:] == tune["tune_decode_bf16"][-2:] == (
+        "--write-table", "{out}/tuned_configs.json")
+    assert "--fp8" not in tune["tune_decode_bf16"]  # the bf16 cache, the kernel rows' comparison with SDPA
     engine = tune["engine_tuned"]
     assert "engine_w8a8_channel_tuned" in engine[engine.index("--phases") + 1]
     assert engine[engine.index("--tuned-configs") + 1] == "{out}/tuned_configs.json"

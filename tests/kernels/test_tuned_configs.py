@@ -80,6 +80,21 @@ def test_writing_merges_replaces_same_keys_and_orders_buckets_as_numbers(tmp_pat
     assert [entry["tokens"] for entry in json.loads(path.read_text())["moe"]] == [1, 256, 16384]
 
 
+def test_a_new_table_starts_from_the_packaged_table_of_its_gpu_model(tmp_path):
+    """A tuning run's table is whole: committed over the packaged one, it drops none of its entries."""
+    written_table(tuned_configs.TABLES_DIR / "NVIDIA_H100_80GB_HBM3.json")
+    other = MoeKernelConfig(16, 64, 256, 1, 4, 5, tuned=True)
+    bucket_16k = (128, 2048, 768, W8A8, 16384)
+    path = written_table(tmp_path / "run" / "tuned.json", moe=[(bucket_16k, other)], decode=[])
+    assert load_table(path).moe == {MOE_KEY: TILE, bucket_16k: other}
+    assert load_table(path).paged_decode == {DECODE_KEY: LAUNCH}
+    # another GPU model, or none named, starts empty
+    elsewhere = write_entries(tmp_path / "h200.json", "NVIDIA H200", moe=[moe_entry(bucket_16k, other, 0.2, None)])
+    assert load_table(elsewhere).moe == {bucket_16k: other} and not load_table(elsewhere).paged_decode
+    unnamed = write_entries(tmp_path / "cpu.json", None, moe=[moe_entry(bucket_16k, other, 0.2, None)])
+    assert load_table(unnamed).moe == {bucket_16k: other}
+
+
 def test_the_lookups_take_the_named_table_first(monkeypatch, tmp_path):
     before = lookups()
     assert before == (get_moe_config(200, 128, 2048, 768, torch.float8_e4m3fn, fp8_activations=True),
