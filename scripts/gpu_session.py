@@ -158,7 +158,7 @@ PLANS: dict[str, tuple[Step, ...]] = {
     "tune": (
         # the record engine's expert tiles (per-channel W8A8 summing into float32 every K step
         # takes the block-scaled W8A8 entries): its decode steps at batch 256 first (150 of them a
-        # run; 0.46 ms per layer on the H100 of 2026-11-27 for the 0.6 GB of weights, 1.3 TB/s),
+        # run; 0.257 ms per layer tuned on the H100 of 2026-11-27, evening: 2.35 TB/s of 0.6 GB),
         # then its 16k-token prefill steps, then the smaller decode batches of a run's tail
         Step("tune_moe_w8a8", bench_kernels("--tune-moe", "--fp8", "--w8a8", "--buckets", "256", "16384", "128", "1",
                                             "--write-table", "{out}/tuned_configs.json"),
@@ -267,10 +267,14 @@ def step_files(step: Step) -> set[str]:
     return named | ({step.tail_to} if step.tail_to else set())
 
 
+def written_files(steps: tuple[Step, ...] | list[Step]) -> set[str]:
+    """Every file `steps` leave in the output folder, the session's own two included."""
+    return set(SESSION_FILES).union(*(step_files(step) for step in steps))
+
+
 def packs_results(steps: tuple[Step, ...] | list[Step]) -> bool:
     """Whether `steps` would leave more files than a device call brings back."""
-    written = set(SESSION_FILES).union(*(step_files(step) for step in steps))
-    return len(written) > FILES_BACK
+    return len(written_files(steps)) > FILES_BACK
 
 
 def pack_finished_files(out: Path, still_written: set[str]) -> list[str]:
@@ -321,7 +325,7 @@ def run_plan(steps: tuple[Step, ...] | list[Step], budget_s: float, out: Path,
                                   f"{shlex.join(options)}\n")
                 results.append(_run_step(step, command, limit, out, log, {**step_env, **dict(step.env)}, cwd))
             if pack:
-                packed = pack_finished_files(out, set().union(*(step_files(later) for later in steps[index + 1:])))
+                packed = pack_finished_files(out, written_files(steps[index + 1:]))
                 if packed:
                     log.write(f"[gpu_session] {step.name}: {', '.join(packed)} moved into {RESULTS_TAR}\n")
             (out / "session.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")

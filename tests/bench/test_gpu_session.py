@@ -147,8 +147,7 @@ def test_plans_that_would_write_too_many_files_pack_them(session):
     """session.json, session.log, the steps' tails and the `{out}/...` files: the record and tune
     plans stay within the 8 files a device call brings back (one more in the tune plan once went
     unnoticed), and the decode plan, which would not, packs them."""
-    written = {name: set(session.SESSION_FILES).union(*(session.step_files(step) for step in plan))
-               for name, plan in session.PLANS.items()}
+    written = {name: session.written_files(plan) for name, plan in session.PLANS.items()}
     assert len(written["tune"]) <= session.FILES_BACK and not session.packs_results(session.PLANS["tune"])
     assert len(written["record"]) <= session.FILES_BACK and not session.packs_results(session.PLANS["record"])
     assert len(written["decode"]) > session.FILES_BACK and session.packs_results(session.PLANS["decode"])

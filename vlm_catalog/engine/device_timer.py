@@ -31,7 +31,7 @@ class DeviceTimer:
         self.label = label
         self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._done_seconds = 0.0
-        self._started: torch.cuda.Event | float | None = None
+        self._started: torch.cuda.Event | None = None  # CUDA: the running call's start event
         self._host_started = 0.0
         self.host_seconds = 0.0  # the host clock inside the timed calls (module docstring)
         self._mark: torch.profiler.record_function | None = None
@@ -44,8 +44,6 @@ class DeviceTimer:
         if self.on_cuda:
             self._started = torch.cuda.Event(enable_timing=True)
             self._started.record()
-        else:
-            self._started = time.perf_counter()
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -53,10 +51,11 @@ class DeviceTimer:
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()
             self._pending.append((self._started, ended))
-        else:
-            self._done_seconds += time.perf_counter() - self._started
-        self.host_seconds += time.perf_counter() - self._host_started
-        self._started = None
+            self._started = None
+        host = time.perf_counter() - self._host_started
+        self.host_seconds += host
+        if not self.on_cuda:  # the work was synchronous: the host clock is its time
+            self._done_seconds += host
         if self._mark is not None:
             self._mark.__exit__(*exc_info)
             self._mark = None
