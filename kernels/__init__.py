@@ -14,6 +14,7 @@ shadow the same-named submodules: import the variants with
 from kernels.activation import silu_and_mul
 from kernels.fp8_linear import fp8_linear
 from kernels.kv_cache import PackedContexts, reshape_and_cache
+from kernels.linear_gelu import linear_gelu_tanh
 from kernels.moe import (
     fused_moe,
     moe_align_block_size,
@@ -44,6 +45,7 @@ __all__ = [
     "fused_moe",
     "fused_sum_add_rms_norm",
     "gathered_sum_add_rms_norm",
+    "linear_gelu_tanh",
     "moe_align_block_size",
     "moe_gemm_config",
     "mrope_cos_sin",

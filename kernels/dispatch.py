@@ -70,6 +70,9 @@ FAST_PATHS = frozenset({
     # the decode kernel norms and rotates a step's raw q and k itself (off: qk_norm_mrope's launch
     # first; kernels/paged_decode_attention.py)
     "decode_qk_norm_rope",
+    # the vision MLP's bias and tanh GELU in cuBLASLt's GEMM epilogue (off: F.linear, then F.gelu;
+    # kernels/linear_gelu.py)
+    "gelu_gemm_epilogue",
 })
 FP8_FAST_ACCUMULATION_ENV_VAR = "VLM_CATALOG_FP8_FAST_ACCUMULATION"
 AUTO_DEVICE_TYPES = ("cuda",)  # where `auto` picks Triton; a test adds "cpu" to run the GPU choices interpreted

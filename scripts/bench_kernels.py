@@ -61,6 +61,7 @@ class Shapes:
     moe_intermediate: int = 768
     vision_heads: int = 16
     vision_head_dim: int = 72
+    vision_intermediate: int = 4304
     block_size: int = 16
     num_tokens: int = 4096  # prefill-sized batch for the elementwise ops
     moe_token_counts: tuple[int, ...] = (1, 16, 256, 1024, 4096, 16384)  # 16384: the engine's prefill steps
@@ -112,6 +113,7 @@ TINY_SHAPES = Shapes(  # --interpret smoke run: every code path, seconds on a CP
     moe_intermediate=32,
     vision_heads=2,
     vision_head_dim=24,
+    vision_intermediate=40,
     block_size=4,
     num_tokens=16,
     moe_token_counts=(4, 16),
@@ -483,6 +485,7 @@ def bench_elementwise(shapes: Shapes, dtype, device, timer) -> list[Row]:
 
     from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
     from kernels.kv_cache import reshape_and_cache_reference, reshape_and_cache_triton
+    from kernels.linear_gelu import epilogue_wanted, linear_gelu_tanh, linear_gelu_tanh_reference
     from kernels.moe.routing import route_topk_reference, route_topk_triton
     from kernels.rms_norm import (
         fused_add_rms_norm_reference,
@@ -573,6 +576,25 @@ def bench_elementwise(shapes: Shapes, dtype, device, timer) -> list[Row]:
             "torch reference",
             timer(lambda: vision_rotary_reference(*vision_args)),
             gigabytes_per_second(4 * vision_q.numel() * element + 2 * angles.numel() * 4, ms),
+        )
+    )
+
+    # the vision MLP's first GEMM with its bias and tanh GELU: in cuBLASLt's epilogue (ours, on
+    # CUDA) against F.linear then F.gelu; a GEMM's FLOP rate
+    vision_hidden = vision_heads * vision_dim
+    fc1_in = torch.randn(patches, vision_hidden, dtype=dtype, device=device)
+    fc1_weight = torch.randn(shapes.vision_intermediate, vision_hidden, dtype=dtype, device=device) * vision_hidden**-0.5
+    fc1_bias = torch.randn(shapes.vision_intermediate, dtype=dtype, device=device)
+    ms = timer(lambda: linear_gelu_tanh(fc1_in, fc1_weight, fc1_bias))
+    rows.append(
+        Row(
+            "linear_gelu_tanh",
+            f"N={patches} {vision_hidden}->{shapes.vision_intermediate}",
+            ms,
+            "F.linear, then F.gelu",
+            timer(lambda: linear_gelu_tanh_reference(fc1_in, fc1_weight, fc1_bias)),
+            teraflops(2 * patches * vision_hidden * shapes.vision_intermediate, ms),
+            note="" if epilogue_wanted(fc1_in, fc1_weight, fc1_bias) else "the epilogue does not run here: both are the reference",
         )
     )
 

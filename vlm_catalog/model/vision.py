@@ -10,7 +10,8 @@ per deepstack layer. Module names follow the checkpoint's (`model.visual.*`).
 Speed: the patch embedding (a Conv3d with stride = kernel) runs as one GEMM over
 the flattened pixel rows; the per-image tables (interpolated position
 embeddings, rotary cos/sin, in merge-block order) are computed once per grid
-shape and kept in a small LRU (`GridTableCache`); q and k are rotated in one
+shape and kept in a small LRU (`GridTableCache`); on CUDA the MLP's bias and GELU
+run in its first GEMM's epilogue (`kernels.linear_gelu_tanh`); q and k are rotated in one
 Triton pass over the fused qkv projection (`kernels.vision_rotary`); attention
 gets the segment lengths on the host and, on CUDA, runs every image in one
 FlashAttention varlen launch (or, where torch has none, long images through
@@ -99,7 +100,8 @@ class VisionMLP(nn.Module):
         self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(hidden), approximate="tanh"))
+        fc1 = self.linear_fc1
+        return self.linear_fc2(kernels.linear_gelu_tanh(hidden, fc1.weight, fc1.bias))  # [N, hidden]
 
 
 class VisionBlock(nn.Module):
