@@ -161,18 +161,24 @@ def test_prefetching_gives_the_same_answers_and_decodes_each_image_once(engine_c
     assert stats.seconds_waiting_for_images >= 0.0
 
 
-def test_pixels_staged_in_the_patch_embedding_dtype_encode_exactly_as_float32_pixels(engine_checkpoint):
-    """The runner casts decoded pixels to the vision tower's dtype on the host (half the bytes to
-    copy in bf16); the tower casts them to that dtype itself, so the features are the same."""
-    llm = LLM(engine_checkpoint, dtype="bfloat16")
-    processor = llm.engine.processor
-    prompt = processor.process(conversation(2, images=2))
-    pixels, grids = processor.load_pixels(prompt.images)  # float32
-    model = llm.engine.model
-    assert model.visual.patch_embed.pixel_dtype == torch.bfloat16
-    staged = torch.cat([llm.engine.runner._staged(part) for part in pixels.split(grids.prod(-1).tolist())])
-    assert staged.dtype == torch.bfloat16
-    for expected, got in zip(model.encode_images(pixels, grids), model.encode_images(staged, grids), strict=True):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_pixels_cross_as_uint8_and_normalise_on_the_device_to_exactly_the_preprocessors(engine_checkpoint, dtype):
+    """The runner stages decoded images as uint8 patch rows (half the bytes of bf16 to copy)
+    and normalises them on the device: the patch embedding gets exactly the preprocessor's
+    float32 pixels in its dtype, so the features are the same."""
+    llm = LLM(engine_checkpoint, dtype=dtype)
+    runner, model = llm.engine.runner, llm.engine.model
+    image_processor = llm.engine.processor.image_processor
+    prompt = llm.engine.processor.process(conversation(2, images=2))
+    sources = [image.source for image in prompt.images]
+    pixels, grids = llm.engine.processor.load_pixels(prompt.images)  # float32, normalised on the host
+    staged = [runner._staged(image_processor.process_bytes(source).pixel_values) for source in sources]
+    assert all(part.dtype == torch.uint8 for part in staged)
+    assert sum(part.numel() for part in staged) == sum(runner._staged_bytes(image) for image in prompt.images)
+    on_device = runner.normalised(torch.cat(staged))
+    assert on_device.dtype == model.visual.patch_embed.pixel_dtype == getattr(torch, dtype)
+    assert torch.equal(on_device, pixels.to(on_device.dtype))
+    for expected, got in zip(model.encode_images(pixels, grids), model.encode_images(on_device, grids), strict=True):
         assert torch.equal(expected.embeddings, got.embeddings)
         assert all(torch.equal(a, b) for a, b in zip(expected.deepstack, got.deepstack, strict=True))
     llm.engine.close()
@@ -187,9 +193,9 @@ def test_staging_falls_back_to_pageable_memory_when_pinning_fails(engine_checkpo
         raise RuntimeError("cudaHostAlloc failed")  # ... where pinned memory has run out
 
     monkeypatch.setattr(torch, "empty", no_pinned_memory)
-    pixels = torch.randn(8, runner.model.config.vision.patch_dim)
-    staged = runner._staged(pixels)
-    assert staged.dtype == torch.bfloat16 and torch.equal(staged, pixels.to(torch.bfloat16))
+    pixel_bytes = torch.randint(0, 256, (8, runner.model.config.vision.patch_dim), dtype=torch.uint8)
+    staged = runner._staged(pixel_bytes)
+    assert staged.dtype == torch.uint8 and torch.equal(staged, pixel_bytes)
     monkeypatch.undo()
     llm.engine.close()
 

@@ -172,6 +172,24 @@ def test_patch_reorder_moves_bytes_untouched() -> None:
     assert_matches_reference(ours, result, Image.fromarray(pixels))
 
 
+@pytest.mark.parametrize("name", ["jpeg_480x640", "png_grey", "jpeg_tiny_20x30", "png_640x480"])
+def test_process_bytes_normalised_anywhere_equals_process(name: str, image_bytes: dict[str, bytes],
+                                                           monkeypatch) -> None:
+    """The uint8 rows the engine copies to the GPU, normalised in cache-sized blocks (CPU) or in
+    one pass (any other device), are exactly what process() gives, bit for bit."""
+    from vlm_catalog.preprocess import image as image_module
+
+    processed = QWEN3_VL.process(image_bytes[name])
+    raw = QWEN3_VL.process_bytes(image_bytes[name])
+    assert raw.pixel_values.dtype == torch.uint8 and raw.pixel_values.shape == processed.pixel_values.shape
+    assert (raw.grid_thw, raw.num_tokens, raw.content_hash) == (
+        processed.grid_thw, processed.num_tokens, processed.content_hash)
+    for block_bytes in (image_module._BLOCK_BYTES, 1536 * 4 * 3, 2**40):  # the default blocks, 3 rows, all
+        monkeypatch.setattr(image_module, "_BLOCK_BYTES", block_bytes)
+        got = image_module.normalise_patch_bytes(raw.pixel_values, *QWEN3_VL.normalisation)
+        assert got.dtype == torch.float32 and torch.equal(got, processed.pixel_values)
+
+
 # ----------------------------------------------------------------- hashing
 def test_content_hash_distinguishes_images_and_is_stable(image_bytes: dict[str, bytes]) -> None:
     first = QWEN3_VL.process(image_bytes["png_grey"]).content_hash

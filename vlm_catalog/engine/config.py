@@ -25,7 +25,7 @@ KV_CACHE_DTYPES = {"fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
 
 
 # the default image prefetch budget on CUDA: a 16k-token step of benchmark-sized images
-# holds ~80 MB of bf16 pixels, so this covers several steps ahead
+# holds ~40 MB of pixels (uint8, a byte per value: the GPU normalises them), so this covers many steps ahead
 CUDA_IMAGE_PREFETCH_BYTES = 512 * 2**20
 MAX_AUTO_GRAMMAR_WORKERS = 8  # grammar_compile_workers=None: half the CPUs, at most this many
 

@@ -27,7 +27,7 @@ import torch
 
 from vlm_catalog.preprocess.image import ImageProbe
 
-# what a decode gives: the pixel rows [patches, patch_dim], or the error message
+# what a decode gives: the uint8 pixel rows [patches, patch_dim] (ModelRunner._staged), or the error message
 Decoded = torch.Tensor | str
 
 

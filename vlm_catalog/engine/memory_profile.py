@@ -44,7 +44,7 @@ from vlm_catalog.engine.paged_attention import (
 from vlm_catalog.engine.sampler import sample_most_memory
 from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel
 from vlm_catalog.model.text import MultimodalEmbeddings
-from vlm_catalog.preprocess.image import ImageProcessor
+from vlm_catalog.preprocess.image import ImageProcessor, normalise_patch_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -139,11 +139,16 @@ class _ProfileInputs:
         self, model: Qwen3VLMoeModel, step: WorstCaseStep, block_size: int, seed: int, kv_cache_dtype: torch.dtype
     ) -> None:
         config = model.config
-        device, dtype = model.device, model.dtype
+        device = model.device
         generator = torch.Generator().manual_seed(seed)
         vision = config.vision
-        # [num_images * patches_per_image, C * T * P * P]
-        self.pixel_values = torch.randn(step.num_patches, vision.patch_dim, generator=generator).to(device, dtype)
+        # [num_images * patches_per_image, C * T * P * P] uint8, as the runner copies decoded images over;
+        # run() normalises them on the device as the runner does, so that pass counts in the peak
+        self.pixel_bytes = torch.randint(0, 256, (step.num_patches, vision.patch_dim), generator=generator,
+                                         dtype=torch.uint8).to(device)
+        self.pixel_scale = torch.full((vision.in_channels, 1), 2 / 255, device=device)  # [C, 1] float32
+        self.pixel_offset = torch.full((vision.in_channels, 1), -1.0, device=device)
+        self.pixel_dtype = model.visual.patch_embed.pixel_dtype
         self.grids = torch.tensor([step.image_grid] * step.num_images, device=device)  # [num_images, 3]
         ids = torch.randint(0, config.text.vocab_size, (step.num_tokens,), generator=generator)
         ids[: step.num_image_tokens] = config.image_token_id
@@ -168,7 +173,9 @@ class _ProfileInputs:
 
     @torch.inference_mode()
     def run(self, model: Qwen3VLMoeModel, step: WorstCaseStep) -> None:
-        images = model.encode_images(self.pixel_values, self.grids)
+        # the float32 pass is freed at once, as in ModelRunner.normalised
+        pixel_values = normalise_patch_bytes(self.pixel_bytes, self.pixel_scale, self.pixel_offset).to(self.pixel_dtype)
+        images = model.encode_images(pixel_values, self.grids)
         embeddings = torch.cat([image.embeddings for image in images])[: step.num_image_tokens]
         deepstack = [
             torch.cat([image.deepstack[j] for image in images])[: step.num_image_tokens]

@@ -38,7 +38,7 @@ from vlm_catalog.engine.request import PLACEHOLDER_TOKEN
 from vlm_catalog.engine.scheduler import ScheduledChunk
 from vlm_catalog.model.qwen3_vl_moe import ImageEmbedding, Qwen3VLMoeModel
 from vlm_catalog.model.text import MultimodalEmbeddings
-from vlm_catalog.preprocess.image import ImageProbe, ImageProcessor
+from vlm_catalog.preprocess.image import ImageProbe, ImageProcessor, normalise_patch_bytes
 
 
 def order_chunks(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
@@ -80,6 +80,8 @@ class ModelRunner:
         self.device = model.device
         self.image_token_id = model.config.image_token_id
         self.pixel_dtype = model.visual.patch_embed.pixel_dtype
+        # the per-channel normalisation, on the device once: pixels cross as uint8 and are normalised there
+        self._pixel_scale, self._pixel_offset = (upload(t, self.device) for t in image_processor.normalisation)
         self.images = ImagePrefetcher(self._decode, self._staged_bytes, image_prefetch_bytes, image_workers)
         self.num_images_encoded = 0
         self._new_timers()
@@ -133,10 +135,12 @@ class ModelRunner:
                 if isinstance(pixels, str):
                     failures[image.content_hash] = pixels
             if ready:
-                # pinned rows copy without blocking the host; grids stay on the host (the tower reads them as ints)
-                pixel_values = torch.cat([pixels.to(self.device, non_blocking=True) for _, pixels in ready])
+                # pinned uint8 rows copy without blocking the host; grids stay on the host (the tower
+                # reads them as ints)
+                pixel_bytes = torch.cat([pixels.to(self.device, non_blocking=True) for _, pixels in ready])
                 grids = torch.tensor([image.grid_thw for image, _ in ready])  # [images, 3]
                 with self.vision_timer:
+                    pixel_values = self.normalised(pixel_bytes)  # [N, C*T*P*P]
                     embeddings = self.model.encode_images(pixel_values, grids)
                 for (image, _), embedding in zip(ready, embeddings):
                     self.encoder_cache.put(image.content_hash, embedding)
@@ -177,30 +181,34 @@ class ModelRunner:
             )
         return PagedAttentionMetadata(decode, prefill)
 
+    def normalised(self, pixel_bytes: torch.Tensor) -> torch.Tensor:
+        """Decoded uint8 patch rows on the device -> the patch embedding's input: exactly the
+        preprocessor's float32 pixels (`normalise_patch_bytes`), in the embedding's dtype."""
+        return normalise_patch_bytes(pixel_bytes, self._pixel_scale, self._pixel_offset).to(self.pixel_dtype)
+
     def _decode(self, image: ImageProbe) -> torch.Tensor | str:
         try:
-            processed = self.image_processor.process(image.source)
+            processed = self.image_processor.process_bytes(image.source)
         except Exception as exc:  # noqa: BLE001 - any decoder failure fails only its requests
             return f"image could not be decoded: {exc}"
         if tuple(processed.grid_thw) != tuple(image.grid_thw):
             return f"image decoded to grid {processed.grid_thw}, its header said {image.grid_thw}"
         return self._staged(processed.pixel_values)
 
-    def _staged(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Pixel rows as the device takes them: in the patch embedding's dtype (it casts to it
-        anyway, so the numbers are the same and half the bytes cross in bf16), and on CUDA in
-        pinned memory, so the copy to the device does not block the host."""
+    def _staged(self, pixel_bytes: torch.Tensor) -> torch.Tensor:
+        """uint8 patch rows as the device takes them (a quarter of float32's bytes, half of
+        bf16's; `normalised` finishes them there): on CUDA in pinned memory, so the copy to the
+        device does not block the host."""
         if self.device.type == "cuda":
             try:
-                return torch.empty(pixels.shape, dtype=self.pixel_dtype, pin_memory=True).copy_(pixels)
+                return torch.empty(pixel_bytes.shape, dtype=torch.uint8, pin_memory=True).copy_(pixel_bytes)
             except RuntimeError:  # no pinned memory to be had: a pageable copy works, it only blocks
                 pass
-        return pixels.to(self.pixel_dtype)
+        return pixel_bytes
 
     def _staged_bytes(self, image: ImageProbe) -> int:
-        """What `_staged` will hold for an image, from its header's grid."""
-        patch_dim = self.model.config.vision.patch_dim
-        return math.prod(image.grid_thw) * patch_dim * self.pixel_dtype.itemsize
+        """What `_staged` will hold for an image, from its header's grid: a byte per pixel value."""
+        return math.prod(image.grid_thw) * self.model.config.vision.patch_dim
 
     # -------------------------------------------------------------- text
     @torch.inference_mode()

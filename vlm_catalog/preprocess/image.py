@@ -58,7 +58,9 @@ __all__ = [
     "ImageProbe",
     "ImageProcessor",
     "ProcessedImage",
+    "normalise_patch_bytes",
     "normalised_patches",
+    "patch_bytes",
     "smart_resize",
 ]
 
@@ -126,7 +128,8 @@ class ProcessedImage:
     """One image ready for the vision encoder (compare fields, not instances)."""
 
     # float32 [grid_t * grid_h * grid_w, C * temporal_patch_size * patch_size**2],
-    # rows in merge-block order (see the module doc).
+    # rows in merge-block order (see the module doc); uint8 and not yet normalised
+    # from `ImageProcessor.process_bytes`
     pixel_values: torch.Tensor
     # (1, resized_height / patch_size, resized_width / patch_size)
     grid_thw: tuple[int, int, int]
@@ -173,20 +176,14 @@ def _opaque_dtype(num_bytes: int) -> np.dtype:
     return np.dtype(builtin.get(num_bytes, (np.void, num_bytes)))
 
 
-def normalised_patches(
-    rgb: Image.Image,
-    *,
-    patch_size: int,
-    merge_size: int,
-    temporal_patch_size: int,
-    scale: torch.Tensor,
-    offset: torch.Tensor,
-) -> torch.Tensor:
-    """``scale * pixel + offset`` per channel, laid out as Qwen-VL patches.
+def patch_bytes(rgb: Image.Image, *, patch_size: int, merge_size: int, temporal_patch_size: int) -> torch.Tensor:
+    """The image's uint8 pixels laid out as Qwen-VL patches, not yet normalised.
 
-    ``rgb`` is an RGB image whose sides are multiples of ``patch_size * merge_size``;
-    ``scale`` and ``offset`` are float32 ``[3, 1]``. Returns float32
-    ``[grid_h * grid_w, 3 * temporal_patch_size * patch_size**2]`` (module doc).
+    ``rgb`` is an RGB image whose sides are multiples of ``patch_size * merge_size``.
+    Returns uint8 ``[grid_h * grid_w, 3 * temporal_patch_size * patch_size**2]`` in the
+    layout of :func:`normalised_patches` (module doc), a quarter of its bytes: the
+    engine copies these to the GPU and normalises them there
+    (:func:`normalise_patch_bytes`).
     """
     if rgb.mode != "RGB":
         raise ValueError(f"expected an RGB image, got mode {rgb.mode!r}")
@@ -212,18 +209,49 @@ def normalised_patches(
         # [gh/m, gw/m, m(i), m(j), 1(t), p(y)]
         in_patch_order = rows.transpose(0, 3, 1, 4, 2)[:, :, :, :, None, :]
         frame[:, :, :, :, channel, :, :] = in_patch_order  # the still frame, T times
-    # [N, C, T*p*p] uint8, rows in merge-block order
-    frame_u8 = torch.from_numpy(frame.view(np.uint8).reshape(num_patches, channels, t * p * p))
+    # [N, C*T*p*p] uint8, rows in merge-block order
+    return torch.from_numpy(frame.view(np.uint8).reshape(num_patches, channels * t * p * p))
 
-    # Convert and normalise a cache-sized block of rows at a time, so the float
-    # output is written to memory once (it is 23.6 MB for a 992 x 992 image).
-    pixel_values = torch.empty(num_patches, channels, t * p * p, dtype=torch.float32)
-    rows_per_block = max(1, _BLOCK_BYTES // (channels * t * p * p * 4))
+
+def normalise_patch_bytes(pixel_bytes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """``scale * pixel + offset`` per channel of :func:`patch_bytes`' rows, in float32.
+
+    ``pixel_bytes`` uint8 ``[N, C * T * P * P]``; ``scale`` and ``offset`` float32 ``[C, 1]``
+    on its device. Returns float32 ``[N, C * T * P * P]``: the same numbers on every device
+    (a conversion, then one float32 multiply and one add, each rounded: no fused multiply-add).
+    On CPU a cache-sized block of rows at a time, so the float output is written to memory
+    once (23.6 MB for a 992 x 992 image); elsewhere in one pass.
+    """
+    num_patches, patch_dim = pixel_bytes.shape
+    channels = scale.shape[0]
+    by_channel = pixel_bytes.view(num_patches, channels, patch_dim // channels)  # [N, C, T*P*P]
+    pixel_values = torch.empty(by_channel.shape, dtype=torch.float32, device=pixel_bytes.device)
+    rows_per_block = max(1, _BLOCK_BYTES // (patch_dim * 4)) if pixel_bytes.device.type == "cpu" else num_patches
     for start in range(0, num_patches, rows_per_block):
-        block = pixel_values[start:start + rows_per_block]  # [rows, C, T*p*p]
-        block.copy_(frame_u8[start:start + rows_per_block])  # uint8 -> float32
+        block = pixel_values[start:start + rows_per_block]  # [rows, C, T*P*P]
+        block.copy_(by_channel[start:start + rows_per_block])  # uint8 -> float32
         block.mul_(scale).add_(offset)  # scale, offset: [C, 1]
-    return pixel_values.view(num_patches, channels * t * p * p)  # [N, C*T*p*p]
+    return pixel_values.view(num_patches, patch_dim)  # [N, C*T*P*P]
+
+
+def normalised_patches(
+    rgb: Image.Image,
+    *,
+    patch_size: int,
+    merge_size: int,
+    temporal_patch_size: int,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+) -> torch.Tensor:
+    """``scale * pixel + offset`` per channel, laid out as Qwen-VL patches.
+
+    ``rgb`` is an RGB image whose sides are multiples of ``patch_size * merge_size``;
+    ``scale`` and ``offset`` are float32 ``[3, 1]``. Returns float32
+    ``[grid_h * grid_w, 3 * temporal_patch_size * patch_size**2]`` (module doc).
+    """
+    pixel_bytes = patch_bytes(rgb, patch_size=patch_size, merge_size=merge_size,
+                              temporal_patch_size=temporal_patch_size)
+    return normalise_patch_bytes(pixel_bytes, scale, offset)
 
 
 def _as_rgb_triple(name: str, value: float | Sequence[float]) -> tuple[float, float, float]:
@@ -427,6 +455,16 @@ class ImageProcessor:
             offset=self._offset,
         )
 
+    def patch_bytes(self, resized: Image.Image) -> torch.Tensor:
+        """Stage 3 without the normalisation: uint8 patch rows (see :func:`patch_bytes`)."""
+        return patch_bytes(resized, patch_size=self.patch_size, merge_size=self.merge_size,
+                           temporal_patch_size=self.temporal_patch_size)
+
+    @property
+    def normalisation(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, offset), float32 ``[3, 1]`` on the CPU: ``pixel * scale + offset`` per channel."""
+        return self._scale, self._offset
+
     # ---------------------------------------------------------------- process
     def process(self, image: ImageInput) -> ProcessedImage:
         """Preprocess one image: PIL image, image file bytes or a data:image base64 URI.
@@ -434,9 +472,18 @@ class ImageProcessor:
         Raises ``ImageDecodeError`` for undecodable or oversized input and
         ``ValueError`` for an aspect ratio over 200.
         """
+        return self._process(image, self.patchify)
+
+    def process_bytes(self, image: ImageInput) -> ProcessedImage:
+        """:meth:`process` up to the normalisation: ``pixel_values`` are the uint8 patch rows,
+        which ``normalise_patch_bytes(pixel_values, *self.normalisation)`` turns into exactly
+        what :meth:`process` gives, on any device (the engine does it on the GPU)."""
+        return self._process(image, self.patch_bytes)
+
+    def _process(self, image: ImageInput, patchify) -> ProcessedImage:
         rgb, content_hash = self.load(image)
         resized = self.resize(rgb)
-        pixel_values = self.patchify(resized)
+        pixel_values = patchify(resized)
         grid_h, grid_w = resized.height // self.patch_size, resized.width // self.patch_size
         return ProcessedImage(
             pixel_values=pixel_values,
