@@ -61,13 +61,17 @@ def engine_runs(record: dict) -> dict[str, dict]:
             continue
         if "error" in result:
             runs[phase] = {"error": result["error"]}
-        for run in ("fixed_150_tokens", "constrained_real_stop", "unconstrained_same_tokens"):
+        for run in ("fixed_150_tokens", "constrained_real_stop", "unconstrained_same_tokens", "constrained_again"):
             if isinstance(result.get(run), dict):
                 runs[phase if run == "fixed_150_tokens" else f"{phase} ({run})"] = result[run]
-    if isinstance(record.get("constrained"), dict):
-        for run in ("constrained_real_stop", "unconstrained_same_tokens"):
-            if isinstance(record["constrained"].get(run), dict):
-                runs[f"constrained ({run})"] = record["constrained"][run]
+        for number_, again in enumerate(result.get("fixed_150_tokens_again") or (), start=2):  # --repeat-runs
+            if isinstance(again, dict):
+                runs[f"{phase} (run {number_})"] = again
+    for phase in CONSTRAINED_PHASES:
+        if isinstance(record.get(phase), dict):
+            for run in ("constrained_real_stop", "unconstrained_same_tokens", "constrained_again"):
+                if isinstance(record[phase].get(run), dict):
+                    runs[f"{phase} ({run})"] = record[phase][run]
     return runs
 
 
@@ -163,9 +167,12 @@ def constrained_lines(record: dict, previous: dict | None, phase: str, label: st
     ratio = result.get("constrained_over_unconstrained")
     was = (previous or {}).get(phase, {}).get("constrained_over_unconstrained")
     run = result.get("constrained_real_stop", {})
+    again = result.get("constrained_again_over_unconstrained")  # --repeat-runs 2: timed again, after
     lines = [f"{phase} ({label}, KV cache {result.get('kv_cache_tokens', '-')} tokens): constrained / "
              f"unconstrained at equal tokens: {number(ratio)}x"
-             + (f" (was {number(was)}x)" if was else "") + " (target 0.95x)",
+             + (f" (was {number(was)}x)" if was else "") + " (target 0.95x)"
+             + (f"; the constrained run again, after the unconstrained one: {number(again)}x"
+                if again is not None else ""),
              f"grammar compilations: {result.get('grammar_compilations', '-')} in "
              f"{number(result.get('grammar_compile_seconds'))} s; mean wait before scheduling "
              f"{number(run.get('grammar_wait_seconds_mean'), 3)} s",

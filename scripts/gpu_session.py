@@ -145,7 +145,10 @@ PLANS: dict[str, tuple[Step, ...]] = {
         # at once. The bf16 model's comparison (0.86x on the H100 of 2026-11-27, evening: 903 steps
         # in a 94k-token pool) took 83 s there and left the served one out of time; it is
         # `--phases constrained` alone now
-        Step("constrained", bench_gpu("constrained_w8a8_channel"), max_s=160, min_s=90),
+        # constrained, unconstrained, then constrained again (--repeat-runs 2): the constrained run
+        # came first in its process every time so far, and the first timed run of a process has
+        # been the slower one (the 0.86x's prefill forward took 12.12 device seconds against 9.17)
+        Step("constrained", bench_gpu("constrained_w8a8_channel", "--repeat-runs", "2"), max_s=170, min_s=100),
         Step("kernels", bench_gpu("kernels"), max_s=110, min_s=60),
         # 51% MFU on 2026-11-27 (target 35%) and unchanged since: only if time is left
         Step("vision_encoder", bench_gpu("vision_encoder"), max_s=60, min_s=30),

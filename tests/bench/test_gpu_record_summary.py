@@ -32,7 +32,7 @@ def engine_run(samples_per_s: float) -> dict:
 NEW_RECORD = {
     "device": "NVIDIA H100 80GB HBM3", "date": "2026-11-28", "moe_gemm": "triton", "sdpa_backend": "default",
     "flash_varlen": "fa3_fwd_interface",
-    "engine_w8a8_channel": {"fixed_150_tokens": engine_run(14.5)},
+    "engine_w8a8_channel": {"fixed_150_tokens": engine_run(14.5), "fixed_150_tokens_again": [engine_run(15.5)]},
     "engine_w8a8_channel_grouped_mm": {"error": "RuntimeError: CUDA error: an illegal memory access"},
     "engine_profile": {"fixed_150_tokens": engine_run(11.0), "profile": {
         "time": "device kernels", "wall_seconds": 6.0, "busy_seconds": 4.5, "busy_fraction": 0.75,
@@ -46,7 +46,8 @@ NEW_RECORD = {
                                                   grammar_fill_seconds=1.75, grammar_advance_seconds=0.5,
                                                   logit_masking_seconds=0.25)},
     "constrained_w8a8_channel": {"constrained_over_unconstrained": 0.93, "kv_cache_tokens": 794256,
-                                 "constrained_real_stop": engine_run(16.0)},
+                                 "constrained_real_stop": engine_run(16.0), "constrained_again": engine_run(16.5),
+                                 "constrained_again_over_unconstrained": 0.96},
     "roofline": {"prefill_tokens": 8192, "prefill_mfu": 0.52, "decode_batch1_seconds": 0.0042,
                  "decode_over_floor": 1.9,
                  "decode_batch1_pdl": {"pdl": True, "seconds": 0.0036, "over_floor": 1.63, "kernels": {}},
@@ -88,7 +89,10 @@ def test_a_record_with_the_new_fields_prints_them_beside_the_previous_one(tmp_pa
     assert "384 calls: `moe_gate_up_silu_kernel`" in text
     assert "0.81x (was 0.69x)" in text and "256 in 3.50 s" in text and "masks filled 1.75 s" in text
     assert ("- constrained_w8a8_channel (per-channel W8A8, FP8 KV cache, KV cache 794256 tokens): constrained / "
-            "unconstrained at equal tokens: 0.93x (target 0.95x)") in text
+            "unconstrained at equal tokens: 0.93x (target 0.95x); the constrained run again, after the "
+            "unconstrained one: 0.96x") in text
+    assert "| engine_w8a8_channel (run 2) | 15.50 |" in text  # --repeat-runs: the later runs beside the first
+    assert "| constrained_w8a8_channel (constrained_again) | 16.50 |" in text
     assert "2.03x" in text and "1.90x the floor (was 2.03x)" in text
     assert "850.0 us x48: `moe_gate_up_silu_kernel`" in text
     assert "the same with programmatic dependent launch on: 3.600 ms, 1.63x the floor" in text

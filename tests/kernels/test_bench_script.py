@@ -338,10 +338,22 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
                         "engine_w8a8_channel,engine_w8a8_channel_grouped_mm,engine_w8a8_channel_fast,"
                         "engine_w8a8_channel_fa3,engine_w8a8_channel_fa2,engine_w8a8_channel_tuned,"
                         "constrained_w8a8_channel,transformers",
-                        "--tuned-configs", str(table), "--json", str(out),
+                        "--tuned-configs", str(table), "--repeat-runs", "2", "--json", str(out),
                         script=REPO_ROOT / "scripts" / "bench_gpu.py")
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
+    # --repeat-runs 2: every engine phase's run timed twice, the constrained run again after the
+    # unconstrained one, each with its own summary
+    for phase in ("engine", "engine_w8a8_channel"):
+        first, (again,) = report[phase]["fixed_150_tokens"], report[phase]["fixed_150_tokens_again"]
+        assert again["generated_tokens"] == first["generated_tokens"] and again["errors"] == 0
+        assert again["seconds"] > 0 and report[phase]["repeat_runs"] == 2
+    for phase in ("constrained", "constrained_w8a8_channel"):
+        again = report[phase]["constrained_again"]
+        assert again["generated_tokens"] == report[phase]["constrained_real_stop"]["generated_tokens"]
+        assert again["grammar_fill_seconds"] > 0 and report[phase]["constrained_again_same_tokens"]
+        assert report[phase]["constrained_again_over_unconstrained"] == pytest.approx(
+            again["samples_per_s"] / report[phase]["unconstrained_same_tokens"]["samples_per_s"])
     vision = report["vision_encoder"]
     assert vision["images"] == 2 and vision["patches"] > 0 and vision["seconds"] > 0 and 0 < vision["mfu"]
     engine = report["engine"]["fixed_150_tokens"]
@@ -635,10 +647,13 @@ def test_bench_kernels_a_failing_group_keeps_the_other_rows(monkeypatch, capsys)
     assert "FAILED attention: RuntimeError: triton compile failed" in capsys.readouterr().out
 
 
-def test_bench_gpu_refuses_a_negative_warmup(capsys):
+def test_bench_gpu_refuses_a_negative_warmup_and_no_runs(capsys):
     with pytest.raises(SystemExit):
         load_bench_gpu().main(["--tiny", "--device", "cpu", "--phase", "engine", "--warmup-records", "-1"])
     assert "--warmup-records must be >= 0 (0: no warm-up), got -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_bench_gpu().main(["--tiny", "--device", "cpu", "--phase", "engine", "--repeat-runs", "0"])
+    assert "--repeat-runs must be >= 1 (1: each run once), got 0" in capsys.readouterr().err
 
 
 def test_the_graph_timer_takes_the_flush_off_each_call():
