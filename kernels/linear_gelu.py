@@ -16,10 +16,17 @@ Numerics: the epilogue applies the GELU to the float32 sum, the reference to the
 to bf16 first; the two differ by about one bf16 unit of the output
 (tests/kernels/test_linear_gelu.py: 1e-2 of max |expected|, HALF_TOLERANCE).
 
+The first call for each (device, weight shape, dtype) checks the epilogue against the
+reference on the call's own input (`_matches_reference`: PROBE_TOLERANCE of max |reference|);
+an error or a mismatch logs a warning and that shape keeps the reference, so a cuBLASLt that
+refuses or gets it wrong slows the vision tower instead of failing it.
+
 Off switch: ``VLM_CATALOG_KERNELS_OFF=gelu_gemm_epilogue`` (the reference on CUDA too).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +38,11 @@ EPILOGUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # where `_addmm_activation`'s GELU is the tanh one (not kernels.dispatch.AUTO_DEVICE_TYPES, which
 # tests widen to "cpu" to run the Triton choices interpreted: on CPU this would change the function)
 EPILOGUE_DEVICE_TYPES = ("cuda",)
+PROBE_TOLERANCE = 2e-2  # of max |reference|: one bf16 unit of rounding before or after the GELU, with margin
+
+logger = logging.getLogger(__name__)
+# the first-call check's verdict per (device, weight shape, dtype)
+_checked: dict[tuple, bool] = {}
 
 
 def linear_gelu_tanh_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -62,6 +74,35 @@ def epilogue_wanted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`gelu_tanh(x @ weight.T + bias)`: x [N, in], weight [out, in], bias [out] -> [N, out]."""
-    if epilogue_wanted(x, weight, bias):
+    if not epilogue_wanted(x, weight, bias):
+        return linear_gelu_tanh_reference(x, weight, bias)
+    key = (x.device, tuple(weight.shape), x.dtype)
+    verdict = _checked.get(key)
+    if verdict is None:  # the first call of this shape: check it, and answer with the reference
+        expected = linear_gelu_tanh_reference(x, weight, bias)
+        _checked[key] = _matches_reference(x, weight, bias, expected)
+        return expected
+    if verdict:
         return linear_gelu_tanh_epilogue(x, weight, bias)
     return linear_gelu_tanh_reference(x, weight, bias)
+
+
+def verdicts() -> dict[str, bool]:
+    """The first-call checks of this process so far: "(out, in) dtype" -> whether the epilogue runs."""
+    return {f"{shape} {str(dtype).removeprefix('torch.')}": verdict for (_, shape, dtype), verdict in _checked.items()}
+
+
+def _matches_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, expected: torch.Tensor) -> bool:
+    shape = f"{tuple(weight.shape)} {str(x.dtype).removeprefix('torch.')}"
+    try:
+        got = linear_gelu_tanh_epilogue(x, weight, bias)
+    except Exception as exc:  # noqa: BLE001 - any failure keeps the reference for this shape
+        logger.warning("the GELU GEMM epilogue failed for weight %s (%s); F.linear then F.gelu run", shape, exc)
+        return False
+    error = ((got.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-30)).item()
+    if not error <= PROBE_TOLERANCE:  # NaN fails too
+        logger.warning("the GELU GEMM epilogue for weight %s is %.3g (of max |reference|) from the reference, "
+                       "above %g; F.linear then F.gelu run", shape, error, PROBE_TOLERANCE)
+        return False
+    logger.info("the GELU GEMM epilogue checked for weight %s (error %.2g)", shape, error)
+    return True

@@ -95,7 +95,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import fp8_linear_cublas
+from kernels import fp8_linear_cublas, linear_gelu
 from kernels.dispatch import environment_variable, fp8_accumulation, kernels_off
 from kernels.flash_varlen import FLASH_VARLEN_ENV_VAR, flash_varlen_module
 from kernels.fp8 import per_channel_block
@@ -482,7 +482,9 @@ def memory_summary(engine: LLMEngine, device: torch.device) -> dict:
                "fp8_linear_cublas": fp8_linear_cublas.verdicts(),
                # MoE experts on torch's grouped GEMMs (VLM_CATALOG_MOE_GEMM=grouped_mm): per weight shape,
                # whether the first-call check against the Triton kernels admitted them
-               "moe_grouped_gemm": grouped_gemm.verdicts()}
+               "moe_grouped_gemm": grouped_gemm.verdicts(),
+               # the vision MLP's GELU in cuBLASLt's epilogue: per weight shape, whether its check passed
+               "gelu_gemm_epilogue": linear_gelu.verdicts()}
     if device.type == "cuda":
         summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     return summary

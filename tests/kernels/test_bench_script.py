@@ -388,6 +388,7 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     assert report["constrained"]["jump_forward"]  # so every step runs eagerly, and jump-forward is on
     assert report["engine"]["engine_warmup"] is None  # the engine warm-up is CUDA-only by default
     assert report["engine_w8a8"]["fp8_linear_cublas"] == {}  # cuBLAS FP8 is Hopper-only: no shape was checked
+    assert report["engine"]["gelu_gemm_epilogue"] == {}  # the GELU epilogue is CUDA-only: likewise
     # one other record runs untimed before each engine phase's timed run
     for phase in ("engine", "engine_fp8_kv", "constrained", "engine_fp8", "engine_w8a8", "engine_w8a8_channel"):
         assert report[phase]["warmup"]["records"] == 1 and report[phase]["warmup"]["seconds"] > 0, phase

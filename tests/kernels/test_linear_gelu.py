@@ -59,8 +59,10 @@ def test_cpus_addmm_activation_is_the_erf_gelu_so_it_must_not_run_there():
 
 @pytest.fixture
 def epilogue_on_cpu(monkeypatch):
-    """The CUDA choices on CPU tensors, the epilogue replaced by a recorder that runs the reference."""
+    """The CUDA choices on CPU tensors, no shape checked yet, the epilogue replaced by a recorder
+    that runs the reference."""
     monkeypatch.setattr(linear_gelu, "EPILOGUE_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(linear_gelu, "_checked", {})
     calls = []
 
     def recorder(x, weight, bias):
@@ -71,10 +73,36 @@ def epilogue_on_cpu(monkeypatch):
     return calls
 
 
-def test_the_epilogue_takes_two_dimensional_calls_with_a_bias(epilogue_on_cpu):
+def test_the_epilogue_takes_two_dimensional_calls_with_a_bias_once_checked(epilogue_on_cpu):
     x, weight, bias = operands(7, 16, 8, torch.bfloat16)
-    linear_gelu_tanh(x, weight, bias)
-    assert epilogue_on_cpu == [((7, 16), (8, 16), (8,))]
+    expected = linear_gelu_tanh_reference(x, weight, bias)
+    for rows in (7, 3):  # the first call checks against the reference and answers with it; then the epilogue
+        assert torch.equal(linear_gelu_tanh(x[:rows], weight, bias), expected[:rows])
+    assert epilogue_on_cpu == [((7, 16), (8, 16), (8,)), ((3, 16), (8, 16), (8,))]
+    assert linear_gelu.verdicts() == {"(8, 16) bfloat16": True}
+
+
+@pytest.mark.parametrize("failure", ["raises", "wrong numbers"])
+def test_a_shape_the_epilogue_fails_keeps_the_reference(monkeypatch, caplog, failure):
+    monkeypatch.setattr(linear_gelu, "EPILOGUE_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(linear_gelu, "_checked", {})
+    calls = []
+
+    def broken(x, weight, bias):
+        calls.append(x.shape)
+        if failure == "raises":
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        return linear_gelu_tanh_reference(x, weight, bias) + 1.0
+
+    monkeypatch.setattr(linear_gelu, "linear_gelu_tanh_epilogue", broken)
+    x, weight, bias = operands(5, 16, 8)
+    expected = linear_gelu_tanh_reference(x, weight, bias)
+    with caplog.at_level("WARNING", logger="kernels.linear_gelu"):
+        for _ in range(3):
+            assert torch.equal(linear_gelu_tanh(x, weight, bias), expected)
+    assert len(calls) == 1  # the check only
+    assert linear_gelu.verdicts() == {"(8, 16) float32": False}
+    assert "the GELU GEMM epilogue" in caplog.text and "F.linear then F.gelu run" in caplog.text
 
 
 @pytest.mark.parametrize("case", ["three-dimensional input", "no bias", "gradient wanted"])
@@ -121,8 +149,9 @@ def test_the_vision_mlp_goes_through_it(epilogue_on_cpu):
     )
     mlp = VisionMLP(config)
     with torch.no_grad():
-        mlp(torch.randn(5, 16))
-    assert epilogue_on_cpu == [((5, 16), (24, 16), (24,))]
+        mlp(torch.randn(5, 16))  # checked
+        mlp(torch.randn(4, 16))
+    assert epilogue_on_cpu == [((5, 16), (24, 16), (24,)), ((4, 16), (24, 16), (24,))]
 
 
 @pytest.mark.gpu
@@ -136,7 +165,11 @@ def test_gpu_epilogue_matches_the_reference(dtype, rows):
     x, weight, bias = operands(rows, 1152, 4304, dtype, "cuda")
     with torch.no_grad():
         assert epilogue_wanted(x, weight, bias)
+        linear_gelu_tanh(x, weight, bias)  # the first call of a shape checks the epilogue
+        assert linear_gelu.verdicts()[f"(4304, 1152) {str(dtype).removeprefix('torch.')}"]
         got = linear_gelu_tanh(x, weight, bias)
     expected = gelu_tanh_float64(x, weight, bias)
     assert got.dtype == dtype and got.shape == (rows, 4304)
     assert_close(got, expected, rel=HALF_TOLERANCE if dtype == torch.bfloat16 else 1e-5)
+    assert_close(linear_gelu_tanh_epilogue(x, weight, bias), expected,
+                 rel=HALF_TOLERANCE if dtype == torch.bfloat16 else 1e-5, what="the epilogue itself")
