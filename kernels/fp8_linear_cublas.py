@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from kernels.checks import dtype_name
 from kernels.dispatch import fp8_fast_accumulation, kernels_off
+from kernels.first_call_check import faster_path_agrees
 from kernels.fp8 import (
     FP8_DTYPE,
     quantize_activations_reference,
@@ -139,21 +140,10 @@ def _matches_reference(dtype: torch.dtype, weight: torch.Tensor, weight_scale: t
     generator = torch.Generator().manual_seed(0)
     probe = torch.randn(PROBE_ROWS, weight.shape[1], generator=generator).to(weight.device, dtype)  # [rows, K]
     shape = _describe(tuple(weight.shape), dtype, block, _fast_accumulation(block, weight.shape[1]))
-    try:
-        got = fp8_linear_cublas(probe, weight, weight_scale, block=block).float()
-    except Exception as exc:  # noqa: BLE001 - any failure (cuBLAS, a kernel's compile error) keeps Triton
-        logger.warning("cuBLAS FP8 GEMM unavailable for weight %s (%s); the Triton kernel runs", shape, exc)
-        return False
-    expected = fp8_linear_reference(probe, weight, weight_scale, block, fp8_activations=True).float()
-    error = ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
-    if not error <= PROBE_TOLERANCE:  # NaN fails too
-        logger.warning(
-            "cuBLAS FP8 GEMM for weight %s is %.3g (of max |reference|) from the reference, above %g; "
-            "the Triton kernel runs", shape, error, PROBE_TOLERANCE,
-        )
-        return False
-    logger.info("cuBLAS FP8 GEMM checked for weight %s (error %.2g)", shape, error)
-    return True
+    return faster_path_agrees(
+        f"cuBLAS FP8 GEMM for weight {shape}", lambda: fp8_linear_cublas(probe, weight, weight_scale, block=block),
+        lambda: fp8_linear_reference(probe, weight, weight_scale, block, fp8_activations=True), PROBE_TOLERANCE,
+        logger, against="the reference", replaced="the Triton kernel")
 
 
 def cublas_operands(

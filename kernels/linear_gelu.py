@@ -31,7 +31,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from kernels.checks import dtype_name
 from kernels.dispatch import kernel_backend, kernels_off
+from kernels.first_call_check import faster_path_agrees
 
 OFF_SWITCH = "gelu_gemm_epilogue"  # the name VLM_CATALOG_KERNELS_OFF takes
 EPILOGUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -89,20 +91,11 @@ def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def verdicts() -> dict[str, bool]:
     """The first-call checks of this process so far: "(out, in) dtype" -> whether the epilogue runs."""
-    return {f"{shape} {str(dtype).removeprefix('torch.')}": verdict for (_, shape, dtype), verdict in _checked.items()}
+    return {f"{shape} {dtype_name(dtype)}": verdict for (_, shape, dtype), verdict in _checked.items()}
 
 
 def _matches_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, expected: torch.Tensor) -> bool:
-    shape = f"{tuple(weight.shape)} {str(x.dtype).removeprefix('torch.')}"
-    try:
-        got = linear_gelu_tanh_epilogue(x, weight, bias)
-    except Exception as exc:  # noqa: BLE001 - any failure keeps the reference for this shape
-        logger.warning("the GELU GEMM epilogue failed for weight %s (%s); F.linear then F.gelu run", shape, exc)
-        return False
-    error = ((got.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-30)).item()
-    if not error <= PROBE_TOLERANCE:  # NaN fails too
-        logger.warning("the GELU GEMM epilogue for weight %s is %.3g (of max |reference|) from the reference, "
-                       "above %g; F.linear then F.gelu run", shape, error, PROBE_TOLERANCE)
-        return False
-    logger.info("the GELU GEMM epilogue checked for weight %s (error %.2g)", shape, error)
-    return True
+    return faster_path_agrees(
+        f"the GELU GEMM epilogue for weight {tuple(weight.shape)} {dtype_name(x.dtype)}",
+        lambda: linear_gelu_tanh_epilogue(x, weight, bias), lambda: expected, PROBE_TOLERANCE, logger,
+        against="the reference", replaced="F.linear then F.gelu")

@@ -59,6 +59,7 @@ from kernels.dispatch import (
     fp8_fast_accumulation,
     kernels_off,
 )
+from kernels.first_call_check import faster_path_agrees
 from kernels.fp8 import FP8_DTYPE, quantize_activations
 from kernels.rms_norm import gathered_terms_reference
 
@@ -158,21 +159,11 @@ def _matches_triton(w13, w2, expert_kind, w13_scale, w2_scale, block_shape) -> b
     weights, ids = weights.to(w13.device), ids.to(w13.device, torch.int32)
     scales = dict(w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape,
                   fp8_activations=expert_kind == "w8a8_channel")
-    shapes = f"experts {tuple(w13.shape)} / {tuple(w2.shape)} ({expert_kind})"
-    try:
-        got = fused_moe_grouped_gemm(hidden, w13, w2, weights, ids, **scales).float()
-    except Exception as exc:  # noqa: BLE001 - any failure (an operand torch refuses, CUTLASS) keeps Triton
-        logger.warning("grouped-GEMM MoE unavailable for %s (%s); the Triton kernels run", shapes, exc)
-        return False
-    expected = fused_moe_triton(hidden, w13, w2, weights, ids, **scales).float()
-    error = ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
-    tolerance = PROBE_TOLERANCE[expert_kind]
-    if not error <= tolerance:  # NaN fails too
-        logger.warning("grouped-GEMM MoE for %s is %.3g (of max |Triton|) from the Triton kernels, above %g; "
-                       "the Triton kernels run", shapes, error, tolerance)
-        return False
-    logger.info("grouped-GEMM MoE checked for %s (error %.2g)", shapes, error)
-    return True
+    return faster_path_agrees(
+        f"grouped-GEMM MoE for experts {tuple(w13.shape)} / {tuple(w2.shape)} ({expert_kind})",
+        lambda: fused_moe_grouped_gemm(hidden, w13, w2, weights, ids, **scales),
+        lambda: fused_moe_triton(hidden, w13, w2, weights, ids, **scales), PROBE_TOLERANCE[expert_kind], logger,
+        against="the Triton kernels", replaced="the Triton kernels")
 
 
 def expert_segments(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
