@@ -73,12 +73,13 @@ def epilogue_on_cpu(monkeypatch):
     return calls
 
 
-def test_the_epilogue_takes_two_dimensional_calls_with_a_bias_once_checked(epilogue_on_cpu):
+def test_the_epilogue_takes_two_dimensional_calls_with_a_bias_once_checked(epilogue_on_cpu, monkeypatch):
+    monkeypatch.setattr(linear_gelu, "PROBE_ROWS", 4)
     x, weight, bias = operands(7, 16, 8, torch.bfloat16)
     expected = linear_gelu_tanh_reference(x, weight, bias)
-    for rows in (7, 3):  # the first call checks against the reference and answers with it; then the epilogue
+    for rows in (7, 3):  # the first call checks its first PROBE_ROWS rows, then runs the epilogue
         assert torch.equal(linear_gelu_tanh(x[:rows], weight, bias), expected[:rows])
-    assert epilogue_on_cpu == [((7, 16), (8, 16), (8,)), ((3, 16), (8, 16), (8,))]
+    assert epilogue_on_cpu == [((4, 16), (8, 16), (8,)), ((7, 16), (8, 16), (8,)), ((3, 16), (8, 16), (8,))]
     assert linear_gelu.verdicts() == {"(8, 16) bfloat16": True}
 
 
@@ -149,9 +150,9 @@ def test_the_vision_mlp_goes_through_it(epilogue_on_cpu):
     )
     mlp = VisionMLP(config)
     with torch.no_grad():
-        mlp(torch.randn(5, 16))  # checked
+        mlp(torch.randn(5, 16))  # checked, then run
         mlp(torch.randn(4, 16))
-    assert epilogue_on_cpu == [((5, 16), (24, 16), (24,)), ((4, 16), (24, 16), (24,))]
+    assert epilogue_on_cpu == [((5, 16), (24, 16), (24,))] * 2 + [((4, 16), (24, 16), (24,))]
 
 
 @pytest.mark.gpu
