@@ -18,9 +18,9 @@ to bf16 first; the two differ by about one bf16 unit of the output
 
 The first call for each (device, weight shape, dtype) checks the epilogue against the
 reference on the first PROBE_ROWS rows of its input (`_matches_reference`: PROBE_TOLERANCE of
-max |reference|);
-an error or a mismatch logs a warning and that shape keeps the reference, so a cuBLASLt that
-refuses or gets it wrong slows the vision tower instead of failing it.
+max |reference|; kernels/first_call_check.py). An error or a mismatch logs a warning and that
+shape keeps the reference, so a cuBLASLt that refuses or gets it wrong slows the vision tower
+instead of failing it.
 
 Off switch: ``VLM_CATALOG_KERNELS_OFF=gelu_gemm_epilogue`` (the reference on CUDA too).
 """
@@ -69,6 +69,7 @@ def epilogue_wanted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return (
         bias is not None
         and x.dim() == 2
+        and x.shape[0] > 0  # no rows: nothing to gain, nor to check the epilogue on
         and x.dtype == weight.dtype == bias.dtype
         and x.dtype in EPILOGUE_DTYPES
         and all(t.device.type in EPILOGUE_DEVICE_TYPES for t in (x, weight, bias))
