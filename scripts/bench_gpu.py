@@ -947,9 +947,9 @@ def main(argv: list[str] | None = None) -> int:
                 for phase in model_phases:
                     failed.append(phase)
                     record(phase, time.perf_counter(), {"error": f"building the model failed: {failure}"})
-            engine_options = {"sampling": engine_sampling, "async_scheduling": args.async_scheduling,
-                              "warmup_records": warmup_records, "max_num_batched_tokens": args.max_num_batched_tokens,
-                              "repeat_runs": args.repeat_runs}
+            run_options = {"async_scheduling": args.async_scheduling, "warmup_records": warmup_records,
+                           "max_num_batched_tokens": args.max_num_batched_tokens, "repeat_runs": args.repeat_runs}
+            engine_options = {"sampling": engine_sampling, **run_options}  # constrained runs keep their own sampling
             measures = {
                 "roofline": lambda: measure_roofline(model, device, results["ceilings"]),
                 "engine": lambda: measure_engine(
@@ -958,9 +958,7 @@ def main(argv: list[str] | None = None) -> int:
                     checkpoint, model, device, engine_records, args.output_tokens, kv_cache_dtype="fp8",
                     **engine_options),
                 "constrained": lambda: measure_constrained(
-                    checkpoint, model, device, engine_records, args.output_tokens,
-                    async_scheduling=args.async_scheduling, warmup_records=warmup_records,
-                    max_num_batched_tokens=args.max_num_batched_tokens, repeat_runs=args.repeat_runs),
+                    checkpoint, model, device, engine_records, args.output_tokens, **run_options),
                 # last (PHASES order): they quantize the model in place
                 "engine_fp8": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records, args.output_tokens, **engine_options),
@@ -986,9 +984,7 @@ def main(argv: list[str] | None = None) -> int:
                     checkpoint, model, device, engine_records, args.output_tokens, fp8_activations=True,
                     per_channel=True, tuned_table=args.tuned_configs, **engine_options),
                 "constrained_w8a8_channel": lambda: measure_constrained_fp8(
-                    checkpoint, model, device, engine_records, args.output_tokens,
-                    async_scheduling=args.async_scheduling, warmup_records=warmup_records,
-                    max_num_batched_tokens=args.max_num_batched_tokens, repeat_runs=args.repeat_runs),
+                    checkpoint, model, device, engine_records, args.output_tokens, **run_options),
                 "engine_profile": lambda: measure_engine_fp8(
                     checkpoint, model, device, engine_records[: args.profile_records], args.output_tokens,
                     fp8_activations=True, per_channel=True, profiled=True, **engine_options),

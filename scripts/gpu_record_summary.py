@@ -61,9 +61,8 @@ def engine_runs(record: dict) -> dict[str, dict]:
             continue
         if "error" in result:
             runs[phase] = {"error": result["error"]}
-        for run in ("fixed_150_tokens", "constrained_real_stop", "unconstrained_same_tokens", "constrained_again"):
-            if isinstance(result.get(run), dict):
-                runs[phase if run == "fixed_150_tokens" else f"{phase} ({run})"] = result[run]
+        if isinstance(result.get("fixed_150_tokens"), dict):
+            runs[phase] = result["fixed_150_tokens"]
         for number_, again in enumerate(result.get("fixed_150_tokens_again") or (), start=2):  # --repeat-runs
             if isinstance(again, dict):
                 runs[f"{phase} (run {number_})"] = again

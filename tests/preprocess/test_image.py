@@ -188,6 +188,8 @@ def test_process_bytes_normalised_anywhere_equals_process(name: str, image_bytes
         monkeypatch.setattr(image_module, "_BLOCK_BYTES", block_bytes)
         got = image_module.normalise_patch_bytes(raw.pixel_values, *QWEN3_VL.normalisation)
         assert got.dtype == torch.float32 and torch.equal(got, processed.pixel_values)
+        empty = image_module.normalise_patch_bytes(raw.pixel_values[:0], *QWEN3_VL.normalisation)
+        assert empty.shape == (0, raw.pixel_values.shape[1]) and empty.dtype == torch.float32
 
 
 # ----------------------------------------------------------------- hashing

@@ -226,7 +226,7 @@ def normalise_patch_bytes(pixel_bytes: torch.Tensor, scale: torch.Tensor, offset
     channels = scale.shape[0]
     by_channel = pixel_bytes.view(num_patches, channels, patch_dim // channels)  # [N, C, T*P*P]
     pixel_values = torch.empty(by_channel.shape, dtype=torch.float32, device=pixel_bytes.device)
-    rows_per_block = max(1, _BLOCK_BYTES // (patch_dim * 4)) if pixel_bytes.device.type == "cpu" else num_patches
+    rows_per_block = max(1, _BLOCK_BYTES // (patch_dim * 4) if pixel_bytes.device.type == "cpu" else num_patches)
     for start in range(0, num_patches, rows_per_block):
         block = pixel_values[start:start + rows_per_block]  # [rows, C, T*P*P]
         block.copy_(by_channel[start:start + rows_per_block])  # uint8 -> float32
