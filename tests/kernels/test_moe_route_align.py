@@ -41,9 +41,19 @@ def check_routing(weights, ids, logits, top_k, renormalize, weights_dtype):
         torch.testing.assert_close(weights.float(), expected_weights.to(weights_dtype).float(), rtol=unit, atol=0)
 
 
-@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_size", CASES)
+def routing_settings(num_experts: int) -> list[tuple[bool, torch.dtype]]:
+    """(renormalize, weights dtype) pairs to run a case with: every pair for the small cases,
+    two that between them take each setting once at 128 experts, where one launch runs 128
+    programs (about 10 s each under the interpreter)."""
+    if num_experts >= 128:
+        return [(True, torch.float32), (False, torch.bfloat16)]
+    return [(renormalize, dtype) for renormalize in (True, False) for dtype in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_size,renormalize,weights_dtype", [
+    pytest.param(*case, renormalize, dtype,
+                 id="T{}-E{}-K{}-block{}".format(*case) + f"-{'renormalized' if renormalize else 'raw'}-{str(dtype)[6:]}")
+    for case in CASES for renormalize, dtype in routing_settings(case[1])])
 def test_one_launch_equals_route_then_align(
     triton_device, poison_allocations, weights_dtype, renormalize, num_tokens, num_experts, top_k, block_size
 ):
