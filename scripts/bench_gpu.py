@@ -158,7 +158,8 @@ def synchronize(device: torch.device) -> None:
 
 
 def release_memory(device: torch.device) -> None:
-    """Free what dropped objects still hold (engines have reference cycles) and return it to the device."""
+    """Free what dropped objects still hold (engines have reference cycles) and return it to the device.
+    The collection looks only at objects made after `main` froze the imports' (`gc.freeze`)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -554,17 +555,18 @@ def quantize_model(model, device: torch.device, fp8_activations: bool,
         dense_block = fitting_block(*dense_row_counts(text))
     for layer_experts in decoder.moe_experts():
         if layer_experts.fp8_block != block.block:
+            # the layer's bf16 (or other-block FP8) experts are freed as quantize_ returns (reference
+            # counts: no cycle holds them), and the caching allocator gives their memory to the next
+            # layer's. A collection per layer cost 0.2-0.4 s of host time, 48 times at 30B-A3B.
             layer_experts.quantize_(block)
-            release_memory(device)  # the layer's bf16 (or other-block FP8) experts
         layer_experts.fp8_activations = fp8_activations
     if fp8_activations and not isinstance(decoder.layers[0].self_attn.qkv_proj, Fp8Linear):
         decoder.use_fp8_linears(dense_block, quantize_present=True)
-        release_memory(device)
     elif fp8_activations:
         for module, name in decoder.dense_projections():
             if getattr(module, name).block != dense_block.block:
                 getattr(module, name).requantize_(dense_block)
-        release_memory(device)
+    release_memory(device)  # once, after every layer: what is left goes back to the device
     return block, dense_block
 
 
@@ -845,6 +847,10 @@ def main(argv: list[str] | None = None) -> int:
                              "and with 2 or more the constrained run again after the unconstrained one")
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
+    # What is alive now (the imported modules: torch, the model code, xgrammar) lives as long as the
+    # process. Frozen, it is left out of every later collection, so that release_memory, called
+    # after each phase and for each layer the FP8 phases quantize, scans only what the phases made.
+    gc.freeze()
     engine_sampling = QWEN3_VL_SAMPLING if args.engine_sampling == "benchmark" else GREEDY
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
