@@ -51,7 +51,7 @@ def run(checkpoint, conversations, waves: int = 2, **options) -> list[tuple[list
     return [(output.token_ids, output.finish_reason) for output in outputs]
 
 
-# Each variant costs 90-120 s in the interpreter. The default run takes two: the defaults, and
+# Each variant costs 70-110 s in the interpreter. The default run takes two: the defaults, and
 # the record engine of the GPU benchmark (`engine_w8a8_channel`: per-channel W8A8 experts over an
 # FP8 cache) with async scheduling. `make test-slow` runs the block-scaled W8A8 engine
 # (`engine_w8a8`) and each option alone, to tell which of a failing combination is at fault.

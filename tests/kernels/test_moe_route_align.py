@@ -52,7 +52,7 @@ def routing_settings(num_experts: int) -> list[tuple[bool, torch.dtype]]:
 
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,block_size,renormalize,weights_dtype", [
     pytest.param(*case, renormalize, dtype,
-                 id="T{}-E{}-K{}-block{}".format(*case) + f"-{'renormalized' if renormalize else 'raw'}-{str(dtype)[6:]}")
+                 id="T{}-E{}-K{}-block{}".format(*case) + f"-{'renormalized' if renormalize else 'raw'}-{str(dtype).removeprefix('torch.')}")
     for case in CASES for renormalize, dtype in routing_settings(case[1])])
 def test_one_launch_equals_route_then_align(
     triton_device, poison_allocations, weights_dtype, renormalize, num_tokens, num_experts, top_k, block_size
