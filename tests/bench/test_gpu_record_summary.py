@@ -1,6 +1,6 @@
 """scripts/gpu_record_summary.py: a GPU record's numbers as the Markdown docs/benchmarks.md keeps,
-on the committed record of 2026-11-27 (fields it predates print "-") and on one with every
-field the record plan now writes."""
+on the H100 record of 2026-11-27, morning (fields it predates print "-"), on the current
+committed record, and on one with every field the record plan now writes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import sys
 
 from vlm_catalog.paths import REPO_ROOT
 
-RECORD = REPO_ROOT / "docs" / "results" / "gpu" / "bench_gpu.json"
+RESULTS = REPO_ROOT / "docs" / "results" / "gpu"
+RECORD = RESULTS / "bench_gpu_h100_2026-11-27_morning.json"
+CURRENT_RECORD = RESULTS / "bench_gpu.json"
 
 
 def load_summary():
@@ -65,7 +67,7 @@ NEW_RECORD = {
 }
 
 
-def test_the_committed_record_prints_its_runs_and_targets():
+def test_the_morning_record_prints_its_runs_and_targets():
     text = load_summary().summarize(json.loads(RECORD.read_text()))
     assert "| engine_w8a8_channel | 13.24 | 19.33 | 33,007 | 9,342 | 179 | 5.44 | - / - | - / - |" in text
     assert "constrained / unconstrained at equal tokens: 0.69x" in text
@@ -73,6 +75,16 @@ def test_the_committed_record_prints_its_runs_and_targets():
     # the committed record predates host_ms: "-" in its column
     assert "| record | paged_decode_attention[fp8 kv] | B=32 ctx=2048 | 0.1724 | - | 0.0596 | 0.35 |" in text
     assert "rms_norm" not in text  # rows without a target or a switch to set are left out
+
+
+def test_the_current_record_prints_its_profile_constrained_orders_and_vision():
+    text = load_summary().summarize(json.loads(CURRENT_RECORD.read_text()))
+    assert "| engine_w8a8_channel | 15.04 | 17.02 |" in text
+    assert "| vlm.text_forward.prefill | 2.935 |" in text
+    assert ("constrained / unconstrained at equal tokens: 0.91x (target 0.95x); the constrained run again, "
+            "after the unconstrained one: 0.95x") in text
+    assert "145528 patches: 0.584 s, 64.5% MFU" in text
+    assert "decode step at batch 1: 4.142 ms, 1.97x the floor" in text
 
 
 def test_a_record_with_the_new_fields_prints_them_beside_the_previous_one(tmp_path, capsys):
