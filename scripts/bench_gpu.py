@@ -17,9 +17,10 @@ call; `--json FILE` merges the phases' results into FILE.
 - engine          offline samples/s, prefill and decode tokens/s with 150 output tokens
                   (ignore_eos), sampled as the benchmark samples (temperature 0.7, top-p 0.8,
                   top-k 20; `--engine-sampling greedy` for argmax, as the first H100 run);
-                  the KV capacity in tokens and the memory profile. `--async-scheduling`:
-                  the engine phases schedule and launch each step before reading the
-                  previous step's tokens (recorded as `async_scheduling`). Every engine
+                  the KV capacity in tokens and the memory profile. `--async-scheduling
+                  {auto,on,off}`: whether the engine phases schedule and launch each step
+                  before reading the previous step's tokens (auto, the engine's default: on
+                  CUDA; recorded as `async_scheduling`, as the engine resolved it). Every engine
                   phase (constrained too) first runs `--warmup-records` (32 on CUDA) other
                   records untimed (recorded as `warmup`): a process's first steps compile kernels
 - engine_fp8_kv   the same with an FP8 (e4m3) KV cache: twice the tokens in the same memory,
@@ -114,6 +115,7 @@ from vlm_catalog.bench.random_model import (
 )
 from vlm_catalog.data.loader import load_catalogue
 from vlm_catalog.data.synthetic.generator import make_catalog
+from vlm_catalog.engine.arguments import auto_setting
 from vlm_catalog.engine.config import EngineConfig
 from vlm_catalog.engine.generation_config import GREEDY, QWEN3_VL_SAMPLING, Sampling
 from vlm_catalog.engine.llm_engine import LLMEngine
@@ -465,7 +467,7 @@ STEP_TOKENS = 16384  # max_num_batched_tokens of the engine phases (--max-num-ba
 
 
 def make_engine(checkpoint: Path, model, device: torch.device, kv_cache_dtype: str = "auto",
-                async_scheduling: bool = False, max_num_batched_tokens: int = STEP_TOKENS) -> LLMEngine:
+                async_scheduling: bool | None = None, max_num_batched_tokens: int = STEP_TOKENS) -> LLMEngine:
     config = EngineConfig(model=checkpoint, device=str(device), dtype="bfloat16" if device.type == "cuda" else "float32",
                           max_num_seqs=256, max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
                           scheduling_policy="shortest_prompt_first", max_model_len=32768, kv_cache_dtype=kv_cache_dtype,
@@ -493,7 +495,7 @@ def memory_summary(engine: LLMEngine, device: torch.device) -> dict:
 
 def measure_engine(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
                    kv_cache_dtype: str = "auto", sampling: Sampling = QWEN3_VL_SAMPLING,
-                   async_scheduling: bool = False, warmup_records=(),
+                   async_scheduling: bool | None = None, warmup_records=(),
                    max_num_batched_tokens: int = STEP_TOKENS, profiled: bool = False,
                    repeat_runs: int = 1) -> dict:
     """Offline throughput with `output_tokens` (150) output tokens per record (ignore_eos), drawn
@@ -518,7 +520,7 @@ def measure_engine(checkpoint: Path, model, device: torch.device, records, outpu
         results["fixed_150_tokens"] = timed_run()
         if repeat_runs >= 2:
             results["fixed_150_tokens_again"] = [timed_run() for _ in range(repeat_runs - 1)]
-    results.update({"sampling": asdict(sampling), "async_scheduling": async_scheduling, "repeat_runs": repeat_runs,
+    results.update({"sampling": asdict(sampling), "async_scheduling": engine.async_scheduling, "repeat_runs": repeat_runs,
                     "max_num_batched_tokens": max_num_batched_tokens,
                     # the tuned tables (JSON) whose MoE tiles and decode launch settings it ran
                     "tuned_configs": list(engine.tuned_tables)})
@@ -572,7 +574,7 @@ def quantize_model(model, device: torch.device, fp8_activations: bool,
 
 def measure_engine_fp8(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
                        fp8_activations: bool = False, sampling: Sampling = QWEN3_VL_SAMPLING,
-                       async_scheduling: bool = False, warmup_records=(), per_channel: bool = False,
+                       async_scheduling: bool | None = None, warmup_records=(), per_channel: bool = False,
                        fast_accumulation: bool = False, moe_gemm_choice: str | None = None,
                        max_num_batched_tokens: int = STEP_TOKENS, profiled: bool = False,
                        flash_varlen: str | None = None, tuned_table: Path | None = None,
@@ -611,7 +613,7 @@ PROFILE_RECORDS = 128
 
 
 def measure_constrained(checkpoint: Path, model, device: torch.device, records, output_tokens: int,
-                        async_scheduling: bool = False, warmup_records=(),
+                        async_scheduling: bool | None = None, warmup_records=(),
                         max_num_batched_tokens: int = STEP_TOKENS, kv_cache_dtype: str = "auto",
                         repeat_runs: int = 1) -> dict:
     """The per-record schema (real stop) against unconstrained decoding of the same token counts,
@@ -652,7 +654,7 @@ def measure_constrained(checkpoint: Path, model, device: torch.device, records, 
         results["constrained_again_over_unconstrained"] = (
             results["constrained_again"]["samples_per_s"] / unconstrained_rate)
     results["repeat_runs"] = repeat_runs
-    results["async_scheduling"] = async_scheduling
+    results["async_scheduling"] = engine.async_scheduling
     results["max_num_batched_tokens"] = max_num_batched_tokens
     results.update(memory_summary(engine, device))
     engine.close()
@@ -830,8 +832,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-size", default="realistic", help="synthetic catalogue images: realistic or small")
     parser.add_argument("--engine-sampling", choices=("benchmark", "greedy"), default="benchmark",
                         help="the engine phases' sampling: the benchmark's (Qwen3-VL generation_config) or argmax")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="engine phases: schedule each step before reading the previous step's tokens")
+    parser.add_argument("--async-scheduling", type=auto_setting, nargs="?", const=True, default=None,
+                        metavar="{auto,on,off}",
+                        help="engine phases: schedule each step before reading the previous step's tokens "
+                             "(auto, the engine's default: on CUDA; the option alone: on)")
     parser.add_argument("--kernel-groups", type=lambda text: load_bench_kernels().parse_groups(text),
                         default=None, help="the kernels phase's groups of rows, comma-separated "
                                            "(default: all; bench_kernels.py --groups)")

@@ -289,7 +289,7 @@ def test_async_scheduling_reaches_the_engine_and_changes_no_answer(small_catalog
 
     def recording_init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
-        built.append(self.config.async_scheduling)
+        built.append(self.async_scheduling)  # as the engine resolved it (auto: off on CPU)
 
     monkeypatch.setattr(llm_engine.LLMEngine, "__init__", recording_init)
     plain, pipelined = tmp_path / "plain.jsonl", tmp_path / "pipelined.jsonl"

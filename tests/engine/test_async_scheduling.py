@@ -35,6 +35,36 @@ def sync_and_async(engine_checkpoint):
     return LLM(engine_checkpoint, **settings), LLM(engine_checkpoint, async_scheduling=True, **settings)
 
 
+def test_async_scheduling_is_on_by_default_on_cuda_only_and_a_setting_overrides_it():
+    from vlm_catalog.engine.config import EngineConfig
+
+    assert EngineConfig(device="cuda").schedules_async() and not EngineConfig(device="cpu").schedules_async()
+    for setting in (True, False):
+        assert EngineConfig(device="cpu", async_scheduling=setting).schedules_async() == setting
+        assert EngineConfig(device="cuda", async_scheduling=setting).schedules_async() == setting
+
+
+def test_the_async_scheduling_option_of_the_front_doors():
+    import argparse
+
+    from vlm_catalog.engine.arguments import add_device_arguments, device_options
+
+    parser = argparse.ArgumentParser()
+    add_device_arguments(parser)
+    settings = [device_options(parser.parse_args(args))["async_scheduling"]
+                for args in ([], ["--async-scheduling"], ["--async-scheduling", "on"],
+                             ["--async-scheduling", "off"], ["--async-scheduling", "auto"])]
+    assert settings == [None, True, True, False, None]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--async-scheduling", "yes"])
+
+
+def test_the_engine_resolves_auto_where_it_runs(sync_and_async):
+    sync, pipelined = sync_and_async
+    assert sync.engine.config.async_scheduling is None and sync.engine.async_scheduling is False  # CPU
+    assert pipelined.engine.async_scheduling is True
+
+
 def test_the_same_answers_as_reading_each_step_first(sync_and_async):
     sync, pipelined = sync_and_async
     prompts = mixed_conversations(12)

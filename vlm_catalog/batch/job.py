@@ -53,7 +53,7 @@ class BatchSettings:
     kv_cache_dtype: str = "auto"  # "fp8": an e4m3 KV cache (EngineConfig.kv_cache_dtype)
     quantization: str = "auto"  # MoE expert weights (EngineConfig.quantization)
     gpu_memory_utilization: float = 0.9
-    async_scheduling: bool = False  # EngineConfig.async_scheduling (the same answers either way)
+    async_scheduling: bool | None = None  # EngineConfig.async_scheduling (None: on CUDA only; the same answers either way)
     warmup: bool | None = None  # EngineConfig.warmup (None: on CUDA only)
     shard: Shard = WHOLE
     overwrite: bool = False

@@ -10,13 +10,14 @@ from vlm_catalog.engine.config import KV_CACHE_DTYPES, QUANTIZATION_MODES, Engin
 
 # the EngineConfig fields these options set
 DEVICE_OPTIONS = ("kv_cache_dtype", "gpu_memory_utilization", "quantization", "async_scheduling", "warmup")
-WARMUP_SETTINGS = {"auto": None, "on": True, "off": False}  # --warmup -> EngineConfig.warmup
+# --warmup and --async-scheduling -> EngineConfig.warmup / async_scheduling (None: on CUDA only)
+AUTO_SETTINGS = {"auto": None, "on": True, "off": False}
 
 
-def warmup_setting(text: str) -> bool | None:
-    if text not in WARMUP_SETTINGS:
-        raise argparse.ArgumentTypeError(f"must be one of {', '.join(WARMUP_SETTINGS)}, got {text!r}")
-    return WARMUP_SETTINGS[text]
+def auto_setting(text: str) -> bool | None:
+    if text not in AUTO_SETTINGS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(AUTO_SETTINGS)}, got {text!r}")
+    return AUTO_SETTINGS[text]
 
 
 def add_device_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -39,12 +40,13 @@ def add_device_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
              f"(default {EngineConfig.gpu_memory_utilization})",
     )
     parser.add_argument(
-        "--async-scheduling", action="store_true",
+        "--async-scheduling", type=auto_setting, nargs="?", const=True, default=None, metavar="{auto,on,off}",
         help="schedule and launch each engine step before reading the previous step's tokens, so the "
-             "host's per-token work overlaps the device (same answers for greedy and seeded requests)",
+             "host's per-token work overlaps the device (same answers for greedy and seeded requests; "
+             "auto: on CUDA only; the option alone: on)",
     )
     parser.add_argument(
-        "--warmup", type=warmup_setting, default=None, metavar="{auto,on,off}",
+        "--warmup", type=auto_setting, default=None, metavar="{auto,on,off}",
         help="run dummy requests at start-up so the GPU kernels of every step size compile before the "
              "first real request (auto: on CUDA only)",
     )

@@ -162,6 +162,7 @@ class LLMEngine:
         self._awaiting_grammar: dict[str, Request] = {}
         self._grammars_compiled: deque[Request] = deque()
         self._next_memory_release = time.monotonic() + config.release_host_memory_every_s
+        self.async_scheduling = config.schedules_async()  # EngineConfig.async_scheduling, auto resolved
         self._pending: PendingTokens | None = None  # sampled tokens not yet read (async_scheduling)
         self.warmup_report: WarmupReport | None = warm_up(self) if config.warms_up() else None
 
@@ -496,7 +497,7 @@ class LLMEngine:
             self.stats.seconds_masking_logits += time.perf_counter() - filled
         params = [request.params for request in requests]
         positions = [request.num_output_tokens for request in requests]
-        if self.config.async_scheduling and all(p.logprobs is None for p in params):
+        if self.async_scheduling and all(p.logprobs is None for p in params):
             self._pending = PendingTokens(requests, sample_tokens(logits, params, positions, self.generator))
             for request in requests:
                 request.append_placeholder()

@@ -61,7 +61,7 @@ class BenchConfig:
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     quantization: str = "auto"
-    async_scheduling: bool = False  # EngineConfig.async_scheduling
+    async_scheduling: bool | None = None  # EngineConfig.async_scheduling (None: on CUDA only)
     warmup: bool | None = None  # EngineConfig.warmup (None: on CUDA only)
 
 
