@@ -113,6 +113,7 @@ from vlm_catalog.bench.random_model import (
     random_transformers_model,
     random_vision_tower,
 )
+from vlm_catalog.bench.run_diagnostics import RunDiagnostics
 from vlm_catalog.data.loader import load_catalogue
 from vlm_catalog.data.synthetic.generator import make_catalog
 from vlm_catalog.engine.arguments import auto_setting
@@ -402,7 +403,8 @@ def warm_up(engine: LLMEngine, conversations, params) -> dict:
 
 def engine_run_summary(engine: LLMEngine, conversations, params) -> tuple[dict, dict[int, object]]:
     before = dict(engine.stats.as_dict())
-    queue_seconds, seconds, outputs = run_engine(engine, conversations, params)
+    with RunDiagnostics(engine.config.torch_device) as diagnostics:
+        queue_seconds, seconds, outputs = run_engine(engine, conversations, params)
     stats = engine.stats.as_dict()
     delta = {key: stats[key] - before[key] for key in stats}
     summary = {
@@ -432,6 +434,9 @@ def engine_run_summary(engine: LLMEngine, conversations, params) -> tuple[dict, 
         "grammar_wait_seconds_mean": delta["seconds_awaiting_grammars"] / max(delta["num_grammars_attached"], 1),
         "errors": sum(o.finish_reason == "error" for o in outputs.values()),
         "device_seconds": device_time_split(delta, seconds),
+        # what the run paid for besides its work: Triton variants first launched in it, Python's
+        # collections, the caching allocator's cudaMallocs and retries (bench/run_diagnostics.py)
+        "diagnostics": diagnostics.summary(),
     }
     return summary, outputs
 

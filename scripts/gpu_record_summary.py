@@ -103,7 +103,32 @@ def engine_section(record: dict, previous: dict | None) -> str:
               for phase, result in record.items()
               if phase.split(" (")[0] in ENGINE_PHASES and isinstance(result, dict) and result.get("tuned_configs")]
     read = f"\n\ntuned tables read: {'; '.join(tables)}" if tables else ""
-    return "## Engine runs\n\n" + table(header, rows) + read
+    paid = [f"- {name}: {line}" for name, run in runs.items() if (line := diagnostics_line(run.get("diagnostics")))]
+    paid_text = "\n\nwhat each run paid for besides its work:\n" + "\n".join(paid) if paid else ""
+    return "## Engine runs\n\n" + table(header, rows) + read + paid_text
+
+
+def diagnostics_line(diagnostics: dict | None) -> str | None:
+    """A run's `diagnostics` (bench/run_diagnostics.py) in one line: the Triton variants first
+    launched in it (the costliest three named), Python's collections, the allocator's calls."""
+    if not isinstance(diagnostics, dict):
+        return None
+    parts = []
+    variants = diagnostics.get("triton_variants")
+    if variants is None:
+        parts.append("Triton variants not counted")
+    else:
+        costly = sorted(variants.items(), key=lambda item: -item[1]["seconds"])[:3]
+        named = ", ".join(f"{name} x{v['count']} {number(v['seconds'])} s" for name, v in costly)
+        parts.append(f"{sum(v['count'] for v in variants.values())} Triton variants first launched, "
+                     f"{number(diagnostics.get('triton_variant_seconds'))} s" + (f" ({named})" if named else ""))
+    collected = diagnostics.get("gc", {})
+    parts.append(f"{sum(collected.get('collections', {}).values())} collections {number(collected.get('seconds'))} s")
+    allocator = diagnostics.get("cuda_allocator")
+    if allocator:
+        parts.append(f"cudaMalloc {allocator['num_device_alloc']}, cudaFree {allocator['num_device_free']}, "
+                     f"retries after an OOM {allocator['num_alloc_retries']}")
+    return "; ".join(parts)
 
 
 def tuned_section(label: str, tuned: dict) -> str:

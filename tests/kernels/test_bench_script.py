@@ -518,7 +518,10 @@ def test_bench_gpu_engine_sampling_greedy_is_recorded(tmp_path):
     engine = json.loads(out.read_text())["engine"]
     assert engine["warmup"] == {"records": 0, "seconds": 0.0}  # none by default on CPU
     assert engine["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
-    assert engine["fixed_150_tokens"]["generated_tokens"] == 2 and engine["async_scheduling"] is False
+    assert engine["fixed_150_tokens"]["generated_tokens"] == 2 and engine["async_scheduling"] is False  # auto, CPU
+    diagnostics = engine["fixed_150_tokens"]["diagnostics"]  # bench/run_diagnostics.py
+    assert set(diagnostics) == {"triton_variants", "triton_variant_seconds", "gc", "cuda_allocator"}
+    assert diagnostics["cuda_allocator"] is None and diagnostics["gc"]["seconds"] >= 0
 
 
 def test_bench_gpu_engine_with_async_scheduling(tmp_path):
