@@ -22,12 +22,13 @@ again are moved into `$OUT/results.tar` once it ends (`tar xf results.tar` gives
 
 - `record`: `pytest -m gpu` (its slowest tests and summary in pytest_gpu.txt; on four
   workers where pytest-xdist is carried, each test limited where pytest-timeout is), then
-  bench_gpu.py's phases into bench_gpu.json: engine_w8a8_channel, its device time profiled
-  (engine_profile), the same engine with async scheduling (engine_async.json), the ceilings
-  and roofline, constrained decoding as served, the kernel rows, and the vision encoder, as
-  far as the budget goes.
+  bench_gpu.py's phases into bench_gpu.json: engine_w8a8_channel timed twice, the same
+  engine with 32k-token steps and with fast FP8 accumulation (engine_steps_32k.json,
+  engine_fast.json), the ceilings and roofline, constrained decoding as served, the vision
+  encoder; with time left the engine without async scheduling (engine_sync.json), the kernel
+  rows and the profiled run (engine_profile), as far as the budget goes.
 - `decode`: the attention rows as they are and with bf16 dots, the vision encoder with
-  cuDNN's attention first, the MoE rows, engine_w8a8_channel_fast, the same engine with
+  cuDNN's attention first, the MoE rows, engine_w8a8_channel_fast, the same engine without
   async scheduling and with 32k-token steps (engine_*.json), the attention rows with V read
   as bytes (each into its own JSON), then the FP8 decode attention's launch settings tuned;
   `--steps` picks among them.
@@ -125,33 +126,36 @@ PLANS: dict[str, tuple[Step, ...]] = {
              max_s=200, min_s=120, tail_to="pytest_gpu.txt", optional=PYTEST_GPU_OPTIONAL),
         # the per-channel W8A8 engine as served: FlashAttention 3 for the vision tower and whole
         # prompts where the fa3-fwd wheel was carried, the GPU model's tuned table where one is
-        # packaged (16.43 samples/s on the H100 of 2026-11-27, evening), then under torch.profiler
-        # on 128 records (where its device time goes, Triton's kernels included: engine_profile).
-        # The comparisons with FlashAttention 2 (14.37 against 17.34 on the H200 of 2026-11-27) and
-        # torch's grouped GEMMs (12.84, with FA2) are phases of their own now
-        # (engine_w8a8_channel_fa2, engine_w8a8_channel_grouped_mm); the sums in the tensor core
-        # (engine_w8a8_channel_fast) are in the `decode` plan.
-        Step("engines", bench_gpu("engine_w8a8_channel,engine_profile"), max_s=240, min_s=120),
-        # the same engine scheduling step N+1 before it reads step N's tokens: the host's input
-        # building and bookkeeping (about 3 ms a decode step at batch 256, on the CPU) then overlap
-        # the device, where the tuned run spent 1.07 s in "rest of the steps" and 0.20 s between
-        # steps; measured warm only now (the 2026-11-25 run compared two cold first phases)
-        Step("engine_async", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel",
-                              "--async-scheduling", "--json", "{out}/engine_async.json"), max_s=130, min_s=90),
-        # the decode step's kernels at batch 1 and 256 (the 1.5x target), before constrained, which
-        # needs 110 s; the kernel rows are in the `decode` plan (attention, then the MoE's)
+        # packaged, async scheduling (the default on CUDA since the H100 run of 2026-11-28: 18.04
+        # samples/s against 17.58 without). Timed twice (--repeat-runs 2): the first timed run of a
+        # process has been the slower every time (15.04 in a process that found Triton's cache
+        # empty), and each run now records the Triton variants it launched first, its collections
+        # and the allocator's calls (`diagnostics`): what the second run did not pay for
+        Step("engines", bench_gpu("engine_w8a8_channel", "--repeat-runs", "2"), max_s=200, min_s=110),
+        # the same engine with 32k-token steps: half the prefill steps, twice the rows per expert in
+        # the MoE GEMMs (the largest cost of a run: 483 TFLOP/s at 16k tokens)
+        Step("engine_steps_32k", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel",
+                                  "--max-num-batched-tokens", "32768", "--json", "{out}/engine_steps_32k.json"),
+             max_s=130, min_s=60),
+        # the FP8 GEMMs summing whole K loops in the tensor core (VLM_CATALOG_FP8_FAST_ACCUMULATION=1,
+        # vLLM's choice): the MoE at 16k tokens 2.07 ms against 2.56 on 2026-11-28; what the engine
+        # would gain for those bits
+        Step("engine_fast", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel_fast", "--json",
+                             "{out}/engine_fast.json"), max_s=130, min_s=60),
+        # the decode step's kernels at batch 1 and 256 (the 1.5x target)
         Step("roofline", bench_gpu("ceilings,roofline"), max_s=70, min_s=40),
-        # constrained decoding as served: the per-channel W8A8 model with an FP8 cache, every record
-        # at once. The bf16 model's comparison (0.86x on the H100 of 2026-11-27, evening: 903 steps
-        # in a 94k-token pool) took 83 s there and left the served one out of time; it is
-        # `--phases constrained` alone now
-        # constrained, unconstrained, then constrained again (--repeat-runs 2): the constrained run
-        # came first in its process every time so far, and the first timed run of a process has
-        # been the slower one (the 0.86x's prefill forward took 12.12 device seconds against 9.17)
+        # constrained decoding as served (the per-channel W8A8 model with an FP8 cache, async
+        # scheduling now, every record at once): constrained, unconstrained, then constrained again
+        # (--repeat-runs 2): 0.91x, then 0.95x on 2026-11-28
         Step("constrained", bench_gpu("constrained_w8a8_channel", "--repeat-runs", "2"), max_s=170, min_s=100),
-        Step("kernels", bench_gpu("kernels"), max_s=110, min_s=60),
-        # 51% MFU on 2026-11-27 (target 35%) and unchanged since: only if time is left
         Step("vision_encoder", bench_gpu("vision_encoder"), max_s=60, min_s=30),
+        # with time left: the engine reading each step's tokens first (the comparison behind the
+        # async default), the kernel rows (all recorded on 2026-11-28, no kernel changed since), and
+        # the profiled run (where the device time goes: recorded on 2026-11-28)
+        Step("engine_sync", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel",
+                             "--async-scheduling", "off", "--json", "{out}/engine_sync.json"), max_s=130, min_s=60),
+        Step("kernels", bench_gpu("kernels"), max_s=110, min_s=60),
+        Step("engine_profile", bench_gpu("engine_profile"), max_s=120, min_s=70),
     ),
     # tune, then measure what the tuning gives, in one call: every tuner writes each bucket's best
     # into {out}/tuned_configs.json as soon as it is known (kernels/tuned_configs.py; a GPU model
@@ -219,10 +223,10 @@ PLANS: dict[str, tuple[Step, ...]] = {
         Step("moe_rows", bench_kernels("--groups", "moe", "--json", "{out}/moe.json"), max_s=90, min_s=40),
         Step("engine_fast", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel_fast", "--json",
                              "{out}/engine_fast.json"), max_s=130, min_s=100),
-        # the default engine scheduling each step before reading the last one's tokens (worth it where
-        # the record's device_seconds show time between steps), then with 32k-token steps
-        Step("engine_async", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel",
-                              "--async-scheduling", "--json", "{out}/engine_async.json"), max_s=130, min_s=100),
+        # the default engine reading each step's tokens before it schedules the next (async
+        # scheduling is the default on CUDA), then with 32k-token steps
+        Step("engine_sync", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel",
+                             "--async-scheduling", "off", "--json", "{out}/engine_sync.json"), max_s=130, min_s=100),
         Step("engine_steps_32k", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel",
                                   "--max-num-batched-tokens", "32768", "--json", "{out}/engine_steps_32k.json"),
              max_s=130, min_s=100),
