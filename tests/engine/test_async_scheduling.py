@@ -32,7 +32,8 @@ def varied_params(count: int) -> list[SamplingParams]:
 @pytest.fixture(scope="module")
 def sync_and_async(engine_checkpoint):
     settings = {"max_num_batched_tokens": 96}  # chunked prefill: prompts spread over steps
-    return LLM(engine_checkpoint, **settings), LLM(engine_checkpoint, async_scheduling=True, **settings)
+    return (LLM(engine_checkpoint, async_scheduling=False, **settings),
+            LLM(engine_checkpoint, async_scheduling=True, **settings))
 
 
 def test_async_scheduling_is_on_by_default_on_cuda_only_and_a_setting_overrides_it():
@@ -59,10 +60,11 @@ def test_the_async_scheduling_option_of_the_front_doors():
         parser.parse_args(["--async-scheduling", "yes"])
 
 
-def test_the_engine_resolves_auto_where_it_runs(sync_and_async):
+def test_the_engine_resolves_auto_where_it_runs(sync_and_async, engine_checkpoint):
     sync, pipelined = sync_and_async
-    assert sync.engine.config.async_scheduling is None and sync.engine.async_scheduling is False  # CPU
-    assert pipelined.engine.async_scheduling is True
+    assert sync.engine.async_scheduling is False and pipelined.engine.async_scheduling is True
+    auto = LLM(engine_checkpoint, max_num_batched_tokens=96)
+    assert auto.engine.config.async_scheduling is None and auto.engine.async_scheduling is False  # CPU
 
 
 def test_the_same_answers_as_reading_each_step_first(sync_and_async):
@@ -101,7 +103,7 @@ def test_constrained_answers_with_jump_forward(sync_and_async):
 
 def test_preemption_and_a_small_pool(engine_checkpoint):
     settings = {"block_size": 4, "kv_cache_memory_bytes": 160 * 2048, "max_num_seqs": 16}
-    sync = LLM(engine_checkpoint, **settings)
+    sync = LLM(engine_checkpoint, async_scheduling=False, **settings)
     pipelined = LLM(engine_checkpoint, async_scheduling=True, **settings)
     prompts = [conversation(index, words=6 + index % 5) for index in range(16)]
     params = [SamplingParams(max_tokens=24, ignore_eos=True, **({"temperature": 1.0, "seed": i} if i % 2 else {}))
@@ -207,9 +209,9 @@ def test_on_cuda_with_graphs_the_same_answers(engine_checkpoint):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     settings = {"device": "cuda", "dtype": "float32", "max_num_batched_tokens": 96, "kv_cache_memory_bytes": 64 * 2**20}
-    sync = LLM(engine_checkpoint, **settings)
+    sync = LLM(engine_checkpoint, async_scheduling=False, **settings)  # off: the default on CUDA is on
     pipelined = LLM(engine_checkpoint, async_scheduling=True, **settings)
-    assert pipelined.engine.runner.graph_runner is not None
+    assert pipelined.engine.runner.graph_runner is not None and not sync.engine.async_scheduling
     prompts = mixed_conversations(12)
     params = varied_params(12)
     assert answers(pipelined.chat(prompts, params)) == answers(sync.chat(prompts, params))
