@@ -15,7 +15,13 @@ import torch
 from vlm_catalog.bench.run_diagnostics import RunDiagnostics
 from vlm_catalog.paths import REPO_ROOT
 
-triton = pytest.importorskip("triton")
+
+@pytest.fixture
+def triton():
+    """triton, imported in the test: imported while the suite collects, it would build its language
+    functions before tests/kernels/conftest.py asks for the interpreter, and the kernel tests
+    after it in the same process would fail."""
+    return pytest.importorskip("triton")
 
 
 def test_collections_inside_the_block_are_counted_by_generation_and_timed():
@@ -43,7 +49,7 @@ def compile_events(runtime, name: str, key: str) -> object:
     return skipped
 
 
-def test_triton_variants_are_counted_per_kernel_chained_to_the_hooks_there_and_put_back(monkeypatch):
+def test_triton_variants_are_counted_per_kernel_chained_to_the_hooks_there_and_put_back(monkeypatch, triton):
     runtime = triton.knobs.runtime
     seen = []
     monkeypatch.setattr(runtime, "jit_cache_hook", lambda **kwargs: seen.append(("cache", kwargs["key"])) or True)
@@ -97,21 +103,30 @@ def cuda_device() -> torch.device:
     return torch.device("cuda")
 
 
+FRESH_KERNEL = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def scale_kernel(x_ptr, n, FACTOR: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * FACTOR, mask=mask)
+"""
+
+
 @pytest.mark.gpu
-def test_gpu_a_kernel_variant_first_launched_in_the_block_is_counted(cuda_device):
-    import triton.language as tl
-
-    @triton.jit
-    def scale_kernel(x_ptr, n, FACTOR: tl.constexpr, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < n
-        tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * FACTOR, mask=mask)
-
+def test_gpu_a_kernel_variant_first_launched_in_the_block_is_counted(cuda_device, triton, tmp_path):
+    (tmp_path / "fresh_kernel.py").write_text(FRESH_KERNEL)  # a kernel no other test launched
+    spec = importlib.util.spec_from_file_location("fresh_kernel", tmp_path / "fresh_kernel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     x = torch.ones(1000, device=cuda_device)
-    scale_kernel[(8,)](x, 1000, FACTOR=2.0, BLOCK=128)  # this variant compiled before the block
+    module.scale_kernel[(8,)](x, 1000, FACTOR=2.0, BLOCK=128)  # this variant compiled before the block
     with RunDiagnostics(cuda_device) as diagnostics:
-        scale_kernel[(8,)](x, 1000, FACTOR=2.0, BLOCK=128)  # launched before: not counted
-        scale_kernel[(8,)](x, 1000, FACTOR=3.0, BLOCK=128)  # a new constexpr: a new variant
+        module.scale_kernel[(8,)](x, 1000, FACTOR=2.0, BLOCK=128)  # launched before: not counted
+        module.scale_kernel[(8,)](x, 1000, FACTOR=3.0, BLOCK=128)  # a new constexpr: a new variant
         torch.cuda.synchronize(cuda_device)
     summary = diagnostics.summary()
     assert {name: v["count"] for name, v in summary["triton_variants"].items()} == {"scale_kernel": 1}
