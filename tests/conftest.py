@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import struct
+import sys
 import zlib
 from pathlib import Path
 
 import datasets
 import pytest
+import torch
 from PIL import Image
+
+# Triton under the interpreter where there is no CUDA device, set before any test module is
+# collected: triton builds its language functions (tl.zeros, tl.max, ...) for the compiler or
+# the interpreter when it is first imported, so a test module that imported triton before
+# tests/kernels/ asked for the interpreter failed every kernel test after it in its process
+# (tests/kernels/conftest.py says the rest)
+if not torch.cuda.is_available() and "kernels.jit" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from vlm_catalog.data.format import catalogue_features
 

@@ -1,12 +1,12 @@
 """Fixtures for the kernel tests.
 
 Triton under the interpreter: without a CUDA device, `TRITON_INTERPRET=1` is set
-here, at collection time, before anything imports triton's jit'd kernels (they
-decide interpreter vs compiler when they are defined, i.e. when `kernels.jit.*`
-is first imported, which only the Triton wrappers do). With a CUDA device the
-same tests run the compiled kernels on the GPU instead. The variable only
-matters to code that runs Triton kernels, so leaving it set for the session does
-not change any other test module.
+by tests/conftest.py, before any test module is collected and so before anything
+imports triton (its language functions and our jit'd kernels decide interpreter
+vs compiler when they are defined). With a CUDA device the same tests run the
+compiled kernels on the GPU instead. The variable only matters to code that runs
+Triton kernels, so leaving it set for the session does not change any other test
+module.
 
 `VLM_CATALOG_KERNELS=triton` is set per test, through `monkeypatch`, only by the
 `triton_device` fixture, so it never leaks out of a Triton test.
@@ -21,9 +21,6 @@ import zlib
 
 import pytest
 import torch
-
-if not torch.cuda.is_available() and "kernels.jit" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _interpreting() -> bool:
