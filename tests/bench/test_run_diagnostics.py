@@ -12,8 +12,8 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
+from tests.bench.test_gpu_record_summary import load_summary
 from vlm_catalog.bench.run_diagnostics import RunDiagnostics
-from vlm_catalog.paths import REPO_ROOT
 
 
 @pytest.fixture
@@ -73,14 +73,6 @@ def test_no_triton_hooks_where_triton_lacks_them(monkeypatch):
     with RunDiagnostics() as diagnostics:
         pass
     assert diagnostics.summary()["triton_variants"] is None
-
-
-def load_summary():
-    spec = importlib.util.spec_from_file_location("gpu_record_summary", REPO_ROOT / "scripts" / "gpu_record_summary.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_record_summary_prints_a_runs_diagnostics_in_one_line():
