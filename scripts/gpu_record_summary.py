@@ -128,6 +128,8 @@ def diagnostics_line(diagnostics: dict | None) -> str | None:
     if allocator:
         parts.append(f"cudaMalloc {allocator['num_device_alloc']}, cudaFree {allocator['num_device_free']}, "
                      f"retries after an OOM {allocator['num_alloc_retries']}")
+        if "num_host_alloc" in allocator:
+            parts.append(f"{allocator['num_host_alloc']} pinned blocks, {number(allocator.get('host_alloc_seconds'))} s")
     return "; ".join(parts)
 
 

@@ -81,10 +81,10 @@ def test_the_record_summary_prints_a_runs_diagnostics_in_one_line():
                             "rms_norm_kernel": {"count": 2, "seconds": 0.25}},
         "triton_variant_seconds": 1.0, "gc": {"collections": {"0": 40, "2": 1}, "seconds": 0.5},
         "cuda_allocator": {"num_device_alloc": 7, "num_device_free": 3, "num_alloc_retries": 1,
-                           "num_sync_all_streams": 1, "num_ooms": 0}})
+                           "num_sync_all_streams": 1, "num_ooms": 0, "num_host_alloc": 5, "host_alloc_seconds": 0.25}})
     assert line == ("14 Triton variants first launched, 1.00 s (paged_decode_split_kernel x12 0.75 s, "
                     "rms_norm_kernel x2 0.25 s); 41 collections 0.50 s; cudaMalloc 7, cudaFree 3, "
-                    "retries after an OOM 1")
+                    "retries after an OOM 1; 5 pinned blocks, 0.25 s")
     assert load_summary().diagnostics_line(None) is None
 
 
@@ -123,4 +123,5 @@ def test_gpu_a_kernel_variant_first_launched_in_the_block_is_counted(cuda_device
     summary = diagnostics.summary()
     assert {name: v["count"] for name, v in summary["triton_variants"].items()} == {"scale_kernel": 1}
     assert x[0].item() == 12.0
-    assert set(summary["cuda_allocator"]) >= {"num_device_alloc", "num_alloc_retries"}
+    assert set(summary["cuda_allocator"]) >= {"num_device_alloc", "num_alloc_retries", "num_host_alloc",
+                                              "host_alloc_seconds"}

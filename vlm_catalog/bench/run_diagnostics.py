@@ -16,7 +16,10 @@ each counted over the `RunDiagnostics` block:
 - `gc`: Python's collections (per generation, and their seconds), from `gc.callbacks`.
 - `cuda_allocator`: the caching allocator's device allocations and frees
   (cudaMalloc, cudaFree) and its retries after an out-of-memory, each of which
-  frees the cache and synchronizes the device (`torch.cuda.memory_stats` deltas).
+  frees the cache and synchronizes the device (`torch.cuda.memory_stats` deltas);
+  and the pinned host allocator's new blocks and the seconds spent pinning them
+  (`torch.cuda.host_memory_stats`: the engine stages every decoded image in pinned
+  memory, on the prefetch threads, and a first run grows that pool).
 
 Hooks are chained to any already installed and put back on exit. Under the Triton
 interpreter nothing is compiled, so `triton_variants` stays empty on CPU.
@@ -32,6 +35,8 @@ from collections import Counter, defaultdict
 import torch
 
 ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams", "num_ooms")
+# the pinned host allocator's: blocks it pinned to grow its pool, and the microseconds those calls took
+HOST_ALLOCATOR_COUNTERS = ("num_host_alloc", "host_alloc_time.total")
 
 
 class RunDiagnostics:
@@ -65,7 +70,10 @@ class RunDiagnostics:
         available (no triton, or one without `knobs.runtime`), `cuda_allocator` None off CUDA."""
         allocator = None
         if self._allocator_before is not None and self._allocator_after is not None:
-            allocator = {name: self._allocator_after[name] - self._allocator_before[name] for name in ALLOCATOR_COUNTERS}
+            allocator = {name: self._allocator_after[name] - self._allocator_before[name]
+                         for name in self._allocator_before}
+            if "host_alloc_time.total" in allocator:
+                allocator["host_alloc_seconds"] = allocator.pop("host_alloc_time.total") / 1e6
         hooked = self._runtime is not None or bool(self.variants)
         return {
             "triton_variants": ({name: {"count": count, "seconds": round(self.variant_seconds[name], 4)}
@@ -128,4 +136,9 @@ class RunDiagnostics:
         if self.device is None or self.device.type != "cuda":
             return None
         stats = torch.cuda.memory_stats(self.device)
-        return {name: int(stats.get(name, 0)) for name in ALLOCATOR_COUNTERS}
+        counters = {name: int(stats.get(name, 0)) for name in ALLOCATOR_COUNTERS}
+        try:  # the pinned pool's statistics (torch >= 2.6)
+            host = torch.cuda.host_memory_stats()
+        except (AttributeError, RuntimeError):
+            return counters
+        return counters | {name: host.get(name, 0) for name in HOST_ALLOCATOR_COUNTERS}
