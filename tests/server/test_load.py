@@ -92,16 +92,21 @@ async def _send(client: httpx.AsyncClient, path: str, body) -> tuple[int, object
 
 
 def run_load(url: str, requests: list, health_checks: list[int]):
-    async def poll_health(client, stop: asyncio.Event):
-        while not stop.is_set():
-            health_checks.append((await client.get("/health")).status_code)
-            await asyncio.sleep(0.2)
+    async def poll_health(stop: asyncio.Event):
+        # a fresh connection per check: a kept-alive one that sat idle past the server's keep-alive
+        # timeout can be closed by the server just as a check is sent on it ("Server disconnected
+        # without sending a response"), a race of the client's pool, not the server's health
+        no_keepalive = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, timeout=300, limits=no_keepalive) as client:
+            while not stop.is_set():
+                health_checks.append((await client.get("/health")).status_code)
+                await asyncio.sleep(0.2)
 
     async def main():
         limits = httpx.Limits(max_connections=len(requests) + 10, max_keepalive_connections=len(requests) + 10)
         async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
             stop = asyncio.Event()
-            poller = asyncio.ensure_future(poll_health(client, stop))
+            poller = asyncio.ensure_future(poll_health(stop))
             results = await asyncio.gather(*(_send(client, path, body) for path, body, _ in requests))
             stop.set()
             await poller
