@@ -116,7 +116,7 @@ from vlm_catalog.bench.random_model import (
 from vlm_catalog.bench.run_diagnostics import RunDiagnostics
 from vlm_catalog.data.loader import load_catalogue
 from vlm_catalog.data.synthetic.generator import make_catalog
-from vlm_catalog.engine.arguments import auto_setting
+from vlm_catalog.engine.arguments import ASYNC_SCHEDULING_OPTION
 from vlm_catalog.engine.config import EngineConfig
 from vlm_catalog.engine.generation_config import GREEDY, QWEN3_VL_SAMPLING, Sampling
 from vlm_catalog.engine.llm_engine import LLMEngine
@@ -837,8 +837,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-size", default="realistic", help="synthetic catalogue images: realistic or small")
     parser.add_argument("--engine-sampling", choices=("benchmark", "greedy"), default="benchmark",
                         help="the engine phases' sampling: the benchmark's (Qwen3-VL generation_config) or argmax")
-    parser.add_argument("--async-scheduling", type=auto_setting, nargs="?", const=True, default=None,
-                        metavar="{auto,on,off}",
+    parser.add_argument("--async-scheduling", **ASYNC_SCHEDULING_OPTION,
                         help="engine phases: schedule each step before reading the previous step's tokens "
                              "(auto, the engine's default: on CUDA; the option alone: on)")
     parser.add_argument("--kernel-groups", type=lambda text: load_bench_kernels().parse_groups(text),

@@ -74,7 +74,7 @@ class RunDiagnostics:
                          for name in self._allocator_before}
             if "host_alloc_time.total" in allocator:
                 allocator["host_alloc_seconds"] = allocator.pop("host_alloc_time.total") / 1e6
-        hooked = self._runtime is not None or bool(self.variants)
+        hooked = self._runtime is not None
         return {
             "triton_variants": ({name: {"count": count, "seconds": round(self.variant_seconds[name], 4)}
                                  for name, count in self.variants.most_common()} if hooked else None),

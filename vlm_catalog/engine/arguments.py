@@ -20,6 +20,11 @@ def auto_setting(text: str) -> bool | None:
     return AUTO_SETTINGS[text]
 
 
+# --async-scheduling's value: auto (None), on or off; the option alone means on (as when it was a flag)
+ASYNC_SCHEDULING_OPTION = {"type": auto_setting, "nargs": "?", "const": True, "default": None,
+                           "metavar": "{auto,on,off}"}
+
+
 def add_device_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     parser.add_argument(
         "--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, choices=("auto", *KV_CACHE_DTYPES),
@@ -40,7 +45,7 @@ def add_device_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
              f"(default {EngineConfig.gpu_memory_utilization})",
     )
     parser.add_argument(
-        "--async-scheduling", type=auto_setting, nargs="?", const=True, default=None, metavar="{auto,on,off}",
+        "--async-scheduling", **ASYNC_SCHEDULING_OPTION,
         help="schedule and launch each engine step before reading the previous step's tokens, so the "
              "host's per-token work overlaps the device (same answers for greedy and seeded requests; "
              "auto: on CUDA only; the option alone: on)",

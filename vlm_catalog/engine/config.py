@@ -149,11 +149,14 @@ class EngineConfig:
     def schedules_async(self) -> bool:
         """Whether the engine schedules each step before reading the last one's tokens: the
         setting, or on auto (None) on CUDA only."""
-        return self.torch_device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
+        return self._on_cuda_unless_set(self.async_scheduling)
 
     def warms_up(self) -> bool:
         """Whether the engine runs the start-up warm-up: the setting, or on auto (None) on CUDA only."""
-        return self.torch_device.type == "cuda" if self.warmup is None else self.warmup
+        return self._on_cuda_unless_set(self.warmup)
+
+    def _on_cuda_unless_set(self, setting: bool | None) -> bool:
+        return self.torch_device.type == "cuda" if setting is None else setting
 
     @property
     def torch_dtype(self) -> torch.dtype:
