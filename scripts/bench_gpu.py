@@ -113,6 +113,7 @@ from vlm_catalog.bench.random_model import (
     random_transformers_model,
     random_vision_tower,
 )
+from vlm_catalog.bench.routing_stats import RoutingRecorder
 from vlm_catalog.bench.run_diagnostics import RunDiagnostics
 from vlm_catalog.data.loader import load_catalogue
 from vlm_catalog.data.synthetic.generator import make_catalog
@@ -401,6 +402,25 @@ def warm_up(engine: LLMEngine, conversations, params) -> dict:
     return {"records": len(outputs), "seconds": seconds}
 
 
+ROUTING_RECORDS = 16  # records of the untimed routing pass after an engine phase's timed runs
+ROUTING_TOKENS = 4
+
+
+def routing_pass(engine: LLMEngine, model, conversations, sampling: Sampling) -> dict:
+    """How spread the model's routing is over benchmark records (`bench/routing_stats.py`): an
+    untimed run of the first `ROUTING_RECORDS` records for `ROUTING_TOKENS` tokens, sampled as
+    the timed runs sample, with every router's choices counted. The MoE's cost follows its
+    routing, so a record whose routing is far from uniform (`top_k_share` well above
+    `uniform_top_k_share`) understates a trained model's. On CUDA only the steps run eagerly
+    (prefill chunks) are counted: the decode steps replay CUDA graphs."""
+    chosen = conversations[:ROUTING_RECORDS]
+    params = [sampling.params(max_tokens=ROUTING_TOKENS, ignore_eos=True, output_kind=OFFLINE_OUTPUTS, seed=seed)
+              for seed in range(len(chosen))]
+    with RoutingRecorder(model) as recorder:
+        run_engine(engine, chosen, params)
+    return recorder.summary()
+
+
 def engine_run_summary(engine: LLMEngine, conversations, params) -> tuple[dict, dict[int, object]]:
     before = dict(engine.stats.as_dict())
     with RunDiagnostics(engine.config.torch_device) as diagnostics:
@@ -525,6 +545,7 @@ def measure_engine(checkpoint: Path, model, device: torch.device, records, outpu
         results["fixed_150_tokens"] = timed_run()
         if repeat_runs >= 2:
             results["fixed_150_tokens_again"] = [timed_run() for _ in range(repeat_runs - 1)]
+        results["routing"] = routing_pass(engine, model, conversations, sampling)
     results.update({"sampling": asdict(sampling), "async_scheduling": engine.async_scheduling, "repeat_runs": repeat_runs,
                     "max_num_batched_tokens": max_num_batched_tokens,
                     # the tuned tables (JSON) whose MoE tiles and decode launch settings it ran

@@ -105,7 +105,32 @@ def engine_section(record: dict, previous: dict | None) -> str:
     read = f"\n\ntuned tables read: {'; '.join(tables)}" if tables else ""
     paid = [f"- {name}: {line}" for name, run in runs.items() if (line := diagnostics_line(run.get("diagnostics")))]
     paid_text = "\n\nwhat each run paid for besides its work:\n" + "\n".join(paid) if paid else ""
-    return "## Engine runs\n\n" + table(header, rows) + read + paid_text
+    routed = [f"- {phase}: {line}" for phase, result in record.items()
+              if phase.split(" (")[0] in ENGINE_PHASES and isinstance(result, dict)
+              and (line := routing_line(result.get("routing")))]
+    routed_text = "\n\nhow spread the routing was (an untimed pass after the timed runs):\n" + "\n".join(routed) if routed else ""
+    return "## Engine runs\n\n" + table(header, rows) + read + paid_text + routed_text
+
+
+def routing_line(routing: dict | None) -> str | None:
+    """A phase's `routing` (bench/routing_stats.py) in one line: the busiest k experts' share of
+    the expert slots in prefill-sized router calls, and the experts decode-sized calls touched,
+    each beside what uniform routing gives."""
+    if not isinstance(routing, dict):
+        return None
+    parts = []
+    large, small = routing.get("large_calls"), routing.get("small_calls")
+    k = routing.get("top_k")
+    if large:
+        parts.append(f"the busiest {k} experts took {large['top_k_share']:.0%} of the slots "
+                     f"({large['top_k_share_worst_layer']:.0%} at the worst layer; uniform "
+                     f"{routing['uniform_top_k_share']:.0%}) in {large['calls']} prefill-sized calls, "
+                     f"busiest / mean load {number(large['max_over_mean_load'], 1)}, "
+                     f"{large['experts_unused']} layer-experts unused")
+    if small:
+        parts.append(f"decode-sized calls touched {number(small['distinct_experts'], 1)} experts per layer "
+                     f"(uniform {number(small['uniform_distinct_experts'], 1)})")
+    return "; ".join(parts) or None
 
 
 def diagnostics_line(diagnostics: dict | None) -> str | None:

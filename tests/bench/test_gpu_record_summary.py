@@ -34,7 +34,13 @@ def engine_run(samples_per_s: float) -> dict:
 NEW_RECORD = {
     "device": "NVIDIA H100 80GB HBM3", "date": "2026-11-28", "moe_gemm": "triton", "sdpa_backend": "default",
     "flash_varlen": "fa3_fwd_interface",
-    "engine_w8a8_channel": {"fixed_150_tokens": engine_run(14.5), "fixed_150_tokens_again": [engine_run(15.5)]},
+    "engine_w8a8_channel": {"fixed_150_tokens": engine_run(14.5), "fixed_150_tokens_again": [engine_run(15.5)],
+                            "routing": {"layers": 48, "experts": 128, "top_k": 8, "uniform_top_k_share": 0.0625,
+                                        "large_calls": {"calls": 3, "top_k_share": 0.15, "top_k_share_worst_layer": 0.25,
+                                                        "max_over_mean_load": 3.25, "experts_unused": 0},
+                                        "small_calls": {"calls": 2, "distinct_experts": 25.5,
+                                                        "uniform_distinct_experts": 25.75,
+                                                        "distinct_over_uniform": 0.99}}},
     "engine_w8a8_channel_grouped_mm": {"error": "RuntimeError: CUDA error: an illegal memory access"},
     "engine_profile": {"fixed_150_tokens": engine_run(11.0), "profile": {
         "time": "device kernels", "wall_seconds": 6.0, "busy_seconds": 4.5, "busy_fraction": 0.75,
@@ -104,6 +110,9 @@ def test_a_record_with_the_new_fields_prints_them_beside_the_previous_one(tmp_pa
             "unconstrained at equal tokens: 0.93x (target 0.95x); the constrained run again, after the "
             "unconstrained one: 0.96x") in text
     assert "| engine_w8a8_channel (run 2) | 15.50 |" in text  # --repeat-runs: the later runs beside the first
+    assert ("- engine_w8a8_channel: the busiest 8 experts took 15% of the slots (25% at the worst layer; uniform 6%) "
+            "in 3 prefill-sized calls, busiest / mean load 3.2, 0 layer-experts unused; decode-sized calls touched "
+            "25.5 experts per layer (uniform 25.8)") in text
     assert "| constrained_w8a8_channel (constrained_again) | 16.50 |" in text
     assert "2.03x" in text and "1.90x the floor (was 2.03x)" in text
     assert "850.0 us x48: `moe_gate_up_silu_kernel`" in text

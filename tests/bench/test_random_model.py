@@ -55,3 +55,93 @@ def test_random_transformers_model_runs(tmp_path):
     model = random_transformers_model(checkpoint, "cpu", torch.float32)
     logits = model(input_ids=torch.tensor([[5, 6, 7]])).logits
     assert logits.shape == (1, 3, 5000) and torch.isfinite(logits).all()
+
+
+# Qwen3-VL-30B-A3B's routing shapes (48 layers, 128 experts, top-8) at width 256: how spread the
+# random model's routing is depends on its depth and expert count, not on its width
+ROUTING_SHAPES = {
+    "text_config": {**SHAPES["text_config"], "hidden_size": 256, "num_hidden_layers": 48, "num_attention_heads": 4,
+                    "num_key_value_heads": 1, "head_dim": 64, "num_experts": 128, "num_experts_per_tok": 8,
+                    "moe_intermediate_size": 96, "intermediate_size": 768,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [12, 10, 10],
+                                        "mrope_interleaved": True}},
+    "vision_config": {**SHAPES["vision_config"], "out_hidden_size": 256},
+    "tie_word_embeddings": False,
+}
+
+
+def routing_of_benchmark_records(tmp_path, count: int = 4) -> dict:
+    """The random model's routing over `count` benchmark records (their prefill, then 2 decode steps),
+    sampled as the benchmark samples (greedy decoding would give every record the same tokens)."""
+    from vlm_catalog.bench.routing_stats import RoutingRecorder
+    from vlm_catalog.data.loader import load_catalogue
+    from vlm_catalog.data.synthetic.generator import make_catalog
+    from vlm_catalog.engine.generation_config import QWEN3_VL_SAMPLING
+    from vlm_catalog.preprocess.prompt import build_messages
+
+    checkpoint = benchmark_checkpoint_dir(tmp_path / "ckpt", ROUTING_SHAPES)
+    model = random_model(checkpoint, "cpu", torch.float32)
+    records = list(load_catalogue(make_catalog(tmp_path / "catalogue", count, 11, image_size="small")))
+    engine = LLMEngine(EngineConfig(model=checkpoint, max_num_batched_tokens=16384), prebuilt_model=model)
+    for seed, record in enumerate(records):
+        engine.add_request(build_messages(record), QWEN3_VL_SAMPLING.params(max_tokens=3, ignore_eos=True, seed=seed))
+    with RoutingRecorder(model) as recorder:
+        while engine.has_unfinished_requests():
+            engine.step()
+    return recorder.summary()
+
+
+def test_random_model_routes_tokens_about_as_spread_as_uniform_routing(tmp_path):
+    summary = routing_of_benchmark_records(tmp_path)
+    large, small = summary["large_calls"], summary["small_calls"]
+    assert large["calls"] == 2 and small["calls"] == 2  # the prompts (two calls on CPU), then 2 decode steps
+    # uniform routing gives the busiest 8 of 128 experts about 6% of the slots (measured: 13%)
+    assert large["top_k_share"] < 0.25 and large["top_k_share_worst_layer"] < 0.4
+    assert large["experts_unused"] == 0
+    # 3-4 decode tokens touch about 21-28 experts per layer under uniform routing (measured: within 10%)
+    assert small["distinct_over_uniform"] > 0.85
+
+
+def test_routing_recorder_sees_the_collapse_of_small_token_embeddings(tmp_path, monkeypatch):
+    """The random model as it was before 2026-11-28 (every weight at std 0.02): from the middle
+    layers on, every token went to about the same experts."""
+    import vlm_catalog.bench.random_model as random_model_module
+
+    monkeypatch.setattr(random_model_module, "TOKEN_EMBEDDING_STD", 0.02)
+    summary = routing_of_benchmark_records(tmp_path)
+    assert summary["large_calls"]["top_k_share"] > 0.5 and summary["large_calls"]["top_k_share_worst_layer"] > 0.8
+    assert summary["small_calls"]["distinct_over_uniform"] < 0.5
+
+
+def test_routing_recorder_counts_loads_and_distinct_experts():
+    from vlm_catalog.bench.routing_stats import RoutingRecorder
+    from vlm_catalog.model.config import ModelConfig
+    from vlm_catalog.model.text import SparseMoE
+
+    text = ModelConfig.from_dict({**ROUTING_SHAPES, "model_type": "qwen3_vl_moe"}).text
+    model = torch.nn.ModuleList([SparseMoE(text), SparseMoE(text)])
+    for router in model:  # logits = the first 128 hidden features: the tokens choose their experts
+        router.gate.weight.data = torch.eye(128, 256)
+    hot = torch.zeros(2048, 256)
+    hot[:, :8] = 1.0  # every token of the large call chooses experts 0-7
+    pair = torch.zeros(2, 256)
+    pair[0, :8], pair[1, 8:16] = 1.0, 1.0  # the small call's two tokens: experts 0-7 and 8-15
+    with RoutingRecorder(model) as recorder:
+        for router in model:
+            router.gate(hot)
+            router.gate(pair)
+    model[0].gate(pair)  # after the block: not counted
+    summary = recorder.summary()
+    assert summary["uniform_top_k_share"] == 8 / 128
+    assert summary["large_calls"] == {"calls": 1, "top_k_share": 1.0, "top_k_share_worst_layer": 1.0,
+                                      "max_over_mean_load": 16.0, "experts_unused": 2 * 120}
+    uniform_pair = 128 * (1 - (120 / 128) ** 2)  # 15.5 experts
+    assert summary["small_calls"]["calls"] == 1 and summary["small_calls"]["distinct_experts"] == 16
+    assert summary["small_calls"]["distinct_over_uniform"] == pytest.approx(16 / uniform_pair)
+
+
+def test_routing_recorder_needs_moe_layers():
+    from vlm_catalog.bench.routing_stats import RoutingRecorder
+
+    with pytest.raises(ValueError, match="no MoE layers"):
+        RoutingRecorder(torch.nn.Linear(2, 2))

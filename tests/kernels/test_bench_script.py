@@ -348,6 +348,9 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
         first, (again,) = report[phase]["fixed_150_tokens"], report[phase]["fixed_150_tokens_again"]
         assert again["generated_tokens"] == first["generated_tokens"] and again["errors"] == 0
         assert again["seconds"] > 0 and report[phase]["repeat_runs"] == 2
+        # then the untimed routing pass over the records, every router's choices counted
+        routing = report[phase]["routing"]
+        assert routing["layers"] >= 1 and routing["large_calls"]["calls"] >= 1 and routing["small_calls"]["calls"] >= 1
     for phase in ("constrained", "constrained_w8a8_channel"):
         again = report[phase]["constrained_again"]
         assert again["generated_tokens"] == report[phase]["constrained_real_stop"]["generated_tokens"]

@@ -66,15 +66,31 @@ def benchmark_checkpoint_dir(directory: Path, shapes: dict[str, Any], tokenizer_
     return directory
 
 
+# The token embeddings' std. With every weight at 0.02 the embeddings were small beside what
+# each layer adds to the residual stream, whose direction then converged across tokens with
+# depth, and the routers sent nearly every token to the same few experts: on 4 benchmark
+# records at 30B-A3B's routing shapes (48 layers, 128 experts, top-8; width 256, CPU), the
+# busiest 8 experts of a layer took 82% of a prefill's expert slots (94% at the worst layer;
+# uniform routing: about 6%) and a decode step's 4 tokens touched 10 experts per layer where
+# uniform routing touches 26. The MoE then cost a fraction of a trained model's, whose router
+# its training balanced. At std 1 each token's embedding stays a large part of the router's
+# input at every layer: 15% (18% at the worst layer), and 25.7 of 25.8 experts.
+# `bench/routing_stats.py` measures it; tests/bench/test_random_model.py holds it.
+TOKEN_EMBEDDING_STD = 1.0
+
+
 @torch.no_grad()
 def randomise_(module: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """Normal(0, std) weights, unit norm scales, zero biases, in place on the module's device."""
+    """Normal(0, std) weights (the token embeddings Normal(0, TOKEN_EMBEDDING_STD)), unit norm
+    scales, zero biases, in place on the module's device."""
     generator = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
     for name, parameter in module.named_parameters():
         if name.endswith("bias"):
             parameter.zero_()
         elif "norm" in name or parameter.dim() == 1:
             parameter.fill_(1.0)
+        elif name.endswith("embed_tokens.weight"):
+            parameter.normal_(0.0, TOKEN_EMBEDDING_STD, generator=generator)
         else:
             parameter.normal_(0.0, std, generator=generator)
 
