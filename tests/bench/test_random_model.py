@@ -1,6 +1,8 @@
 """Random-weight models at given shapes (what the GPU benchmark serves), on CPU at tiny shapes."""
 
+import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from vlm_catalog.bench.random_model import (
 from vlm_catalog.engine.config import EngineConfig, EngineConfigError
 from vlm_catalog.engine.llm_engine import LLMEngine
 from vlm_catalog.engine.sampling_params import SamplingParams
-from vlm_catalog.paths import DEFAULT_MODEL_DIR
+from vlm_catalog.paths import DEFAULT_MODEL_DIR, REPO_ROOT
 
 SHAPES = {
     "text_config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -57,38 +59,21 @@ def test_random_transformers_model_runs(tmp_path):
     assert logits.shape == (1, 3, 5000) and torch.isfinite(logits).all()
 
 
-# Qwen3-VL-30B-A3B's routing shapes (48 layers, 128 experts, top-8) at width 256: how spread the
-# random model's routing is depends on its depth and expert count, not on its width
-ROUTING_SHAPES = {
-    "text_config": {**SHAPES["text_config"], "hidden_size": 256, "num_hidden_layers": 48, "num_attention_heads": 4,
-                    "num_key_value_heads": 1, "head_dim": 64, "num_experts": 128, "num_experts_per_tok": 8,
-                    "moe_intermediate_size": 96, "intermediate_size": 768,
-                    "rope_parameters": {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [12, 10, 10],
-                                        "mrope_interleaved": True}},
-    "vision_config": {**SHAPES["vision_config"], "out_hidden_size": 256},
-    "tie_word_embeddings": False,
-}
+def load_random_routing():
+    spec = importlib.util.spec_from_file_location("random_routing", REPO_ROOT / "scripts" / "random_routing.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
-def routing_of_benchmark_records(tmp_path, count: int = 4) -> dict:
-    """The random model's routing over `count` benchmark records (their prefill, then 2 decode steps),
-    sampled as the benchmark samples (greedy decoding would give every record the same tokens)."""
-    from vlm_catalog.bench.routing_stats import RoutingRecorder
-    from vlm_catalog.data.loader import load_catalogue
-    from vlm_catalog.data.synthetic.generator import make_catalog
-    from vlm_catalog.engine.generation_config import QWEN3_VL_SAMPLING
-    from vlm_catalog.preprocess.prompt import build_messages
-
-    checkpoint = benchmark_checkpoint_dir(tmp_path / "ckpt", ROUTING_SHAPES)
-    model = random_model(checkpoint, "cpu", torch.float32)
-    records = list(load_catalogue(make_catalog(tmp_path / "catalogue", count, 11, image_size="small")))
-    engine = LLMEngine(EngineConfig(model=checkpoint, max_num_batched_tokens=16384), prebuilt_model=model)
-    for seed, record in enumerate(records):
-        engine.add_request(build_messages(record), QWEN3_VL_SAMPLING.params(max_tokens=3, ignore_eos=True, seed=seed))
-    with RoutingRecorder(model) as recorder:
-        while engine.has_unfinished_requests():
-            engine.step()
-    return recorder.summary()
+def routing_of_benchmark_records(tmp_path) -> dict:
+    """The random model's routing over 4 benchmark records (their prefill, then 2 decode steps) at
+    Qwen3-VL-30B-A3B's routing shapes (48 layers, 128 experts, top-8) at width 256: how spread the
+    routing is depends on the depth, the experts and what each layer adds to the residual stream
+    (scripts/random_routing.py keeps the latter at the 30B's when it narrows the experts)."""
+    script = load_random_routing()
+    return script.routing_of_benchmark_records(tmp_path, script.routing_shapes(256, 48, 96))
 
 
 def test_random_model_routes_tokens_about_as_spread_as_uniform_routing(tmp_path):
@@ -102,13 +87,14 @@ def test_random_model_routes_tokens_about_as_spread_as_uniform_routing(tmp_path)
     assert small["distinct_over_uniform"] > 0.85
 
 
-def test_routing_recorder_sees_the_collapse_of_small_token_embeddings(tmp_path, monkeypatch):
-    """The random model as it was before 2026-11-28 (every weight at std 0.02): from the middle
+def test_routing_recorder_sees_the_collapse_of_the_old_initialisation(tmp_path):
+    """The random model as it was until 2026-11-28 (every weight at std 0.02): from the middle
     layers on, every token went to about the same experts."""
     import vlm_catalog.bench.random_model as random_model_module
 
-    monkeypatch.setattr(random_model_module, "TOKEN_EMBEDDING_STD", 0.02)
-    summary = routing_of_benchmark_records(tmp_path)
+    with load_random_routing().old_init(True):
+        summary = routing_of_benchmark_records(tmp_path)
+    assert random_model_module.EMBEDDING_STD == 1.0 and random_model_module.DEPTH_SCALED_RESIDUAL_OUTPUTS
     assert summary["large_calls"]["top_k_share"] > 0.5 and summary["large_calls"]["top_k_share_worst_layer"] > 0.8
     assert summary["small_calls"]["distinct_over_uniform"] < 0.5
 
@@ -118,7 +104,7 @@ def test_routing_recorder_counts_loads_and_distinct_experts():
     from vlm_catalog.model.config import ModelConfig
     from vlm_catalog.model.text import SparseMoE
 
-    text = ModelConfig.from_dict({**ROUTING_SHAPES, "model_type": "qwen3_vl_moe"}).text
+    text = ModelConfig.from_dict({**load_random_routing().routing_shapes(256, 2, 96), "model_type": "qwen3_vl_moe"}).text
     model = torch.nn.ModuleList([SparseMoE(text), SparseMoE(text)])
     for router in model:  # logits = the first 128 hidden features: the tokens choose their experts
         router.gate.weight.data = torch.eye(128, 256)
@@ -145,3 +131,13 @@ def test_routing_recorder_needs_moe_layers():
 
     with pytest.raises(ValueError, match="no MoE layers"):
         RoutingRecorder(torch.nn.Linear(2, 2))
+
+
+def test_random_routing_script_prints_the_summary_and_checks_its_options(capsys):
+    script = load_random_routing()
+    assert script.main(["--layers", "2", "--width", "64", "--expert-width", "16", "--records", "1"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["layers"] == 2 and summary["experts"] == 128 and summary["large_calls"]["calls"] >= 1
+    with pytest.raises(SystemExit):
+        script.main(["--records", "0"])
+    assert "--records must be >= 1, got 0" in capsys.readouterr().err

@@ -11,6 +11,8 @@ implementation.
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -66,33 +68,50 @@ def benchmark_checkpoint_dir(directory: Path, shapes: dict[str, Any], tokenizer_
     return directory
 
 
-# The token embeddings' std. With every weight at 0.02 the embeddings were small beside what
-# each layer adds to the residual stream, whose direction then converged across tokens with
-# depth, and the routers sent nearly every token to the same few experts: on 4 benchmark
-# records at 30B-A3B's routing shapes (48 layers, 128 experts, top-8; width 256, CPU), the
-# busiest 8 experts of a layer took 82% of a prefill's expert slots (94% at the worst layer;
-# uniform routing: about 6%) and a decode step's 4 tokens touched 10 experts per layer where
-# uniform routing touches 26. The MoE then cost a fraction of a trained model's, whose router
-# its training balanced. At std 1 each token's embedding stays a large part of the router's
-# input at every layer: 15% (18% at the worst layer), and 25.7 of 25.8 experts.
-# `bench/routing_stats.py` measures it; tests/bench/test_random_model.py holds it.
-TOKEN_EMBEDDING_STD = 1.0
+# How the weights are drawn so that the routers spread tokens as a trained model's do (its
+# training balanced them). With every weight at std 0.02, each layer added more to the residual
+# stream than a token's own embedding held, the stream's direction converged across tokens with
+# depth, and the routers sent nearly every token to the same few experts: the MoE then cost a
+# fraction of a trained model's. Two changes keep each token's identity in the router's input at
+# every layer, in the text model and in the vision tower (whose patches become image tokens):
+# - the embeddings, the text's token embeddings and the vision tower's position embeddings (a
+#   flat background's patches differ by little else), at std 1 (EMBEDDING_STD);
+# - the projections that write into a residual stream (the text's o_proj and the MLPs' and
+#   experts' down_proj; the vision blocks' attn.proj and mlp.linear_fc2) at std
+#   0.02 / sqrt(2 * layers), GPT-2's scaled initialisation (DEPTH_SCALED_RESIDUAL_OUTPUTS).
+# Measured with scripts/random_routing.py (docs/benchmarks.md); tests/bench/test_random_model.py
+# holds it at the 30B's routing shapes.
+EMBEDDING_STD = 1.0
+DEPTH_SCALED_RESIDUAL_OUTPUTS = True
+EMBEDDINGS = ("embed_tokens.weight", "pos_embed.weight")
+# (a layer's name with its index as the group, the names of its residual-stream output projections)
+RESIDUAL_STREAMS = (
+    (re.compile(r"language_model\.layers\.(\d+)\."), ("o_proj.weight", "down_proj.weight", "experts.down_proj")),
+    (re.compile(r"(?:^|\.)blocks\.(\d+)\."), ("attn.proj.weight", "mlp.linear_fc2.weight")),
+)
 
 
 @torch.no_grad()
 def randomise_(module: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """Normal(0, std) weights (the token embeddings Normal(0, TOKEN_EMBEDDING_STD)), unit norm
-    scales, zero biases, in place on the module's device."""
+    """Normal(0, std) weights, unit norm scales, zero biases, in place on the module's device; the
+    embeddings at Normal(0, EMBEDDING_STD) and each residual stream's output projections at
+    Normal(0, std / sqrt(2 * its layers)) (see above)."""
     generator = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
-    for name, parameter in module.named_parameters():
+    named = list(module.named_parameters())
+    output_std = {}  # parameter name -> its std, for the residual streams' output projections
+    for layer, outputs in RESIDUAL_STREAMS if DEPTH_SCALED_RESIDUAL_OUTPUTS else ():
+        depth = len({int(match.group(1)) for name, _ in named if (match := layer.search(name))})
+        output_std.update({name: std / math.sqrt(2 * depth) for name, _ in named
+                           if layer.search(name) and name.endswith(outputs)})
+    for name, parameter in named:
         if name.endswith("bias"):
             parameter.zero_()
         elif "norm" in name or parameter.dim() == 1:
             parameter.fill_(1.0)
-        elif name.endswith("embed_tokens.weight"):
-            parameter.normal_(0.0, TOKEN_EMBEDDING_STD, generator=generator)
+        elif name.endswith(EMBEDDINGS):
+            parameter.normal_(0.0, EMBEDDING_STD, generator=generator)
         else:
-            parameter.normal_(0.0, std, generator=generator)
+            parameter.normal_(0.0, output_std.get(name, std), generator=generator)
 
 
 def random_model(checkpoint_dir: Path, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> Qwen3VLMoeModel:
