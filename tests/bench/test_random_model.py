@@ -37,6 +37,14 @@ def test_weightless_checkpoint_random_model_and_engine_injection(tmp_path):
     weights = model.language_model.layers[0].mlp.experts.gate_up_proj
     assert 0.015 < float(weights.std()) < 0.025  # Normal(0, 0.02)
     assert torch.equal(model.language_model.norm.weight, torch.ones(32))
+    # the embeddings at std 1, and the residual streams' output projections at 0.02 / sqrt(2 * layers)
+    assert 0.95 < float(model.language_model.embed_tokens.weight.std()) < 1.05
+    assert 0.8 < float(model.visual.pos_embed.weight.std()) < 1.2
+    layer = model.language_model.layers[1]
+    assert 0.008 < float(layer.self_attn.o_proj.weight.std()) < 0.012  # 0.02 / sqrt(2 * 2 layers) = 0.01
+    assert 0.008 < float(layer.mlp.experts.down_proj.std()) < 0.012
+    assert 0.012 < float(model.visual.blocks[0].mlp.linear_fc2.weight.std()) < 0.016  # 1 block: 0.02 / sqrt(2)
+    assert 0.015 < float(layer.self_attn.qkv_proj.weight.std()) < 0.025  # the rest at 0.02
     again = random_model(checkpoint, "cpu", torch.float32, seed=3)
     assert torch.equal(again.lm_head.weight, model.lm_head.weight)  # seeded
 

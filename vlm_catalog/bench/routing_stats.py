@@ -70,7 +70,9 @@ class RoutingRecorder:
             if tokens == 0:
                 return
             chosen = logits.detach().topk(self.top_k, dim=-1).indices  # [T, k]
-            loads = torch.bincount(chosen.flatten(), minlength=self.num_experts)  # [E]
+            # [E]; bincount would read the ids' maximum back to the host, index_add_ does not
+            loads = torch.zeros(self.num_experts, dtype=torch.int64, device=logits.device).index_add_(
+                0, chosen.flatten(), torch.ones(chosen.numel(), dtype=torch.int64, device=logits.device))
             if tokens * self.top_k >= SLOTS_PER_EXPERT * self.num_experts:
                 total = self.large_loads[layer]
                 self.large_loads[layer] = loads if total is None else total + loads
