@@ -1,12 +1,11 @@
 """Random-weight models at given shapes (what the GPU benchmark serves), on CPU at tiny shapes."""
 
-import importlib.util
 import json
-import sys
 
 import pytest
 import torch
 
+from tests.bench.test_gpu_session import load_script
 from vlm_catalog.bench.random_model import (
     benchmark_checkpoint_dir,
     random_model,
@@ -15,7 +14,7 @@ from vlm_catalog.bench.random_model import (
 from vlm_catalog.engine.config import EngineConfig, EngineConfigError
 from vlm_catalog.engine.llm_engine import LLMEngine
 from vlm_catalog.engine.sampling_params import SamplingParams
-from vlm_catalog.paths import DEFAULT_MODEL_DIR, REPO_ROOT
+from vlm_catalog.paths import DEFAULT_MODEL_DIR
 
 SHAPES = {
     "text_config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -68,11 +67,7 @@ def test_random_transformers_model_runs(tmp_path):
 
 
 def load_random_routing():
-    spec = importlib.util.spec_from_file_location("random_routing", REPO_ROOT / "scripts" / "random_routing.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("random_routing")
 
 
 def routing_of_benchmark_records(tmp_path) -> dict:
