@@ -666,17 +666,18 @@ def test_bench_gpu_refuses_a_negative_warmup_and_no_runs(capsys):
 def test_the_graph_timer_takes_the_flush_off_each_call():
     """graph_ms_per_call: (flush, fn) x n against flush x n, per call, n from a one-call graph's
     estimate. Here a "graph" is the body itself and its replay is timed by the wall clock (CUDA
-    graphs need a GPU)."""
+    graphs need a GPU). The sleeps are long enough that a loaded machine's oversleeping (a
+    millisecond or two) cannot blur 20 ms with and without the 10 ms flush."""
     bench_kernels = load_bench_gpu().load_bench_kernels()
     calls = []
 
     def fn():
         calls.append("fn")
-        time.sleep(0.004)
+        time.sleep(0.020)
 
     def flush():
         calls.append("flush")
-        time.sleep(0.002)
+        time.sleep(0.010)
 
     def replay_ms(body):
         start = time.perf_counter()
@@ -684,9 +685,9 @@ def test_the_graph_timer_takes_the_flush_off_each_call():
         return (time.perf_counter() - start) * 1e3
 
     ms = bench_kernels.graph_ms_per_call(fn, capture=lambda body: body, replay_ms=replay_ms, flush=flush,
-                                         target_ms=10.0)
-    assert 3.5 <= ms <= 6.0  # the 4 ms call, without the 2 ms flush before it
-    # compiled outside the capture, one call to estimate, then ceil(10 / ~4) = 3 calls per graph
+                                         target_ms=55.0)
+    assert 17.5 <= ms <= 26.0  # the 20 ms call, without the 10 ms flush before it (30 ms with it)
+    # compiled outside the capture, one call to estimate, then ceil(55 / 20-27) = 3 calls per graph
     assert calls == ["fn", "fn"] + ["flush", "fn"] * 3 + ["flush"] * 3
     calls.clear()
     bench_kernels.graph_ms_per_call(fn, capture=lambda body: body, replay_ms=replay_ms, flush=flush, target_ms=1.0)
