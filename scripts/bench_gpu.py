@@ -545,7 +545,11 @@ def measure_engine(checkpoint: Path, model, device: torch.device, records, outpu
         results["fixed_150_tokens"] = timed_run()
         if repeat_runs >= 2:
             results["fixed_150_tokens_again"] = [timed_run() for _ in range(repeat_runs - 1)]
-        results["routing"] = routing_pass(engine, model, conversations, sampling)
+        try:  # an auxiliary count: its failure must not cost the phase its timed runs
+            results["routing"] = routing_pass(engine, model, conversations, sampling)
+        except Exception as exc:  # noqa: BLE001 - recorded in the phase
+            traceback.print_exc()
+            results["routing"] = {"error": f"{type(exc).__name__}: {exc}"}
     results.update({"sampling": asdict(sampling), "async_scheduling": engine.async_scheduling, "repeat_runs": repeat_runs,
                     "max_num_batched_tokens": max_num_batched_tokens,
                     # the tuned tables (JSON) whose MoE tiles and decode launch settings it ran

@@ -118,6 +118,8 @@ def routing_line(routing: dict | None) -> str | None:
     each beside what uniform routing gives."""
     if not isinstance(routing, dict):
         return None
+    if "error" in routing:
+        return f"the routing pass failed: {routing['error']}"
     parts = []
     large, small = routing.get("large_calls"), routing.get("small_calls")
     k = routing.get("top_k")

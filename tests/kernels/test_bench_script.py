@@ -585,6 +585,21 @@ def test_bench_gpu_a_failing_phase_does_not_stop_the_others(tmp_path, monkeypatc
     assert "failed phases: ceilings" in capsys.readouterr().out
 
 
+def test_bench_gpu_a_failing_routing_pass_keeps_the_phases_timed_runs(tmp_path, monkeypatch):
+    """The routing pass after an engine phase's timed runs only counts the routers' choices: its
+    failure is recorded in the phase's `routing`, and the timed runs and the exit status stand."""
+    crash = RuntimeError("CUDA error: an illegal memory access was encountered")
+    status, report = bench_gpu_where(monkeypatch, tmp_path, "routing_pass", crash,
+                                     "--output-tokens", "2", "--phase", "engine")
+    assert status == 0
+    assert report["engine"]["fixed_150_tokens"]["generated_tokens"] == 2
+    assert report["engine"]["routing"] == {"error": "RuntimeError: CUDA error: an illegal memory access was encountered"}
+    from tests.bench.test_gpu_record_summary import load_summary
+
+    assert load_summary().routing_line(report["engine"]["routing"]) == (
+        "the routing pass failed: RuntimeError: CUDA error: an illegal memory access was encountered")
+
+
 def test_the_roofline_times_the_batch1_step_with_the_other_pdl_setting(monkeypatch):
     from kernels.pdl import PDL_ENV_VAR, pdl_requested
 
