@@ -411,13 +411,18 @@ def routing_pass(engine: LLMEngine, model, conversations, sampling: Sampling) ->
     untimed run of the first `ROUTING_RECORDS` records for `ROUTING_TOKENS` tokens, sampled as
     the timed runs sample, with every router's choices counted. The MoE's cost follows its
     routing, so a record whose routing is far from uniform (`top_k_share` well above
-    `uniform_top_k_share`) understates a trained model's. On CUDA only the steps run eagerly
-    (prefill chunks) are counted: the decode steps replay CUDA graphs."""
+    `uniform_top_k_share`) understates a trained model's. The pass runs its decode steps eagerly
+    (the engine's decode graphs are set aside for it: a graph's replay runs no hooks)."""
     chosen = conversations[:ROUTING_RECORDS]
     params = [sampling.params(max_tokens=ROUTING_TOKENS, ignore_eos=True, output_kind=OFFLINE_OUTPUTS, seed=seed)
               for seed in range(len(chosen))]
-    with RoutingRecorder(model) as recorder:
-        run_engine(engine, chosen, params)
+    runner = engine.runner
+    graphs, runner.graph_runner = runner.graph_runner, None
+    try:
+        with RoutingRecorder(model) as recorder:
+            run_engine(engine, chosen, params)
+    finally:
+        runner.graph_runner = graphs
     return recorder.summary()
 
 

@@ -600,6 +600,25 @@ def test_bench_gpu_a_failing_routing_pass_keeps_the_phases_timed_runs(tmp_path, 
         "the routing pass failed: RuntimeError: CUDA error: an illegal memory access was encountered")
 
 
+def test_the_routing_pass_runs_decode_steps_eagerly_and_puts_the_decode_graphs_back():
+    """A CUDA graph's replay runs no hooks, so the pass sets the engine's decode graphs aside (here a
+    stand-in: the CPU engine has none) and counts the decode steps too."""
+    from vlm_catalog.engine.config import EngineConfig
+    from vlm_catalog.engine.generation_config import QWEN3_VL_SAMPLING
+    from vlm_catalog.engine.llm_engine import LLMEngine
+    from vlm_catalog.paths import DEFAULT_MODEL_DIR
+
+    bench_gpu = load_bench_gpu()
+    engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL_DIR))
+    graphs = object()  # would fail if the pass replayed it
+    engine.runner.graph_runner = graphs
+    conversations = [[{"role": "user", "content": f"describe product {index}"}] for index in range(3)]
+    summary = bench_gpu.routing_pass(engine, engine.runner.model, conversations, QWEN3_VL_SAMPLING)
+    assert engine.runner.graph_runner is graphs
+    assert summary["small_calls"]["calls"] == bench_gpu.ROUTING_TOKENS - 1  # every decode step counted
+    engine.close()
+
+
 def test_the_roofline_times_the_batch1_step_with_the_other_pdl_setting(monkeypatch):
     from kernels.pdl import PDL_ENV_VAR, pdl_requested
 

@@ -14,8 +14,9 @@ it was too high.
 router call, the tokens each expert received (top-k of the router's logits, as
 the model routes). Counts stay on the device until `summary()`. Calls made
 while a CUDA graph is being captured are skipped (the hook's ops would be
-captured into the graph), and graph replays run no hooks, so on a GPU only the
-eagerly run steps (those with a prefill chunk) are counted.
+captured into the graph), and graph replays run no hooks: to count decode
+steps on a GPU, run them eagerly (`bench_gpu.py`'s routing pass sets the
+engine's decode graphs aside).
 
 `summary()` reports two views:
 
