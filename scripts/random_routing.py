@@ -28,7 +28,6 @@ stream, the quantity that decides whether the routing collapses.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import math
@@ -37,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from vlm_catalog.bench import random_model as random_model_module
 from vlm_catalog.bench.random_model import QWEN3_VL_30B_A3B, benchmark_checkpoint_dir, random_model
 from vlm_catalog.bench.routing_stats import RoutingRecorder
 
@@ -60,11 +58,12 @@ def routing_shapes(width: int, layers: int, expert_width: int, full_vision: bool
 
 
 def routing_of_benchmark_records(directory: Path, shapes: dict, records: int = 4, tokens: int = 3,
-                                 image_size: str = "small") -> dict:
+                                 image_size: str = "small", spread_routing: bool = True) -> dict:
     """`RoutingRecorder.summary()` of `records` benchmark records run for `tokens` tokens each through
     the random model at `shapes` (float32, CPU); experts narrower than the 30B's get their down
     projection multiplied by sqrt(768 / width). Sampled as the benchmark samples: greedy decoding
-    would give every record the same tokens."""
+    would give every record the same tokens. `spread_routing=False`: the initialisation before
+    2026-11-28."""
     from vlm_catalog.data.loader import load_catalogue
     from vlm_catalog.data.synthetic.generator import make_catalog
     from vlm_catalog.engine.config import EngineConfig
@@ -73,7 +72,7 @@ def routing_of_benchmark_records(directory: Path, shapes: dict, records: int = 4
     from vlm_catalog.preprocess.prompt import build_messages
 
     checkpoint = benchmark_checkpoint_dir(directory / "checkpoint", shapes)
-    model = random_model(checkpoint, "cpu", torch.float32)
+    model = random_model(checkpoint, "cpu", torch.float32, spread_routing=spread_routing)
     gain = math.sqrt(EXPERT_WIDTH / shapes["text_config"]["moe_intermediate_size"])
     if gain != 1.0:
         with torch.no_grad():
@@ -105,23 +104,12 @@ def main(argv: list[str] | None = None) -> int:
                         ("--records", args.records)):
         if value < 1:
             parser.error(f"{name} must be >= 1, got {value}")
-    with tempfile.TemporaryDirectory() as scratch, old_init(args.old_init):
+    with tempfile.TemporaryDirectory() as scratch:
         shapes = routing_shapes(args.width, args.layers, args.expert_width, args.full_vision)
-        summary = routing_of_benchmark_records(Path(scratch), shapes, args.records, image_size=args.image_size)
+        summary = routing_of_benchmark_records(Path(scratch), shapes, args.records, image_size=args.image_size,
+                                               spread_routing=not args.old_init)
     print(json.dumps(summary, indent=2))
     return 0
-
-
-@contextlib.contextmanager
-def old_init(active: bool):
-    """Within the block, `random_model` draws every weight at std 0.02 (where `active`)."""
-    saved = random_model_module.EMBEDDING_STD, random_model_module.DEPTH_SCALED_RESIDUAL_OUTPUTS
-    if active:
-        random_model_module.EMBEDDING_STD, random_model_module.DEPTH_SCALED_RESIDUAL_OUTPUTS = 0.02, False
-    try:
-        yield
-    finally:
-        random_model_module.EMBEDDING_STD, random_model_module.DEPTH_SCALED_RESIDUAL_OUTPUTS = saved
 
 
 if __name__ == "__main__":

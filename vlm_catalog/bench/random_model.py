@@ -78,11 +78,11 @@ def benchmark_checkpoint_dir(directory: Path, shapes: dict[str, Any], tokenizer_
 #   flat background's patches differ by little else), at std 1 (EMBEDDING_STD);
 # - the projections that write into a residual stream (the text's o_proj and the MLPs' and
 #   experts' down_proj; the vision blocks' attn.proj and mlp.linear_fc2) at std
-#   0.02 / sqrt(2 * layers), GPT-2's scaled initialisation (DEPTH_SCALED_RESIDUAL_OUTPUTS).
-# Measured with scripts/random_routing.py (docs/benchmarks.md); tests/bench/test_random_model.py
-# holds it at the 30B's routing shapes.
+#   0.02 / sqrt(2 * layers), GPT-2's scaled initialisation.
+# `spread_routing=False` draws every weight at std 0.02, as until 2026-11-28. Measured with
+# scripts/random_routing.py (docs/benchmarks.md); tests/bench/test_random_model.py holds it at the
+# 30B's routing shapes.
 EMBEDDING_STD = 1.0
-DEPTH_SCALED_RESIDUAL_OUTPUTS = True
 EMBEDDINGS = ("embed_tokens.weight", "pos_embed.weight")
 # (a layer's name with its index as the group, the names of its residual-stream output projections)
 RESIDUAL_STREAMS = (
@@ -92,14 +92,14 @@ RESIDUAL_STREAMS = (
 
 
 @torch.no_grad()
-def randomise_(module: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """Normal(0, std) weights, unit norm scales, zero biases, in place on the module's device; the
-    embeddings at Normal(0, EMBEDDING_STD) and each residual stream's output projections at
-    Normal(0, std / sqrt(2 * its layers)) (see above)."""
+def randomise_(module: torch.nn.Module, seed: int, std: float = 0.02, spread_routing: bool = True) -> None:
+    """Normal(0, std) weights, unit norm scales, zero biases, in place on the module's device; with
+    `spread_routing`, the embeddings at Normal(0, EMBEDDING_STD) and each residual stream's output
+    projections at Normal(0, std / sqrt(2 * its layers)) (see above)."""
     generator = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
     named = list(module.named_parameters())
     output_std = {}  # parameter name -> its std, for the residual streams' output projections
-    for layer, outputs in RESIDUAL_STREAMS if DEPTH_SCALED_RESIDUAL_OUTPUTS else ():
+    for layer, outputs in RESIDUAL_STREAMS if spread_routing else ():
         depth = len({int(match.group(1)) for name, _ in named if (match := layer.search(name))})
         output_std.update({name: std / math.sqrt(2 * depth) for name, _ in named
                            if layer.search(name) and name.endswith(outputs)})
@@ -108,14 +108,15 @@ def randomise_(module: torch.nn.Module, seed: int, std: float = 0.02) -> None:
             parameter.zero_()
         elif "norm" in name or parameter.dim() == 1:
             parameter.fill_(1.0)
-        elif name.endswith(EMBEDDINGS):
+        elif spread_routing and name.endswith(EMBEDDINGS):
             parameter.normal_(0.0, EMBEDDING_STD, generator=generator)
         else:
             parameter.normal_(0.0, output_std.get(name, std), generator=generator)
 
 
-def random_model(checkpoint_dir: Path, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> Qwen3VLMoeModel:
-    """Our model for `checkpoint_dir`'s config, allocated on `device` with random weights."""
+def random_model(checkpoint_dir: Path, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
+                 spread_routing: bool = True) -> Qwen3VLMoeModel:
+    """Our model for `checkpoint_dir`'s config, allocated on `device` with random weights (`randomise_`)."""
     config = ModelConfig.from_pretrained(checkpoint_dir)
     with torch.device("meta"):
         model = Qwen3VLMoeModel(config)
@@ -124,7 +125,7 @@ def random_model(checkpoint_dir: Path, device: str | torch.device, dtype: torch.
     model.language_model.reset_rotary_buffers()
     if config.tie_word_embeddings:
         model.lm_head.weight = model.language_model.embed_tokens.weight
-    randomise_(model, seed)
+    randomise_(model, seed, spread_routing=spread_routing)
     return model.requires_grad_(False).eval()
 
 
