@@ -9,6 +9,7 @@ census of a decode step's launches."""
 from __future__ import annotations
 
 import collections
+import sys
 
 import pytest
 import torch
@@ -211,3 +212,94 @@ def test_a_decode_step_launches_nine_kernels_per_layer_and_never_syncs(checkpoin
     llm.chat(conversations, SamplingParams(max_tokens=2, ignore_eos=True))
     unfused = [launches for tokens, launches, _ in steps if tokens == len(conversations)]
     assert unfused and all(launches["qk_norm_mrope_kernel"] == layers for launches in unfused)
+
+
+# ops whose result the host must read from the device (a sync on CUDA)
+HOST_READS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique", "_unique2",
+              "unique_dim", "unique_consecutive", "is_nonzero", "equal"}
+
+
+def _uploading() -> bool:
+    """Whether `vlm_catalog.device_upload.upload` is on the Python stack (its copies do not block)."""
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "upload" and frame.f_code.co_filename.endswith("device_upload.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class DeviceWaits(TorchDispatchMode):
+    """Collects the ops that would make the host wait for a CUDA device: reads of a device value
+    (`.item()`, `nonzero`, a boolean index, `repeat_interleave` by device counts without its
+    `output_size`), and host data copied to the device other than through `upload` (`torch.tensor`
+    with a device, or a pageable `.to()`: torch synchronizes the stream for those)."""
+
+    def __init__(self):
+        super().__init__()
+        self.waits: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in HOST_READS:
+            self.waits[name] += 1
+        elif name == "repeat_interleave" and isinstance(args[0], torch.Tensor) and kwargs.get("output_size") is None:
+            self.waits["repeat_interleave without output_size"] += 1
+        elif name in ("index", "index_put", "index_put_") and any(
+                index is not None and index.dtype == torch.bool for index in args[1]):
+            self.waits[f"{name} by a boolean mask"] += 1
+        elif name in ("lift_fresh", "lift_fresh_copy") and not _uploading():
+            self.waits["host data copied to the device (torch.tensor; use device_upload.upload)"] += 1
+        return func(*args, **kwargs)
+
+
+def test_steps_with_new_images_never_make_the_host_wait(checkpoint, gpu_paths_on_cpu, monkeypatch):
+    """The vision tower and the text forward of eager steps, as the record engine of the GPU
+    benchmark runs them (per-channel W8A8, FP8 cache, async scheduling; chunked prompts over
+    cached contexts, decodes beside prefill chunks, images of grid shapes not seen before), do
+    nothing that waits for the device: the host must run ahead to keep it busy. On CPU this
+    reads the ops that would wait on CUDA (`DeviceWaits`); tests/engine/test_host_syncs.py checks
+    the same on a GPU under CUDA's sync debug mode. The first-call checks (the warm-up's, on a
+    GPU) run in a first, unaudited batch."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from tests.model.helpers import noise_image
+
+    llm = LLM(checkpoint, max_num_batched_tokens=48, quantization="fp8_w8a8_channel", kv_cache_dtype="fp8",
+              async_scheduling=True)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    llm.chat([conversation(index, images=1, words=6) for index in range(2)], params)  # first-call checks
+
+    model = llm.engine.runner.model
+    waits: collections.Counter[str] = collections.Counter()
+    calls: collections.Counter[str] = collections.Counter()
+    interpreted_run = InterpretedFunction.run
+
+    def unaudited_run(self, *args, **kwargs):
+        with _disable_current_modes():  # the interpreter's own tensor work is not the model's
+            return interpreted_run(self, *args, **kwargs)
+
+    def audited(name):
+        method = getattr(type(model), name)
+
+        def run(self, *args, **kwargs):
+            calls[name] += 1
+            with DeviceWaits() as mode:
+                result = method(self, *args, **kwargs)
+            waits.update({f"{name}: {op}": count for op, count in mode.waits.items()})
+            return result
+
+        monkeypatch.setattr(type(model), name, run)
+
+    monkeypatch.setattr(InterpretedFunction, "run", unaudited_run)
+    for name in ("forward", "encode_images"):
+        audited(name)
+    new_shapes = [[{"role": "user", "content": [
+        {"type": "image", "image": noise_image(64 + 29 * index, 96 - 17 * index, seed=index)},
+        {"type": "text", "text": f"Item {index}: a plain cotton shirt, size M"}]}] for index in range(3)]
+    answers = llm.chat(new_shapes, params)
+    assert [len(answer.token_ids) for answer in answers] == [4] * 3
+    assert calls["encode_images"] >= 1 and calls["forward"] > 3  # chunked prefill steps, then decodes
+    assert llm.engine.runner.model.visual.grid_tables.misses >= 3  # every image a new grid shape
+    assert not waits, waits

@@ -211,9 +211,14 @@ class VisionTower(nn.Module):
     ) -> torch.Tensor:
         """Bilinear (align-corners) resampling of the square learned table to each grid: [N, hidden]."""
         side = int(round(self.config.num_position_embeddings**0.5))
-        counts = torch.tensor([t * h * w for t, h, w in grids], device=rows.device)  # patches per image
-        heights = torch.tensor([h for t, h, w in grids], device=rows.device).repeat_interleave(counts)  # [N]
-        widths = torch.tensor([w for t, h, w in grids], device=rows.device).repeat_interleave(counts)  # [N]
+        # each patch's grid height and width, filled on the device: a list copied there, or
+        # repeat_interleave by device counts, would make the host wait for the device (most images
+        # bring a new grid shape, in the middle of a step the host should run ahead in)
+        def per_patch(values: list[int]) -> torch.Tensor:  # one value per grid -> [N]
+            return torch.cat([torch.full((t * h * w,), value, device=rows.device)
+                              for (t, h, w), value in zip(grids, values)])
+
+        heights, widths = per_patch([h for _, h, _ in grids]), per_patch([w for _, _, w in grids])  # [N] each
         row_taps, row_weights = _bilinear_taps(rows, heights, side)  # [N, 2], [N, 2]
         col_taps, col_weights = _bilinear_taps(cols, widths, side)
         indices = (row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 4)  # [N, 4]
