@@ -57,7 +57,7 @@ NEW_RECORD = {
                                  "constrained_real_stop": engine_run(16.0), "constrained_again": engine_run(16.5),
                                  "constrained_again_over_unconstrained": 0.96},
     "roofline": {"prefill_tokens": 8192, "prefill_mfu": 0.52, "decode_batch1_seconds": 0.0042,
-                 "decode_over_floor": 1.9,
+                 "decode_over_floor": 1.9, "decode_batch1_graph_seconds": 0.00395,
                  "decode_batch1_pdl": {"pdl": True, "seconds": 0.0036, "over_floor": 1.63, "kernels": {}},
                  "decode_batch1_kernels": {"total_us_per_step": 3900.0, "kernels": [
                      {"name": "moe_gate_up_silu_kernel", "us_per_step": 850.0, "calls_per_step": 48.0}]},
@@ -114,7 +114,7 @@ def test_a_record_with_the_new_fields_prints_them_beside_the_previous_one(tmp_pa
             "in 3 prefill-sized calls, busiest / mean load 3.2, 0 layer-experts unused; decode-sized calls touched "
             "25.5 experts per layer (uniform 25.8)") in text
     assert "| constrained_w8a8_channel (constrained_again) | 16.50 |" in text
-    assert "2.03x" in text and "1.90x the floor (was 2.03x)" in text
+    assert "2.03x" in text and "1.90x the floor (was 2.03x) (target 1.5x); the graph alone 3.950 ms" in text
     assert "850.0 us x48: `moe_gate_up_silu_kernel`" in text
     assert "the same with programmatic dependent launch on: 3.600 ms, 1.63x the floor" in text
     assert "decode_large_batch: error: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED" in text

@@ -480,6 +480,8 @@ def test_bench_gpu_single_phases_on_cpu(tmp_path):
     report = json.loads(out.read_text())
     assert report["ceilings"]["matmul_flops_per_s"] > 0 and report["ceilings"]["matmul_dtype"] == "float32"
     assert report["roofline"]["prefill_tokens_per_s"] > 0
+    # the step as the engine runs it, with its logits (the floor counts lm_head), and the graph alone
+    assert report["roofline"]["decode_batch1_seconds"] > 0 and report["roofline"]["decode_batch1_graph_seconds"] > 0
     breakdown = report["roofline"]["decode_batch1_kernels"]  # on a CPU: the ops' own CPU time
     assert breakdown["time"] == "cpu" and breakdown["total_us_per_step"] > 0 and breakdown["kernels"]
     large = report["roofline"]["decode_large_batch"]  # a small "large" batch on a CPU
@@ -957,3 +959,26 @@ def test_quantize_model_frees_each_layers_experts_without_a_collection(tmp_path,
     assert all(experts.fp8_block == block.block and experts.fp8_activations for experts in decoder.moe_experts())
     assert all(isinstance(getattr(module, name), Fp8Linear) and getattr(module, name).block == dense_block.block
                for module, name in decoder.dense_projections())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_decode_floor_counts_what_a_decode_token_reads(tmp_path, tied):
+    """Every text weight but the embedding table (one row of it), top-k of each MoE layer's
+    experts, and the whole of lm_head: also when it is the embedding table (tied), since the
+    timed step computes the logits."""
+    from tests.model.helpers import build_checkpoint
+    from vlm_catalog.model.loader import load_model
+    from vlm_catalog.model.tiny_checkpoint import build_tokenizer
+
+    model = load_model(build_checkpoint(tmp_path / "tiny", build_tokenizer(1000), tie_word_embeddings=tied),
+                       dtype=torch.float32, device="cpu")
+    text = model.config.text
+    layers = model.language_model.layers
+    experts = sum(p.numel() for layer in layers for name, p in layer.named_parameters() if ".experts." in f".{name}")
+    others = sum(p.numel() for layer in layers for name, p in layer.named_parameters() if ".experts." not in f".{name}")
+    final_norm = model.language_model.norm.weight.numel()
+    expected = (experts * text.num_experts_per_tok // text.num_experts + others + final_norm
+                + text.hidden_size + text.vocab_size * text.hidden_size)
+    bench_gpu = load_bench_gpu()
+    assert bench_gpu.active_parameters(model) == expected
+    assert bench_gpu.active_weight_bytes(model) == 4 * expected  # float32
