@@ -698,12 +698,31 @@ def measure_constrained(checkpoint: Path, model, device: torch.device, records, 
             len(again[i].token_ids) == len(outputs[i].token_ids) for i in range(len(records)))
         results["constrained_again_over_unconstrained"] = (
             results["constrained_again"]["samples_per_s"] / unconstrained_rate)
+        results["other_jump_forward"] = time_other_jump_forward(engine, conversations, constrained, outputs,
+                                                                unconstrained_rate)
     results["repeat_runs"] = repeat_runs
     results["async_scheduling"] = engine.async_scheduling
     results["max_num_batched_tokens"] = max_num_batched_tokens
     results.update(memory_summary(engine, device))
     engine.close()
     return results
+
+
+def time_other_jump_forward(engine: LLMEngine, conversations, constrained, outputs, unconstrained_rate: float) -> dict:
+    """The constrained run once more with jump-forward set the other way from the engine's
+    choice (`EngineConfig.jump_forward`: off where decode steps replay CUDA graphs, since a
+    request with forced tokens makes its step an eager one; on elsewhere). Jump-forward appends
+    the grammar's forced tokens without model steps, so it saves steps and may cost graphs: this
+    times the trade on the device, with the same tokens (greedy and seeded answers do not change)."""
+    chosen = engine.jump_forward
+    engine.jump_forward = not chosen
+    try:
+        run, answers = engine_run_summary(engine, conversations, constrained)
+    finally:
+        engine.jump_forward = chosen
+    return {"jump_forward": not chosen, "run": run,
+            "same_tokens": all(answers[i].token_ids == outputs[i].token_ids for i in range(len(outputs))),
+            "over_unconstrained": run["samples_per_s"] / unconstrained_rate}
 
 
 def measure_constrained_fp8(checkpoint: Path, model, device: torch.device, records, output_tokens: int,

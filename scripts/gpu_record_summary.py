@@ -231,6 +231,13 @@ def constrained_lines(record: dict, previous: dict | None, phase: str, label: st
              f"{number(run.get('grammar_wait_seconds_mean'), 3)} s",
              f"host: masks filled {number(run.get('grammar_fill_seconds'))} s, grammars advanced "
              f"{number(run.get('grammar_advance_seconds'))} s, masks applied {number(run.get('logit_masking_seconds'))} s"]
+    other = result.get("other_jump_forward")  # --repeat-runs 2: the constrained run with jump-forward the other way
+    if isinstance(other, dict) and isinstance(other.get("run"), dict):
+        lines.append(f"with jump-forward {'on' if other.get('jump_forward') else 'off'}: "
+                     f"{number(other['run'].get('samples_per_s'))} samples/s, {number(other.get('over_unconstrained'))}x "
+                     f"unconstrained, {other['run'].get('model_steps', '-')} steps "
+                     f"({other['run'].get('jump_forward_tokens', '-')} tokens by jump-forward), "
+                     f"{'the same' if other.get('same_tokens') else 'OTHER'} tokens")
     return "\n".join(f"- {line}" for line in lines)
 
 

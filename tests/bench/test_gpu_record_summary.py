@@ -55,7 +55,10 @@ NEW_RECORD = {
                                                   logit_masking_seconds=0.25)},
     "constrained_w8a8_channel": {"constrained_over_unconstrained": 0.93, "kv_cache_tokens": 794256,
                                  "constrained_real_stop": engine_run(16.0), "constrained_again": engine_run(16.5),
-                                 "constrained_again_over_unconstrained": 0.96},
+                                 "constrained_again_over_unconstrained": 0.96,
+                                 "other_jump_forward": {"jump_forward": True, "same_tokens": True,
+                                                        "over_unconstrained": 1.04,
+                                                        "run": dict(engine_run(17.5), jump_forward_tokens=5505)}},
     "roofline": {"prefill_tokens": 8192, "prefill_mfu": 0.52, "decode_batch1_seconds": 0.0042,
                  "decode_over_floor": 1.9, "decode_batch1_graph_seconds": 0.00395,
                  "decode_batch1_pdl": {"pdl": True, "seconds": 0.0036, "over_floor": 1.63, "kernels": {}},
@@ -114,6 +117,8 @@ def test_a_record_with_the_new_fields_prints_them_beside_the_previous_one(tmp_pa
             "in 3 prefill-sized calls, busiest / mean load 3.2, 0 layer-experts unused; decode-sized calls touched "
             "25.5 experts per layer (uniform 25.8)") in text
     assert "| constrained_w8a8_channel (constrained_again) | 16.50 |" in text
+    assert "with jump-forward on: 17.50 samples/s, 1.04x unconstrained, " in text
+    assert "(5505 tokens by jump-forward), the same tokens" in text
     assert "2.03x" in text and "1.90x the floor (was 2.03x) (target 1.5x); the graph alone 3.950 ms" in text
     assert "850.0 us x48: `moe_gate_up_silu_kernel`" in text
     assert "the same with programmatic dependent launch on: 3.600 ms, 1.63x the floor" in text

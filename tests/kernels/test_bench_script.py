@@ -357,6 +357,11 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
         assert again["grammar_fill_seconds"] > 0 and report[phase]["constrained_again_same_tokens"]
         assert report[phase]["constrained_again_over_unconstrained"] == pytest.approx(
             again["samples_per_s"] / report[phase]["unconstrained_same_tokens"]["samples_per_s"])
+        # and with jump-forward the other way (on the CPU, where it is on: off), the same tokens
+        other = report[phase]["other_jump_forward"]
+        assert other["jump_forward"] is False and other["same_tokens"]
+        assert other["run"]["generated_tokens"] == again["generated_tokens"] and other["run"]["jump_forward_tokens"] == 0
+        assert report[phase]["constrained_real_stop"]["jump_forward_tokens"] > 0
     vision = report["vision_encoder"]
     assert vision["images"] == 2 and vision["patches"] > 0 and vision["seconds"] > 0 and 0 < vision["mfu"]
     engine = report["engine"]["fixed_150_tokens"]
