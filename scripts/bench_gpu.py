@@ -338,7 +338,7 @@ def measure_decode_batch(model, device: torch.device, batch: int, context: int, 
         "batch": batch,
         "context": context,
         "seconds": seconds,  # the whole step, logits included
-        # the graph alone (what the records before 2026-11-28's twelfth session timed as the step,
+        # the graph alone (what the records before 2026-11-28's thirteenth session timed as the step,
         # against a floor that counts lm_head's weights)
         "graph_seconds": timed(lambda: graphs.run(*args), device, repeats=repeats),
         "tokens_per_s": batch / seconds,

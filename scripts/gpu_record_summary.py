@@ -251,7 +251,7 @@ def roofline_section(record: dict, previous: dict | None) -> str | None:
              f"decode step at batch 1: {number(1e3 * roofline.get('decode_batch1_seconds', math.nan), 3)} ms, "
              f"{number(roofline.get('decode_over_floor'))}x the floor"
              + (f" (was {number(old['decode_over_floor'])}x)" if "decode_over_floor" in old else "") + " (target 1.5x)"
-             # records since the twelfth session of 2026-11-28 time the step with its logits, as the
+             # records since the thirteenth session of 2026-11-28 time the step with its logits, as the
              # floor counts lm_head's weights; the graph alone is what earlier records timed
              + (f"; the graph alone {number(1e3 * roofline['decode_batch1_graph_seconds'], 3)} ms"
                 if "decode_batch1_graph_seconds" in roofline else "")]
