@@ -174,7 +174,9 @@ def expert_segments(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     order = torch.argsort(flat, stable=True)  # [P]
     row_of_pair = torch.empty_like(order)
     row_of_pair[order] = torch.arange(order.numel(), device=order.device)
-    offs = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)  # [E]
+    # pairs per expert by a scatter into E counters (bincount would read the ids' maximum back)
+    counts = flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))  # [E]
+    offs = counts.cumsum(0).to(torch.int32)  # [E]
     return order, row_of_pair, offs
 
 

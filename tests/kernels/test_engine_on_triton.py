@@ -9,13 +9,13 @@ census of a decode step's launches."""
 from __future__ import annotations
 
 import collections
-import sys
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from tests.engine.conftest import conversation
+from tests.kernels.device_waits import DeviceWaits
 from tests.kernels.flash_fakes import FakeFlashVarlen
 from tests.model.helpers import build_checkpoint
 from vlm_catalog import LLM, SamplingParams
@@ -212,46 +212,6 @@ def test_a_decode_step_launches_nine_kernels_per_layer_and_never_syncs(checkpoin
     llm.chat(conversations, SamplingParams(max_tokens=2, ignore_eos=True))
     unfused = [launches for tokens, launches, _ in steps if tokens == len(conversations)]
     assert unfused and all(launches["qk_norm_mrope_kernel"] == layers for launches in unfused)
-
-
-# ops whose result the host must read from the device (a sync on CUDA)
-HOST_READS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique", "_unique2",
-              "unique_dim", "unique_consecutive", "is_nonzero", "equal"}
-
-
-def _uploading() -> bool:
-    """Whether `vlm_catalog.device_upload.upload` is on the Python stack (its copies do not block)."""
-    frame = sys._getframe()
-    while frame is not None:
-        if frame.f_code.co_name == "upload" and frame.f_code.co_filename.endswith("device_upload.py"):
-            return True
-        frame = frame.f_back
-    return False
-
-
-class DeviceWaits(TorchDispatchMode):
-    """Collects the ops that would make the host wait for a CUDA device: reads of a device value
-    (`.item()`, `nonzero`, a boolean index, `repeat_interleave` by device counts without its
-    `output_size`), and host data copied to the device other than through `upload` (`torch.tensor`
-    with a device, or a pageable `.to()`: torch synchronizes the stream for those)."""
-
-    def __init__(self):
-        super().__init__()
-        self.waits: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        if name in HOST_READS:
-            self.waits[name] += 1
-        elif name == "repeat_interleave" and isinstance(args[0], torch.Tensor) and kwargs.get("output_size") is None:
-            self.waits["repeat_interleave without output_size"] += 1
-        elif name in ("index", "index_put", "index_put_") and any(
-                index is not None and index.dtype == torch.bool for index in args[1]):
-            self.waits[f"{name} by a boolean mask"] += 1
-        elif name in ("lift_fresh", "lift_fresh_copy") and not _uploading():
-            self.waits["host data copied to the device (torch.tensor; use device_upload.upload)"] += 1
-        return func(*args, **kwargs)
 
 
 def test_steps_with_new_images_never_make_the_host_wait(checkpoint, gpu_paths_on_cpu, monkeypatch):
