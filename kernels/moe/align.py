@@ -77,6 +77,14 @@ def empty_alignment(
     )
 
 
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Pairs per expert [E] int64 for expert ids of any shape, on their device, by a scatter
+    into E counters: no host sync (`torch.bincount` reads the ids' maximum back to size its
+    output, which also keeps it out of CUDA graphs)."""
+    flat = expert_ids.reshape(-1).long()
+    return flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def moe_align_block_size_reference(
     topk_ids: torch.Tensor, num_experts: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -85,7 +93,7 @@ def moe_align_block_size_reference(
     num_pairs = flat_ids.numel()
     max_padded = max_padded_pairs(num_pairs, num_experts, block_size)
 
-    counts = torch.bincount(flat_ids, minlength=num_experts)  # [E]
+    counts = expert_counts(flat_ids, num_experts)  # [E]
     padded_counts = (counts + block_size - 1) // block_size * block_size  # [E]
     padded_starts = torch.cumsum(padded_counts, 0) - padded_counts  # [E]
     count_starts = torch.cumsum(counts, 0) - counts  # [E]

@@ -61,6 +61,7 @@ from kernels.dispatch import (
 )
 from kernels.first_call_check import faster_path_agrees
 from kernels.fp8 import FP8_DTYPE, quantize_activations
+from kernels.moe.align import expert_counts
 from kernels.rms_norm import gathered_terms_reference
 
 logger = logging.getLogger(__name__)
@@ -174,9 +175,7 @@ def expert_segments(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     order = torch.argsort(flat, stable=True)  # [P]
     row_of_pair = torch.empty_like(order)
     row_of_pair[order] = torch.arange(order.numel(), device=order.device)
-    # pairs per expert by a scatter into E counters (bincount would read the ids' maximum back)
-    counts = flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))  # [E]
-    offs = counts.cumsum(0).to(torch.int32)  # [E]
+    offs = expert_counts(flat, num_experts).cumsum(0).to(torch.int32)  # [E]
     return order, row_of_pair, offs
 
 

@@ -8,7 +8,11 @@ import pytest
 import torch
 
 import kernels
-from kernels.moe.align import moe_align_block_size_reference, moe_align_block_size_triton
+from kernels.moe.align import (
+    expert_counts,
+    moe_align_block_size_reference,
+    moe_align_block_size_triton,
+)
 from tests.kernels.moe_layout import assert_alignment_matches_reference, check_layout
 
 align_module = importlib.import_module("kernels.moe.align")
@@ -75,3 +79,14 @@ def test_gpu_align_model_shapes(cuda_device):
     used = int(wanted[2])
     assert torch.equal(got[2], wanted[2])
     assert torch.equal(got[0][:used], wanted[0][:used]) and torch.equal(got[1][: used // 64], wanted[1][: used // 64])
+
+
+def test_expert_counts_count_each_experts_pairs_without_reading_the_device():
+    from tests.kernels.device_waits import DeviceWaits
+
+    ids = torch.tensor([[3, 0], [0, 3], [3, 1]], dtype=torch.int32)
+    with DeviceWaits() as mode:
+        counts = expert_counts(ids, num_experts=6)
+    assert not mode.waits, mode.waits
+    assert counts.dtype == torch.int64 and counts.tolist() == [2, 1, 0, 3, 0, 0]  # experts 2, 4, 5: none
+    assert torch.equal(counts, torch.bincount(ids.flatten().long(), minlength=6))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.moe.align import expert_counts
 from vlm_catalog.model.text import SparseMoE
 
 SLOTS_PER_EXPERT = 4  # a call with this many expert slots per expert, or more, is a large call
@@ -71,9 +72,7 @@ class RoutingRecorder:
             if tokens == 0:
                 return
             chosen = logits.detach().topk(self.top_k, dim=-1).indices  # [T, k]
-            # [E]; bincount would read the ids' maximum back to the host, index_add_ does not
-            loads = torch.zeros(self.num_experts, dtype=torch.int64, device=logits.device).index_add_(
-                0, chosen.flatten(), torch.ones(chosen.numel(), dtype=torch.int64, device=logits.device))
+            loads = expert_counts(chosen, self.num_experts)  # [E], without a host sync
             if tokens * self.top_k >= SLOTS_PER_EXPERT * self.num_experts:
                 total = self.large_loads[layer]
                 self.large_loads[layer] = loads if total is None else total + loads
