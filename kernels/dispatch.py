@@ -50,7 +50,8 @@ BACKEND_ENV_VAR = "VLM_CATALOG_KERNELS"
 BACKENDS = ("auto", "reference", "triton")
 KERNELS_OFF_ENV_VAR = "VLM_CATALOG_KERNELS_OFF"
 KERNEL_OPS = frozenset({  # every op that dispatches here: the names VLM_CATALOG_KERNELS_OFF takes
-    "rms_norm", "fused_add_rms_norm", "fused_sum_add_rms_norm", "qk_norm_mrope", "silu_and_mul",
+    "rms_norm", "fused_add_rms_norm", "fused_sum_add_rms_norm", "add_rms_norm_router", "qk_norm_mrope",
+    "silu_and_mul",
     "reshape_and_cache", "paged_decode_attention", "paged_decode_attention_with_kv_write",
     "paged_prefill_attention", "varlen_attention", "vision_rotary", "route_topk", "route_topk_and_align",
     "moe_align_block_size", "fused_moe", "fp8_linear", "quantize_activations",

@@ -1012,6 +1012,7 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 )
             )
     rows += _route_and_align_rows(shapes, dtype, device, timer)
+    rows += _norm_router_rows(shapes, dtype, device, timer)
     return rows
 
 
@@ -1087,6 +1088,49 @@ def _route_and_align_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 gigabytes_per_second(logits.numel() * element, one),
                 target_speedup=1.0 if num_tokens == 1 else None,
                 note="sets ROUTE_ALIGN_MAX_TOKENS (the largest T where one launch wins)",
+            )
+        )
+    return rows
+
+
+NORM_ROUTER_BENCH_TOKENS = (1, 4, 8, 16)  # decode batches around NORM_ROUTER_MAX_TOKENS
+
+
+def _norm_router_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
+    """A MoE layer's post-attention add, norm and router logits in one launch against the two
+    launches it replaces (the add-and-norm kernel, then the router's GEMM), at decode batches on
+    both sides of NORM_ROUTER_MAX_TOKENS (whatever it is set to): the rows set it."""
+    import torch
+    import torch.nn.functional as F
+
+    from kernels.norm_router import add_rms_norm_router_triton
+    from kernels.rms_norm import fused_add_rms_norm_triton
+
+    rows = []
+    element = torch.finfo(dtype).bits // 8
+    norm_weight = torch.randn(shapes.hidden, dtype=dtype, device=device)
+    gate_weight = torch.randn(shapes.num_experts, shapes.hidden, dtype=dtype, device=device)
+
+    def add_norm_then_router(x, residual):
+        normed, new_residual = fused_add_rms_norm_triton(x, residual, norm_weight, 1e-6)
+        return normed, new_residual, F.linear(normed, gate_weight)
+
+    for num_tokens in NORM_ROUTER_BENCH_TOKENS:
+        x = torch.randn(num_tokens, shapes.hidden, dtype=dtype, device=device)
+        residual = torch.randn_like(x)
+        one = timer(partial(add_rms_norm_router_triton, x, residual, norm_weight, 1e-6, gate_weight))
+        two = timer(partial(add_norm_then_router, x, residual))
+        bytes_moved = (gate_weight.numel() + 4 * x.numel()) * element  # the router's weight, two rows in, two out
+        rows.append(
+            Row(
+                "add_rms_norm_router[one launch]",
+                f"T={num_tokens} E={shapes.num_experts}",
+                one,
+                "fused_add_rms_norm, then the router's F.linear",
+                two,
+                gigabytes_per_second(bytes_moved, one),
+                target_speedup=1.0 if num_tokens == 1 else None,
+                note="sets NORM_ROUTER_MAX_TOKENS (the largest T where one launch wins)",
             )
         )
     return rows

@@ -105,17 +105,20 @@ def test_routing_recorder_counts_loads_and_distinct_experts():
 
     text = ModelConfig.from_dict({**load_random_routing().routing_shapes(256, 2, 96), "model_type": "qwen3_vl_moe"}).text
     model = torch.nn.ModuleList([SparseMoE(text), SparseMoE(text)])
+    for parameter in model.parameters():
+        parameter.data.zero_()  # the experts' output is not looked at; defined values all the same
     for router in model:  # logits = the first 128 hidden features: the tokens choose their experts
         router.gate.weight.data = torch.eye(128, 256)
     hot = torch.zeros(2048, 256)
     hot[:, :8] = 1.0  # every token of the large call chooses experts 0-7
     pair = torch.zeros(2, 256)
     pair[0, :8], pair[1, 8:16] = 1.0, 1.0  # the small call's two tokens: experts 0-7 and 8-15
+    hot_logits = model[0].gate(hot)
     with RoutingRecorder(model) as recorder:
         for router in model:
-            router.gate(hot)
-            router.gate(pair)
-    model[0].gate(pair)  # after the block: not counted
+            router(hot, router_logits=hot_logits)  # the logits the decoder passes
+            router(pair)  # or the layer's own
+    model[0](pair)  # after the block: not counted
     summary = recorder.summary()
     assert summary["uniform_top_k_share"] == 8 / 128
     assert summary["large_calls"] == {"calls": 1, "top_k_share": 1.0, "top_k_share_worst_layer": 1.0,

@@ -423,6 +423,7 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
     from kernels.moe.align import moe_align_block_size_triton
     from kernels.moe.fused_moe import moe_gemm_config
     from kernels.moe.routing import route_topk_and_align_triton, route_topk_triton
+    from kernels.norm_router import add_rms_norm_router_triton
     from kernels.rms_norm import (
         fused_add_rms_norm_triton,
         fused_sum_add_rms_norm_triton,
@@ -442,6 +443,10 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
         ("gathered_sum_add_rms_norm[K=8]", lambda: gathered_sum_add_rms_norm_triton(  # the grouped-GEMM MoE's rows
             empty(tokens * TOP_K, HIDDEN), torch.zeros(tokens, TOP_K, dtype=torch.int64), empty(tokens, TOP_K, dtype=FP32),
             empty(tokens, HIDDEN), weight, 1e-6)),
+        *((f"add_rms_norm_router[T={count}]",  # a decode layer's post-attention norm and router logits
+           lambda count=count: add_rms_norm_router_triton(empty(count, HIDDEN), empty(count, HIDDEN), weight, 1e-6,
+                                                          empty(EXPERTS, HIDDEN)))
+          for count in (1, 8)),
         ("qk_norm_mrope", lambda: qk_norm_mrope_triton(
             *qkv_views(tokens)[:2], empty(HEAD_DIM), empty(HEAD_DIM), torch.zeros(3, tokens, dtype=torch.int64),
             empty(HEAD_DIM // 2, dtype=FP32), MROPE_SECTION, 1e-6)),

@@ -84,6 +84,7 @@ def test_interpret_smoke_run_writes_json(tmp_path):
         "fused_sum_add_rms_norm",
         "moe_align_block_size[one launch]",
         "route_topk_and_align[one launch]",
+        "add_rms_norm_router[one launch]",
     } <= names
     assert all(row["triton_ms"] > 0 and row["baseline_ms"] > 0 for row in report["rows"])
     assert report["groups"] == ["elementwise", "attention", "moe", "dense_fp8"]  # all by default

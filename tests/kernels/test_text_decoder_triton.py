@@ -28,15 +28,18 @@ def tiny_decoder(dtype: torch.dtype, device) -> TextDecoder:
     return decoder
 
 
+@pytest.mark.parametrize("lengths,image_rows", [
+    ([7, 5], [2, 3, 9]),  # image tokens in both sequences
+    ([2, 1], [0, 1, 2]),  # a batch the size of a decode step's: the post-attention norm and router in one launch
+], ids=["12 tokens", "3 tokens"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decoder_on_triton_matches_the_reference_path(triton_device, monkeypatch, dtype):
+def test_decoder_on_triton_matches_the_reference_path(triton_device, monkeypatch, dtype, lengths, image_rows):
     # tolerance: FLOAT32_TOLERANCE in float32; in bfloat16 TOLERANCE (1e-2) of max |expected|:
     # the two paths round a few intermediates differently (1 unit each) over 3 layers
     decoder = tiny_decoder(dtype, triton_device)
-    lengths = [7, 5]
     input_ids = torch.randint(0, 64, (sum(lengths),), device=triton_device)
     positions = torch.arange(sum(lengths), device=triton_device).expand(3, -1).contiguous()  # [3, T]
-    rows = torch.tensor([2, 3, 9], device=triton_device)  # image tokens in both sequences
+    rows = torch.tensor(image_rows, device=triton_device)
     multimodal = MultimodalEmbeddings(
         rows=rows,
         embeddings=torch.randn(3, 32, device=triton_device).to(dtype),
@@ -52,7 +55,7 @@ def test_decoder_on_triton_matches_the_reference_path(triton_device, monkeypatch
     on_triton = forward()
     monkeypatch.setenv("VLM_CATALOG_KERNELS", "reference")
     on_reference = forward()
-    assert on_triton.shape == (12, 32)
+    assert on_triton.shape == (sum(lengths), 32)
     tolerance = FLOAT32_TOLERANCE if dtype == torch.float32 else TOLERANCE[dtype]
     assert_close(on_triton, on_reference, rel=tolerance)
 

@@ -10,9 +10,11 @@ middle layers on nearly every token chose the same few experts (`random_model.py
 Its MoE then cost a fraction of a real model's, and the throughput measured on
 it was too high.
 
-`RoutingRecorder` hooks every `SparseMoE` router and counts, per layer and per
-router call, the tokens each expert received (top-k of the router's logits, as
-the model routes). Counts stay on the device until `summary()`. Calls made
+`RoutingRecorder` hooks every `SparseMoE` layer and counts, per layer and per
+call, the tokens each expert received (top-k of the router's logits, as the
+model routes: the logits the layer was given, which the decoder computes with
+the post-attention norm, `kernels.add_rms_norm_router`, or else its router's
+own). Counts stay on the device until `summary()`. Calls made
 while a CUDA graph is being captured are skipped (the hook's ops would be
 captured into the graph), and graph replays run no hooks: to count decode
 steps on a GPU, run them eagerly (`bench_gpu.py`'s routing pass sets the
@@ -56,7 +58,7 @@ class RoutingRecorder:
 
     def __enter__(self) -> RoutingRecorder:
         for layer, router in enumerate(self.routers):
-            self._handles.append(router.gate.register_forward_hook(self._hook(layer)))
+            self._handles.append(router.register_forward_pre_hook(self._hook(layer), with_kwargs=True))
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -65,9 +67,13 @@ class RoutingRecorder:
         self._handles.clear()
 
     def _hook(self, layer: int):
-        def record(module, inputs, logits: torch.Tensor) -> None:
-            if logits.is_cuda and torch.cuda.is_current_stream_capturing():
+        def record(module: SparseMoE, args: tuple, kwargs: dict) -> None:
+            hidden = args[0] if args else kwargs["hidden"]
+            if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
                 return
+            logits = kwargs.get("router_logits")
+            if logits is None:
+                logits = args[2] if len(args) > 2 else module.gate(hidden)
             tokens = logits.shape[0]
             if tokens == 0:
                 return

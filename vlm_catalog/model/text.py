@@ -234,11 +234,14 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = MoEExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
 
-    def forward(self, hidden: torch.Tensor, sum_experts: bool = True) -> torch.Tensor | SortedExpertTerms:
+    def forward(self, hidden: torch.Tensor, sum_experts: bool = True,
+                router_logits: torch.Tensor | None = None) -> torch.Tensor | SortedExpertTerms:
         """[T, H] -> [T, H]; `sum_experts=False`: on the Triton path, possibly the K weighted
         expert outputs [T, K, H] unsummed, or on the grouped-GEMM path where that path left
-        them (`SortedExpertTerms`); `RMSNorm.add_and_norm` sums either."""
-        router_logits = self.gate(hidden)  # [T, E]
+        them (`SortedExpertTerms`); `RMSNorm.add_and_norm` sums either. `router_logits` [T, E]:
+        `self.gate(hidden)` computed already (`DecoderLayer.add_norm_and_route`)."""
+        if router_logits is None:
+            router_logits = self.gate(hidden)  # [T, E]
         experts = self.experts
         # decode batches on the Triton path: routing and the pairs' layout for the GEMMs in one launch
         block_size = kernels.moe_gemm_config(
@@ -294,12 +297,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def mlp_terms(self, normed: torch.Tensor) -> torch.Tensor | SortedExpertTerms:
+    def add_norm_and_route(
+        self, attention_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The post-attention add-and-norm: (normed [T, H], new residual [T, H], and a MoE layer's
+        router logits [T, E], else None). A MoE layer's come from `kernels.add_rms_norm_router`:
+        one launch for decode batches on the Triton path."""
+        norm = self.post_attention_layernorm
+        if isinstance(self.mlp, SparseMoE):
+            return kernels.add_rms_norm_router(attention_out, residual, norm.weight, norm.eps, self.mlp.gate.weight)
+        return (*norm.add_and_norm(attention_out, residual), None)
+
+    def mlp_terms(self, normed: torch.Tensor,
+                  router_logits: torch.Tensor | None = None) -> torch.Tensor | SortedExpertTerms:
         """The MLP's output [T, H], or a MoE layer's unsummed expert terms ([T, K, H], or
         `SortedExpertTerms` from the grouped-GEMM path) for the next `add_and_norm` to sum in
-        its own launch."""
+        its own launch; `router_logits` as `add_norm_and_route` gave them."""
         if isinstance(self.mlp, SparseMoE):
-            return self.mlp(normed, sum_experts=False)
+            return self.mlp(normed, sum_experts=False, router_logits=router_logits)
         return self.mlp(normed)
 
 
@@ -362,8 +377,8 @@ class TextDecoder(nn.Module):
         normed = self.layers[0].input_layernorm(residual)
         for index, layer in enumerate(self.layers):
             attention_out = layer.self_attn(normed, positions, self.inv_freq, attention)
-            normed, residual = layer.post_attention_layernorm.add_and_norm(attention_out, residual)
-            mlp_out = layer.mlp_terms(normed)  # [T, H] or [T, K, H]
+            normed, residual, router_logits = layer.add_norm_and_route(attention_out, residual)
+            mlp_out = layer.mlp_terms(normed, router_logits)  # [T, H] or [T, K, H]
             next_norm = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
             if index < len(deepstack) and deepstack[index].shape[0]:
                 if isinstance(mlp_out, SortedExpertTerms):
