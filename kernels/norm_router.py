@@ -19,7 +19,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.checks import FLOAT_DTYPES, check_dtype, check_same_device, check_shape, check_unit_stride_last_dim
+from kernels.checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_same_device,
+    check_shape,
+    check_unit_stride_last_dim,
+)
 from kernels.dispatch import use_triton
 from kernels.launch_math import cdiv, next_power_of_2
 from kernels.pdl import launch_options
@@ -118,9 +124,8 @@ def add_rms_norm_router(
     """(x [T, H], residual [T, H]) -> (normed [T, H], new residual x + residual [T, H], router
     logits normed @ gate_weight.T [T, E]): in one launch on the Triton path for decode batches,
     else `fused_add_rms_norm` (which dispatches itself) and `F.linear`."""
-    if x.dim() == 2 and norms_and_routes_in_one_launch(x.shape[0]) and use_triton(
-        x, residual, norm_weight, gate_weight, op="add_rms_norm_router"
-    ):
+    one_launch = x.dim() == 2 and norms_and_routes_in_one_launch(x.shape[0])
+    if one_launch and use_triton(x, residual, norm_weight, gate_weight, op="add_rms_norm_router"):
         return add_rms_norm_router_triton(x, residual, norm_weight, eps, gate_weight)
     normed, new_residual = fused_add_rms_norm(x, residual, norm_weight, eps)
     return normed, new_residual, F.linear(normed, gate_weight)

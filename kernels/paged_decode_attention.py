@@ -42,6 +42,28 @@ from kernels.pdl import launch_options
 from kernels.rotary import QKNormRope, check_qk_norm_mrope_args
 
 MAX_SPLITS = 64  # the reduce kernel holds all splits of one head in registers
+MERGE_COUNTERS = 1 << 16  # (sequence, KV head) counters of the in-place merge, per device: 256 KiB
+MERGE_TILE = 2048  # float32 partials the merging program holds per step: [queries per KV head, splits, D]
+_merge_counters: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The device's zeroed int32 counters for the in-place merge (`MERGE_IN_PLACE`), or None where
+    it cannot run: more (sequence, KV head) pairs than `MERGE_COUNTERS`, or a CUDA-graph capture
+    before the first eager launch (a buffer allocated inside a capture would belong to the graph's
+    pool; the engine's graphs run each batch eagerly first). Every launch leaves them at zero:
+    each pair's last split resets its counter. Launches on one device share them, so two decode
+    launches must not overlap (one stream, as the engine runs them)."""
+    if needed > MERGE_COUNTERS:
+        return None
+    key = (device.type, device.index if device.type != "cuda" or device.index is not None
+           else torch.cuda.current_device())
+    counters = _merge_counters.get(key)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _merge_counters[key] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
+    return counters
 
 
 # --------------------------------------------------------------------------- reference
@@ -349,6 +371,11 @@ def _launch_decode(
     num_splits, min_split_tokens = split_plan(batch, num_kv_heads, max_context_len, q.device, config, num_splits)
 
     single_split = num_splits == 1  # the split kernel writes `out` itself: no partials, no reduce launch
+    # several splits: each pair's last split to finish merges them, with no reduce launch
+    counters = None
+    if not single_split and "decode_merge_in_place" not in kernels_off():
+        counters = merge_counters(q.device, batch * num_kv_heads)
+    merge_in_place = counters is not None
     if single_split:  # placeholders, never touched
         partial_out = partial_max = partial_sum = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
     else:
@@ -378,6 +405,8 @@ def _launch_decode(
         norm_args, sections, eps = (q, q, positions, q), (0, 0, 0), 0.0
 
     block_d = next_power_of_2(head_dim)
+    block_merge_g = next_power_of_2(queries_per_kv)
+    merge_splits = max(1, min(next_power_of_2(num_splits), MERGE_TILE // (block_merge_g * block_d)))
     fp16_dots = float16_dots(q.dtype, k_cache.dtype) and reads_fp8_words(v_cache)
     v_words = fp16_dots and "fp8_v_words" not in kernels_off()  # off: V read as bytes, cast to float16
     paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
@@ -395,6 +424,7 @@ def _launch_decode(
         new_v,
         slot_mapping,
         *norm_args,
+        counters if merge_in_place else context_lens,  # a placeholder, never touched without the merge
         # sizes
         scale * LOG2_E,
         min_split_tokens,
@@ -439,10 +469,13 @@ def _launch_decode(
         NORM_ROPE=norm is not None,
         SECTION_H=sections[1],
         SECTION_W=sections[2],
+        MERGE_IN_PLACE=merge_in_place,
+        BLOCK_MERGE_G=block_merge_g,
+        MERGE_SPLITS=merge_splits,
         **config.launch_options(),
         **launch_options(q),
     )
-    if single_split:
+    if single_split or merge_in_place:
         return out
     paged_decode_reduce_kernel[(batch, num_q_heads)](
         # pointers

@@ -97,7 +97,12 @@ from pathlib import Path
 import torch
 
 from kernels import fp8_linear_cublas, linear_gelu
-from kernels.dispatch import environment_variable, fp8_accumulation, kernels_off
+from kernels.dispatch import (
+    KERNELS_OFF_ENV_VAR,
+    environment_variable,
+    fp8_accumulation,
+    kernels_off,
+)
 from kernels.flash_varlen import FLASH_VARLEN_ENV_VAR, flash_varlen_module
 from kernels.fp8 import per_channel_block
 from kernels.moe import grouped_gemm
@@ -257,6 +262,8 @@ def measure_roofline(model, device: torch.device, ceilings: dict) -> dict:
     floor = active_weight_bytes(model) / ceilings["copy_bandwidth_bytes_per_s"]
     release_memory(device)
     batch1_pdl = measure_decode_batch1_with_pdl(model, device, context_bound=tokens, floor=floor)
+    batch1_unfused = measure_decode_batch1_without(NEWEST_DECODE_FUSIONS, model, device, context_bound=tokens,
+                                                   floor=floor)
     batch, context = (DECODE_BATCH, DECODE_CONTEXT) if device.type == "cuda" else (4, 32)
     try:
         large_batch = measure_decode_batch(model, device, batch, context, context_bound=tokens)
@@ -276,6 +283,7 @@ def measure_roofline(model, device: torch.device, ceilings: dict) -> dict:
         "cuda_graphs": batch1["cuda_graphs"],
         "decode_batch1_kernels": batch1["kernels"],  # where the step's time goes (kernel_breakdown)
         "decode_batch1_pdl": batch1_pdl,  # the same step with the other VLM_CATALOG_PDL setting
+        "decode_batch1_unfused": batch1_unfused,  # the same step with NEWEST_DECODE_FUSIONS off
         "decode_large_batch": large_batch,  # a decode step of many sequences, and its kernels
     }
 
@@ -287,15 +295,37 @@ def measure_decode_batch1_with_pdl(model, device: torch.device, context_bound: i
     if device.type != "cuda":
         return {"skipped": "programmatic dependent launch needs a CUDA device"}
     enabled = not pdl_requested()
+    return measure_decode_batch1_variant(programmatic_dependent_launch(enabled), {"pdl": enabled}, model, device,
+                                         context_bound, floor)
+
+
+# The batch-1 decode step's newest launch savings (the fourteenth session, 2026-11-28, without a GPU):
+# the post-attention norm with the router's logits, and the split decode merged by its last split.
+# The roofline times the step with them off too, so a record shows what they gave.
+NEWEST_DECODE_FUSIONS = ("add_rms_norm_router", "decode_merge_in_place")
+
+
+def measure_decode_batch1_without(names: tuple[str, ...], model, device: torch.device, context_bound: int,
+                                  floor: float) -> dict:
+    """The batch-1 decode step with the ops or fast paths `names` also in VLM_CATALOG_KERNELS_OFF
+    (kernels/dispatch.py): as `measure_decode_batch1_with_pdl` records it."""
+    turned_off = sorted(kernels_off() | set(names))
+    setting = environment_variable(KERNELS_OFF_ENV_VAR, ",".join(turned_off))
+    return measure_decode_batch1_variant(setting, {"kernels_off": turned_off}, model, device, context_bound, floor)
+
+
+def measure_decode_batch1_variant(setting, fields: dict, model, device: torch.device, context_bound: int,
+                                  floor: float) -> dict:
+    """The batch-1 decode step captured under `setting` (a context manager): `fields` and its
+    seconds, their ratio to the floor and its kernels; an error is recorded, not raised."""
     try:
-        with programmatic_dependent_launch(enabled):
+        with setting:
             step = measure_decode_batch(model, device, batch=1, context=100, context_bound=context_bound, repeats=20)
-    except Exception as exc:  # noqa: BLE001 - e.g. a capture that refuses the launches: the step above stands
-        return {"pdl": enabled, "error": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # noqa: BLE001 - e.g. a capture that refuses the launches: the run's step stands
+        return {**fields, "error": f"{type(exc).__name__}: {exc}"}
     finally:
         release_memory(device)
-    return {"pdl": enabled, "seconds": step["seconds"], "over_floor": step["seconds"] / floor,
-            "kernels": step["kernels"]}
+    return {**fields, "seconds": step["seconds"], "over_floor": step["seconds"] / floor, "kernels": step["kernels"]}
 
 
 # A decode step as the engine's throughput runs take them (a batch of 256), with short contexts:

@@ -262,6 +262,12 @@ def roofline_section(record: dict, previous: dict | None) -> str | None:
     elif isinstance(other, dict) and "error" in other:
         lines.append(f"the same with programmatic dependent launch {'on' if other.get('pdl') else 'off'}: "
                      f"error: {other['error']}")
+    unfused = roofline.get("decode_batch1_unfused")  # the same step with the newest fusions off
+    if isinstance(unfused, dict) and ("seconds" in unfused or "error" in unfused):
+        off = ", ".join(unfused.get("kernels_off", []))
+        lines.append(f"the same with {off} off: " + (
+            f"{number(1e3 * unfused['seconds'], 3)} ms, {number(unfused.get('over_floor'))}x the floor"
+            if "seconds" in unfused else f"error: {unfused['error']}"))
     text = "## Roofline\n\n" + "\n".join(f"- {line}" for line in lines)
     for key in ("decode_batch1_kernels", "decode_large_batch"):
         value = roofline.get(key)

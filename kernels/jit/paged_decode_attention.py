@@ -19,6 +19,18 @@ Phase 2, `paged_decode_reduce_kernel`, grid (B, Hq): merges the splits of one
 Splits that start at or past the sequence's length are never written and never
 read; a sequence of length 0 (padding) gets a zero output.
 
+Merged in place (MERGE_IN_PLACE, the default with several splits): no reduce launch.
+A sequence that one split holds (its length up to `min_split_tokens`) has that split
+write its output directly. Otherwise each split stores its partials, the CTA waits
+at a barrier for all its threads' stores, and one thread adds 1 to the (sequence,
+KV head)'s counter with release-acquire semantics at GPU scope; the split that
+brings the count to the number of splits used is the last to finish, merges them
+all for the KV head's query heads (`merge_splits`, reading the others' partials
+past L1) and puts the counter back to 0 for the next launch: the pattern of
+CUTLASS's split-K semaphores. At batch 1 in a CUDA graph (captured for
+`max_model_len`, so with many splits) this takes the reduce kernel's launch out
+of every layer.
+
 Fused cache write (FUSE_CACHE_WRITE): the current token's K/V arrive as inputs.
 The program whose range holds position `context_len - 1` reads the cache only up
 to the row before it, adds the token from its inputs as one more key after the
@@ -85,7 +97,7 @@ def paged_decode_split_kernel(
     partial_out_ptr,  # [B, Hq, num_splits, D] float32, unnormalised
     partial_max_ptr,  # [B, Hq, num_splits] float32, running max (log2 domain)
     partial_sum_ptr,  # [B, Hq, num_splits] float32, running sum of 2^(s - max)
-    out_ptr,  # [B, Hq, D], written only when SINGLE_SPLIT (the partials are not, then)
+    out_ptr,  # [B, Hq, D], written only when SINGLE_SPLIT (the partials are not, then) or MERGE_IN_PLACE
     new_k_ptr,  # [B, Hkv, D], read only when FUSE_CACHE_WRITE
     new_v_ptr,  # [B, Hkv, D], read only when FUSE_CACHE_WRITE
     slot_mapping_ptr,  # [B], read only when FUSE_CACHE_WRITE
@@ -93,6 +105,7 @@ def paged_decode_split_kernel(
     k_norm_weight_ptr,  # [D], read only when NORM_ROPE
     positions_ptr,  # [3, B] int (t, h, w), read only when NORM_ROPE
     inv_freq_ptr,  # [D/2] float32, read only when NORM_ROPE
+    merge_counters_ptr,  # [>= B * Hkv] int32, 0 between launches; used only when MERGE_IN_PLACE
     # sizes
     scale_log2,  # softmax scale * log2(e)
     min_split_tokens,  # a multiple of BLOCK_N (split_length)
@@ -137,6 +150,9 @@ def paged_decode_split_kernel(
     NORM_ROPE: tl.constexpr,  # q and the new k arrive raw: RMS-normed and MRoPE-rotated here (module doc)
     SECTION_H: tl.constexpr,  # NORM_ROPE's mrope_section[1]
     SECTION_W: tl.constexpr,  # NORM_ROPE's mrope_section[2]
+    MERGE_IN_PLACE: tl.constexpr,  # several splits: the last to finish merges them (no reduce launch)
+    BLOCK_MERGE_G: tl.constexpr,  # MERGE_IN_PLACE: next power of two >= queries_per_kv
+    MERGE_SPLITS: tl.constexpr,  # MERGE_IN_PLACE: splits merged per step
 ):
     after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     seq = tl.program_id(0).to(tl.int64)
@@ -156,8 +172,9 @@ def paged_decode_split_kernel(
     split_start = split * tokens_per_split
     split_end = tl.minimum(split_start + tokens_per_split, context_len)
     if split_start >= split_end:
-        if SINGLE_SPLIT:  # a sequence of length 0: zeros, as the reduce kernel gives
-            tl.store(out_ptrs, tl.zeros([BLOCK_G, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=out_mask)
+        if SINGLE_SPLIT or MERGE_IN_PLACE:
+            if split == 0:  # a sequence of length 0: zeros, as the reduce kernel gives
+                tl.store(out_ptrs, tl.zeros([BLOCK_G, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=out_mask)
         return
     q_rows = q_ptr + seq * stride_q_seq + q_heads[:, None] * stride_q_head  # [BLOCK_G, 1]
     if NORM_ROPE:  # what qk_norm_mrope would have written for this token, rounded as it rounds
@@ -264,18 +281,30 @@ def paged_decode_split_kernel(
 
     if SINGLE_SPLIT:
         tl.store(out_ptrs, (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+    elif MERGE_IN_PLACE:
+        # the splits this sequence's length fills (the reduce kernel counts them the same way)
+        splits_used = tl.cdiv(context_len, tokens_per_split)
+        if splits_used == 1:  # a short sequence: its one split is the answer
+            tl.store(out_ptrs, (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            store_partials(partial_out_ptr, partial_max_ptr, partial_sum_ptr, acc, running_max, running_sum, seq,
+                           q_heads, group_mask, dims, out_mask, split, stride_partial_out_seq,
+                           stride_partial_out_head, stride_partial_out_split, stride_partial_stat_seq,
+                           stride_partial_stat_head)
+            # every thread's stores are issued before one thread signals (release, GPU scope)
+            tl.debug_barrier()
+            counter = merge_counters_ptr + seq * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == splits_used - 1:  # the last split of this (sequence, KV head) to finish
+                merge_splits(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, seq, kv_head,
+                             queries_per_kv, splits_used, stride_partial_out_seq, stride_partial_out_head,
+                             stride_partial_out_split, stride_partial_stat_seq, stride_partial_stat_head,
+                             stride_out_seq, stride_out_head, HEAD_DIM, BLOCK_D, BLOCK_MERGE_G, MERGE_SPLITS)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
     else:
-        partial_ptrs = (
-            partial_out_ptr
-            + seq * stride_partial_out_seq
-            + q_heads[:, None] * stride_partial_out_head
-            + split * stride_partial_out_split
-            + dims[None, :]
-        )
-        tl.store(partial_ptrs, acc, mask=out_mask)
-        stat_offsets = seq * stride_partial_stat_seq + q_heads * stride_partial_stat_head + split
-        tl.store(partial_max_ptr + stat_offsets, running_max, mask=group_mask)
-        tl.store(partial_sum_ptr + stat_offsets, running_sum, mask=group_mask)
+        store_partials(partial_out_ptr, partial_max_ptr, partial_sum_ptr, acc, running_max, running_sum, seq,
+                       q_heads, group_mask, dims, out_mask, split, stride_partial_out_seq, stride_partial_out_head,
+                       stride_partial_out_split, stride_partial_stat_seq, stride_partial_stat_head)
 
     if FUSE_CACHE_WRITE:
         # only the split holding position context_len - 1 writes the current token
@@ -301,6 +330,79 @@ def paged_decode_split_kernel(
                 new_v,
                 mask=dim_mask,
             )
+
+
+@triton.jit
+def store_partials(
+    partial_out_ptr, partial_max_ptr, partial_sum_ptr, acc, running_max, running_sum, seq, q_heads, group_mask,
+    dims, out_mask, split, stride_partial_out_seq, stride_partial_out_head, stride_partial_out_split,
+    stride_partial_stat_seq, stride_partial_stat_head,
+):
+    """One split's unnormalised output [G, D] and its running max and sum [G], for the merge."""
+    partial_ptrs = (
+        partial_out_ptr
+        + seq * stride_partial_out_seq
+        + q_heads[:, None] * stride_partial_out_head
+        + split * stride_partial_out_split
+        + dims[None, :]
+    )
+    tl.store(partial_ptrs, acc, mask=out_mask)
+    stat_offsets = seq * stride_partial_stat_seq + q_heads * stride_partial_stat_head + split
+    tl.store(partial_max_ptr + stat_offsets, running_max, mask=group_mask)
+    tl.store(partial_sum_ptr + stat_offsets, running_sum, mask=group_mask)
+
+
+@triton.jit
+def merge_splits(
+    partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, seq, kv_head, queries_per_kv, splits_used,
+    stride_partial_out_seq, stride_partial_out_head, stride_partial_out_split, stride_partial_stat_seq,
+    stride_partial_stat_head, stride_out_seq, stride_out_head,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_MERGE_G: tl.constexpr, MERGE_SPLITS: tl.constexpr,
+):
+    """The reduce kernel's merge for the query heads of one KV head, by the split kernel's last
+    program: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s. The other splits' partials
+    are read past L1 (".cg"): they were written by other programs, perhaps on other SMs."""
+    heads = kv_head * queries_per_kv + tl.arange(0, BLOCK_MERGE_G)  # [BLOCK_MERGE_G]
+    head_mask = tl.arange(0, BLOCK_MERGE_G) < queries_per_kv
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    stat_rows = partial_max_ptr + seq * stride_partial_stat_seq + heads * stride_partial_stat_head  # [G]
+    sum_rows = partial_sum_ptr + seq * stride_partial_stat_seq + heads * stride_partial_stat_head
+    # pass 1: the largest running max per head
+    global_max = tl.full([BLOCK_MERGE_G], float("-inf"), dtype=tl.float32)
+    for first in range(0, splits_used, MERGE_SPLITS):
+        splits = first + tl.arange(0, MERGE_SPLITS)
+        mask = head_mask[:, None] & (splits < splits_used)[None, :]
+        split_max = tl.load(stat_rows[:, None] + splits[None, :], mask=mask, other=float("-inf"),
+                            cache_modifier=".cg")  # [G, MERGE_SPLITS]
+        global_max = tl.maximum(global_max, tl.max(split_max, axis=1))
+    global_max = tl.where(global_max == float("-inf"), 0.0, global_max)  # padding heads
+    # pass 2: the weighted sums of the partial outputs and of the running sums
+    numerator = tl.zeros([BLOCK_MERGE_G, BLOCK_D], dtype=tl.float32)
+    denominator = tl.zeros([BLOCK_MERGE_G], dtype=tl.float32)
+    out_rows = (partial_out_ptr + seq * stride_partial_out_seq
+                + heads[:, None, None] * stride_partial_out_head + dims[None, None, :])  # [G, 1, D]
+    for first in range(0, splits_used, MERGE_SPLITS):
+        splits = first + tl.arange(0, MERGE_SPLITS)
+        mask = head_mask[:, None] & (splits < splits_used)[None, :]  # [G, MERGE_SPLITS]
+        split_max = tl.load(stat_rows[:, None] + splits[None, :], mask=mask, other=float("-inf"),
+                            cache_modifier=".cg")
+        split_sum = tl.load(sum_rows[:, None] + splits[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+        weights = tl.exp2(split_max - global_max[:, None])  # [G, MERGE_SPLITS], 0 where masked
+        denominator += tl.sum(weights * split_sum, axis=1)
+        partial = tl.load(
+            out_rows + splits[None, :, None] * stride_partial_out_split,
+            mask=mask[:, :, None] & dim_mask[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # [G, MERGE_SPLITS, D]
+        numerator += tl.sum(weights[:, :, None] * partial, axis=1)
+    out = numerator / tl.where(denominator > 0.0, denominator, 1.0)[:, None]
+    tl.store(
+        out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=head_mask[:, None] & dim_mask[None, :],
+    )
 
 
 @triton.jit

@@ -494,6 +494,8 @@ def test_bench_gpu_single_phases_on_cpu(tmp_path):
     assert (large["batch"], large["context"]) == (4, 32) and large["seconds"] > 0 and large["tokens_per_s"] > 0
     assert large["kernels"]["total_us_per_step"] > 0 and not large["cuda_graphs"]
     assert report["roofline"]["decode_batch1_pdl"] == {"skipped": "programmatic dependent launch needs a CUDA device"}
+    unfused = report["roofline"]["decode_batch1_unfused"]  # the same step with the newest fusions off
+    assert unfused["kernels_off"] == ["add_rms_norm_router", "decode_merge_in_place"] and unfused["seconds"] > 0
     assert report["pdl"] is False
 
 

@@ -10,7 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels.norm_router import add_rms_norm_router_reference, add_rms_norm_router_triton, norm_router_launch
+from kernels.norm_router import (
+    add_rms_norm_router_reference,
+    add_rms_norm_router_triton,
+    norm_router_launch,
+)
 from tests.kernels.helpers import TOLERANCE, assert_close
 
 norm_router_module = importlib.import_module("kernels.norm_router")

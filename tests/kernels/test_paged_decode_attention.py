@@ -3,6 +3,8 @@ attention on the K/V the cache was built from; Triton vs reference."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -326,3 +328,59 @@ def dense_decode_float64(q_row, k_cache, v_cache, table, length, scale):
         weights = torch.softmax(keys[:, head // group] @ q_row[head].double() * scale, dim=0)  # [L]
         out.append(weights @ values[:, head // group])
     return torch.stack(out)  # [Hq, D]
+
+
+@pytest.mark.parametrize("merge_tile", [None, 256], ids=["one merge step", "two splits per merge step"])
+@pytest.mark.parametrize("merge_in_place", [True, False], ids=["merged in place", "reduce launch"])
+def test_the_last_split_to_finish_merges_the_splits_in_place(triton_device, poison_allocations, monkeypatch,
+                                                             merge_in_place, merge_tile):
+    """Several splits: each (sequence, KV head)'s last split to finish merges them, and no reduce
+    kernel launches; a sequence one split holds writes its output directly; the counters are back
+    at zero after the launch. `decode_merge_in_place` off: the reduce kernel's launch, the same
+    output."""
+    # tolerance: TOLERANCE[float32] against the reference, for both ways
+    jit = pytest.importorskip("kernels.jit.paged_decode_attention")
+    module = importlib.import_module("kernels.paged_decode_attention")
+    if merge_tile is not None:  # [G=4, splits, D=32] float32 per step: 2 splits, so the merge loops
+        monkeypatch.setattr(module, "MERGE_TILE", merge_tile)
+    if not merge_in_place:
+        monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "decode_merge_in_place")
+    reduce_launches = []
+    real_reduce = jit.paged_decode_reduce_kernel
+    monkeypatch.setattr(jit, "paged_decode_reduce_kernel", ReduceSpy(real_reduce, reduce_launches))
+    context_lens, block_size, num_kv_heads, head_dim = [700, 5, 130, 0, 64], 4, 2, 32
+    paged = build_paged_kv(context_lens, block_size, num_kv_heads, head_dim, torch.float32, triton_device)
+    q = torch.randn(len(context_lens), 8, head_dim, device=triton_device)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, 0.2)
+    for _ in range(2):  # the second launch finds the counters as the first left them
+        out = paged_decode_attention_triton(*args, max_context_len=8192, num_splits=8)
+        assert_close(out, paged_decode_attention_reference(*args), rel=TOLERANCE[torch.float32])
+    assert len(reduce_launches) == (0 if merge_in_place else 2)
+    counters = module.merge_counters(triton_device, 1)
+    assert int(counters.abs().sum()) == 0
+
+
+def test_more_pairs_than_merge_counters_take_the_reduce_launch(triton_device, monkeypatch):
+    jit = pytest.importorskip("kernels.jit.paged_decode_attention")
+    module = importlib.import_module("kernels.paged_decode_attention")
+    monkeypatch.setattr(module, "MERGE_COUNTERS", 3)  # 2 sequences x 2 KV heads need 4
+    assert module.merge_counters(triton_device, 4) is None and module.merge_counters(triton_device, 3) is not None
+    reduce_launches = []
+    monkeypatch.setattr(jit, "paged_decode_reduce_kernel", ReduceSpy(jit.paged_decode_reduce_kernel, reduce_launches))
+    paged = build_paged_kv([300, 40], 8, 2, 16, torch.float32, triton_device)
+    q = torch.randn(2, 4, 16, device=triton_device)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, 0.25)
+    out = paged_decode_attention_triton(*args, max_context_len=1024, num_splits=4)
+    assert_close(out, paged_decode_attention_reference(*args), rel=TOLERANCE[torch.float32])
+    assert len(reduce_launches) == 1
+
+
+class ReduceSpy:
+    """Stands in for the reduce kernel: counts its launches and launches it."""
+
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
