@@ -35,6 +35,7 @@ from kernels.rms_norm import (
     rms_norm,
 )
 from kernels.rotary import QKNormRope, mrope_cos_sin, qk_norm_mrope
+from kernels.skinny_linear import skinny_linear
 from kernels.varlen_attention import varlen_attention
 from kernels.vision_rotary import vision_rotary
 
@@ -60,6 +61,7 @@ __all__ = [
     "route_topk",
     "route_topk_and_align",
     "silu_and_mul",
+    "skinny_linear",
     "varlen_attention",
     "vision_rotary",
 ]

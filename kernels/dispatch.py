@@ -54,7 +54,7 @@ KERNEL_OPS = frozenset({  # every op that dispatches here: the names VLM_CATALOG
     "silu_and_mul",
     "reshape_and_cache", "paged_decode_attention", "paged_decode_attention_with_kv_write",
     "paged_prefill_attention", "varlen_attention", "vision_rotary", "route_topk", "route_topk_and_align",
-    "moe_align_block_size", "fused_moe", "fp8_linear", "quantize_activations",
+    "moe_align_block_size", "fused_moe", "fp8_linear", "quantize_activations", "skinny_linear",
 })
 # faster code an op prefers where it can (a library GEMM that passes a check, inline PTX);
 # VLM_CATALOG_KERNELS_OFF takes their names too, and then the op runs its plain Triton code

@@ -424,6 +424,7 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
     from kernels.moe.fused_moe import moe_gemm_config
     from kernels.moe.routing import route_topk_and_align_triton, route_topk_triton
     from kernels.norm_router import add_rms_norm_router_triton
+    from kernels.skinny_linear import skinny_linear_triton
     from kernels.rms_norm import (
         fused_add_rms_norm_triton,
         fused_sum_add_rms_norm_triton,
@@ -446,6 +447,10 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
         *((f"add_rms_norm_router[T={count}]",  # a decode layer's post-attention norm and router logits
            lambda count=count: add_rms_norm_router_triton(empty(count, HIDDEN), empty(count, HIDDEN), weight, 1e-6,
                                                           empty(EXPERTS, HIDDEN)))
+          for count in (1, 8)),
+        *((f"skinny_linear[{name}, T={count}]",  # a decode batch's dense projections
+           lambda count=count, k=k, n=n: skinny_linear_triton(empty(count, k), empty(n, k)))
+          for name, k, n in (("qkv", HIDDEN, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM), ("o", Q_HEADS * HEAD_DIM, HIDDEN))
           for count in (1, 8)),
         ("qk_norm_mrope", lambda: qk_norm_mrope_triton(
             *qkv_views(tokens)[:2], empty(HEAD_DIM), empty(HEAD_DIM), torch.zeros(3, tokens, dtype=torch.int64),

@@ -156,7 +156,8 @@ class ComputeOps(TorchDispatchMode):
 
 def test_a_decode_step_launches_eight_kernels_per_layer_and_never_syncs(checkpoint, gpu_paths_on_cpu, monkeypatch):
     """The decode step's census on the GPU paths: the embedding and the first layer's input norm,
-    then per layer two cuBLAS linears (qkv, o), paged decode with q/k norm and MRoPE and the
+    then per layer two cuBLAS linears (qkv, o: this checkpoint is float32; a 16-bit model's go
+    to `skinny_linear`'s kernel at decode batches), paged decode with q/k norm and MRoPE and the
     cache write inside, the add-and-norm after attention with the router's logits, routing with
     align, the two MoE GEMMs and the add-and-norm after the MoE, which sums its terms (the next
     layer's input norm or the final norm). Nothing reads a device value on the host (a sync that CUDA-graph capture

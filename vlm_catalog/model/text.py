@@ -93,7 +93,7 @@ class TextAttention(nn.Module):
         attention: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = project(self.qkv_proj, hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -101,7 +101,15 @@ class TextAttention(nn.Module):
         qk_norm_rope = kernels.QKNormRope(self.q_norm.weight, self.k_norm.weight, positions, inv_freq,
                                           self.mrope_section, self.eps)
         out = attention.attend(self.layer_index, q, k, v, self.scale, qk_norm_rope)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [T, H]
+        return project(self.o_proj, out.reshape(num_tokens, self.q_size))  # [T, Hq * D] -> [T, H]
+
+
+def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)`; a plain `nn.Linear` through `kernels.skinny_linear`, which takes a decode
+    batch's few rows to its own kernel on the Triton path (an `Fp8Linear` runs its own GEMMs)."""
+    if type(layer) is nn.Linear:
+        return kernels.skinny_linear(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 def _frozen(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
