@@ -1216,7 +1216,12 @@ def _skinny_linear_rows(label: str, weight, timer) -> list[Row]:
     import torch
     import torch.nn.functional as F
 
-    from kernels.skinny_linear import SKINNY_DTYPES, SKINNY_MAX_ROWS, skinny_linear_launch, skinny_linear_triton
+    from kernels.skinny_linear import (
+        SKINNY_DTYPES,
+        SKINNY_MAX_ROWS,
+        skinny_linear_launch,
+        skinny_linear_triton,
+    )
 
     if weight.dtype not in SKINNY_DTYPES:
         return []

@@ -424,7 +424,6 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
     from kernels.moe.fused_moe import moe_gemm_config
     from kernels.moe.routing import route_topk_and_align_triton, route_topk_triton
     from kernels.norm_router import add_rms_norm_router_triton
-    from kernels.skinny_linear import skinny_linear_triton
     from kernels.rms_norm import (
         fused_add_rms_norm_triton,
         fused_sum_add_rms_norm_triton,
@@ -432,6 +431,7 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
         rms_norm_triton,
     )
     from kernels.rotary import qk_norm_mrope_triton
+    from kernels.skinny_linear import skinny_linear_triton
 
     tokens = 256
     weight = empty(HIDDEN)
