@@ -375,6 +375,34 @@ def test_more_pairs_than_merge_counters_take_the_reduce_launch(triton_device, mo
     assert len(reduce_launches) == 1
 
 
+@pytest.mark.gpu
+def test_gpu_the_in_place_merge_is_race_free_and_deterministic(cuda_device, monkeypatch):
+    """Many splits finishing in any order on the GPU (the interpreter runs them one by one):
+    every launch gives the same bits (the merge's order is the splits', whoever merges), those
+    of a capture replayed too, close to the reduce launch's, and the counters end at zero."""
+    # tolerance: 1e-2 (bfloat16) against the reference; bitwise across launches and replays
+    module = importlib.import_module("kernels.paged_decode_attention")
+    batch = 32
+    lengths = [300 + 517 * i for i in range(batch)]  # 300 to 16k tokens: 2 to 64 splits used
+    paged = build_paged_kv(lengths, 16, 4, 128, torch.bfloat16, cuda_device)
+    q = torch.randn(batch, 32, 128, device=cuda_device, dtype=torch.bfloat16)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, 128**-0.5)
+    first = paged_decode_attention_triton(*args, max_context_len=32768, num_splits=64)
+    assert_close(first, paged_decode_attention_reference(*args), rel=1e-2)
+    for _ in range(50):
+        assert torch.equal(paged_decode_attention_triton(*args, max_context_len=32768, num_splits=64), first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = paged_decode_attention_triton(*args, max_context_len=32768, num_splits=64)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, first)
+    assert int(module.merge_counters(cuda_device, 1).abs().sum()) == 0
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "decode_merge_in_place")
+    assert_close(first, paged_decode_attention_triton(*args, max_context_len=32768, num_splits=64), rel=1e-2)
+
+
 class ReduceSpy:
     """Stands in for the reduce kernel: counts its launches and launches it."""
 
