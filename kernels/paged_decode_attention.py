@@ -54,8 +54,6 @@ def merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     pool; the engine's graphs run each batch eagerly first). Every launch leaves them at zero:
     each pair's last split resets its counter. Launches on one device share them, so two decode
     launches must not overlap (one stream, as the engine runs them)."""
-    if needed > MERGE_COUNTERS:
-        return None
     key = (device.type, device.index if device.type != "cuda" or device.index is not None
            else torch.cuda.current_device())
     counters = _merge_counters.get(key)
@@ -63,7 +61,7 @@ def merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         counters = _merge_counters[key] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
-    return counters
+    return counters if needed <= counters.numel() else None
 
 
 # --------------------------------------------------------------------------- reference

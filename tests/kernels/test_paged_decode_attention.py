@@ -364,6 +364,7 @@ def test_more_pairs_than_merge_counters_take_the_reduce_launch(triton_device, mo
     jit = pytest.importorskip("kernels.jit.paged_decode_attention")
     module = importlib.import_module("kernels.paged_decode_attention")
     monkeypatch.setattr(module, "MERGE_COUNTERS", 3)  # 2 sequences x 2 KV heads need 4
+    monkeypatch.setattr(module, "_merge_counters", {})  # this test's 3 counters stay in this test
     assert module.merge_counters(triton_device, 4) is None and module.merge_counters(triton_device, 3) is not None
     reduce_launches = []
     monkeypatch.setattr(jit, "paged_decode_reduce_kernel", ReduceSpy(jit.paged_decode_reduce_kernel, reduce_launches))
