@@ -72,7 +72,7 @@ FAST_PATHS = frozenset({
     # first; kernels/paged_decode_attention.py)
     "decode_qk_norm_rope",
     # paged decode over several splits: each (sequence, KV head)'s last split to finish merges them
-    # (off: the reduce kernel's own launch; kernels/paged_decode_attention.py, merge_counters)
+    # (off: the reduce kernel's own launch; kernels/arrival_counters.py)
     "decode_merge_in_place",
     # the vision MLP's bias and tanh GELU in cuBLASLt's GEMM epilogue (off: F.linear, then F.gelu;
     # kernels/linear_gelu.py)

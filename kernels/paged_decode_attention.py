@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.arrival_counters import arrival_counters
 from kernels.attention_common import LOG2_E, dot_precision, float16_dots, multiprocessor_count
 from kernels.checks import (
     INDEX_DTYPES,
@@ -42,26 +43,7 @@ from kernels.pdl import launch_options
 from kernels.rotary import QKNormRope, check_qk_norm_mrope_args
 
 MAX_SPLITS = 64  # the reduce kernel holds all splits of one head in registers
-MERGE_COUNTERS = 1 << 16  # (sequence, KV head) counters of the in-place merge, per device: 256 KiB
 MERGE_TILE = 2048  # float32 partials the merging program holds per step: [queries per KV head, splits, D]
-_merge_counters: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def merge_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's zeroed int32 counters for the in-place merge (`MERGE_IN_PLACE`), or None where
-    it cannot run: more (sequence, KV head) pairs than `MERGE_COUNTERS`, or a CUDA-graph capture
-    before the first eager launch (a buffer allocated inside a capture would belong to the graph's
-    pool; the engine's graphs run each batch eagerly first). Every launch leaves them at zero:
-    each pair's last split resets its counter. Launches on one device share them, so two decode
-    launches must not overlap (one stream, as the engine runs them)."""
-    key = (device.type, device.index if device.type != "cuda" or device.index is not None
-           else torch.cuda.current_device())
-    counters = _merge_counters.get(key)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _merge_counters[key] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
-    return counters if needed <= counters.numel() else None
 
 
 # --------------------------------------------------------------------------- reference
@@ -372,7 +354,7 @@ def _launch_decode(
     # several splits: each pair's last split to finish merges them, with no reduce launch
     counters = None
     if not single_split and "decode_merge_in_place" not in kernels_off():
-        counters = merge_counters(q.device, batch * num_kv_heads)
+        counters = arrival_counters(q.device, batch * num_kv_heads)  # one per (sequence, KV head)
     merge_in_place = counters is not None
     if single_split:  # placeholders, never touched
         partial_out = partial_max = partial_sum = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)

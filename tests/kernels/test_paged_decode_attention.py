@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kernels
+from kernels.arrival_counters import arrival_counters
 from kernels.paged_decode_attention import (
     paged_decode_attention_reference,
     paged_decode_attention_triton,
@@ -356,16 +357,15 @@ def test_the_last_split_to_finish_merges_the_splits_in_place(triton_device, pois
         out = paged_decode_attention_triton(*args, max_context_len=8192, num_splits=8)
         assert_close(out, paged_decode_attention_reference(*args), rel=TOLERANCE[torch.float32])
     assert len(reduce_launches) == (0 if merge_in_place else 2)
-    counters = module.merge_counters(triton_device, 1)
-    assert int(counters.abs().sum()) == 0
+    assert int(arrival_counters(triton_device, 1).abs().sum()) == 0
 
 
-def test_more_pairs_than_merge_counters_take_the_reduce_launch(triton_device, monkeypatch):
+def test_more_pairs_than_arrival_counters_take_the_reduce_launch(triton_device, monkeypatch):
     jit = pytest.importorskip("kernels.jit.paged_decode_attention")
-    module = importlib.import_module("kernels.paged_decode_attention")
-    monkeypatch.setattr(module, "MERGE_COUNTERS", 3)  # 2 sequences x 2 KV heads need 4
-    monkeypatch.setattr(module, "_merge_counters", {})  # this test's 3 counters stay in this test
-    assert module.merge_counters(triton_device, 4) is None and module.merge_counters(triton_device, 3) is not None
+    counters_module = importlib.import_module("kernels.arrival_counters")
+    monkeypatch.setattr(counters_module, "ARRIVAL_COUNTERS", 3)  # 2 sequences x 2 KV heads need 4
+    monkeypatch.setattr(counters_module, "_counters", {})  # this test's 3 counters stay in this test
+    assert arrival_counters(triton_device, 4) is None and arrival_counters(triton_device, 3) is not None
     reduce_launches = []
     monkeypatch.setattr(jit, "paged_decode_reduce_kernel", ReduceSpy(jit.paged_decode_reduce_kernel, reduce_launches))
     paged = build_paged_kv([300, 40], 8, 2, 16, torch.float32, triton_device)
@@ -382,7 +382,6 @@ def test_gpu_the_in_place_merge_is_race_free_and_deterministic(cuda_device, monk
     every launch gives the same bits (the merge's order is the splits', whoever merges), those
     of a capture replayed too, close to the reduce launch's, and the counters end at zero."""
     # tolerance: 1e-2 (bfloat16) against the reference; bitwise across launches and replays
-    module = importlib.import_module("kernels.paged_decode_attention")
     batch = 32
     lengths = [300 + 517 * i for i in range(batch)]  # 300 to 16k tokens: 2 to 64 splits used
     paged = build_paged_kv(lengths, 16, 4, 128, torch.bfloat16, cuda_device)
@@ -399,7 +398,7 @@ def test_gpu_the_in_place_merge_is_race_free_and_deterministic(cuda_device, monk
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, first)
-    assert int(module.merge_counters(cuda_device, 1).abs().sum()) == 0
+    assert int(arrival_counters(cuda_device, 1).abs().sum()) == 0
     monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "decode_merge_in_place")
     assert_close(first, paged_decode_attention_triton(*args, max_context_len=32768, num_splits=64), rel=1e-2)
 
