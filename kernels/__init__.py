@@ -22,7 +22,7 @@ from kernels.moe import (
     route_topk,
     route_topk_and_align,
 )
-from kernels.norm_router import add_rms_norm_router
+from kernels.norm_router import add_rms_norm_route, add_rms_norm_router
 from kernels.paged_decode_attention import (
     paged_decode_attention,
     paged_decode_attention_with_kv_write,
@@ -42,6 +42,7 @@ from kernels.vision_rotary import vision_rotary
 __all__ = [
     "PackedContexts",
     "QKNormRope",
+    "add_rms_norm_route",
     "add_rms_norm_router",
     "fp8_linear",
     "fused_add_rms_norm",

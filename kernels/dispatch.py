@@ -74,6 +74,9 @@ FAST_PATHS = frozenset({
     # paged decode over several splits: each (sequence, KV head)'s last split to finish merges them
     # (off: the reduce kernel's own launch; kernels/arrival_counters.py)
     "decode_merge_in_place",
+    # add_rms_norm_route: the norm-and-router launch's last program routes and lays the pairs out
+    # too (off: route_topk_and_align's own launch; kernels/norm_router.py)
+    "norm_router_routes",
     # the vision MLP's bias and tanh GELU in cuBLASLt's GEMM epilogue (off: F.linear, then F.gelu;
     # kernels/linear_gelu.py)
     "gelu_gemm_epilogue",

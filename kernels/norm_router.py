@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.arrival_counters import arrival_counters
 from kernels.checks import (
     FLOAT_DTYPES,
     check_dtype,
@@ -26,14 +27,23 @@ from kernels.checks import (
     check_shape,
     check_unit_stride_last_dim,
 )
-from kernels.dispatch import use_triton
+from kernels.dispatch import kernels_off, use_triton
 from kernels.launch_math import cdiv, next_power_of_2
+from kernels.moe.align import MoeAlignment, empty_alignment, max_padded_pairs
+from kernels.moe.routing import (
+    MoeRouting,
+    route_topk_and_align,
+    route_topk_and_align_triton,
+    routing_meta,
+    routing_outputs,
+)
 from kernels.pdl import launch_options
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_reference
 
 NORM_ROUTER_MAX_TOKENS = 8  # the largest decode batch given the one launch
 NORM_ROUTER_PROGRAMS = 64  # programs to aim for: each reads its share of the router weight
 NORM_ROUTER_TILE = 8192  # float32 products one program holds: [BLOCK_T, BLOCK_E, BLOCK_H]
+ROUTE_TILE = 8192  # the routing program's largest tile: [max(BLOCK_T, BLOCK_BLOCKS), BLOCK_EXPERTS]
 
 
 def add_rms_norm_router_reference(
@@ -73,17 +83,83 @@ def add_rms_norm_router_triton(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch, whatever the batch (callers keep it to `NORM_ROUTER_MAX_TOKENS` tokens)."""
+    _check_args(x, residual, norm_weight, gate_weight)
+    normed, new_residual, logits = _outputs(x, gate_weight)
+    if x.shape[0]:
+        _launch(x, residual, norm_weight, eps, gate_weight, normed, new_residual, logits, routing=None)
+    return normed, new_residual, logits
+
+
+def add_rms_norm_route_triton(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
+    top_k: int, renormalize: bool, weights_dtype: torch.dtype, block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, MoeRouting]:
+    """`add_rms_norm_router_triton` whose last program to finish also routes every token and lays
+    the pairs out for the MoE GEMMs' blocks of `block_size` rows: one launch for what
+    `route_topk_and_align_triton` then did in a second. Where the counters cannot serve (a capture
+    before the first eager call) or the tiles would not fit, those two launches."""
+    _check_args(x, residual, norm_weight, gate_weight)
+    if block_size < 1:
+        raise ValueError(f"block_size: must be >= 1, got {block_size}")
+    num_tokens = x.shape[0]
+    num_experts = gate_weight.shape[0]
+    if num_tokens == 0:
+        raise ValueError("x: no tokens (routing lays out pairs only when there are some)")
+    normed, new_residual, logits = _outputs(x, gate_weight)
+    weights, ids = routing_outputs(logits, top_k, weights_dtype)
+    counter = arrival_counters(x.device, 1)
+    tiles = route_tiles(num_tokens, num_experts, top_k, block_size)
+    if counter is None or tiles is None:
+        _launch(x, residual, norm_weight, eps, gate_weight, normed, new_residual, logits, routing=None)
+        return normed, new_residual, MoeRouting(*route_topk_and_align_triton(
+            logits, top_k, renormalize, weights_dtype, block_size))
+    sorted_token_ids, expert_ids, num_tokens_post_padded = empty_alignment(
+        num_tokens * top_k, num_experts, block_size, x.device)
+    routing = dict(counter=counter, weights=weights, ids=ids, sorted_token_ids=sorted_token_ids,
+                   expert_ids=expert_ids, num_tokens_post_padded=num_tokens_post_padded, block_size=block_size,
+                   meta=dict(routing_meta(top_k, num_experts, renormalize), **tiles))
+    _launch(x, residual, norm_weight, eps, gate_weight, normed, new_residual, logits, routing=routing)
+    alignment = MoeAlignment(sorted_token_ids, expert_ids, num_tokens_post_padded, block_size)
+    return normed, new_residual, MoeRouting(weights, ids, alignment)
+
+
+def route_tiles(num_tokens: int, num_experts: int, top_k: int, block_size: int) -> dict[str, int] | None:
+    """BLOCK_PADDED and BLOCK_BLOCKS of the last program's layout (the most entries and blocks it
+    can use), or None where its tiles ([BLOCK_T, BLOCK_EXPERTS] logits, [BLOCK_BLOCKS,
+    BLOCK_EXPERTS] block owners) would pass `ROUTE_TILE`."""
+    num_pairs = num_tokens * top_k
+    used_entries = min(max_padded_pairs(num_pairs, num_experts, block_size), num_pairs * block_size)
+    used_blocks = min(used_entries // block_size, num_pairs)  # every used block holds a pair
+    block_experts = next_power_of_2(num_experts)
+    if max(next_power_of_2(num_tokens), next_power_of_2(used_blocks)) * block_experts > ROUTE_TILE:
+        return None
+    return dict(BLOCK_PADDED=next_power_of_2(used_entries), BLOCK_BLOCKS=next_power_of_2(used_blocks))
+
+
+def _outputs(x: torch.Tensor, gate_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised normed rows [T, H], new residual [T, H] and logits [T, E]."""
+    num_tokens, hidden_size = x.shape
+    normed = torch.empty((num_tokens, hidden_size), dtype=gate_weight.dtype, device=x.device)
+    logits = torch.empty((num_tokens, gate_weight.shape[0]), dtype=gate_weight.dtype, device=x.device)
+    return normed, torch.empty_like(x), logits
+
+
+def _launch(x, residual, norm_weight, eps, gate_weight, normed, new_residual, logits, routing: dict | None) -> None:
     from kernels.jit.norm_router import add_rms_norm_router_kernel
 
-    _check_args(x, residual, norm_weight, gate_weight)
     num_tokens, hidden_size = x.shape
     num_experts = gate_weight.shape[0]
-    normed = torch.empty((num_tokens, hidden_size), dtype=gate_weight.dtype, device=x.device)
-    new_residual = torch.empty_like(x)
-    logits = torch.empty((num_tokens, num_experts), dtype=gate_weight.dtype, device=x.device)
-    if num_tokens == 0:
-        return normed, new_residual, logits
     meta = norm_router_launch(num_tokens, num_experts, hidden_size)
+    if routing is None:  # placeholders, never touched without ROUTE
+        outputs = (logits,) * 6
+        route_meta = dict(ROUTE=False, TOP_K=1, BLOCK_K=1, BLOCK_EXPERTS=1, RENORMALIZE=False, BLOCK_PADDED=1,
+                          BLOCK_BLOCKS=1)
+        block_size = 1
+    else:
+        outputs = (routing["counter"], routing["weights"], routing["ids"], routing["sorted_token_ids"],
+                   routing["expert_ids"], routing["num_tokens_post_padded"])
+        route_meta = dict(ROUTE=True, **routing["meta"])
+        block_size = routing["block_size"]
     add_rms_norm_router_kernel[(cdiv(num_experts, meta["BLOCK_E"]),)](
         # pointers
         x,
@@ -93,11 +169,13 @@ def add_rms_norm_router_triton(
         normed,
         new_residual,
         logits,
+        *outputs,
         # sizes
         num_tokens,
         hidden_size,
         num_experts,
         eps,
+        block_size,
         # strides
         x.stride(0),
         residual.stride(0),
@@ -107,14 +185,14 @@ def add_rms_norm_router_triton(
         logits.stride(0),
         # meta-parameters
         **meta,
+        **route_meta,
         num_warps=4,
         **launch_options(x),
     )
-    return normed, new_residual, logits
 
 
 def norms_and_routes_in_one_launch(num_tokens: int) -> bool:
-    """Whether `add_rms_norm_router` takes the one launch (on the Triton path)."""
+    """Whether `add_rms_norm_router` and `add_rms_norm_route` take the one launch (on the Triton path)."""
     return 0 < num_tokens <= NORM_ROUTER_MAX_TOKENS
 
 
@@ -129,3 +207,22 @@ def add_rms_norm_router(
         return add_rms_norm_router_triton(x, residual, norm_weight, eps, gate_weight)
     normed, new_residual = fused_add_rms_norm(x, residual, norm_weight, eps)
     return normed, new_residual, F.linear(normed, gate_weight)
+
+
+def add_rms_norm_route(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
+    top_k: int, renormalize: bool = True, weights_dtype: torch.dtype | None = None, *, block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, MoeRouting]:
+    """`add_rms_norm_router`, then the routing `route_topk_and_align` makes of its logits (weights
+    in `weights_dtype`, default the router's dtype; the layout for GEMM blocks of `block_size`
+    rows, or None): in one launch on the Triton path for decode batches, unless
+    ``norm_router_routes`` is in VLM_CATALOG_KERNELS_OFF (then a second launch routes)."""
+    weights_dtype = weights_dtype or gate_weight.dtype
+    one_launch = x.dim() == 2 and norms_and_routes_in_one_launch(x.shape[0])
+    if (one_launch and "norm_router_routes" not in kernels_off()
+            and use_triton(x, residual, norm_weight, gate_weight, op="add_rms_norm_router")):
+        return add_rms_norm_route_triton(x, residual, norm_weight, eps, gate_weight, top_k, renormalize,
+                                         weights_dtype, block_size)
+    normed, new_residual, logits = add_rms_norm_router(x, residual, norm_weight, eps, gate_weight)
+    return normed, new_residual, MoeRouting(*route_topk_and_align(logits, top_k, renormalize, weights_dtype,
+                                                                  block_size=block_size))

@@ -300,8 +300,8 @@ def measure_decode_batch1_with_pdl(model, device: torch.device, context_bound: i
 
 
 # The batch-1 decode step's newest launch savings (the fourteenth session, 2026-11-28, without a GPU):
-# the post-attention norm with the router's logits, the split decode merged by its last split, and
-# the q/k/v and o projections by our kernel instead of cuBLAS.
+# the post-attention norm with the router's logits and (its last program) the routing, the split
+# decode merged by its last split, and the q/k/v and o projections by our kernel instead of cuBLAS.
 # The roofline times the step with them off too, so a record shows what they gave.
 NEWEST_DECODE_FUSIONS = ("add_rms_norm_router", "decode_merge_in_place", "skinny_linear")
 

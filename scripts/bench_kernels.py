@@ -1103,7 +1103,9 @@ def _norm_router_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
     import torch
     import torch.nn.functional as F
 
-    from kernels.norm_router import add_rms_norm_router_triton
+    from kernels.moe.configs import get_moe_config
+    from kernels.moe.routing import route_topk_and_align_triton
+    from kernels.norm_router import add_rms_norm_route_triton, add_rms_norm_router_triton
     from kernels.rms_norm import fused_add_rms_norm_triton
 
     rows = []
@@ -1114,6 +1116,10 @@ def _norm_router_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
     def add_norm_then_router(x, residual):
         normed, new_residual = fused_add_rms_norm_triton(x, residual, norm_weight, 1e-6)
         return normed, new_residual, F.linear(normed, gate_weight)
+
+    def three_launches(x, residual, block_size):  # what a decode layer launched before 2026-11-28
+        _, _, logits = add_norm_then_router(x, residual)
+        return route_topk_and_align_triton(logits, shapes.top_k, True, dtype, block_size)
 
     for num_tokens in NORM_ROUTER_BENCH_TOKENS:
         x = torch.randn(num_tokens, shapes.hidden, dtype=dtype, device=device)
@@ -1131,6 +1137,23 @@ def _norm_router_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 gigabytes_per_second(bytes_moved, one),
                 target_speedup=1.0 if num_tokens == 1 else None,
                 note="sets NORM_ROUTER_MAX_TOKENS (the largest T where one launch wins)",
+            )
+        )
+        block_size = get_moe_config(
+            num_tokens, shapes.num_experts, shapes.hidden, shapes.moe_intermediate, dtype, shapes.top_k, device=device
+        ).block_size_m
+        routed = timer(partial(add_rms_norm_route_triton, x, residual, norm_weight, 1e-6, gate_weight, shapes.top_k,
+                               True, dtype, block_size))
+        rows.append(
+            Row(
+                "add_rms_norm_route[one launch]",
+                f"T={num_tokens} E={shapes.num_experts} K={shapes.top_k}",
+                routed,
+                "fused_add_rms_norm, F.linear, route_topk_and_align",
+                timer(partial(three_launches, x, residual, block_size)),
+                gigabytes_per_second(bytes_moved, routed),
+                target_speedup=1.0 if num_tokens == 1 else None,
+                note="the norm-and-router launch's last program routes (norm_router_routes)",
             )
         )
     return rows

@@ -17,6 +17,8 @@ comes from the H100 crossover (`scripts/bench_kernels.py`, rows
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kernels.checks import FLOAT_DTYPES, check_dtype, check_shape, check_unit_stride_last_dim
@@ -31,6 +33,15 @@ ROUTE_ALIGN_MAX_TOKENS = 32
 ROUTE_ALIGN_MAX_TILE = 8192  # logits one program of the fused kernel holds: [BLOCK_T, BLOCK_EXPERTS]
 
 
+class MoeRouting(NamedTuple):
+    """A MoE layer's routing, as `fused_moe` takes it: weights [T, K] and int32 ids [T, K], and
+    the pairs' layout made ahead for its GEMM blocks (or None: `fused_moe` aligns them itself)."""
+
+    weights: torch.Tensor
+    ids: torch.Tensor
+    alignment: MoeAlignment | None
+
+
 def route_topk_reference(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +53,7 @@ def route_topk_reference(
     return topk_weights.to(weights_dtype), topk_ids.to(torch.int32)
 
 
-def _routing_outputs(
+def routing_outputs(
     router_logits: torch.Tensor, top_k: int, weights_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The arguments checked; uninitialised (topk_weights [T, K] in weights_dtype, topk_ids [T, K] int32)."""
@@ -61,7 +72,7 @@ def _routing_outputs(
     return topk_weights, torch.empty((num_tokens, top_k), dtype=torch.int32, device=router_logits.device)
 
 
-def _routing_meta(top_k: int, num_experts: int, renormalize: bool) -> dict:
+def routing_meta(top_k: int, num_experts: int, renormalize: bool) -> dict:
     """The meta-parameters both routing kernels take."""
     return dict(
         TOP_K=top_k,
@@ -76,7 +87,7 @@ def route_topk_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from kernels.jit.moe_routing import route_topk_kernel
 
-    topk_weights, topk_ids = _routing_outputs(router_logits, top_k, weights_dtype)
+    topk_weights, topk_ids = routing_outputs(router_logits, top_k, weights_dtype)
     num_tokens, num_experts = router_logits.shape
     if num_tokens == 0:
         return topk_weights, topk_ids
@@ -92,7 +103,7 @@ def route_topk_triton(
         topk_weights.stride(0),
         topk_ids.stride(0),
         # meta-parameters
-        **_routing_meta(top_k, num_experts, renormalize),
+        **routing_meta(top_k, num_experts, renormalize),
         num_warps=1 if num_experts <= 128 else 4,
         **launch_options(router_logits),
     )
@@ -135,7 +146,7 @@ def route_topk_and_align_triton(
     routes every token)."""
     from kernels.jit.moe_routing import route_topk_align_kernel
 
-    topk_weights, topk_ids = _routing_outputs(router_logits, top_k, weights_dtype)
+    topk_weights, topk_ids = routing_outputs(router_logits, top_k, weights_dtype)
     num_tokens, num_experts = router_logits.shape
     if block_size < 1:
         raise ValueError(f"block_size: must be >= 1, got {block_size}")
@@ -161,7 +172,7 @@ def route_topk_and_align_triton(
         topk_weights.stride(0),
         topk_ids.stride(0),
         # meta-parameters
-        **_routing_meta(top_k, num_experts, renormalize),
+        **routing_meta(top_k, num_experts, renormalize),
         BLOCK_T=next_power_of_2(num_tokens),
         BLOCK=min(next_power_of_2(max(num_tokens, block_size)), 1024),
         # two token rows per warp: a row's k rounds of max/argmax are warp shuffles, and the sm_90

@@ -113,10 +113,10 @@ def test_routing_recorder_counts_loads_and_distinct_experts():
     hot[:, :8] = 1.0  # every token of the large call chooses experts 0-7
     pair = torch.zeros(2, 256)
     pair[0, :8], pair[1, 8:16] = 1.0, 1.0  # the small call's two tokens: experts 0-7 and 8-15
-    hot_logits = model[0].gate(hot)
+    hot_routing = model[0].route(hot)
     with RoutingRecorder(model) as recorder:
         for router in model:
-            router(hot, router_logits=hot_logits)  # the logits the decoder passes
+            router(hot, routing=hot_routing)  # the routing the decoder passes
             router(pair)  # or the layer's own
     model[0](pair)  # after the block: not counted
     summary = recorder.summary()

@@ -35,8 +35,8 @@ def test_step_overhead_smoke(tmp_path):
 def test_gpu_paths_time_the_forwards_host_work_with_the_launches_skipped(tmp_path):
     """--gpu-paths: the decode forward takes the GPU code paths with every Triton launch skipped;
     the launches it counts per step are a decode step's census (tests/kernels/test_engine_on_triton.py:
-    per layer the add-and-norm with the router's logits, the norm that sums the MoE's terms, paged
-    decode, routing and align, the two MoE GEMMs; the final norm)."""
+    per layer the add-and-norm with the router's logits, routing and align, the norm that sums the
+    MoE's terms, paged decode, the two MoE GEMMs; the final norm)."""
     out = tmp_path / "overhead.json"
     result = subprocess.run(
         [sys.executable, str(REPO_ROOT / "scripts" / "bench_step_overhead.py"), "--gpu-paths",
@@ -49,12 +49,11 @@ def test_gpu_paths_time_the_forwards_host_work_with_the_launches_skipped(tmp_pat
     assert report["gpu_paths"] is True and layers >= 1
     assert report["launches_per_step"] == {
         "rms_norm_kernel": layers + 1,
-        "add_rms_norm_router_kernel": layers,  # batch 4: the post-attention norm with the router's logits
+        "add_rms_norm_router_kernel": layers,  # batch 4: the post-attention norm, router, routing and align
         "paged_decode_split_kernel": layers,
-        "route_topk_align_kernel": layers,  # batch 4: routing and align in one launch
         "moe_gate_up_silu_kernel": layers,
         "moe_down_kernel": layers,
     }
-    assert report["triton_launches_per_step"] == 6 * layers + 1
+    assert report["triton_launches_per_step"] == 5 * layers + 1
     assert report["ms_forward_per_layer"] == pytest.approx(report["ms_forward"] / layers)
     assert "ms per layer" in result.stdout

@@ -362,8 +362,14 @@ def moe_case(tokens: int, variant: str):
 
 
 def decode_case(batch: int, context: int, cache_dtype: torch.dtype, fused_write: bool, dtype: torch.dtype = BF16,
-                norm_rope: bool = False):
-    """`norm_rope`: q and k raw, normed and rotated in the kernel (as the engine's decode steps run it)."""
+                norm_rope: bool = False, merge_in_place: bool = True):
+    """`norm_rope`: q and k raw, normed and rotated in the kernel (as the engine's decode steps run it);
+    `merge_in_place=False`: the splits merged by the reduce kernel's launch (`decode_merge_in_place` off)."""
+    if not merge_in_place:
+        from kernels.dispatch import KERNELS_OFF_ENV_VAR, environment_variable
+
+        with environment_variable(KERNELS_OFF_ENV_VAR, "decode_merge_in_place"):
+            return decode_case(batch, context, cache_dtype, fused_write, dtype, norm_rope)
     from kernels.paged_decode_attention import (
         paged_decode_attention_triton,
         paged_decode_attention_with_kv_write_triton,
@@ -423,7 +429,7 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
     from kernels.moe.align import moe_align_block_size_triton
     from kernels.moe.fused_moe import moe_gemm_config
     from kernels.moe.routing import route_topk_and_align_triton, route_topk_triton
-    from kernels.norm_router import add_rms_norm_router_triton
+    from kernels.norm_router import add_rms_norm_route_triton, add_rms_norm_router_triton
     from kernels.rms_norm import (
         fused_add_rms_norm_triton,
         fused_sum_add_rms_norm_triton,
@@ -447,6 +453,11 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
         *((f"add_rms_norm_router[T={count}]",  # a decode layer's post-attention norm and router logits
            lambda count=count: add_rms_norm_router_triton(empty(count, HIDDEN), empty(count, HIDDEN), weight, 1e-6,
                                                           empty(EXPERTS, HIDDEN)))
+          for count in (1, 8)),
+        *((f"add_rms_norm_route[T={count}]",  # the same, its last program routing and aligning too
+           lambda count=count: add_rms_norm_route_triton(
+               empty(count, HIDDEN), empty(count, HIDDEN), weight, 1e-6, empty(EXPERTS, HIDDEN), TOP_K, True, BF16,
+               moe_gemm_config(count, empty(EXPERTS, 2 * MOE_INTERMEDIATE, HIDDEN), TOP_K).block_size_m))
           for count in (1, 8)),
         *((f"skinny_linear[{name}, T={count}]",  # a decode batch's dense projections
            lambda count=count, k=k, n=n: skinny_linear_triton(empty(count, k), empty(n, k)))
@@ -486,6 +497,11 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
                 specs.append((
                     f"paged_decode[{name}, {cache_name} cache, B={batch}, ctx 2000, fused write, q/k norm+rope]",
                     lambda b=batch, cd=cache_dtype, d=dtype: decode_case(b, 2000, cd, True, d, norm_rope=True),
+                ))
+            if cache_name == name:  # the splits merged by a second launch (decode_merge_in_place off)
+                specs.append((
+                    f"paged_decode[{name}, {cache_name} cache, B=32, ctx 2000, reduce launch]",
+                    lambda cd=cache_dtype, d=dtype: decode_case(32, 2000, cd, False, d, merge_in_place=False),
                 ))
             specs.append((f"paged_prefill[{name}, {cache_name} cache]",
                           lambda cd=cache_dtype, d=dtype: prefill_case(cd, d)))

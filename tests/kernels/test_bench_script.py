@@ -85,6 +85,7 @@ def test_interpret_smoke_run_writes_json(tmp_path):
         "moe_align_block_size[one launch]",
         "route_topk_and_align[one launch]",
         "add_rms_norm_router[one launch]",
+        "add_rms_norm_route[one launch]",
         "skinny_linear[16x256, 4 warps, 4 stages]",
     } <= names
     assert all(row["triton_ms"] > 0 and row["baseline_ms"] > 0 for row in report["rows"])

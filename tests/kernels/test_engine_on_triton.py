@@ -94,22 +94,25 @@ def test_engine_on_the_gpu_paths_answers_as_on_the_reference_path(checkpoint, gp
 
 def test_engine_with_kernels_turned_off_answers_as_on_the_reference_path(checkpoint, gpu_paths_on_cpu, monkeypatch):
     """VLM_CATALOG_KERNELS_OFF, the way out when one kernel fails on a GPU: the ops named take
-    their references inside the GPU paths (the MoE's unsummed terms, the one-launch routing, the
-    fused decode write all give way), the rest stay on Triton, and the answers do not change."""
-    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "fused_moe,route_topk_and_align,paged_decode_attention_with_kv_write")
+    their references inside the GPU paths (the MoE's unsummed terms, the one-launch norm and
+    routing, the fused decode write all give way), the rest stay on Triton, and the answers do
+    not change."""
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF",
+                       "fused_moe,route_topk_and_align,add_rms_norm_router,paged_decode_attention_with_kv_write")
     taken = count_calls(monkeypatch)
     conversations = [conversation(index, images=index % 2, words=5) for index in range(3)]
     with_kernels_off = run(checkpoint, conversations, waves=1)
     monkeypatch.setenv("VLM_CATALOG_KERNELS", "reference")
     assert with_kernels_off == run(checkpoint, conversations, waves=1)
-    turned_off = ("fused MoE", "routing and align in one launch", "paged decode", "expert sum in the norm")
+    turned_off = ("fused MoE", "norm, router and routing in one launch", "paged decode", "expert sum in the norm")
     assert {label: taken[label] for label in turned_off} == dict.fromkeys(turned_off, 0)
     assert taken["q/k norm and MRoPE"] > 0
 
 
 GPU_ONLY_PATHS = {  # label -> (module, Triton wrapper)
     "expert sum in the norm": ("kernels.rms_norm", "fused_sum_add_rms_norm_triton"),
-    "routing and align in one launch": ("kernels.moe.routing", "route_topk_and_align_triton"),
+    # decode batches: the post-attention norm, the router, the routing and the pairs' layout
+    "norm, router and routing in one launch": ("kernels.norm_router", "add_rms_norm_route_triton"),
     "paged decode": ("kernels.paged_decode_attention", "paged_decode_attention_with_kv_write_triton"),
     "fused MoE": ("kernels.moe.fused_moe", "fused_moe_triton"),
     "q/k norm and MRoPE": ("kernels.rotary", "qk_norm_mrope_triton"),
@@ -154,12 +157,12 @@ class ComputeOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_decode_step_launches_eight_kernels_per_layer_and_never_syncs(checkpoint, gpu_paths_on_cpu, monkeypatch):
+def test_a_decode_step_launches_seven_kernels_per_layer_and_never_syncs(checkpoint, gpu_paths_on_cpu, monkeypatch):
     """The decode step's census on the GPU paths: the embedding and the first layer's input norm,
     then per layer two cuBLAS linears (qkv, o: this checkpoint is float32; a 16-bit model's go
     to `skinny_linear`'s kernel at decode batches), paged decode with q/k norm and MRoPE and the
-    cache write inside, the add-and-norm after attention with the router's logits, routing with
-    align, the two MoE GEMMs and the add-and-norm after the MoE, which sums its terms (the next
+    cache write inside, the add-and-norm after attention with the router's logits, the routing
+    and the pairs' layout (its last program), the two MoE GEMMs and the add-and-norm after the MoE, which sums its terms (the next
     layer's input norm or the final norm). Nothing reads a device value on the host (a sync that CUDA-graph capture
     refuses). A new launch in the step must be added here on purpose; with
     VLM_CATALOG_KERNELS_OFF=decode_qk_norm_rope, q/k norm and MRoPE take their own launch again."""
@@ -199,7 +202,6 @@ def test_a_decode_step_launches_eight_kernels_per_layer_and_never_syncs(checkpoi
             "rms_norm_kernel": layers + 1,
             "add_rms_norm_router_kernel": layers,
             "paged_decode_split_kernel": layers,  # short contexts: one split, no merge launch
-            "route_topk_align_kernel": layers,
             "moe_gate_up_silu_kernel": layers,
             "moe_down_kernel": layers,
         }

@@ -127,3 +127,112 @@ def test_gpu_add_rms_norm_router_model_shapes(cuda_device):
     for num_tokens in (1, 4, 8):
         args = inputs(num_tokens, 2048, 128, torch.bfloat16, cuda_device)
         check(kernels.add_rms_norm_router(*args[:3], 1e-6, args[3]), *args)
+
+
+ROUTE_CASES = [
+    # (T, H, E, K, block size, dtype)
+    (1, 2048, 128, 8, 16, torch.bfloat16),  # one decode token at the 30B-A3B shapes
+    (8, 256, 128, 8, 16, torch.bfloat16),  # the largest batch the dispatcher gives the kernel
+    (5, 96, 60, 4, 16, torch.float32),  # neither T nor E a power of two
+    (3, 32, 6, 6, 4, torch.float32),  # every token picks every expert, expert 0 included
+    (7, 64, 9, 3, 1, torch.bfloat16),  # blocks of one row
+]
+
+
+@pytest.mark.parametrize("num_tokens,hidden_size,num_experts,top_k,block_size,dtype", [
+    pytest.param(*case, id="T{}-H{}-E{}-K{}-block{}".format(*case[:5])) for case in ROUTE_CASES])
+def test_the_last_program_routes_and_lays_the_pairs_out(triton_device, poison_allocations, num_tokens, hidden_size,
+                                                       num_experts, top_k, block_size, dtype):
+    """add_rms_norm_route in one launch: the normed rows and residual of the norm-and-router launch,
+    and the routing route_topk_and_align's kernel makes of its logits (top-k, renormalized,
+    weights in the hidden dtype, ties to the lower expert id) with the align layout; twice, the
+    counter back at zero after each."""
+    # exact: the same logits (add_rms_norm_router_triton, the same arithmetic) routed by the same
+    # helper; in float32 also against torch's top-k (no ties there)
+    from kernels.arrival_counters import arrival_counters
+    from kernels.moe.routing import route_topk_and_align_triton
+    from kernels.norm_router import add_rms_norm_route_triton
+    from tests.kernels.moe_layout import assert_alignment_matches_reference
+    from tests.kernels.test_moe_route_align import check_routing
+
+    args = inputs(num_tokens, hidden_size, num_experts, dtype, triton_device)
+    normed, new_residual, logits = add_rms_norm_router_triton(*args[:3], 1e-6, args[3])
+    weights, ids, _ = route_topk_and_align_triton(logits, top_k, True, dtype, block_size)
+    for _ in range(2):
+        got_normed, got_residual, routing = add_rms_norm_route_triton(*args[:3], 1e-6, args[3], top_k, True, dtype,
+                                                                      block_size)
+        assert torch.equal(got_normed, normed) and torch.equal(got_residual, new_residual)
+        assert torch.equal(routing.ids, ids) and torch.equal(routing.weights, weights)
+        if dtype == torch.float32:
+            check_routing(routing.weights, routing.ids, logits, top_k, True, dtype)
+        assert routing.alignment.block_size == block_size
+        assert_alignment_matches_reference(routing.alignment, routing.ids, num_experts, block_size)
+        assert int(arrival_counters(triton_device, 1).abs().sum()) == 0
+
+
+def test_routing_too_wide_for_the_last_program_takes_a_second_launch(triton_device, monkeypatch):
+    # 1024 experts at 8 tokens: [64 blocks, 1024 experts] would pass ROUTE_TILE; run here with the
+    # tile shrunk so that 16 experts pass it ([32 blocks, 16 experts])
+    from kernels.norm_router import add_rms_norm_route_triton, route_tiles
+    from tests.kernels.moe_layout import assert_alignment_matches_reference
+    from tests.kernels.test_moe_route_align import check_routing
+
+    assert route_tiles(8, 1024, 8, 16) is None and route_tiles(8, 128, 8, 16) == dict(BLOCK_PADDED=1024, BLOCK_BLOCKS=64)
+    monkeypatch.setattr(norm_router_module, "ROUTE_TILE", 256)
+    assert route_tiles(8, 16, 4, 16) is None
+    second_launches = []
+    real = norm_router_module.route_topk_and_align_triton
+    monkeypatch.setattr(norm_router_module, "route_topk_and_align_triton",
+                        lambda logits, *a: second_launches.append(logits.shape) or real(logits, *a))
+    args = inputs(8, 64, 16, torch.float32, triton_device)
+    normed, _, logits = add_rms_norm_router_triton(*args[:3], 1e-6, args[3])
+    got_normed, _, routing = add_rms_norm_route_triton(*args[:3], 1e-6, args[3], 4, True, torch.float32, 16)
+    assert torch.equal(got_normed, normed) and second_launches == [(8, 16)]
+    check_routing(routing.weights, routing.ids, logits, 4, True, torch.float32)
+    assert_alignment_matches_reference(routing.alignment, routing.ids, 16, 16)
+
+
+def test_the_route_dispatcher(triton_device, monkeypatch):
+    """One launch up to NORM_ROUTER_MAX_TOKENS tokens; past them, with `norm_router_routes` off or on
+    the reference path, the norm-and-router op and then route_topk_and_align, whose routing is
+    the same."""
+    routing_module = importlib.import_module("kernels.moe.routing")
+    second_launches = []
+    real = routing_module.route_topk_and_align
+    monkeypatch.setattr(norm_router_module, "route_topk_and_align",
+                        lambda logits, *a, **k: second_launches.append(logits.shape[0]) or real(logits, *a, **k))
+    largest = norm_router_module.NORM_ROUTER_MAX_TOKENS
+    results = {}
+    for num_tokens in (2, largest + 1):
+        args = inputs(num_tokens, 64, 16, torch.float32, triton_device)
+        results[num_tokens] = (args, kernels.add_rms_norm_route(*args[:3], 1e-6, args[3], 4, block_size=16))
+    assert second_launches == [largest + 1]
+    args, (normed, new_residual, routing) = results[2]
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "norm_router_routes")
+    _, _, two_launches = kernels.add_rms_norm_route(*args[:3], 1e-6, args[3], 4, block_size=16)
+    assert second_launches == [largest + 1, 2]
+    assert torch.equal(two_launches.ids, routing.ids) and torch.equal(two_launches.weights, routing.weights)
+    monkeypatch.setenv("VLM_CATALOG_KERNELS", "reference")
+    monkeypatch.delenv("VLM_CATALOG_KERNELS_OFF")
+    _, _, reference = kernels.add_rms_norm_route(*args[:3], 1e-6, args[3], 4, block_size=16)
+    assert reference.alignment is None  # the reference path leaves the layout to fused_moe
+    assert torch.equal(reference.ids, routing.ids)
+
+
+@pytest.mark.gpu
+def test_gpu_add_rms_norm_route_model_shapes(cuda_device):
+    # many programs finishing in any order: the last one's routing, every launch the same
+    from kernels.moe.routing import route_topk_and_align_triton
+    from tests.kernels.moe_layout import assert_alignment_matches_reference
+
+    for num_tokens in (1, 4, 8):
+        args = inputs(num_tokens, 2048, 128, torch.bfloat16, cuda_device)
+        _, _, logits = kernels.add_rms_norm_router(*args[:3], 1e-6, args[3])
+        weights, ids, _ = route_topk_and_align_triton(logits, 8, True, torch.bfloat16, 16)
+        first = None
+        for _ in range(20):
+            _, _, routing = kernels.add_rms_norm_route(*args[:3], 1e-6, args[3], 8, block_size=16)
+            assert torch.equal(routing.ids, ids) and torch.equal(routing.weights, weights)
+            assert_alignment_matches_reference(routing.alignment, routing.ids, 128, 16)
+            first = first or routing
+            assert torch.equal(routing.alignment.sorted_token_ids, first.alignment.sorted_token_ids)

@@ -12,9 +12,9 @@ it was too high.
 
 `RoutingRecorder` hooks every `SparseMoE` layer and counts, per layer and per
 call, the tokens each expert received (top-k of the router's logits, as the
-model routes: the logits the layer was given, which the decoder computes with
-the post-attention norm, `kernels.add_rms_norm_router`, or else its router's
-own). Counts stay on the device until `summary()`. Calls made
+model routes: the routing the layer was given, which the decoder makes with
+the post-attention norm, `kernels.add_rms_norm_route`, or else the top-k of
+its router's logits). Counts stay on the device until `summary()`. Calls made
 while a CUDA graph is being captured are skipped (the hook's ops would be
 captured into the graph), and graph replays run no hooks: to count decode
 steps on a GPU, run them eagerly (`bench_gpu.py`'s routing pass sets the
@@ -71,13 +71,14 @@ class RoutingRecorder:
             hidden = args[0] if args else kwargs["hidden"]
             if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
                 return
-            logits = kwargs.get("router_logits")
-            if logits is None:
-                logits = args[2] if len(args) > 2 else module.gate(hidden)
-            tokens = logits.shape[0]
+            routing = kwargs.get("routing", args[2] if len(args) > 2 else None)
+            tokens = hidden.shape[0]
             if tokens == 0:
                 return
-            chosen = logits.detach().topk(self.top_k, dim=-1).indices  # [T, k]
+            if routing is not None:  # as the layer was routed
+                chosen = routing.ids
+            else:  # the layer routes itself: the top-k of its router's logits, as it will
+                chosen = module.gate(hidden).detach().topk(self.top_k, dim=-1).indices  # [T, k]
             loads = expert_counts(chosen, self.num_experts)  # [E], without a host sync
             if tokens * self.top_k >= SLOTS_PER_EXPERT * self.num_experts:
                 total = self.large_loads[layer]

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
+from kernels.arrival_counters import arrival_counters
 from vlm_catalog.device_upload import upload
 from vlm_catalog.engine.block_table_rows import BlockTableRows
 from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner
@@ -84,6 +85,9 @@ class ModelRunner:
         self._pixel_scale, self._pixel_offset = (upload(t, self.device) for t in image_processor.normalisation)
         self.images = ImagePrefetcher(self._decode, self._staged_bytes, image_prefetch_bytes, image_workers)
         self.num_images_encoded = 0
+        # the counters of the kernels whose last program finishes the work (the decode merge, the
+        # routing after the norm): made now, so that no step allocates them (256 KiB)
+        arrival_counters(self.device, 0)
         self._new_timers()
 
     def _new_timers(self) -> None:

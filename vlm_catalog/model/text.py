@@ -24,6 +24,7 @@ from torch import nn
 import kernels
 from kernels.fp8 import FP8_DTYPE, quantize, quantize_experts, requantize
 from kernels.moe.grouped_gemm import SortedExpertTerms
+from kernels.moe.routing import MoeRouting
 from vlm_catalog.model.attention import AttentionBackend
 from vlm_catalog.model.config import TextConfig
 from vlm_catalog.model.fp8 import Fp8BlockQuantization
@@ -242,24 +243,31 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = MoEExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
 
+    def gemm_block_size(self, num_tokens: int) -> int:
+        """The expert GEMMs' rows per block for `num_tokens` tokens: the routing lays the pairs
+        out for it ahead on the Triton path (decode batches)."""
+        experts = self.experts
+        return kernels.moe_gemm_config(num_tokens, experts.gate_up_proj, self.top_k,
+                                       fp8_activations=experts.fp8_activations,
+                                       block_shape=experts.fp8_block).block_size_m
+
+    def route(self, hidden: torch.Tensor) -> MoeRouting:
+        """The router's logits [T, E] and their top-k: weights in the hidden dtype, as transformers
+        casts them for the experts, and for decode batches on the Triton path the pairs' layout
+        for the GEMMs, made in the same launch."""
+        router_logits = self.gate(hidden)  # [T, E]
+        return MoeRouting(*kernels.route_topk_and_align(
+            router_logits, self.top_k, self.renormalize, weights_dtype=router_logits.dtype,
+            block_size=self.gemm_block_size(hidden.shape[0])))
+
     def forward(self, hidden: torch.Tensor, sum_experts: bool = True,
-                router_logits: torch.Tensor | None = None) -> torch.Tensor | SortedExpertTerms:
+                routing: MoeRouting | None = None) -> torch.Tensor | SortedExpertTerms:
         """[T, H] -> [T, H]; `sum_experts=False`: on the Triton path, possibly the K weighted
         expert outputs [T, K, H] unsummed, or on the grouped-GEMM path where that path left
-        them (`SortedExpertTerms`); `RMSNorm.add_and_norm` sums either. `router_logits` [T, E]:
-        `self.gate(hidden)` computed already (`DecoderLayer.add_norm_and_route`)."""
-        if router_logits is None:
-            router_logits = self.gate(hidden)  # [T, E]
+        them (`SortedExpertTerms`); `RMSNorm.add_and_norm` sums either. `routing`: `self.route(hidden)`
+        made already (`DecoderLayer.add_norm_and_route`, with the norm before it)."""
         experts = self.experts
-        # decode batches on the Triton path: routing and the pairs' layout for the GEMMs in one launch
-        block_size = kernels.moe_gemm_config(
-            hidden.shape[0], experts.gate_up_proj, self.top_k, fp8_activations=experts.fp8_activations,
-            block_shape=experts.fp8_block,
-        ).block_size_m
-        # the weights in the hidden dtype, as transformers casts them for the experts
-        weights, expert_ids, alignment = kernels.route_topk_and_align(
-            router_logits, self.top_k, self.renormalize, weights_dtype=router_logits.dtype, block_size=block_size
-        )
+        weights, expert_ids, alignment = routing if routing is not None else self.route(hidden)
         return kernels.fused_moe(
             hidden,
             experts.gate_up_proj,
@@ -307,22 +315,26 @@ class DecoderLayer(nn.Module):
 
     def add_norm_and_route(
         self, attention_out: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, MoeRouting | None]:
         """The post-attention add-and-norm: (normed [T, H], new residual [T, H], and a MoE layer's
-        router logits [T, E], else None). A MoE layer's come from `kernels.add_rms_norm_router`:
-        one launch for decode batches on the Triton path."""
+        routing, else None). A MoE layer's come from `kernels.add_rms_norm_route`: the norm, the
+        router's logits, the top-k and the pairs' layout in one launch for decode batches on the
+        Triton path."""
         norm = self.post_attention_layernorm
-        if isinstance(self.mlp, SparseMoE):
-            return kernels.add_rms_norm_router(attention_out, residual, norm.weight, norm.eps, self.mlp.gate.weight)
+        mlp = self.mlp
+        if isinstance(mlp, SparseMoE):
+            return kernels.add_rms_norm_route(
+                attention_out, residual, norm.weight, norm.eps, mlp.gate.weight, mlp.top_k, mlp.renormalize,
+                block_size=mlp.gemm_block_size(attention_out.shape[0]))
         return (*norm.add_and_norm(attention_out, residual), None)
 
     def mlp_terms(self, normed: torch.Tensor,
-                  router_logits: torch.Tensor | None = None) -> torch.Tensor | SortedExpertTerms:
+                  routing: MoeRouting | None = None) -> torch.Tensor | SortedExpertTerms:
         """The MLP's output [T, H], or a MoE layer's unsummed expert terms ([T, K, H], or
         `SortedExpertTerms` from the grouped-GEMM path) for the next `add_and_norm` to sum in
-        its own launch; `router_logits` as `add_norm_and_route` gave them."""
+        its own launch; `routing` as `add_norm_and_route` gave it."""
         if isinstance(self.mlp, SparseMoE):
-            return self.mlp(normed, sum_experts=False, router_logits=router_logits)
+            return self.mlp(normed, sum_experts=False, routing=routing)
         return self.mlp(normed)
 
 
@@ -385,8 +397,8 @@ class TextDecoder(nn.Module):
         normed = self.layers[0].input_layernorm(residual)
         for index, layer in enumerate(self.layers):
             attention_out = layer.self_attn(normed, positions, self.inv_freq, attention)
-            normed, residual, router_logits = layer.add_norm_and_route(attention_out, residual)
-            mlp_out = layer.mlp_terms(normed, router_logits)  # [T, H] or [T, K, H]
+            normed, residual, routing = layer.add_norm_and_route(attention_out, residual)
+            mlp_out = layer.mlp_terms(normed, routing)  # [T, H] or [T, K, H]
             next_norm = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
             if index < len(deepstack) and deepstack[index].shape[0]:
                 if isinstance(mlp_out, SortedExpertTerms):
