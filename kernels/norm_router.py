@@ -91,7 +91,7 @@ def add_rms_norm_router_triton(
     _check_args(x, residual, norm_weight, gate_weight)
     normed, new_residual, logits = _outputs(x, gate_weight)
     if x.shape[0]:
-        _launch(x, residual, norm_weight, eps, gate_weight, normed, new_residual, logits, routing=None)
+        _launch(x, residual, norm_weight, eps, gate_weight, normed, new_residual, logits)
     return normed, new_residual, logits
 
 
@@ -111,21 +111,18 @@ def add_rms_norm_route_triton(
     if num_tokens == 0:
         raise ValueError("x: no tokens (routing lays out pairs only when there are some)")
     normed, new_residual, logits = _outputs(x, gate_weight)
-    weights, ids = routing_outputs(logits, top_k, weights_dtype)
     counter = arrival_counters(x.device, 1)
     tiles = route_tiles(num_tokens, num_experts, top_k, block_size)
     if counter is None or tiles is None:
-        _launch(x, residual, norm_weight, eps, gate_weight, normed, new_residual, logits, routing=None)
+        _launch(x, residual, norm_weight, eps, gate_weight, normed, new_residual, logits)
         return normed, new_residual, MoeRouting(*route_topk_and_align_triton(
             logits, top_k, renormalize, weights_dtype, block_size))
-    sorted_token_ids, expert_ids, num_tokens_post_padded = empty_alignment(
-        num_tokens * top_k, num_experts, block_size, x.device)
-    routing = dict(counter=counter, weights=weights, ids=ids, sorted_token_ids=sorted_token_ids,
-                   expert_ids=expert_ids, num_tokens_post_padded=num_tokens_post_padded, block_size=block_size,
-                   meta=dict(routing_meta(top_k, num_experts, renormalize), **tiles))
-    _launch(x, residual, norm_weight, eps, gate_weight, normed, new_residual, logits, routing=routing)
-    alignment = MoeAlignment(sorted_token_ids, expert_ids, num_tokens_post_padded, block_size)
-    return normed, new_residual, MoeRouting(weights, ids, alignment)
+    weights, ids = routing_outputs(logits, top_k, weights_dtype)
+    alignment = MoeAlignment(*empty_alignment(num_tokens * top_k, num_experts, block_size, x.device), block_size)
+    routing = MoeRouting(weights, ids, alignment)
+    _launch(x, residual, norm_weight, eps, gate_weight, normed, new_residual, logits, routing, counter,
+            dict(routing_meta(top_k, num_experts, renormalize), **tiles))
+    return normed, new_residual, routing
 
 
 def route_tiles(num_tokens: int, num_experts: int, top_k: int, block_size: int) -> dict[str, int] | None:
@@ -149,7 +146,11 @@ def _outputs(x: torch.Tensor, gate_weight: torch.Tensor) -> tuple[torch.Tensor, 
     return normed, torch.empty_like(x), logits
 
 
-def _launch(x, residual, norm_weight, eps, gate_weight, normed, new_residual, logits, routing: dict | None) -> None:
+def _launch(x, residual, norm_weight, eps, gate_weight, normed, new_residual, logits,
+            routing: MoeRouting | None = None, counter: torch.Tensor | None = None,
+            route_meta: dict | None = None) -> None:
+    """The kernel; with `routing` (its outputs, uninitialised), `counter` and `route_meta` (the
+    routing's meta-parameters and `route_tiles`), its last program routes and lays the pairs out."""
     from kernels.jit.norm_router import add_rms_norm_router_kernel
 
     num_tokens, hidden_size = x.shape
@@ -161,10 +162,11 @@ def _launch(x, residual, norm_weight, eps, gate_weight, normed, new_residual, lo
                           BLOCK_BLOCKS=1)
         block_size = 1
     else:
-        outputs = (routing["counter"], routing["weights"], routing["ids"], routing["sorted_token_ids"],
-                   routing["expert_ids"], routing["num_tokens_post_padded"])
-        route_meta = dict(ROUTE=True, **routing["meta"])
-        block_size = routing["block_size"]
+        alignment = routing.alignment
+        outputs = (counter, routing.weights, routing.ids, alignment.sorted_token_ids, alignment.expert_ids,
+                   alignment.num_tokens_post_padded)
+        route_meta = dict(ROUTE=True, **route_meta)
+        block_size = alignment.block_size
     add_rms_norm_router_kernel[(cdiv(num_experts, meta["BLOCK_E"]),)](
         # pointers
         x,

@@ -10,7 +10,7 @@ Up to `SKINNY_MAX_ROWS` rows and for float16 / bfloat16 only (float32 keeps `F.l
 whose full-precision sums `tl.dot` would round to TF32).
 
 Its launch settings are a guess until `scripts/bench_kernels.py`'s rows
-`skinny_linear[...]` have run on a GPU: they time candidates against cuBLAS at the
+`skinny_linear[...]` have run on a GPU (`SKINNY_LAUNCH`): they time candidates against cuBLAS at the
 30B-A3B projections, and `VLM_CATALOG_KERNELS_OFF=skinny_linear` turns it off.
 """
 
@@ -32,12 +32,10 @@ def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return F.linear(x, weight, bias)
 
 
-def skinny_linear_launch(num_cols: int, reduction: int) -> dict[str, int]:
-    """BLOCK_N, BLOCK_K, warps and stages (a guess for H100-class GPUs until the kernel rows run):
-    16 columns a program (320 programs at q/k/v's 5120 columns, 128 at o's 2048) and 256-wide
-    steps, four in flight (32 KiB of weight tiles per program)."""
-    del num_cols, reduction  # one setting for every shape so far
-    return dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4)
+# BLOCK_N, BLOCK_K, warps and stages, for every shape (a guess for H100-class GPUs until the kernel
+# rows run): 16 columns a program (320 programs at q/k/v's 5120 columns, 128 at o's 2048) and
+# 256-wide steps, four in flight (32 KiB of weight tiles per program)
+SKINNY_LAUNCH = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4)
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -64,7 +62,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
     if num_rows == 0 or num_cols == 0:
         return out
-    settings = launch or skinny_linear_launch(num_cols, reduction)
+    settings = launch or SKINNY_LAUNCH
     skinny_linear_kernel[(cdiv(num_cols, settings["BLOCK_N"]),)](
         # pointers
         x,

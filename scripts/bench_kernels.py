@@ -1234,22 +1234,21 @@ SKINNY_CANDIDATES = ((16, 256, 4, 4), (32, 256, 4, 4), (16, 512, 4, 3), (16, 128
 
 def _skinny_linear_rows(label: str, weight, timer) -> list[Row]:
     """A decode batch's 16-bit projection by `skinny_linear`'s kernel, each launch candidate
-    against cuBLAS (F.linear), at 1 and SKINNY_MAX_ROWS rows: the rows set skinny_linear_launch
+    against cuBLAS (F.linear), at 1 and SKINNY_MAX_ROWS rows: the rows set SKINNY_LAUNCH
     and SKINNY_MAX_ROWS."""
     import torch
     import torch.nn.functional as F
 
     from kernels.skinny_linear import (
         SKINNY_DTYPES,
+        SKINNY_LAUNCH,
         SKINNY_MAX_ROWS,
-        skinny_linear_launch,
         skinny_linear_triton,
     )
 
     if weight.dtype not in SKINNY_DTYPES:
         return []
     out_features, in_features = weight.shape
-    default = skinny_linear_launch(out_features, in_features)
     rows = []
     for num_tokens in (1, SKINNY_MAX_ROWS):
         x = torch.randn(num_tokens, in_features, device=weight.device, dtype=weight.dtype)
@@ -1257,13 +1256,13 @@ def _skinny_linear_rows(label: str, weight, timer) -> list[Row]:
         for block_n, block_k, warps, stages in SKINNY_CANDIDATES:
             launch = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
             ms = timer(partial(skinny_linear_triton, x, weight, None, launch))
-            is_default = launch == default
+            is_default = launch == SKINNY_LAUNCH
             rows.append(Row(
                 f"skinny_linear[{block_n}x{block_k}, {warps} warps, {stages} stages]",
                 f"{label} T={num_tokens} ({in_features}->{out_features})", ms, "bf16 F.linear (cuBLAS)",
                 baseline_ms, f"weights {gigabytes_per_second(weight.numel() * weight.element_size(), ms)}",
                 target_speedup=1.0 if is_default and num_tokens == 1 else None,
-                note="the default; the others set skinny_linear_launch" if is_default else "",
+                note="the default; the others set SKINNY_LAUNCH" if is_default else "",
             ))
     return rows
 
