@@ -187,7 +187,8 @@ def profile_section(record: dict) -> str | None:
     for region in [*PROFILE_REGIONS, *sorted(set(regions) - set(PROFILE_REGIONS))]:
         if region in regions:
             kinds = regions[region]["kinds"]
-            rows.append([region, number(regions[region]["seconds"], 3)] + [number(kinds.get(k), 3) for k in KINDS])
+            rows.append([region, number(regions[region]["seconds"], 3)] + [number(kinds.get(k), 3) for k in KINDS]
+                        + [number(regions[region].get("idle_seconds"), 3)])
     text = (f"## Profiled run ({profile.get('time')})\n\n"
             f"busy {number(profile.get('busy_seconds'))} s of {number(profile.get('wall_seconds'))} s "
             f"({number(100 * (profile.get('busy_fraction') or math.nan), 0)}%), kernels "
@@ -195,12 +196,20 @@ def profile_section(record: dict) -> str | None:
             + (f" ({number(profile['unlinked_kernel_seconds'])} s of them linked to no host event, charged by the "
                "marks on the device's timeline)" if profile.get("unlinked_kernel_seconds") is not None else "")
             + "\n\n")
-    text += table(["region", "seconds", *KINDS], rows)
+    # idle: the device ran nothing, inside the region's marks (a record before 2026-11-28's last
+    # sessions has no such field: "-")
+    text += table(["region", "seconds", *KINDS, "idle"], rows)
     for region in ("vlm.text_forward.prefill", "vlm.text_forward.decode", UNMARKED_REGION):
         top = regions.get(region, {}).get("top", [])[:6]
         if top:
             text += f"\n\nlargest in {region}:\n" + "\n".join(
                 f"- {number(row['seconds'], 3)} s, {row['calls']} calls: `{row['name'][:100]}`" for row in top)
+    for region in [*PROFILE_REGIONS, *sorted(set(regions) - set(PROFILE_REGIONS))]:
+        waits = regions.get(region, {}).get("waits", [])[:5]
+        if waits:
+            text += f"\n\nlongest waits for the host in {region} (kernel before -> host op -> kernel after):\n" + "\n".join(
+                f"- {number(wait['seconds'], 3)} s, {wait['count']} gaps: `{wait['before'][:60]}` -> "
+                f"{wait['launched_by'] or '(no host link)'} -> `{wait['after'][:60]}`" for wait in waits)
     return text
 
 

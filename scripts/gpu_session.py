@@ -38,6 +38,12 @@ again are moved into `$OUT/results.tar` once it ends (`tar xf results.tar` gives
   (engine_tuned.json); with time left, the bf16 decode buckets and the per-channel tiles
   under fast accumulation.
 - `smoke`: two engine phases on CPU at the default model's shapes, to try the runner here.
+
+A GPU test of faster code that can be switched off (`@pytest.mark.fast_path(name)`: the decode
+kernel's in-place merge, the norm-and-router launch, `skinny_linear`, ...) that fails in the
+`pytest_gpu` step leaves its name in a file (tests/conftest.py), and every later step runs with
+that name added to `VLM_CATALOG_KERNELS_OFF`: the record then measures the code that passed, and
+says so (`kernels_off` in session.json and in bench_gpu.py's JSON).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -63,6 +70,8 @@ PYTEST_SUMMARY_LINES = 100  # the tail of pytest's output kept as pytest_gpu.txt
 FILES_BACK = 8  # the most files a device call brings back from $OUT
 SESSION_FILES = ("session.json", "session.log")
 RESULTS_TAR = "results.tar"  # the steps' files, where they would be more than FILES_BACK
+KERNELS_OFF_ENV_VAR = "VLM_CATALOG_KERNELS_OFF"  # kernels.dispatch (this script imports no project code)
+FAILED_FAST_PATHS_ENV_VAR = "VLM_CATALOG_FAILED_FAST_PATHS"  # tests/conftest.py
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,7 @@ class StepResult:
     returncode: int | None = None
     limit_s: float = 0.0
     command: list[str] = field(default_factory=list)
+    kernels_off: list[str] = field(default_factory=list)  # VLM_CATALOG_KERNELS_OFF as the step ran
 
 
 def bench_gpu(phases: str, *extra: str) -> tuple[str, ...]:
@@ -132,6 +142,13 @@ PLANS: dict[str, tuple[Step, ...]] = {
         # empty), and each run now records the Triton variants it launched first, its collections
         # and the allocator's calls (`diagnostics`): what the second run did not pay for
         Step("engines", bench_gpu("engine_w8a8_channel", "--repeat-runs", "2"), max_s=200, min_s=110),
+        # the decode step's kernels at batch 1 and 256 (the 1.5x target), with and without the
+        # newest decode fusions (decode_batch1_unfused)
+        Step("roofline", bench_gpu("ceilings,roofline"), max_s=70, min_s=40),
+        # where the device time goes with routing spread as a trained model's (2026-11-28's profile
+        # had collapsed routing), and where inside each region the device waited for the host
+        # (`idle_seconds`, `waits`: the 0.87 s of "rest of steps" against 0.09 s of kernels there)
+        Step("engine_profile", bench_gpu("engine_profile"), max_s=120, min_s=70),
         # the same engine with 32k-token steps: half the prefill steps, twice the rows per expert in
         # the MoE GEMMs (the largest cost of a run: 483 TFLOP/s at 16k tokens)
         Step("engine_steps_32k", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel",
@@ -142,20 +159,17 @@ PLANS: dict[str, tuple[Step, ...]] = {
         # would gain for those bits
         Step("engine_fast", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel_fast", "--json",
                              "{out}/engine_fast.json"), max_s=130, min_s=60),
-        # the decode step's kernels at batch 1 and 256 (the 1.5x target)
-        Step("roofline", bench_gpu("ceilings,roofline"), max_s=70, min_s=40),
         # constrained decoding as served (the per-channel W8A8 model with an FP8 cache, async
         # scheduling now, every record at once): constrained, unconstrained, then constrained again
         # (--repeat-runs 2): 0.91x, then 0.95x on 2026-11-28
         Step("constrained", bench_gpu("constrained_w8a8_channel", "--repeat-runs", "2"), max_s=170, min_s=100),
         Step("vision_encoder", bench_gpu("vision_encoder"), max_s=60, min_s=30),
         # with time left: the engine reading each step's tokens first (the comparison behind the
-        # async default), the kernel rows (all recorded on 2026-11-28, no kernel changed since), and
-        # the profiled run (where the device time goes: recorded on 2026-11-28)
+        # async default), and the kernel rows (the new kernels' rows: add_rms_norm_route[one launch],
+        # skinny_linear[...])
         Step("engine_sync", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel",
                              "--async-scheduling", "off", "--json", "{out}/engine_sync.json"), max_s=130, min_s=60),
         Step("kernels", bench_gpu("kernels"), max_s=110, min_s=60),
-        Step("engine_profile", bench_gpu("engine_profile"), max_s=120, min_s=70),
     ),
     # tune, then measure what the tuning gives, in one call: every tuner writes each bucket's best
     # into {out}/tuned_configs.json as soon as it is known (kernels/tuned_configs.py; a GPU model
@@ -311,10 +325,12 @@ def run_plan(steps: tuple[Step, ...] | list[Step], budget_s: float, out: Path,
     pack = packs_results(steps)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + budget_s
-    step_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    failed_paths = Path(tempfile.mkdtemp(prefix="gpu_session_")) / "failed_fast_paths.txt"  # not in `out`
+    step_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), FAILED_FAST_PATHS_ENV_VAR: str(failed_paths)}
     results: list[StepResult] = []
     with open(out / "session.log", "a") as log:
         for index, step in enumerate(steps):
+            step_env[KERNELS_OFF_ENV_VAR] = turned_off(step_env.get(KERNELS_OFF_ENV_VAR, ""), failed_paths, log)
             command = [part.replace("{out}", str(out)) for part in step.argv]
             if command[0] == "python3":  # the interpreter running this script (a venv's, here)
                 command[0] = sys.executable
@@ -331,12 +347,33 @@ def run_plan(steps: tuple[Step, ...] | list[Step], budget_s: float, out: Path,
                         log.write(f"[gpu_session] {step.name}: {module} is not importable, running without "
                                   f"{shlex.join(options)}\n")
                 results.append(_run_step(step, command, limit, out, log, {**step_env, **dict(step.env)}, cwd))
+            results[-1].kernels_off = names_in(dict(step.env).get(KERNELS_OFF_ENV_VAR, step_env[KERNELS_OFF_ENV_VAR]))
             if pack:
                 packed = pack_finished_files(out, written_files(steps[index + 1:]))
                 if packed:
                     log.write(f"[gpu_session] {step.name}: {', '.join(packed)} moved into {RESULTS_TAR}\n")
             (out / "session.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     return results
+
+
+def names_in(kernels_off: str) -> list[str]:
+    """The names a VLM_CATALOG_KERNELS_OFF value lists, in order, once each."""
+    return list(dict.fromkeys(name.strip() for name in kernels_off.split(",") if name.strip()))
+
+
+def turned_off(kernels_off: str, failed_paths: Path, log) -> str:
+    """`kernels_off` with the fast paths whose GPU tests failed so far (`failed_paths`, one name
+    per line) added, each new one said in the log and on the console."""
+    names = names_in(kernels_off)
+    failed = failed_paths.read_text().split() if failed_paths.exists() else []
+    for name in dict.fromkeys(failed):
+        if name not in names:
+            names.append(name)
+            message = (f"[gpu_session] {name} failed its GPU test: the later steps run with "
+                       f"{KERNELS_OFF_ENV_VAR} naming it\n")
+            log.write(message)
+            print(message.strip(), flush=True)
+    return ",".join(names)
 
 
 def importable(module: str, env: dict[str, str]) -> bool:

@@ -27,6 +27,35 @@ from vlm_catalog.data.format import catalogue_features
 
 CATALOGUE_FEATURES = catalogue_features()
 
+# where a test marked `fast_path(*names)` fails, its names are appended to the file this variable
+# names, one per line (scripts/gpu_session.py sets it, and runs its later steps with those names
+# in VLM_CATALOG_KERNELS_OFF: a faster path that fails its GPU test is left out of the record)
+FAILED_FAST_PATHS_ENV_VAR = "VLM_CATALOG_FAILED_FAST_PATHS"
+
+
+def fast_path_names(item) -> list[str]:
+    return [name for marker in item.iter_markers("fast_path") for name in marker.args]
+
+
+def pytest_collection_modifyitems(config, items):
+    from kernels.dispatch import FAST_PATHS, KERNEL_OPS
+
+    for item in items:
+        unknown = sorted(set(fast_path_names(item)) - FAST_PATHS - KERNEL_OPS)
+        if unknown:
+            raise pytest.UsageError(f"{item.nodeid}: fast_path({', '.join(unknown)}) names no op or fast path "
+                                    "of kernels.dispatch (KERNEL_OPS, FAST_PATHS)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    target = os.environ.get(FAILED_FAST_PATHS_ENV_VAR)
+    names = fast_path_names(item)
+    if report.failed and target and names:
+        with open(target, "a") as failed:  # appends of a line: whole, from pytest-xdist's workers too
+            failed.write("".join(f"{name}\n" for name in names))
+
 
 def jpeg_bytes(colour: tuple[int, int, int], size: tuple[int, int] = (48, 40)) -> bytes:
     buffer = io.BytesIO()

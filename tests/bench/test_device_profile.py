@@ -4,13 +4,21 @@ On CPU the torch ops' own time stands in for kernels (the module docstring); the
 region walk, the kinds and the busy union are the same code on CUDA."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from vlm_catalog.bench.device_profile import UNMARKED, kernel_kind, profile_breakdown, union_seconds
 from vlm_catalog.engine.device_timer import DeviceTimer
+
+
+def event(name, device_type, start, end, id=0, linked=0, parent=None, annotation=False):
+    """A stand-in for a torch.profiler event (times in microseconds)."""
+    return SimpleNamespace(name=name, device_type=device_type, time_range=SimpleNamespace(start=start, end=end),
+                           id=id, linked_correlation_id=linked, cpu_parent=parent, is_user_annotation=annotation)
 
 
 @pytest.mark.parametrize(
@@ -72,14 +80,6 @@ def test_on_cuda_kernels_count_and_the_marks_device_ranges_do_not():
     device's timeline, a range spanning its kernels and the gaps between them, which is neither a
     kernel nor busy time. A kernel linked to no host event (Triton's, a CUDA graph's replay, on the
     H200 of 2026-11-27) goes to the innermost device-side mark around it, else to `unmarked`."""
-    from types import SimpleNamespace
-
-    from torch.autograd import DeviceType
-
-    def event(name, device_type, start, end, id=0, linked=0, parent=None, annotation=False):
-        return SimpleNamespace(name=name, device_type=device_type, time_range=SimpleNamespace(start=start, end=end),
-                               id=id, linked_correlation_id=linked, cpu_parent=parent, is_user_annotation=annotation)
-
     step = event("vlm.step", DeviceType.CPU, 0, 400, id=1)
     mark = event("vlm.text_forward.decode", DeviceType.CPU, 0, 100, id=2, parent=step)
     matmul = event("aten::mm", DeviceType.CPU, 10, 20, id=3, parent=mark)
@@ -101,6 +101,39 @@ def test_on_cuda_kernels_count_and_the_marks_device_ranges_do_not():
     assert breakdown["unlinked_kernel_seconds"] == pytest.approx(75e-6)
     assert breakdown["kernel_seconds"] == pytest.approx(155e-6)
     assert breakdown["busy_seconds"] == pytest.approx(155e-6) and breakdown["busy_fraction"] == pytest.approx(0.155)
+
+
+def test_on_cuda_the_device_s_idle_time_is_charged_to_the_mark_around_it_and_long_waits_are_named():
+    """Each stretch with no kernel running is charged to the innermost device-side mark around it
+    (split at the marks' edges; outside every mark: unmarked). Gaps of WAIT_MIN_MICROS and more
+    are also summed by the kernel before and the host op that launched the kernel after; a short
+    gap (kernels queued in time) counts as idle but is no wait. Kernels that overlap leave no gap."""
+    step = event("vlm.step", DeviceType.CPU, 0, 400, id=1)
+    mark = event("vlm.text_forward.prefill", DeviceType.CPU, 0, 100, id=2, parent=step)
+    cat = event("aten::cat", DeviceType.CPU, 10, 20, id=3, parent=mark)
+    device = [event("rms_norm_kernel", DeviceType.CUDA, 0, 30, linked=2),
+              event("quantize_activations_kernel", DeviceType.CUDA, 20, 32),  # overlaps the norm
+              event("CatArrayBatchedCopy", DeviceType.CUDA, 52, 90, linked=3),  # 20 us after the quantize
+              event("fused_moe_kernel", DeviceType.CUDA, 94, 160),  # 4 us: idle, but no wait
+              event("sampling_kernel", DeviceType.CUDA, 300, 310),
+              event("stray_kernel", DeviceType.CUDA, 500, 505),
+              event("vlm.step", DeviceType.CUDA, 0, 400, annotation=True),
+              event("vlm.text_forward.prefill", DeviceType.CUDA, 0, 200, annotation=True)]
+    profiler = SimpleNamespace(events=lambda: [step, mark, cat, *device])
+    regions = profile_breakdown(profiler, on_cuda=True, wall_seconds=1000e-6)["regions"]
+    forward, outer, unmarked = regions["vlm.text_forward.prefill"], regions["vlm.step"], regions[UNMARKED]
+    assert forward["idle_seconds"] == pytest.approx((20 + 4 + 40) * 1e-6)  # the gap 160-300 up to the mark's end
+    assert outer["idle_seconds"] == pytest.approx((100 + 90) * 1e-6)
+    assert unmarked["idle_seconds"] == pytest.approx(100e-6)
+
+    def waits(region):
+        return [(w["before"], w["launched_by"], w["after"], round(w["seconds"] * 1e6), w["count"]) for w in region["waits"]]
+
+    assert waits(forward) == [("fused_moe_kernel", None, "sampling_kernel", 40, 1),
+                              ("quantize_activations_kernel", "aten::cat", "CatArrayBatchedCopy", 20, 1)]
+    assert waits(outer) == [("fused_moe_kernel", None, "sampling_kernel", 100, 1),
+                            ("sampling_kernel", None, "stray_kernel", 90, 1)]
+    assert waits(unmarked) == [("sampling_kernel", None, "stray_kernel", 100, 1)]
 
 
 def test_a_profiled_call_returns_its_result_and_where_its_time_went(monkeypatch):

@@ -46,7 +46,10 @@ NEW_RECORD = {
         "time": "device kernels", "wall_seconds": 6.0, "busy_seconds": 4.5, "busy_fraction": 0.75,
         "kernel_seconds": 4.4, "unlinked_kernel_seconds": 2.25, "regions": {
             "vlm.text_forward.prefill": {"seconds": 3.0, "kinds": {"moe": 2.125, "gemm": 0.5, "attention": 0.375},
-                                         "top": [{"name": "moe_gate_up_silu_kernel", "seconds": 1.5, "calls": 384}]},
+                                         "top": [{"name": "moe_gate_up_silu_kernel", "seconds": 1.5, "calls": 384}],
+                                         "idle_seconds": 0.625, "waits": [
+                                             {"before": "quantize_activations_kernel", "launched_by": "aten::cat",
+                                              "after": "CatArrayBatchedCopy", "seconds": 0.25, "count": 240}]},
             "vlm.vision_encoder": {"seconds": 1.4, "kinds": {"attention": 0.875, "gemm": 0.525}, "top": []}}}},
     "constrained": {"constrained_over_unconstrained": 0.81, "grammar_compilations": 256,
                     "grammar_compile_seconds": 3.5,
@@ -91,7 +94,7 @@ def test_the_morning_record_prints_its_runs_and_targets():
 def test_the_current_record_prints_its_profile_constrained_orders_and_vision():
     text = load_summary().summarize(json.loads(CURRENT_RECORD.read_text()))
     assert "| engine_w8a8_channel | 15.04 | 17.02 |" in text
-    assert "| vlm.text_forward.prefill | 2.935 |" in text
+    assert "| vlm.text_forward.prefill | 2.935 |" in text and "longest waits" not in text  # no idle fields yet
     assert ("constrained / unconstrained at equal tokens: 0.91x (target 0.95x); the constrained run again, "
             "after the unconstrained one: 0.95x") in text
     assert "145528 patches: 0.584 s, 64.5% MFU" in text
@@ -108,7 +111,8 @@ def test_a_record_with_the_new_fields_prints_them_beside_the_previous_one(tmp_pa
     assert "| 179 (29 prefill) | 4.50 | 7.25 / 3.50 | 0.50 / 1.25 | 1.50 / 0.75 |" in text  # the device-time split
     assert "| engine_w8a8_channel_grouped_mm | error: RuntimeError: CUDA error: an illegal memory access |" in text
     assert "busy 4.50 s of 6.00 s (75%), kernels 4.40 s (2.25 s of them linked to no host event" in text
-    assert "| vlm.text_forward.prefill | 3.000 | 0.375 | 2.125 | 0.500 | - | - | - | - |" in text
+    assert "| vlm.text_forward.prefill | 3.000 | 0.375 | 2.125 | 0.500 | - | - | - | - | 0.625 |" in text
+    assert ("- 0.250 s, 240 gaps: `quantize_activations_kernel` -> aten::cat -> `CatArrayBatchedCopy`") in text
     assert "384 calls: `moe_gate_up_silu_kernel`" in text
     assert "0.81x (was 0.69x)" in text and "256 in 3.50 s" in text and "masks filled 1.75 s" in text
     assert ("- constrained_w8a8_channel (per-channel W8A8, FP8 KV cache, KV cache 794256 tokens): constrained / "

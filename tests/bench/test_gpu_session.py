@@ -215,6 +215,62 @@ def test_a_steps_variables_reach_its_process_alone(session, tmp_path):
     assert (tmp_path / "without.txt").read_text().split() == ["None"]
 
 
+def test_a_fast_path_that_fails_its_gpu_test_is_off_in_the_later_steps(session, tmp_path, capsys):
+    """The pytest step's failed fast paths (tests/conftest.py writes their names into the file the
+    session names) join VLM_CATALOG_KERNELS_OFF for every later step, beside what it already said;
+    a step's own setting still wins for it, and session.json says what each step ran with."""
+    fail = ("import os; open(os.environ['VLM_CATALOG_FAILED_FAST_PATHS'], 'a')"
+            ".write('skinny_linear\\ndecode_merge_in_place\\nskinny_linear\\n')")
+    show = "import os; print(os.environ['VLM_CATALOG_KERNELS_OFF'])"
+    steps = [python_step(session, "pytest_gpu", fail),
+             python_step(session, "after", show, tail_to="after.txt"),
+             python_step(session, "own", show, tail_to="own.txt", env=(("VLM_CATALOG_KERNELS_OFF", "fused_moe"),))]
+    results = session.run_plan(steps, budget_s=60, out=tmp_path, env={"VLM_CATALOG_KERNELS_OFF": "fp8_widen_ptx"})
+    assert (tmp_path / "after.txt").read_text().split() == ["fp8_widen_ptx,skinny_linear,decode_merge_in_place"]
+    assert (tmp_path / "own.txt").read_text().split() == ["fused_moe"]
+    assert [r.kernels_off for r in results] == [["fp8_widen_ptx"],
+                                                ["fp8_widen_ptx", "skinny_linear", "decode_merge_in_place"],
+                                                ["fused_moe"]]
+    recorded = json.loads((tmp_path / "session.json").read_text())
+    assert recorded[1]["kernels_off"] == ["fp8_widen_ptx", "skinny_linear", "decode_merge_in_place"]
+    log = (tmp_path / "session.log").read_text()
+    assert log.count("failed its GPU test") == 2 and "skinny_linear failed its GPU test" in capsys.readouterr().out
+    assert not any(path.name.startswith("failed") for path in tmp_path.iterdir())  # not a file the call brings back
+
+
+def test_a_failed_gpu_test_names_its_fast_paths_and_a_passed_one_does_not(tmp_path, monkeypatch):
+    """tests/conftest.py's report hook, on stand-in items and reports; and a marker naming no op or
+    fast path stops the collection."""
+    from types import SimpleNamespace
+
+    from tests import conftest
+
+    def item(*names):
+        markers = [SimpleNamespace(args=names)] if names else []
+        return SimpleNamespace(nodeid="tests/kernels/test_x.py::test_gpu_x",
+                               iter_markers=lambda name: iter(markers if name == "fast_path" else []))
+
+    def report(test_item, failed):
+        hook = conftest.pytest_runtest_makereport(test_item, None)
+        next(hook)
+        with pytest.raises(StopIteration):
+            hook.send(SimpleNamespace(get_result=lambda: SimpleNamespace(failed=failed)))
+
+    target = tmp_path / "failed.txt"
+    report(item("skinny_linear"), failed=True)  # the variable unset: nothing written
+    assert not target.exists()
+    monkeypatch.setenv(conftest.FAILED_FAST_PATHS_ENV_VAR, str(target))
+    report(item("skinny_linear"), failed=False)
+    report(item(), failed=True)
+    assert not target.exists()
+    report(item("add_rms_norm_router", "norm_router_routes"), failed=True)
+    report(item("skinny_linear"), failed=True)
+    assert target.read_text().split() == ["add_rms_norm_router", "norm_router_routes", "skinny_linear"]
+    conftest.pytest_collection_modifyitems(None, [item("skinny_linear"), item()])
+    with pytest.raises(pytest.UsageError, match="fast_path\\(skinny_lineer\\) names no op"):
+        conftest.pytest_collection_modifyitems(None, [item("skinny_lineer")])
+
+
 def test_steps_picks_a_plans_steps_in_its_order_and_names_unknown_ones(session, capsys):
     assert session.main(["--plan", "record", "--steps", "vision_encoder,constrained", "--dry-run"]) == 0
     printed = capsys.readouterr().out.splitlines()

@@ -142,6 +142,7 @@ def test_weights_that_would_promote_q_are_applied_apart(triton_device):
 
 
 @pytest.mark.gpu
+@pytest.mark.fast_path("decode_qk_norm_rope")
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_gpu_fused_norm_rope_at_the_model_shapes(cuda_device, cache_dtype):
     # tolerance: 2e-2 relative (bfloat16), as on CPU; 32 query heads over 4 KV heads of 128, the

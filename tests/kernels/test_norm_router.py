@@ -123,6 +123,7 @@ def test_bad_arguments_are_named(triton_device, message, change):
 
 
 @pytest.mark.gpu
+@pytest.mark.fast_path("add_rms_norm_router")
 def test_gpu_add_rms_norm_router_model_shapes(cuda_device):
     for num_tokens in (1, 4, 8):
         args = inputs(num_tokens, 2048, 128, torch.bfloat16, cuda_device)
@@ -220,6 +221,7 @@ def test_the_route_dispatcher(triton_device, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.fast_path("norm_router_routes")
 def test_gpu_add_rms_norm_route_model_shapes(cuda_device):
     # many programs finishing in any order: the last one's routing, every launch the same
     from kernels.moe.routing import route_topk_and_align_triton

@@ -377,6 +377,7 @@ def test_more_pairs_than_arrival_counters_take_the_reduce_launch(triton_device, 
 
 
 @pytest.mark.gpu
+@pytest.mark.fast_path("decode_merge_in_place")
 def test_gpu_the_in_place_merge_is_race_free_and_deterministic(cuda_device, monkeypatch):
     """Many splits finishing in any order on the GPU (the interpreter runs them one by one):
     every launch gives the same bits (the merge's order is the splits', whoever merges), those

@@ -104,6 +104,7 @@ def test_bad_arguments_are_named(triton_device, message, change):
 
 
 @pytest.mark.gpu
+@pytest.mark.fast_path("skinny_linear")
 def test_gpu_skinny_linear_model_shapes(cuda_device):
     # the 30B-A3B decode projections: q/k/v (2048 -> 5120) and o (4096 -> 2048), against cuBLAS
     for rows in (1, 4, 8):

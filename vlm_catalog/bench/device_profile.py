@@ -11,6 +11,14 @@
   attention, MoE, GEMM, norm and rotary, quantize, copies, else `other`.
 - **busy**: the union of the kernels' intervals, against the profiled wall time:
   what is left is the device waiting for the host.
+- **idle** (CUDA only): where inside the marks the device waited. Every stretch
+  between two kernels that no kernel covers is charged to the innermost mark that
+  kineto drew around it on the device's timeline (`idle_seconds` per region; a
+  stretch outside every mark, between steps, is `unmarked`), and the longer ones
+  (`WAIT_MIN_MICROS` and up) are summed by the kernel before them and the host op
+  that launched the kernel after (`waits`): where the host, not the device, was the
+  critical path. The profiler slows the host, so a profiled run shows more of
+  these than an unprofiled one; where they fall is the lead.
 
 On CUDA the units are the device's kernels, each charged to the region of the host
 event it is linked to (CUPTI's correlation: the op or mark it was launched under).
@@ -24,6 +32,7 @@ torch op's own CPU time stands in, so the same code runs in CI.
 
 from __future__ import annotations
 
+import bisect
 import re
 import time
 import traceback
@@ -53,6 +62,10 @@ KERNEL_KINDS: tuple[tuple[str, re.Pattern], ...] = tuple(
     )
 )
 TOP_KERNELS = 12  # per region
+# a stretch of idle device time this long or longer is a wait for the host, not the ~1 us between
+# two kernels that were queued in time; the longest are listed per region
+WAIT_MIN_MICROS = 10.0
+TOP_WAITS = 8
 
 
 def kernel_kind(name: str) -> str:
@@ -98,38 +111,97 @@ def device_kernels(events) -> list:
             and not _is_mark(event.name)]
 
 
+def host_ops(events) -> dict:
+    """The trace's host ops and marks by id (not the launches: those carry a link themselves)."""
+    return {event.id: event for event in events
+            if event.device_type == DeviceType.CPU and not getattr(event, "linked_correlation_id", 0)}
+
+
+class InnermostMark:
+    """The innermost `vlm.*` mark that kineto drew on the device's timeline around a time, for
+    times asked in increasing order (one sweep over the marks, sorted by start; marks nest: a
+    step's mark holds its forward's)."""
+
+    def __init__(self, events) -> None:
+        self.marks = sorted((event.time_range.start, -event.time_range.end, event.name) for event in events
+                            if event.device_type == DeviceType.CUDA and _is_mark(event.name))
+        self.open: list[tuple[float, str]] = []  # (end, name), innermost last
+        self.next = 0
+
+    def edges(self) -> list[float]:
+        """Every mark's start and end, sorted."""
+        return sorted({time for start, negative_end, _ in self.marks for time in (start, -negative_end)})
+
+    def at(self, time: float) -> str | None:
+        """The name of the innermost mark open at `time` (None: none is)."""
+        while self.next < len(self.marks) and self.marks[self.next][0] <= time:
+            mark_start, negative_end, name = self.marks[self.next]
+            while self.open and self.open[-1][0] <= mark_start:
+                self.open.pop()
+            self.open.append((-negative_end, name))
+            self.next += 1
+        while self.open and self.open[-1][0] <= time:
+            self.open.pop()
+        return self.open[-1][1] if self.open else None
+
+
 def charged_kernels(events, kernels) -> tuple[list[tuple[str, str, float]], float]:
     """(region, name, microseconds) per kernel, and the microseconds charged without a host link.
 
     A kernel's `linked_correlation_id` is the id of the host op or mark it was launched under.
-    Unlinked kernels go to the innermost device-side mark around their start, found in one sweep
-    over both sorted by start (marks nest: a step's mark holds its forward's)."""
-    hosts = {event.id: event for event in events
-             if event.device_type == DeviceType.CPU and not getattr(event, "linked_correlation_id", 0)}
-    marks = sorted((event.time_range.start, -event.time_range.end, event.name) for event in events
-                   if event.device_type == DeviceType.CUDA and _is_mark(event.name))
+    Unlinked kernels go to the innermost device-side mark around their start."""
+    hosts = host_ops(events)
+    marks = InnermostMark(events)
     units: list[tuple[str, str, float]] = []
     unlinked = 0.0
-    open_marks: list[tuple[float, str]] = []  # (end, name), innermost last
-    next_mark = 0
     for kernel in sorted(kernels, key=lambda event: event.time_range.start):
         start, micros = kernel.time_range.start, kernel.time_range.end - kernel.time_range.start
         host = hosts.get(getattr(kernel, "linked_correlation_id", 0))
-        while next_mark < len(marks) and marks[next_mark][0] <= start:
-            mark_start, negative_end, name = marks[next_mark]
-            while open_marks and open_marks[-1][0] <= mark_start:
-                open_marks.pop()
-            open_marks.append((-negative_end, name))
-            next_mark += 1
-        while open_marks and open_marks[-1][0] <= start:
-            open_marks.pop()
+        mark = marks.at(start)
         if host is not None:
             region = region_of(host)
         else:
-            region = open_marks[-1][1] if open_marks else UNMARKED
+            region = mark or UNMARKED
             unlinked += micros
         units.append((region, kernel.name, micros))
     return units, unlinked
+
+
+def device_gaps(kernels) -> list[tuple[float, float, object, object]]:
+    """The stretches between kernels that no kernel covers, in order: (start, end, the kernel that
+    had run furthest before it, the kernel after it), times in microseconds."""
+    gaps = []
+    last = None  # the kernel whose end reaches furthest so far
+    for kernel in sorted(kernels, key=lambda event: event.time_range.start):
+        if last is not None and kernel.time_range.start > last.time_range.end:
+            gaps.append((last.time_range.end, kernel.time_range.start, last, kernel))
+        if last is None or kernel.time_range.end > last.time_range.end:
+            last = kernel
+    return gaps
+
+
+def idle_by_region(events, kernels) -> dict[str, dict]:
+    """Per region: the microseconds the device ran nothing inside its device-side marks (each
+    stretch of a gap charged to the innermost mark around it; outside every mark: `unmarked`),
+    and the gaps of `WAIT_MIN_MICROS` and more summed by (the kernel before, the host op that
+    launched the kernel after): {region: {"idle": us, "waits": {(before, launched_by, after): [us, count]}}}."""
+    hosts = host_ops(events)
+    marks = InnermostMark(events)
+    edges = marks.edges()
+    regions: dict[str, dict] = defaultdict(lambda: {"idle": 0.0, "waits": defaultdict(lambda: [0.0, 0])})
+    for gap_start, gap_end, before, after in device_gaps(kernels):
+        host = hosts.get(getattr(after, "linked_correlation_id", 0))
+        key = (before.name[:100], host.name[:100] if host is not None else None, after.name[:100])
+        # the gap in pieces at the marks' edges inside it, each charged to the mark around it
+        inside = edges[bisect.bisect_right(edges, gap_start):bisect.bisect_left(edges, gap_end)]
+        for piece_start, piece_end in zip([gap_start, *inside], [*inside, gap_end]):
+            totals = regions[marks.at(piece_start) or UNMARKED]
+            totals["idle"] += piece_end - piece_start
+            if gap_end - gap_start >= WAIT_MIN_MICROS:
+                wait = totals["waits"][key]
+                wait[0] += piece_end - piece_start
+                wait[1] += 1
+    return regions
 
 
 def profile_breakdown(profiler, on_cuda: bool, wall_seconds: float) -> dict:
@@ -140,10 +212,12 @@ def profile_breakdown(profiler, on_cuda: bool, wall_seconds: float) -> dict:
     intervals: list[tuple[float, float]] = []
     events = profiler.events()
     unlinked = 0.0
+    idle: dict[str, dict] = {}
     if on_cuda:
         kernels = device_kernels(events)
         units, unlinked = charged_kernels(events, kernels)
         intervals = [(kernel.time_range.start, kernel.time_range.end) for kernel in kernels]
+        idle = idle_by_region(events, kernels)
     else:
         units = []
         for event in events:
@@ -159,13 +233,20 @@ def profile_breakdown(profiler, on_cuda: bool, wall_seconds: float) -> dict:
         totals[1] += 1
     busy = union_seconds(intervals) / 1e6
     regions = {}
-    for region, kinds in sorted(by_region.items(), key=lambda item: -sum(item[1].values())):
+    for region in sorted(set(by_region) | set(idle), key=lambda name: -sum(by_region[name].values())):
+        kinds = by_region[region]
         top = sorted(by_name[region].items(), key=lambda item: -item[1][0])[:TOP_KERNELS]
         regions[region] = {
             "seconds": sum(kinds.values()) / 1e6,
             "kinds": {kind: micros / 1e6 for kind, micros in sorted(kinds.items(), key=lambda item: -item[1])},
             "top": [{"name": name, "seconds": micros / 1e6, "calls": calls} for name, (micros, calls) in top],
         }
+        if on_cuda:  # the device's idle time inside the region, and its longest waits (module docstring)
+            waits = sorted(idle.get(region, {}).get("waits", {}).items(), key=lambda item: -item[1][0])
+            regions[region]["idle_seconds"] = idle.get(region, {}).get("idle", 0.0) / 1e6
+            regions[region]["waits"] = [
+                {"before": before, "launched_by": launched_by, "after": after, "seconds": micros / 1e6, "count": count}
+                for (before, launched_by, after), (micros, count) in waits[:TOP_WAITS]]
     return {
         "time": "device kernels" if on_cuda else "cpu (torch ops' own time)",
         "wall_seconds": wall_seconds,
