@@ -6,13 +6,17 @@ and each boundary between two of them leaves the GPU idle for the next kernel's 
 ramp-up. With ``VLM_CATALOG_PDL=1`` our Triton kernels are launched with Triton's
 ``launch_pdl=True``; each of them begins by waiting for the grid before it
 (`kernels/jit/pdl.py`: ``griddepcontrol.wait``, which returns once that grid has finished and
-its memory is visible), before touching any memory, and then lets the next grid launch.
-So a kernel computes exactly as it does without PDL, and only the launches overlap. Kernels of
-other libraries (cuBLAS, torch) are launched as usual and wait as usual.
+its memory is visible), before touching any memory, and then lets the next grid launch: at
+once, or, in the kernels of the batch-1 decode step (the projections, decode attention, the
+norm-and-router launch and the experts), after their main loop, so that the next grid's
+waiting programs do not take the SMs from this grid's programs still to start. So a kernel
+computes exactly as it does without PDL, and only the launches overlap. Kernels of other
+libraries (cuBLAS, torch) are launched as usual and wait as usual.
 
 Off by default: bench_gpu.py's roofline phase times the batch-1 decode step both ways
-(``decode_batch1_pdl``), and on the H200 of 2026-11-27 PDL made it slower, 4.47 ms against
-3.93 in CUDA graphs. Only CUDA tensors on a device of compute
+(``decode_batch1_pdl``). On the H200 of 2026-11-27 PDL made it slower, 4.47 ms against
+3.93 in CUDA graphs, when every kernel let the next launch at its start and three cuBLAS
+GEMMs per layer broke the chain; both have changed since (2026-11-28, untimed). Only CUDA tensors on a device of compute
 capability 9.0 or more are launched this way; elsewhere, and under the Triton interpreter,
 `launch_options` asks for nothing.
 """

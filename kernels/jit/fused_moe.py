@@ -47,7 +47,7 @@ import triton.language as tl
 
 from kernels.jit.block_scales import column_scales
 from kernels.jit.fp8_widen import widen_e4m3
-from kernels.jit.pdl import after_previous_grid
+from kernels.jit.pdl import let_next_grid_launch, wait_for_previous_grid
 from kernels.jit.rounding import round_through
 
 
@@ -102,7 +102,7 @@ def moe_gate_up_silu_kernel(
     SCALE_AFTER_LOOP: tl.constexpr,  # FP8_WEIGHTS with QUANT_K >= hidden_size: scales applied once (module doc)
     IMPRECISE_ACC_K: tl.constexpr,  # SCALE_AFTER_LOOP FP8 x FP8: products summed before float32 (module doc)
 ):
-    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
+    wait_for_previous_grid()  # first, before any memory access; the next grid launches after the main loop (kernels/jit/pdl.py)
     m_block, n_block = grouped_tile(
         tl.program_id(0), num_m_blocks, tl.cdiv(intermediate, BLOCK_N), GROUP_M
     )
@@ -164,6 +164,7 @@ def moe_gate_up_silu_kernel(
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
+    let_next_grid_launch()  # the main loop is done: the next grid may launch (kernels/jit/pdl.py)
     if SCALE_AFTER_LOOP:  # one scale block along K: its scales multiply the whole sums
         gate_factor = column_scales(gate_scales_ptr, n_start, cols, col_mask, 0, stride_w13_scale_row,
                                     BLOCK_N, QUANT_N)  # a scalar or [1, BLOCK_N]
@@ -226,7 +227,7 @@ def moe_down_kernel(
     SCALE_AFTER_LOOP: tl.constexpr,  # FP8_WEIGHTS with QUANT_K >= intermediate: scales applied once (module doc)
     IMPRECISE_ACC_K: tl.constexpr,  # SCALE_AFTER_LOOP FP8 x FP8: products summed before float32 (module doc)
 ):
-    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
+    wait_for_previous_grid()  # first, before any memory access; the next grid launches after the main loop (kernels/jit/pdl.py)
     m_block, n_block = grouped_tile(
         tl.program_id(0), num_m_blocks, tl.cdiv(hidden_size, BLOCK_N), GROUP_M
     )
@@ -273,6 +274,7 @@ def moe_down_kernel(
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    let_next_grid_launch()  # the main loop is done: the next grid may launch (kernels/jit/pdl.py)
     if SCALE_AFTER_LOOP:  # one scale block along K: its scales multiply the whole sums
         factor = column_scales(scales_ptr, n_start, cols, col_mask, 0, stride_w2_scale_row,
                                BLOCK_N, QUANT_N)  # a scalar or [1, BLOCK_N]

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.jit.moe_routing import softmax_topk
-from kernels.jit.pdl import after_previous_grid
+from kernels.jit.pdl import let_next_grid_launch, wait_for_previous_grid
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def add_rms_norm_router_kernel(
     BLOCK_PADDED: tl.constexpr,  # ROUTE: next power of two >= the most entries the layout can use
     BLOCK_BLOCKS: tl.constexpr,  # ROUTE: next power of two >= the most blocks the layout can use
 ):
-    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
+    wait_for_previous_grid()  # first, before any memory access; the next grid launches after the main loop (kernels/jit/pdl.py)
     program = tl.program_id(0)
     tokens = tl.arange(0, BLOCK_T)
     token_mask = tokens < num_tokens
@@ -110,6 +110,7 @@ def add_rms_norm_router_kernel(
         # [BLOCK_T, 1, BLOCK_H] * [1, BLOCK_E, BLOCK_H] summed over H -> [BLOCK_T, BLOCK_E]
         logits += tl.sum(normed.to(tl.float32)[:, None, :] * gate[None, :, :], axis=2)
 
+    let_next_grid_launch()  # the main loop is done: the next grid may launch (kernels/jit/pdl.py)
     tl.store(
         logits_ptr + tokens[:, None].to(tl.int64) * stride_logits_row + experts[None, :],
         logits.to(logits_ptr.dtype.element_ty),

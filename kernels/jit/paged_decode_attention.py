@@ -75,7 +75,7 @@ import triton.language as tl
 
 from kernels.jit.fp8_quant import saturate_fp8
 from kernels.jit.fp8_widen import e4m3_words_to_float16, saturate_float16
-from kernels.jit.pdl import after_previous_grid
+from kernels.jit.pdl import after_previous_grid, let_next_grid_launch, wait_for_previous_grid
 from kernels.jit.rotary import load_normed_rotated, mrope_cos_sin_columns
 
 
@@ -154,7 +154,7 @@ def paged_decode_split_kernel(
     BLOCK_MERGE_G: tl.constexpr,  # MERGE_IN_PLACE: next power of two >= queries_per_kv
     MERGE_SPLITS: tl.constexpr,  # MERGE_IN_PLACE: splits merged per step
 ):
-    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
+    wait_for_previous_grid()  # first, before any memory access; the next grid launches after the main loop (kernels/jit/pdl.py)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -268,6 +268,7 @@ def paged_decode_split_kernel(
             v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
 
+    let_next_grid_launch()  # the main loop is done: the next grid may launch (kernels/jit/pdl.py)
     if FUSE_CACHE_WRITE:
         if holds_current:  # one more key: the current token, as stored (float32 vector math)
             current_key = new_k_seen.to(tl.float32)[None, :]  # [1, BLOCK_D]

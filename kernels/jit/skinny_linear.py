@@ -9,7 +9,7 @@ them in flight: the kernel streams the weight once, at a few KiB per program per
 import triton
 import triton.language as tl
 
-from kernels.jit.pdl import after_previous_grid
+from kernels.jit.pdl import let_next_grid_launch, wait_for_previous_grid
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def skinny_linear_kernel(
     BLOCK_K: tl.constexpr,  # reduction step
     HAS_BIAS: tl.constexpr,
 ):
-    after_previous_grid()  # first, before any memory access (kernels/pdl.py)
+    wait_for_previous_grid()  # first, before any memory access; the next grid launches after the main loop (kernels/jit/pdl.py)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < num_rows
@@ -48,6 +48,7 @@ def skinny_linear_kernel(
         weight = tl.load(weight_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :],
                          other=0.0)  # [BLOCK_N, BLOCK_K]
         acc = tl.dot(x, tl.trans(weight), acc)  # [BLOCK_M, BLOCK_N], float32 sums
+    let_next_grid_launch()  # the main loop is done: the next grid may launch (kernels/jit/pdl.py)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out_row + cols[None, :],

@@ -179,6 +179,9 @@ class Compiled:
     # the kernel waits for the grid before it (`griddepcontrol.wait`, kernels/jit/pdl.py): without
     # the wait, a launch with programmatic dependent launch could read what that grid still writes
     grid_dependency_wait: bool = True
+    # the kernel lets the next grid launch (`griddepcontrol.launch_dependents`): without it, a
+    # launch with PDL would start the next grid only once this one has ended, and gain nothing
+    grid_dependency_trigger: bool = True
 
     def summary(self) -> str:
         registers = "?" if self.registers is None else self.registers
@@ -191,7 +194,8 @@ class Compiled:
                 + f", {'?' if self.loop_full_wgmma_waits is None else self.loop_full_wgmma_waits} full wgmma waits"
                 + ("" if self.wgmma_serialized is None else f", wgmma serialized by ptxas: {self.wgmma_serialized}")
                 + ("" if not self.fp8_sums_across_k else f", {self.fp8_sums_across_k} FP8 dots summing across K")
-                + ("" if self.grid_dependency_wait else ", no griddepcontrol.wait"))
+                + ("" if self.grid_dependency_wait else ", no griddepcontrol.wait")
+                + ("" if self.grid_dependency_trigger else ", no griddepcontrol.launch_dependents"))
 
 
 GLOBAL_ACCESS = re.compile(r"\b(?:ld|st)\.global[\w.:]*")
@@ -306,6 +310,7 @@ def compile_launch(launch: Launch) -> Compiled:
         wgmma_serialized=serialized.group(1) if (serialized := WGMMA_SERIALIZED.search(log.getvalue())) else None,
         fp8_sums_across_k=fp8_sums_across_k(compiled.asm["ttir"]),
         grid_dependency_wait="griddepcontrol.wait" in compiled.asm["ptx"],
+        grid_dependency_trigger="griddepcontrol.launch_dependents" in compiled.asm["ptx"],
     )
 
 
@@ -577,6 +582,9 @@ def main(argv: list[str]) -> int:
             elif not compiled.grid_dependency_wait:
                 failures += 1
                 status = "FAILED (no griddepcontrol.wait: a launch with PDL could race the grid before it)"
+            elif not compiled.grid_dependency_trigger:
+                failures += 1
+                status = "FAILED (no griddepcontrol.launch_dependents: with PDL the next grid would wait for the end)"
             print(f"{name}: {status} ({compiled.summary()}) [{time.perf_counter() - start:.1f}s]", flush=True)
     if not only:
         failures += not compiles_before_hopper()

@@ -61,6 +61,13 @@ def kernel_functions():
                 yield path.name, node
 
 
+def statement_call(statement) -> str | None:
+    """The name a statement of the form `name()` calls, else None."""
+    if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call):
+        return getattr(statement.value.func, "id", None)
+    return None
+
+
 def test_every_kernel_waits_for_the_grid_before_it_first():
     # a kernel launched with launch_pdl=True may start while the one before it still runs: its
     # first statement must be the wait, before any load or store (the docstring aside)
@@ -68,9 +75,26 @@ def test_every_kernel_waits_for_the_grid_before_it_first():
     assert len(kernels) >= 18
     for module, kernel in kernels:
         body = [s for s in kernel.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-        first = body[0]
-        assert (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
-                and getattr(first.value.func, "id", None) == "after_previous_grid"), f"{module}: {kernel.name}"
+        assert statement_call(body[0]) in ("after_previous_grid", "wait_for_previous_grid"), f"{module}: {kernel.name}"
+
+
+def test_a_kernel_that_waits_alone_lets_the_next_grid_launch_once_after_its_main_loop():
+    # `wait_for_previous_grid` leaves the trigger to a later `let_next_grid_launch()`: one, in the
+    # kernel's own body (every program that does not return early reaches it), after a loop
+    late = {}
+    for module, kernel in kernel_functions():
+        body = kernel.body
+        if not any(statement_call(s) == "wait_for_previous_grid" for s in body):
+            continue
+        triggers = [i for i, s in enumerate(body) if statement_call(s) == "let_next_grid_launch"]
+        nested = [node for node in ast.walk(kernel) if isinstance(node, ast.Call)
+                  and getattr(node.func, "id", None) == "let_next_grid_launch"]
+        assert len(triggers) == len(nested) == 1, f"{module}: {kernel.name}"
+        assert any(isinstance(s, ast.For) for s in body[:triggers[0]]), f"{module}: {kernel.name} triggers before its loop"
+        late[kernel.name] = module
+    # the batch-1 decode step's kernels (the 2026-11-28 step: 7 per layer)
+    assert {"skinny_linear_kernel", "paged_decode_split_kernel", "add_rms_norm_router_kernel", "moe_gate_up_silu_kernel",
+            "moe_down_kernel"} <= set(late)
 
 
 def kernel_launches():
