@@ -436,6 +436,12 @@ def spread_lengths(batch: int, context: int) -> list[int]:
     return lengths
 
 
+def head_major_pages(cache):
+    """`cache` [blocks, block, Hkv, D] copied so that each page is [Hkv, block, D] in memory,
+    returned as the same [blocks, block, Hkv, D] view (strides (Hkv*block*D, D, block*D, 1))."""
+    return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # [blocks, Hkv, block, D] -> the view
+
+
 def _gathered(cache, block_tables, context: int):
     """[N, bs, Hkv, D] cache -> dense [B, Hkv, L, D] for SDPA."""
     dense = cache[block_tables.long()].flatten(1, 2)[:, :context]  # [B, L, Hkv, D]
@@ -749,6 +755,26 @@ def _attention_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 sdpa_ms,
                 gigabytes_per_second(kv_bytes // element, fp8_ms),
                 target_speedup=1.0,
+            )
+        )
+        # the same FP8 cache with each page laid out head-major in memory (the same [blocks, block,
+        # Hkv, D] view): a (page, KV head)'s rows, which one program reads, lie together instead of
+        # interleaved with the other heads' at a stride of Hkv x D bytes (the engine's layout)
+        head_major_k, head_major_v = head_major_pages(fp8_k), head_major_pages(fp8_v)
+        head_major = partial(paged_decode_attention_triton, q, head_major_k, head_major_v, block_tables,
+                             context_lens, scale, max_context_len=context)
+        same = torch.equal(head_major(), paged_decode_attention_triton(q, fp8_k, fp8_v, block_tables, context_lens,
+                                                                       scale, max_context_len=context))
+        head_major_ms = timer(head_major)
+        rows.append(
+            Row(
+                "paged_decode_attention[fp8 kv, head-major pages]",
+                f"B={batch} ctx={context}",
+                head_major_ms,
+                "the engine's layout ([fp8 kv])",
+                fp8_ms,
+                gigabytes_per_second(kv_bytes // element, head_major_ms),
+                note="" if same else "OUTPUT DIFFERS from the engine's layout",
             )
         )
 

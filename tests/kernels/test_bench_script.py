@@ -105,6 +105,9 @@ def test_the_attention_rows_run_with_the_fp8_cache_paths_turned_off(tmp_path):
     assert report["kernels_off"] == ["fp8_float16_dots", "fp8_v_words"] and not report["errors"]
     rows = {row["name"]: row for row in report["rows"]}
     assert "paged_decode_attention[fp8 kv]" in rows
+    # the FP8 cache with head-major pages: the same bits as the engine's layout (the note would say)
+    head_major = rows["paged_decode_attention[fp8 kv, head-major pages]"]
+    assert head_major["note"] == "" and head_major["baseline"] == "the engine's layout ([fp8 kv])"
     # cuDNN first for the long images' SDPA: on CPU there is none, and the note says so
     assert rows["varlen_attention[sdpa, cudnn]"]["note"].startswith("no cuDNN on this device")
 
