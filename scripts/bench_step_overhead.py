@@ -95,6 +95,12 @@ def skip_gpu_launches() -> collections.Counter:
         launches[function.fn.__name__] += 1
 
     InterpretedFunction.run = counted
+    # no kernel runs, so the engine's start-up check of the kernels that finish in their last
+    # program would compare empty outputs and withdraw their counters: the step would then launch
+    # what a GPU that passed it does not (kernels/arrival_counters.py)
+    from kernels.arrival_counters import trust_without_checking
+
+    trust_without_checking(torch.device("cpu"))
     return launches
 
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
-from kernels.arrival_counters import arrival_counters
+from kernels.arrival_counters import check_last_program_kernels
 from vlm_catalog.device_upload import upload
 from vlm_catalog.engine.block_table_rows import BlockTableRows
 from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner
@@ -86,8 +86,9 @@ class ModelRunner:
         self.images = ImagePrefetcher(self._decode, self._staged_bytes, image_prefetch_bytes, image_workers)
         self.num_images_encoded = 0
         # the counters of the kernels whose last program finishes the work (the decode merge, the
-        # routing after the norm): made now, so that no step allocates them (256 KiB)
-        arrival_counters(self.device, 0)
+        # routing after the norm): made now, so that no step allocates them (256 KiB), and those
+        # kernels checked once on this device against their two-launch paths
+        check_last_program_kernels(self.device)
         self._new_timers()
 
     def _new_timers(self) -> None:
