@@ -13,7 +13,7 @@ shadow the same-named submodules: import the variants with
 
 from kernels.activation import silu_and_mul
 from kernels.fp8_linear import fp8_linear
-from kernels.kv_cache import PackedContexts, reshape_and_cache
+from kernels.kv_cache import PackedContexts, kv_layout, reshape_and_cache, zeros_paged_cache
 from kernels.linear_gelu import linear_gelu_tanh
 from kernels.moe import (
     fused_moe,
@@ -49,6 +49,7 @@ __all__ = [
     "fused_moe",
     "fused_sum_add_rms_norm",
     "gathered_sum_add_rms_norm",
+    "kv_layout",
     "linear_gelu_tanh",
     "moe_align_block_size",
     "moe_gemm_config",
@@ -65,4 +66,5 @@ __all__ = [
     "skinny_linear",
     "varlen_attention",
     "vision_rotary",
+    "zeros_paged_cache",
 ]

@@ -1,9 +1,17 @@
 """Paged KV cache: writing new tokens into it, and helpers to read it back.
 
-Layout (fixed): per layer, ``k_cache`` and ``v_cache`` of shape
+Shape (fixed): per layer, ``k_cache`` and ``v_cache`` of shape
 ``[num_blocks, block_size, Hkv, D]``. Token slot ``slot = block_id * block_size +
 offset``; sequence b's i-th token lives in block ``block_tables[b, i // block_size]``
 at offset ``i % block_size``. A negative slot marks a padding token (skipped).
+
+Memory layout (`VLM_CATALOG_KV_LAYOUT`, `zeros_paged_cache`): ``interleaved``, the default,
+is that shape contiguous, so within a page each token's Hkv heads lie together. ``head_major``
+keeps each page as ``[Hkv, block_size, D]`` in memory, seen through the same shape: the rows
+of one KV head, which one decode program reads, lie together (vLLM's first paged layout did
+this). Every kernel reads and writes the caches through their strides, and the readers here
+never flatten a head-major pool (that would copy it whole); bench_kernels.py times the decode
+kernel on both (`paged_decode_attention[fp8 kv, head-major pages]`).
 
 The cache holds the model's dtype, or FP8 e4m3 (`torch.float8_e4m3fn`) at half
 the bytes of bf16. FP8 is stored without a scale (scale 1.0, as vLLM's FP8
@@ -25,10 +33,30 @@ from kernels.checks import (
     check_shape,
     check_unit_stride_last_dim,
 )
-from kernels.dispatch import use_triton
+from kernels.dispatch import environment_choice, use_triton
 from kernels.fp8 import FP8_DTYPE, FP8_MAX
 from kernels.launch_math import next_power_of_2
 from kernels.pdl import launch_options
+
+KV_LAYOUT_ENV_VAR = "VLM_CATALOG_KV_LAYOUT"
+KV_LAYOUTS = ("interleaved", "head_major")  # the first is the default
+
+
+def kv_layout() -> str:
+    """The paged caches' memory layout `VLM_CATALOG_KV_LAYOUT` asks for (module docstring)."""
+    return environment_choice(KV_LAYOUT_ENV_VAR, KV_LAYOUTS)
+
+
+def zeros_paged_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      device: torch.device | str, layout: str | None = None) -> torch.Tensor:
+    """A zeroed pool [num_blocks, block_size, Hkv, D] in `layout` (default: `kv_layout()`)."""
+    layout = layout or kv_layout()
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"layout: {layout!r} is not one of {', '.join(KV_LAYOUTS)}")
+    if layout == "head_major":
+        pages = torch.zeros((num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype, device=device)
+        return pages.transpose(1, 2)  # [N, Hkv, bs, D] in memory -> the [N, bs, Hkv, D] view
+    return torch.zeros((num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
 
 
 def check_paged_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -101,12 +129,16 @@ class PackedContexts:
         return self._slots, self._cu_seqlens_k
 
     def gather(self, cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """cache [N, bs, Hkv, D] -> the packed contexts [total, Hkv, D] in `dtype`."""
-        slots, _ = self.layout(cache.shape[1])
-        flat = cache.flatten(0, 1)  # [N * bs, Hkv, D]
-        if flat.element_size() == 1:  # FP8: gathered as its bytes (index kernels need not take float8)
-            return flat.view(torch.uint8).index_select(0, slots).view(cache.dtype).to(dtype)  # [total, Hkv, D]
-        return flat.index_select(0, slots).to(dtype)  # [total, Hkv, D]
+        """cache [N, bs, Hkv, D] (either layout) -> the packed contexts [total, Hkv, D] in `dtype`."""
+        block_size = cache.shape[1]
+        slots, _ = self.layout(block_size)
+        # FP8: gathered as its bytes (index kernels need not take float8)
+        source = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+        if source.is_contiguous():
+            rows = source.flatten(0, 1).index_select(0, slots)  # [N * bs, Hkv, D] -> [total, Hkv, D]
+        else:  # head-major pages, which flatten would copy whole: by (block, offset)
+            rows = source[torch.div(slots, block_size, rounding_mode="floor"), slots % block_size]  # [total, Hkv, D]
+        return (rows.view(cache.dtype) if source is not cache else rows).to(dtype)
 
 
 # --------------------------------------------------------------------------- reference

@@ -187,8 +187,9 @@ def _shared_leading_blocks(block_tables: torch.Tensor, shortest: int, block_size
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """Rows [len(blocks), block_size * Hkv * D] of the given blocks."""
-    return cache.reshape(cache.shape[0], -1).index_select(0, blocks)
+    """Rows [len(blocks), block_size * Hkv * D] of the given blocks (either memory layout of the
+    pool: the blocks are picked first, so a head-major pool is not copied whole)."""
+    return cache.index_select(0, blocks).reshape(blocks.shape[0], -1)  # [nb, bs, Hkv, D] -> [nb, bs*Hkv*D]
 
 
 def _own_part(

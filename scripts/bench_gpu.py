@@ -105,6 +105,7 @@ from kernels.dispatch import (
 )
 from kernels.flash_varlen import FLASH_VARLEN_ENV_VAR, flash_varlen_module
 from kernels.fp8 import per_channel_block
+from kernels.kv_cache import kv_layout
 from kernels.moe import grouped_gemm
 from kernels.moe.grouped_gemm import moe_gemm_choice
 from kernels.pdl import pdl_requested, programmatic_dependent_launch
@@ -982,6 +983,7 @@ def main(argv: list[str] | None = None) -> int:
     results["versions"] = package_versions()
     results["kernels_off"] = sorted(kernels_off())  # ops sent to their torch reference (VLM_CATALOG_KERNELS_OFF)
     results["pdl"] = pdl_requested()  # Triton kernels launched with programmatic dependent launch (VLM_CATALOG_PDL)
+    results["kv_layout"] = kv_layout()  # the paged caches' memory layout (VLM_CATALOG_KV_LAYOUT)
     results["engine_output_kind"] = OFFLINE_OUTPUTS  # what the engine phases' requests ask for
     results["moe_gemm"] = moe_gemm_choice()  # the MoE experts' GEMMs at prefill sizes (VLM_CATALOG_MOE_GEMM)
     results["sdpa_backend"] = sdpa_backend()  # the long images' SDPA kernel order (VLM_CATALOG_SDPA_BACKEND)

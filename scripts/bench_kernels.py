@@ -437,9 +437,11 @@ def spread_lengths(batch: int, context: int) -> list[int]:
 
 
 def head_major_pages(cache):
-    """`cache` [blocks, block, Hkv, D] copied so that each page is [Hkv, block, D] in memory,
-    returned as the same [blocks, block, Hkv, D] view (strides (Hkv*block*D, D, block*D, 1))."""
-    return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # [blocks, Hkv, block, D] -> the view
+    """`cache` [blocks, block, Hkv, D] copied into a head-major pool of the same shape (each page
+    [Hkv, block, D] in memory: `kernels.kv_cache`, VLM_CATALOG_KV_LAYOUT=head_major)."""
+    from kernels.kv_cache import zeros_paged_cache
+
+    return zeros_paged_cache(*cache.shape, cache.dtype, cache.device, "head_major").copy_(cache)
 
 
 def _gathered(cache, block_tables, context: int):
@@ -759,7 +761,8 @@ def _attention_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
         )
         # the same FP8 cache with each page laid out head-major in memory (the same [blocks, block,
         # Hkv, D] view): a (page, KV head)'s rows, which one program reads, lie together instead of
-        # interleaved with the other heads' at a stride of Hkv x D bytes (the engine's layout)
+        # interleaved with the other heads' at a stride of Hkv x D bytes (the engine's default layout;
+        # VLM_CATALOG_KV_LAYOUT=head_major runs the engine on this one)
         head_major_k, head_major_v = head_major_pages(fp8_k), head_major_pages(fp8_v)
         head_major = partial(paged_decode_attention_triton, q, head_major_k, head_major_v, block_tables,
                              context_lens, scale, max_context_len=context)

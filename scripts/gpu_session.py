@@ -27,7 +27,8 @@ again are moved into `$OUT/results.tar` once it ends (`tar xf results.tar` gives
   engine_fast.json), the ceilings and roofline, constrained decoding as served, the vision
   encoder; with time left the engine without async scheduling (engine_sync.json), the kernel
   rows and the profiled run (engine_profile), as far as the budget goes.
-- `decode`: the attention rows as they are and with bf16 dots, the vision encoder with
+- `decode`: the attention rows (the FP8 cache in both page layouts among them), the record
+  engine on head-major pages (engine_head_major.json), the attention rows with bf16 dots, the vision encoder with
   cuDNN's attention first, the MoE rows, engine_w8a8_channel_fast, the same engine without
   async scheduling and with 32k-token steps (engine_*.json), the attention rows with V read
   as bytes (each into its own JSON), then the FP8 decode attention's launch settings tuned;
@@ -218,6 +219,11 @@ PLANS: dict[str, tuple[Step, ...]] = {
         # precise engine_w8a8_channel); V read as bytes; then the FP8 decode's launch settings tuned
         Step("attention", bench_kernels("--groups", "attention", "--json", "{out}/attention.json"),
              max_s=90, min_s=30, tail_to="attention.txt", tail_lines=60),
+        # the record engine on paged caches laid out head-major (VLM_CATALOG_KV_LAYOUT, kernels/kv_cache.py):
+        # worth its call where the attention rows' `[fp8 kv, head-major pages]` beat `[fp8 kv]`
+        Step("engine_head_major", ("python3", "scripts/bench_gpu.py", "--phases", "engine_w8a8_channel", "--json",
+                                   "{out}/engine_head_major.json"),
+             max_s=130, min_s=100, env=(("VLM_CATALOG_KV_LAYOUT", "head_major"),)),
         # FlashAttention 3 is the default where the fa3-fwd wheel was carried (kernels/flash_varlen.py):
         # the attention rows above have its [fa3] rows; then the vision tower with torch's
         # FlashAttention 2 instead, against the record's vision_encoder (the record plan's engines

@@ -502,7 +502,7 @@ def test_bench_gpu_single_phases_on_cpu(tmp_path):
     unfused = report["roofline"]["decode_batch1_unfused"]  # the same step with the newest fusions off
     assert unfused["kernels_off"] == ["add_rms_norm_router", "decode_merge_in_place", "skinny_linear"]
     assert unfused["seconds"] > 0
-    assert report["pdl"] is False
+    assert report["pdl"] is False and report["kv_layout"] == "interleaved"
 
 
 def test_kernel_breakdown_sums_a_steps_time_by_kernel_and_records_a_failure():

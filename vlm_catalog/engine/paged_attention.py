@@ -104,9 +104,11 @@ def allocate_kv_caches(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
     dtype: torch.dtype, device: torch.device,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One preallocated K and V pool per layer: [num_blocks, block_size, Hkv, D]."""
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    """One preallocated K and V pool per layer: [num_blocks, block_size, Hkv, D], in the memory
+    layout `VLM_CATALOG_KV_LAYOUT` asks for (`kernels.kv_cache`: interleaved unless head_major)."""
+    layout = kernels.kv_layout()
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        tuple(kernels.zeros_paged_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, layout)
+              for _ in range(2))
         for _ in range(num_layers)
     ]
