@@ -94,8 +94,16 @@ def trust_without_checking(device: torch.device) -> None:
     _trusted[_device_key(device)] = True
 
 
-def _check_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter: float32
+def _random_inputs(device: torch.device):
+    """A function making seeded normal tensors on `device`, in bf16 on CUDA and in float32 under
+    the interpreter; and that dtype."""
+    generator = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def random(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    return random, dtype
 
 
 def _merge_problem(device: torch.device) -> str | None:
@@ -103,17 +111,14 @@ def _merge_problem(device: torch.device) -> str | None:
     from kernels.dispatch import KERNELS_OFF_ENV_VAR, environment_variable, kernels_off
     from kernels.paged_decode_attention import paged_decode_attention_triton
 
-    generator = torch.Generator().manual_seed(0)
+    random, _ = _random_inputs(device)
+    # one sequence over several splits (merged in place), two that one split holds
     lengths, block_size, kv_heads, group, head_dim, splits = (600, 130, 5), 16, 2, 2, 32, 4
     blocks_per_sequence = -(-max(lengths) // block_size)
     num_blocks = len(lengths) * blocks_per_sequence
-    dtype = _check_dtype(device)
-
-    def random(*shape):
-        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
-
     k_cache, v_cache = (random(num_blocks, block_size, kv_heads, head_dim) for _ in range(2))
-    block_tables = torch.randperm(num_blocks, generator=generator).view(len(lengths), -1).to(device, torch.int32)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))
+    block_tables = order.view(len(lengths), blocks_per_sequence).to(device, torch.int32)  # [B, blocks per sequence]
     args = (random(len(lengths), kv_heads * group, head_dim), k_cache, v_cache, block_tables,
             torch.tensor(lengths, dtype=torch.int32, device=device), head_dim**-0.5)
     merged = [paged_decode_attention_triton(*args, max_context_len=max(lengths), num_splits=splits)
@@ -129,13 +134,8 @@ def _routing_problem(device: torch.device) -> str | None:
     from kernels.moe.routing import route_topk_and_align_triton
     from kernels.norm_router import add_rms_norm_route_triton, add_rms_norm_router_triton
 
-    generator = torch.Generator().manual_seed(0)
+    random, dtype = _random_inputs(device)
     tokens, hidden, experts, top_k, block_size = 4, 64, 16, 4, 4
-    dtype = _check_dtype(device)
-
-    def random(*shape):
-        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
-
     args = (random(tokens, hidden), random(tokens, hidden), random(hidden), 1e-6, random(experts, hidden))
     _, _, logits = add_rms_norm_router_triton(*args)
     weights, ids, alignment = route_topk_and_align_triton(logits, top_k, True, dtype, block_size)

@@ -31,8 +31,9 @@ def head_major(cache: torch.Tensor) -> torch.Tensor:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 \
-        else torch.equal(a, b)
+    if a.element_size() == 1:  # FP8: compared as bytes
+        return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
 
 
 def test_pools_in_each_layout_and_the_variable_that_picks_one(monkeypatch):
