@@ -22,11 +22,11 @@ again are moved into `$OUT/results.tar` once it ends (`tar xf results.tar` gives
 
 - `record`: `pytest -m gpu` (its slowest tests and summary in pytest_gpu.txt; on four
   workers where pytest-xdist is carried, each test limited where pytest-timeout is), then
-  bench_gpu.py's phases into bench_gpu.json: engine_w8a8_channel timed twice, the same
-  engine with 32k-token steps and with fast FP8 accumulation (engine_steps_32k.json,
-  engine_fast.json), the ceilings and roofline, constrained decoding as served, the vision
-  encoder; with time left the engine without async scheduling (engine_sync.json), the kernel
-  rows and the profiled run (engine_profile), as far as the budget goes.
+  bench_gpu.py's phases into bench_gpu.json: engine_w8a8_channel timed twice, the ceilings
+  and roofline, the profiled run (engine_profile), the same engine with 32k-token steps and
+  with fast FP8 accumulation (engine_steps_32k.json, engine_fast.json), constrained decoding
+  as served, the vision encoder; with time left the engine without async scheduling
+  (engine_sync.json) and the kernel rows, as far as the budget goes.
 - `decode`: the attention rows (the FP8 cache in both page layouts among them), the record
   engine on head-major pages (engine_head_major.json), the attention rows with bf16 dots, the vision encoder with
   cuDNN's attention first, the MoE rows, engine_w8a8_channel_fast, the same engine without
