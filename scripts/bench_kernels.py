@@ -1034,7 +1034,7 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
                     "moe_align_block_size[one launch]",
                     f"T={num_tokens}",
                     one,
-                    "two launches (count, scatter)",
+                    "three launches (count, offsets, scatter)",
                     two,
                     gigabytes_per_second(ids.numel() * 4, one),
                     note="sets SINGLE_LAUNCH_MAX_PAIRS (the largest T*K where one launch wins)",

@@ -20,12 +20,13 @@ saves three fill launches per MoE layer.
 
 Expert ids must lie in [0, num_experts).
 
-The Triton path takes two launches (count, then scatter); up to
-`SINGLE_LAUNCH_MAX_PAIRS` pairs (decode batches) it takes one, whose programs
-each count all experts' pairs themselves (E x T*K compares per program: cheap
-for a few pairs, not for a prefill's). The threshold comes from the H100
-crossover (`scripts/bench_kernels.py`, rows `moe_align_block_size[one launch]`;
-docs/benchmarks.md). On the Triton path, decode batches of up to
+The Triton path takes three launches over chunks of pairs (a count per chunk, the offsets
+in one program, a scatter per expert and chunk: kernels/jit/moe_align.py); up to
+`SINGLE_LAUNCH_MAX_PAIRS` pairs (decode batches) it takes one, whose programs each count all
+experts' pairs themselves (E x T*K compares per program: cheap for a few pairs, not for a
+prefill's). The threshold comes from the H100 crossover (`scripts/bench_kernels.py`, rows
+`moe_align_block_size[one launch]`; docs/benchmarks.md), measured against the two launches
+of before 2026-11-28. On the Triton path, decode batches of up to
 `ROUTE_ALIGN_MAX_TOKENS` tokens (`kernels.moe.routing`) do not come here:
 `route_topk_and_align` routes and aligns them in one launch.
 """
@@ -38,13 +39,18 @@ import torch
 
 from kernels.checks import INDEX_DTYPES, check_dtype
 from kernels.dispatch import use_triton
-from kernels.launch_math import next_power_of_2
+from kernels.launch_math import cdiv, next_power_of_2
 from kernels.pdl import launch_options
 
 # Measured on an H100 (2026-11-25, docs/results/gpu/bench_gpu_2026-11-25.json): one launch is 1.30x and 1.03x
 # two at 8 and 128 pairs (1 and 16 tokens at K=8) and 0.35x at 2048, so the crossover is near 128.
 SINGLE_LAUNCH_MAX_PAIRS = 128
 COUNT_TILE = 8192  # compares per step of the in-program count: [BLOCK_EXPERTS, COUNT_TILE // BLOCK_EXPERTS]
+# the three-launch path's chunks: a power of two of pairs, at least ALIGN_CHUNK_PAIRS, and at most
+# MAX_ALIGN_CHUNKS of them (the offsets program holds a [chunks, experts] table): 64 chunks of 2048
+# pairs at 16k tokens, so 64 x E scatter programs each scan 2048 ids where E programs scanned 131k
+ALIGN_CHUNK_PAIRS = 1024
+MAX_ALIGN_CHUNKS = 64
 
 
 class MoeAlignment(NamedTuple):
@@ -118,10 +124,10 @@ def moe_align_block_size_reference(
 def moe_align_block_size_triton(
     topk_ids: torch.Tensor, num_experts: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Two launches: count the pairs of each expert, then each expert's program
-    derives its offset from the counts and scatters its pairs in order. Up to
-    SINGLE_LAUNCH_MAX_PAIRS pairs, one: the scatter programs count for themselves."""
-    from kernels.jit.moe_align import moe_count_kernel, moe_scatter_kernel
+    """Three launches over chunks of pairs: count each expert's pairs per chunk, turn the counts
+    into each (chunk, expert)'s first entry, scatter each chunk's pairs of each expert in order.
+    Up to SINGLE_LAUNCH_MAX_PAIRS pairs, one: the scatter programs count for themselves."""
+    from kernels.jit.moe_align import moe_count_kernel, moe_offsets_kernel, moe_scatter_kernel
 
     check_dtype("topk_ids", topk_ids, INDEX_DTYPES)
     if block_size < 1 or num_experts < 1:
@@ -132,27 +138,30 @@ def moe_align_block_size_triton(
     sorted_token_ids, expert_ids, num_tokens_post_padded = empty_alignment(num_pairs, num_experts, block_size, device)
     if num_pairs == 0:
         return sorted_token_ids, expert_ids, num_tokens_post_padded.zero_()
-    counts = torch.empty((num_experts,), dtype=torch.int32, device=device)
-
-    scan_block = min(next_power_of_2(num_pairs), 1024)
     block_experts = next_power_of_2(num_experts)
     count_here = num_pairs <= SINGLE_LAUNCH_MAX_PAIRS
+    chunk_size = num_pairs if count_here else align_chunk_size(num_pairs)
+    num_chunks = cdiv(num_pairs, chunk_size)
+    count_block = max(1, min(COUNT_TILE // block_experts, next_power_of_2(chunk_size)))
+    offsets = expert_totals = flat_ids  # placeholders, never read when the scatter counts itself
     if not count_here:
-        moe_count_kernel[(num_experts,)](
-            # pointers
-            flat_ids,
-            counts,
-            # sizes
-            num_pairs,
-            # meta-parameters
-            BLOCK=scan_block,
-            num_warps=4,
+        chunk_counts = torch.empty((num_chunks, num_experts), dtype=torch.int32, device=device)
+        offsets = torch.empty_like(chunk_counts)  # [chunks, E]
+        expert_totals = torch.empty((num_experts,), dtype=torch.int32, device=device)
+        moe_count_kernel[(num_chunks,)](
+            flat_ids, chunk_counts, num_pairs, num_experts, chunk_size,
+            BLOCK_EXPERTS=block_experts, COUNT_BLOCK=count_block, num_warps=4, **launch_options(flat_ids),
+        )
+        moe_offsets_kernel[(1,)](
+            chunk_counts, offsets, expert_totals, num_tokens_post_padded, num_chunks, num_experts, block_size,
+            BLOCK_CHUNKS=next_power_of_2(num_chunks), BLOCK_EXPERTS=block_experts, num_warps=4,
             **launch_options(flat_ids),
         )
-    moe_scatter_kernel[(num_experts,)](
+    moe_scatter_kernel[(num_experts, num_chunks)](
         # pointers
         flat_ids,
-        counts,
+        offsets,
+        expert_totals,
         sorted_token_ids,
         expert_ids,
         num_tokens_post_padded,
@@ -160,15 +169,22 @@ def moe_align_block_size_triton(
         num_pairs,
         num_experts,
         block_size,
+        chunk_size,
         # meta-parameters
-        BLOCK=scan_block,
+        BLOCK=min(next_power_of_2(chunk_size), 1024),
         BLOCK_EXPERTS=block_experts,
         COUNT_HERE=count_here,
-        COUNT_BLOCK=max(1, min(COUNT_TILE // block_experts, scan_block)),
+        COUNT_BLOCK=count_block,
         num_warps=4,
         **launch_options(flat_ids),
     )
     return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
+def align_chunk_size(num_pairs: int) -> int:
+    """Pairs per chunk of the three-launch path: a power of two (one Triton variant), at least
+    ALIGN_CHUNK_PAIRS, and large enough for at most MAX_ALIGN_CHUNKS chunks."""
+    return max(ALIGN_CHUNK_PAIRS, next_power_of_2(cdiv(num_pairs, MAX_ALIGN_CHUNKS)))
 
 
 def moe_align_block_size(

@@ -77,6 +77,7 @@ NEW_RECORD = {
         {"name": "varlen_attention[triton, 128x64 tiles, 8 warps, 3 stages]", "shape": "1 images x 15625 patches",
          "triton_ms": 4.5, "baseline_ms": 5.4, "speedup": 1.2, "note": "sets varlen_tiles for long segments",
          "host_ms": 0.12},
+        {"name": "moe_align_block_size", "shape": "T=16384", "triton_ms": 0.02, "baseline_ms": 0.5, "speedup": 25.0},
         {"name": "rms_norm", "shape": "T=4096 H=2048", "triton_ms": 0.02, "baseline_ms": 0.1, "speedup": 5.0}]},
 }
 
@@ -131,6 +132,7 @@ def test_a_record_with_the_new_fields_prints_them_beside_the_previous_one(tmp_pa
     assert "the same with add_rms_norm_router, decode_merge_in_place off: 4.600 ms, 2.10x the floor" in text
     assert "decode_large_batch: error: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED" in text
     assert "| record | fused_moe[fp8 w8a8, per-channel, grouped_mm] | T=16384 | 1.6000 | - | 2.4000 | 1.50 |" in text
+    assert "| record | moe_align_block_size | T=16384 | 0.0200 | - | 0.5000 | 25.00 |" in text  # the prefill's layout
     assert ("| record | varlen_attention[triton, 128x64 tiles, 8 warps, 3 stages] | 1 images x 15625 patches "
             "| 4.5000 | 0.1200 | 5.4000 | 1.20 |") in text  # host_ms beside the device time
     assert "| rms_norm |" not in text  # the kernel table leaves it out (the roofline names add_rms_norm_router)

@@ -46,7 +46,7 @@ def test_reference_fills_the_unused_tail():
     assert used == 8 and sorted_ids[used:].eq(2).all() and expert_ids[used // 4 :].eq(-1).all()
 
 
-@pytest.mark.parametrize("launches", ["one", "two"])
+@pytest.mark.parametrize("launches", ["one", "three"])
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_size", CASES)
 def test_triton_equals_reference(
@@ -55,13 +55,24 @@ def test_triton_equals_reference(
     # exact: the Triton version is deterministic and keeps the pair order of a stable sort. Its
     # outputs start out poisoned (no fill launches), so an entry it forgets inside the used part
     # shows; past the used part they are unspecified. "one": the scatter programs count for
-    # themselves (in steps of 8 pairs here, so several steps); "two": a count launch first
+    # themselves (in steps of 8 pairs here, so several steps); "three": counted per chunk of 32
+    # pairs here (up to 4 chunks, so the larger cases use chunks of 64 to 512), offsets, scatter
     monkeypatch.setattr(align_module, "SINGLE_LAUNCH_MAX_PAIRS", 10**9 if launches == "one" else 0)
     monkeypatch.setattr(align_module, "COUNT_TILE", 8 * 128)
+    monkeypatch.setattr(align_module, "ALIGN_CHUNK_PAIRS", 32)
+    monkeypatch.setattr(align_module, "MAX_ALIGN_CHUNKS", 4)
     topk_ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(num_tokens)])
     topk_ids = topk_ids.to(ids_dtype).to(triton_device)
     got = kernels.moe_align_block_size(topk_ids, num_experts, block_size)
     assert_alignment_matches_reference(got, topk_ids, num_experts, block_size)
+
+def test_chunks_are_powers_of_two_and_never_more_than_the_offsets_program_holds():
+    for num_pairs in (129, 1024, 1025, 8 * 1000, 8 * 16384, 8 * 32768):
+        size = align_module.align_chunk_size(num_pairs)
+        assert size & (size - 1) == 0 and size >= align_module.ALIGN_CHUNK_PAIRS
+        assert -(-num_pairs // size) <= align_module.MAX_ALIGN_CHUNKS
+    assert align_module.align_chunk_size(8 * 16384) == 2048  # a 16k-token prefill: 64 chunks
+
 
 def test_triton_no_tokens(triton_device):
     topk_ids = torch.empty(0, 8, dtype=torch.int32, device=triton_device)
