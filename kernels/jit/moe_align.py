@@ -62,9 +62,10 @@ def write_segment_blocks_and_padding(
 
 
 @triton.jit
-def count_experts(topk_ids_ptr, start, end, experts, COUNT_BLOCK: tl.constexpr):
-    """How many of the pairs start..end-1 went to each of `experts` ([BLOCK_EXPERTS])."""
-    counts = tl.zeros(experts.shape, dtype=tl.int32)
+def count_experts(topk_ids_ptr, start, end, BLOCK_EXPERTS: tl.constexpr, COUNT_BLOCK: tl.constexpr):
+    """How many of the pairs start..end-1 went to each expert: [BLOCK_EXPERTS]."""
+    experts = tl.arange(0, BLOCK_EXPERTS)
+    counts = tl.zeros([BLOCK_EXPERTS], dtype=tl.int32)
     for first in range(start, end, COUNT_BLOCK):
         pairs = first + tl.arange(0, COUNT_BLOCK)
         ids = tl.load(topk_ids_ptr + pairs, mask=pairs < end, other=-1)
@@ -89,7 +90,7 @@ def moe_count_kernel(
     chunk = tl.program_id(0)
     experts = tl.arange(0, BLOCK_EXPERTS)
     start = chunk * chunk_size
-    counts = count_experts(topk_ids_ptr, start, tl.minimum(start + chunk_size, num_pairs), experts, COUNT_BLOCK)
+    counts = count_experts(topk_ids_ptr, start, tl.minimum(start + chunk_size, num_pairs), BLOCK_EXPERTS, COUNT_BLOCK)
     tl.store(chunk_counts_ptr + chunk * num_experts + experts, counts, mask=experts < num_experts)
 
 
@@ -152,7 +153,7 @@ def moe_scatter_kernel(
     chunk = tl.program_id(1)
     if COUNT_HERE:  # this expert's padded segment, from an exclusive prefix sum over all experts
         experts = tl.arange(0, BLOCK_EXPERTS)
-        counts = count_experts(topk_ids_ptr, 0, num_pairs, experts, COUNT_BLOCK)
+        counts = count_experts(topk_ids_ptr, 0, num_pairs, BLOCK_EXPERTS, COUNT_BLOCK)
         segment_start, segment_blocks, count, total = expert_segment(counts, experts, expert, block_size_m)
         if expert == 0:
             tl.store(num_tokens_post_padded_ptr, total)
