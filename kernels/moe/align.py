@@ -48,8 +48,9 @@ SINGLE_LAUNCH_MAX_PAIRS = 128
 COUNT_TILE = 8192  # compares per step of the in-program count: [BLOCK_EXPERTS, COUNT_TILE // BLOCK_EXPERTS]
 # the three-launch path's chunks: a power of two of pairs, at least ALIGN_CHUNK_PAIRS, and at most
 # MAX_ALIGN_CHUNKS of them (the offsets program holds a [chunks, experts] table): 64 chunks of 2048
-# pairs at 16k tokens, so 64 x E scatter programs each scan 2048 ids where E programs scanned 131k
-ALIGN_CHUNK_PAIRS = 1024
+# pairs at 16k tokens, so 64 x E scatter programs each scan 2048 ids where E programs scanned 131k;
+# 8 chunks of 256 at a decode batch of 256, so that 8 programs share the count
+ALIGN_CHUNK_PAIRS = 256
 MAX_ALIGN_CHUNKS = 64
 
 
