@@ -111,20 +111,30 @@ def device_kernels(events) -> list:
             and not _is_mark(event.name)]
 
 
-def host_ops(events) -> dict:
-    """The trace's host ops and marks by id (not the launches: those carry a link themselves)."""
-    return {event.id: event for event in events
-            if event.device_type == DeviceType.CPU and not getattr(event, "linked_correlation_id", 0)}
+class DeviceTrace:
+    """What the CUDA analyses read of a trace, gathered once: the device's kernels by start, the
+    host ops and marks by id (not the launches: those carry a link themselves), and the marks
+    kineto drew on the device's timeline as (start, -end, name), sorted."""
+
+    def __init__(self, events) -> None:
+        self.kernels = sorted(device_kernels(events), key=lambda event: event.time_range.start)
+        self.hosts = {event.id: event for event in events
+                      if event.device_type == DeviceType.CPU and not getattr(event, "linked_correlation_id", 0)}
+        self.marks = sorted((event.time_range.start, -event.time_range.end, event.name) for event in events
+                            if event.device_type == DeviceType.CUDA and _is_mark(event.name))
+
+    def host_of(self, kernel):
+        """The host op or mark `kernel` was launched under (its `linked_correlation_id`), or None."""
+        return self.hosts.get(getattr(kernel, "linked_correlation_id", 0))
 
 
 class InnermostMark:
     """The innermost `vlm.*` mark that kineto drew on the device's timeline around a time, for
-    times asked in increasing order (one sweep over the marks, sorted by start; marks nest: a
-    step's mark holds its forward's)."""
+    times asked in increasing order (one sweep over `DeviceTrace.marks`; marks nest: a step's
+    mark holds its forward's)."""
 
-    def __init__(self, events) -> None:
-        self.marks = sorted((event.time_range.start, -event.time_range.end, event.name) for event in events
-                            if event.device_type == DeviceType.CUDA and _is_mark(event.name))
+    def __init__(self, marks: list[tuple[float, float, str]]) -> None:
+        self.marks = marks
         self.open: list[tuple[float, str]] = []  # (end, name), innermost last
         self.next = 0
 
@@ -145,18 +155,17 @@ class InnermostMark:
         return self.open[-1][1] if self.open else None
 
 
-def charged_kernels(events, kernels) -> tuple[list[tuple[str, str, float]], float]:
+def charged_kernels(trace: DeviceTrace) -> tuple[list[tuple[str, str, float]], float]:
     """(region, name, microseconds) per kernel, and the microseconds charged without a host link.
 
     A kernel's `linked_correlation_id` is the id of the host op or mark it was launched under.
     Unlinked kernels go to the innermost device-side mark around their start."""
-    hosts = host_ops(events)
-    marks = InnermostMark(events)
+    marks = InnermostMark(trace.marks)
     units: list[tuple[str, str, float]] = []
     unlinked = 0.0
-    for kernel in sorted(kernels, key=lambda event: event.time_range.start):
+    for kernel in trace.kernels:
         start, micros = kernel.time_range.start, kernel.time_range.end - kernel.time_range.start
-        host = hosts.get(getattr(kernel, "linked_correlation_id", 0))
+        host = trace.host_of(kernel)
         mark = marks.at(start)
         if host is not None:
             region = region_of(host)
@@ -168,11 +177,11 @@ def charged_kernels(events, kernels) -> tuple[list[tuple[str, str, float]], floa
 
 
 def device_gaps(kernels) -> list[tuple[float, float, object, object]]:
-    """The stretches between kernels that no kernel covers, in order: (start, end, the kernel that
-    had run furthest before it, the kernel after it), times in microseconds."""
+    """The stretches between `kernels` (sorted by start) that none covers, in order: (start, end,
+    the kernel that had run furthest before it, the kernel after it), in microseconds."""
     gaps = []
     last = None  # the kernel whose end reaches furthest so far
-    for kernel in sorted(kernels, key=lambda event: event.time_range.start):
+    for kernel in kernels:
         if last is not None and kernel.time_range.start > last.time_range.end:
             gaps.append((last.time_range.end, kernel.time_range.start, last, kernel))
         if last is None or kernel.time_range.end > last.time_range.end:
@@ -180,17 +189,16 @@ def device_gaps(kernels) -> list[tuple[float, float, object, object]]:
     return gaps
 
 
-def idle_by_region(events, kernels) -> dict[str, dict]:
+def idle_by_region(trace: DeviceTrace) -> dict[str, dict]:
     """Per region: the microseconds the device ran nothing inside its device-side marks (each
     stretch of a gap charged to the innermost mark around it; outside every mark: `unmarked`),
     and the gaps of `WAIT_MIN_MICROS` and more summed by (the kernel before, the host op that
     launched the kernel after): {region: {"idle": us, "waits": {(before, launched_by, after): [us, count]}}}."""
-    hosts = host_ops(events)
-    marks = InnermostMark(events)
+    marks = InnermostMark(trace.marks)
     edges = marks.edges()
     regions: dict[str, dict] = defaultdict(lambda: {"idle": 0.0, "waits": defaultdict(lambda: [0.0, 0])})
-    for gap_start, gap_end, before, after in device_gaps(kernels):
-        host = hosts.get(getattr(after, "linked_correlation_id", 0))
+    for gap_start, gap_end, before, after in device_gaps(trace.kernels):
+        host = trace.host_of(after)
         key = (before.name[:100], host.name[:100] if host is not None else None, after.name[:100])
         # the gap in pieces at the marks' edges inside it, each charged to the mark around it
         inside = edges[bisect.bisect_right(edges, gap_start):bisect.bisect_left(edges, gap_end)]
@@ -214,10 +222,10 @@ def profile_breakdown(profiler, on_cuda: bool, wall_seconds: float) -> dict:
     unlinked = 0.0
     idle: dict[str, dict] = {}
     if on_cuda:
-        kernels = device_kernels(events)
-        units, unlinked = charged_kernels(events, kernels)
-        intervals = [(kernel.time_range.start, kernel.time_range.end) for kernel in kernels]
-        idle = idle_by_region(events, kernels)
+        trace = DeviceTrace(events)
+        units, unlinked = charged_kernels(trace)
+        intervals = [(kernel.time_range.start, kernel.time_range.end) for kernel in trace.kernels]
+        idle = idle_by_region(trace)
     else:
         units = []
         for event in events:
