@@ -80,6 +80,9 @@ FAST_PATHS = frozenset({
     # the vision MLP's bias and tanh GELU in cuBLASLt's GEMM epilogue (off: F.linear, then F.gelu;
     # kernels/linear_gelu.py)
     "gelu_gemm_epilogue",
+    # the fused MoE's gate/up epilogue writes the down GEMM's FP8 input where its tile holds one
+    # group (off: a quantize_activations launch between the GEMMs; kernels/moe/fused_moe.py)
+    "moe_gate_up_quantizes",
 })
 FP8_FAST_ACCUMULATION_ENV_VAR = "VLM_CATALOG_FP8_FAST_ACCUMULATION"
 AUTO_DEVICE_TYPES = ("cuda",)  # where `auto` picks Triton; a test adds "cpu" to run the GPU choices interpreted

@@ -164,6 +164,33 @@ def imprecise_accumulation(block_size_k: int) -> int | None:
     return None if fp8_fast_accumulation() else block_size_k
 
 
+DOWN_INPUT_GROUP = 128  # per-channel experts' down-GEMM input: one scale per token and 128 columns
+
+
+def down_input_group(block_shape: tuple[int, int], intermediate: int) -> int:
+    """The column group of the fused MoE's down-GEMM input under FP8 activations: one scale per
+    token and this many of the I columns (`quantize_activations`).
+
+    Block-scaled experts: the weights' block width, as every W8A8 GEMM input. Per-channel experts
+    (one block spans I): `DOWN_INPUT_GROUP`, where I is wider, unless
+    VLM_CATALOG_FP8_FAST_ACCUMULATION keeps the sums in the tensor core across the whole K loop;
+    there, and where I is no wider, one scale per token.
+
+    Why 128 columns for per-channel experts: their down GEMM adds each K step's product into
+    float32 anyway (`imprecise_accumulation`), so a K step can as well scale it by its own
+    columns' activation scale, at no cost in the loop. Then the gate/up kernel, whose tile
+    holds the whole group (BLOCK_N = 128, the prefill configs), quantizes its own output in its
+    epilogue, and the [T*K, I] product never makes a 16-bit round trip through memory: about
+    100 us per layer of a 16k-token step, where a separate launch read 201 MB and wrote 100 MB
+    (kernels/jit/fused_moe.py). The scales are also finer than one per token."""
+    from kernels.dispatch import fp8_fast_accumulation
+
+    quant_k = block_shape[1]
+    if spans_reduction(quant_k, intermediate) and intermediate > DOWN_INPUT_GROUP and not fp8_fast_accumulation():
+        return DOWN_INPUT_GROUP
+    return quant_k
+
+
 def fp8_block_k(block_size_k: int, quant_block_k: int) -> int:
     """The K step of a GEMM over FP8 weights (fused MoE, dense linear): a power of two dividing
     the scale block (one scale per step), at most the configured step and at least 16 (the

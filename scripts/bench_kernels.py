@@ -954,7 +954,7 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
     times it host-launched, and its rows say so."""
     import torch
 
-    from kernels.dispatch import fp8_accumulation
+    from kernels.dispatch import KERNELS_OFF_ENV_VAR, environment_variable, fp8_accumulation
     from kernels.moe.align import moe_align_block_size_reference, moe_align_block_size_triton
     from kernels.moe.configs import get_moe_config
     from kernels.moe.fused_moe import fused_moe_reference, fused_moe_triton
@@ -1012,6 +1012,15 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
                     f"{teraflops(flops, fp8_ms)}, weights {gigabytes_per_second(weight_bytes // element, fp8_ms)}",
                 )
             )
+        if "fp8 w8a8, per-channel" in fp8_times:
+            # the down GEMM's input quantized by a launch of its own, where the gate/up epilogue would
+            # (the prefill tiles): the row says what the epilogue saves (kernels/moe/fused_moe.py)
+            with environment_variable(KERNELS_OFF_ENV_VAR, "moe_gate_up_quantizes"):
+                launch_ms = timer(partial(fused_moe_triton, *per_channel[0], **per_channel[1], fp8_activations=True))
+            rows.append(Row("fused_moe[fp8 w8a8, per-channel, quantize launch]", f"T={num_tokens}", launch_ms,
+                            "fp8 w8a8, per-channel", fp8_times["fp8 w8a8, per-channel"],
+                            teraflops(flops, launch_ms),
+                            note="the down GEMM's input quantized by its own launch, not the gate/up epilogue"))
         rows += _grouped_gemm_rows(num_tokens, inputs, per_channel, ms, fp8_times.get("fp8 w8a8, per-channel"),
                                    flops, weight_bytes, element, shapes, timer)
         align_args = (ids, shapes.num_experts, config.block_size_m)

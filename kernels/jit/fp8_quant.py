@@ -5,7 +5,8 @@ Grid (row blocks, column groups): a program loads a [BLOCK_ROWS, GROUP] tile,
 takes each row's max |x|, and writes x / scale rounded to e4m3 plus the scales
 (scale = max / 448, 1 for an all-zero group): one read of the activations and
 one write of a byte per element, where the torch reference makes several float32
-passes. Used between the two GEMMs of the fused MoE with FP8 activations.
+passes. Used before the W8A8 GEMMs, and between the two GEMMs of the fused MoE where the
+gate/up kernel's tiles do not hold whole groups (else its epilogue quantizes, `quantize_rows`).
 """
 
 import triton
@@ -18,6 +19,18 @@ from kernels.jit.pdl import after_previous_grid
 def saturate_fp8(x):
     """x clamped to the float8 e4m3 range (+-448), in float32 (the cast then only rounds)."""
     return tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+
+
+@triton.jit
+def quantize_rows(x):
+    """x [ROWS, COLS] -> (x / scale in float32 within the e4m3 range, scale [ROWS]): one group per
+    row, scale = max |x| / 448 (1 for an all-zero row). Columns outside the group must be 0.
+    The arithmetic of `quantize_activations_reference`; the fused MoE's gate/up epilogue
+    quantizes its tiles with it too, so both give the same bits."""
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # [ROWS]
+    scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    return saturate_fp8(x / scale[:, None]), scale
 
 
 @triton.jit
@@ -45,10 +58,8 @@ def quantize_activations_kernel(
     col = group * GROUP + tl.arange(0, GROUP)  # [GROUP]
     row_mask = row < rows
     mask = row_mask[:, None] & (col < cols)[None, :]
-    x = tl.load(x_ptr + row[:, None] * stride_x_row + col[None, :], mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_ROWS]
-    scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
-    quantized = saturate_fp8(x / scale[:, None])
+    x = tl.load(x_ptr + row[:, None] * stride_x_row + col[None, :], mask=mask, other=0.0)
+    quantized, scale = quantize_rows(x)
     tl.store(
         quantized_ptr + row[:, None] * stride_quantized_row + col[None, :],
         quantized.to(quantized_ptr.dtype.element_ty),

@@ -40,12 +40,23 @@ every IMPRECISE_ACC_K products (`kernels.fp8.imprecise_accumulation`: BLOCK_K, s
 once per K step, as the block-scaled GEMMs' sums are); None leaves it in the tensor
 core's own accumulator, with fewer bits than float32, across the whole loop, as
 vLLM's per-channel FP8 MoE does.
+
+The down GEMM's FP8 input has one scale per row and ACT_GROUP columns: QUANT_K for
+block scales; for per-channel experts 128 (`kernels.fp8.down_input_group`), unless fast
+accumulation keeps one scale per row. With groups narrower than I (ACT_SCALES_IN_LOOP)
+each K step's product, already added into float32 every step, is scaled by its rows'
+group scale first, and the weights' scales still multiply once after the loop.
+QUANTIZE_OUT (gate/up, BLOCK_N = ACT_GROUP, or one tile spanning I): the epilogue writes
+the product as that input, e4m3 with its rows' scale for the tile (`quantize_rows`, the
+arithmetic of the activation quantizer), instead of 16-bit values for a separate launch
+to read back and quantize.
 """
 
 import triton
 import triton.language as tl
 
 from kernels.jit.block_scales import column_scales
+from kernels.jit.fp8_quant import quantize_rows
 from kernels.jit.fp8_widen import widen_e4m3
 from kernels.jit.pdl import let_next_grid_launch, wait_for_previous_grid
 from kernels.jit.rounding import round_through
@@ -70,7 +81,8 @@ def moe_gate_up_silu_kernel(
     hidden_scale_ptr,  # [T, H / QUANT_K] float32 (FP8_ACTIVATIONS only)
     w13_ptr,  # [E, 2I, H]: rows 0..I-1 gate, I..2I-1 up
     w13_scale_ptr,  # [E, 2I / QUANT_N, H / QUANT_K] float32 (FP8_WEIGHTS only)
-    activated_ptr,  # [T*K, I] out: silu(gate) * up per pair
+    activated_ptr,  # [T*K, I] out: silu(gate) * up per pair (e4m3 with QUANTIZE_OUT)
+    activated_scale_ptr,  # [T*K, ceil(I / BLOCK_N)] float32 out (QUANTIZE_OUT only)
     sorted_token_ids_ptr,  # [num_m_blocks * BLOCK_M] int32
     expert_ids_ptr,  # [num_m_blocks] int32
     num_tokens_post_padded_ptr,  # [1] int32
@@ -88,6 +100,7 @@ def moe_gate_up_silu_kernel(
     stride_w13_scale_expert,
     stride_w13_scale_row,
     stride_activated_pair,
+    stride_activated_scale_pair,
     # meta-parameters
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -101,6 +114,8 @@ def moe_gate_up_silu_kernel(
     WIDEN_WITH_PTX: tl.constexpr,  # FP8_WEIGHTS on a GPU: widen to bf16 by inline PTX (jit/fp8_widen.py)
     SCALE_AFTER_LOOP: tl.constexpr,  # FP8_WEIGHTS with QUANT_K >= hidden_size: scales applied once (module doc)
     IMPRECISE_ACC_K: tl.constexpr,  # SCALE_AFTER_LOOP FP8 x FP8: products summed before float32 (module doc)
+    QUANTIZE_OUT: tl.constexpr,  # write the product as the down GEMM's FP8 input, one group per tile (module doc)
+    OUT_DTYPE: tl.constexpr,  # the hidden states' dtype: the GEMM results, silu and the product round to it
 ):
     wait_for_previous_grid()  # first, before any memory access; the next grid launches after the main loop (kernels/jit/pdl.py)
     m_block, n_block = grouped_tile(
@@ -178,20 +193,26 @@ def moe_gate_up_silu_kernel(
         gate_acc = gate_acc * gate_factor
         up_acc = up_acc * up_factor
 
-    dtype = activated_ptr.dtype.element_ty
+    dtype = OUT_DTYPE
     gate = round_through(gate_acc, dtype)
     up = round_through(up_acc, dtype)
     silu = round_through(gate * tl.sigmoid(gate), dtype)
     activated = (silu * up).to(dtype)
     out_ptrs = activated_ptr + pairs[:, None].to(tl.int64) * stride_activated_pair + cols[None, :]
-    tl.store(out_ptrs, activated, mask=pair_mask[:, None] & col_mask[None, :])
+    if QUANTIZE_OUT:  # the tile's columns are one group of the down GEMM's input: its rows' scales here
+        quantized, scale = quantize_rows(activated)  # [BLOCK_M, BLOCK_N] e4m3 range, [BLOCK_M]
+        tl.store(out_ptrs, quantized.to(activated_ptr.dtype.element_ty), mask=pair_mask[:, None] & col_mask[None, :])
+        tl.store(activated_scale_ptr + pairs.to(tl.int64) * stride_activated_scale_pair + n_block, scale,
+                 mask=pair_mask)
+    else:
+        tl.store(out_ptrs, activated, mask=pair_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
 def moe_down_kernel(
     # pointers
     activated_ptr,  # [T*K, I] (e4m3 with FP8_ACTIVATIONS)
-    activated_scale_ptr,  # [T*K, I / QUANT_K] float32 (FP8_ACTIVATIONS only)
+    activated_scale_ptr,  # [T*K, I / ACT_GROUP] float32 (FP8_ACTIVATIONS only)
     w2_ptr,  # [E, H, I]
     w2_scale_ptr,  # [E, H / QUANT_N, I / QUANT_K] float32 (FP8_WEIGHTS only)
     topk_weights_ptr,  # [T*K], any float dtype
@@ -226,6 +247,8 @@ def moe_down_kernel(
     WIDEN_WITH_PTX: tl.constexpr,  # FP8_WEIGHTS on a GPU: widen to bf16 by inline PTX (jit/fp8_widen.py)
     SCALE_AFTER_LOOP: tl.constexpr,  # FP8_WEIGHTS with QUANT_K >= intermediate: scales applied once (module doc)
     IMPRECISE_ACC_K: tl.constexpr,  # SCALE_AFTER_LOOP FP8 x FP8: products summed before float32 (module doc)
+    ACT_GROUP: tl.constexpr,  # FP8_ACTIVATIONS: the input's columns per scale (QUANT_K, or less: module doc)
+    ACT_SCALES_IN_LOOP: tl.constexpr,  # SCALE_AFTER_LOOP FP8_ACTIVATIONS with groups narrower than I (module doc)
 ):
     wait_for_previous_grid()  # first, before any memory access; the next grid launches after the main loop (kernels/jit/pdl.py)
     m_block, n_block = grouped_tile(
@@ -260,12 +283,18 @@ def moe_down_kernel(
                                   BLOCK_N, QUANT_N)  # a scalar or [1, BLOCK_N]
             if FP8_ACTIVATIONS:
                 a_scale = tl.load(
-                    activated_scale_ptr + pairs * stride_activated_scale_pair + k_start // QUANT_K,
+                    activated_scale_ptr + pairs * stride_activated_scale_pair + k_start // ACT_GROUP,
                     mask=pair_mask, other=0.0,
                 )[:, None]  # [BLOCK_M, 1]
                 acc += tl.dot(a, w) * (a_scale * scale)
             else:
                 acc += tl.dot(a, widen_e4m3(w, a.dtype, WIDEN_WITH_PTX), input_precision=DOT_PRECISION) * scale
+        elif FP8_ACTIVATIONS and ACT_SCALES_IN_LOOP:  # the weights' scales after the loop, the rows' here
+            a_scale = tl.load(
+                activated_scale_ptr + pairs * stride_activated_scale_pair + k_start // ACT_GROUP,
+                mask=pair_mask, other=0.0,
+            )[:, None]  # [BLOCK_M, 1]
+            acc += tl.dot(a, w, max_num_imprecise_acc=IMPRECISE_ACC_K) * a_scale
         elif FP8_ACTIVATIONS:  # scales after the loop
             acc = tl.dot(a, w, acc, max_num_imprecise_acc=IMPRECISE_ACC_K)
         elif FP8_WEIGHTS:  # scales after the loop
@@ -278,7 +307,7 @@ def moe_down_kernel(
     if SCALE_AFTER_LOOP:  # one scale block along K: its scales multiply the whole sums
         factor = column_scales(scales_ptr, n_start, cols, col_mask, 0, stride_w2_scale_row,
                                BLOCK_N, QUANT_N)  # a scalar or [1, BLOCK_N]
-        if FP8_ACTIVATIONS:
+        if FP8_ACTIVATIONS and not ACT_SCALES_IN_LOOP:  # one scale per row: here too
             factor = tl.load(activated_scale_ptr + pairs * stride_activated_scale_pair, mask=pair_mask,
                              other=0.0)[:, None] * factor  # [BLOCK_M, 1] x the columns'
         acc = acc * factor

@@ -44,6 +44,10 @@ and the expert intermediate size (`per_channel_block`); the scales are then
 [E, 2I, 1] and [E, H, 1], and FP8 activations get one scale per token. The
 kernels see that the scales are constant along K and apply them once after
 their loops, which keeps Hopper's wgmma asynchronous (kernels/jit/fused_moe.py).
+The down GEMM's input is the exception: one scale per token and 128 columns
+(`kernels.fp8.down_input_group`), written by the gate/up kernel's epilogue where
+its tile is that wide, which saves the separate quantizing launch and the 16-bit
+round trip of the [T*K, I] product.
 """
 
 from __future__ import annotations
@@ -63,23 +67,26 @@ from kernels.checks import (
     check_shape,
     check_unit_stride_last_dim,
 )
-from kernels.dispatch import fp8_fast_accumulation, use_triton, widens_with_ptx
+from kernels.dispatch import fp8_fast_accumulation, kernels_off, use_triton, widens_with_ptx
 from kernels.fp8 import (
     FP8_DTYPE,
     dequantize,
+    down_input_group,
+    fp8_block_k,
     fp8_k_loop,
     gemm_input,
     imprecise_accumulation,
     quantize_activations,
     spans_reduction,
 )
-from kernels.launch_math import cdiv
+from kernels.launch_math import cdiv, triton_dtype
 from kernels.moe.align import MoeAlignment, max_padded_pairs
 from kernels.moe.configs import MoeKernelConfig, as_moe_config, get_moe_config
 from kernels.moe.grouped_gemm import fused_moe_grouped_gemm, grouped_gemm_wanted
 from kernels.pdl import launch_options
 
 MAX_TOKENS_PER_CHUNK = 16384  # bounds the [T*K, I] and [T*K, H] intermediates
+EPILOGUE_QUANTIZES = "moe_gate_up_quantizes"  # the fast path's name in VLM_CATALOG_KERNELS_OFF
 
 
 # --------------------------------------------------------------------------- reference
@@ -96,8 +103,11 @@ def fused_moe_reference(
     block_shape: tuple[int, int] | None = None,
     fp8_activations: bool = False,
     alignment: MoeAlignment | None = None,
+    down_group: int | None = None,
 ) -> torch.Tensor:
     """hidden [T, H] -> [T, H]; `config` and `alignment` are ignored (kept for a uniform signature).
+    `down_group`: the down GEMM's FP8 input columns per scale, `kernels.fp8.down_input_group` (the
+    Triton path's) unless given (the grouped-GEMM path quantizes it per token).
 
     Transformers' expert loop without its `index_add_` (slow on CPU): each
     expert's tokens are run in transformers' row order (top-k position, then
@@ -131,7 +141,8 @@ def fused_moe_reference(
             inputs = gemm_input(hidden[tokens], block_shape[1], fp8_activations)
             gate, up = F.linear(inputs, gate_up_weight).to(hidden.dtype).chunk(2, dim=-1)
             activated = F.silu(gate) * up  # [n, I]
-            down = F.linear(gemm_input(activated, block_shape[1], fp8_activations), down_weight).to(hidden.dtype)
+            group = down_group or down_input_group(block_shape, activated.shape[1])
+            down = F.linear(gemm_input(activated, group, fp8_activations), down_weight).to(hidden.dtype)
         rows = ascending[tokens, slots] * num_tokens + tokens
         pair_out[rows] = down * weights[tokens, slots, None]  # [n, H]
     per_rank = pair_out.view(top_k, num_tokens, -1)  # [K, T, H], experts in ascending id
@@ -315,6 +326,13 @@ def _fused_moe_chunk(
         gate_up_block_k, gate_up_scaled_after = fp8_k_loop(config.block_size_k, quant_k, hidden_size)
         down_block_k, down_scaled_after = fp8_k_loop(config.block_size_k, quant_k, intermediate)
         scale_strides = (w13_scale.stride(0), w13_scale.stride(1), w2_scale.stride(0), w2_scale.stride(1))
+    # the down GEMM's FP8 input: one scale per row and `down_group` columns (kernels.fp8.down_input_group)
+    down_group = down_input_group((quant_n, quant_k), intermediate) if fp8_activations else quant_k
+    act_scales_in_loop = fp8_activations and down_scaled_after and down_group < intermediate
+    if act_scales_in_loop:  # each K step inside one group
+        down_block_k = fp8_block_k(down_block_k, down_group)
+    quantize_in_epilogue = fp8_activations and gate_up_writes_whole_groups(config.block_size_n, down_group,
+                                                                          intermediate)
 
     if alignment is None:
         alignment = MoeAlignment(
@@ -325,7 +343,13 @@ def _fused_moe_chunk(
     sorted_token_ids, expert_ids, num_tokens_post_padded, _ = alignment
     num_m_blocks = expert_ids.shape[0]
     weights = topk_weights.reshape(-1)  # [T*K], flat pair index t * K + k
-    activated = torch.empty((num_pairs, intermediate), dtype=hidden.dtype, device=hidden.device)
+    if quantize_in_epilogue:  # the gate/up kernel writes the down GEMM's input: [T*K, I] e4m3, [T*K, I/group]
+        activated = torch.empty((num_pairs, intermediate), dtype=FP8_DTYPE, device=hidden.device)
+        activated_scale = torch.empty((num_pairs, cdiv(intermediate, down_group)), dtype=torch.float32,
+                                      device=hidden.device)
+    else:
+        activated = torch.empty((num_pairs, intermediate), dtype=hidden.dtype, device=hidden.device)
+        activated_scale = activated  # a placeholder, never written without QUANTIZE_OUT
     gemm1_input, gemm1_scale = hidden, hidden  # the scale is a placeholder unless FP8_ACTIVATIONS
     if fp8_activations:
         gemm1_input, gemm1_scale = quantize_activations(hidden, quant_k)  # [T, H] e4m3, [T, H/group]
@@ -350,6 +374,7 @@ def _fused_moe_chunk(
         w13,
         w13_scale,
         activated,
+        activated_scale,
         sorted_token_ids,
         expert_ids,
         num_tokens_post_padded,
@@ -367,15 +392,18 @@ def _fused_moe_chunk(
         scale_strides[0],
         scale_strides[1],
         activated.stride(0),
+        activated_scale.stride(0),
         **meta,
         BLOCK_K=gate_up_block_k,
         SCALE_AFTER_LOOP=gate_up_scaled_after,
         IMPRECISE_ACC_K=imprecise_accumulation(gate_up_block_k),
+        QUANTIZE_OUT=quantize_in_epilogue,
+        OUT_DTYPE=triton_dtype(hidden.dtype),
         **launch_options(gemm1_input),
     )
-    gemm2_input, gemm2_scale = activated, activated
-    if fp8_activations:
-        gemm2_input, gemm2_scale = quantize_activations(activated, quant_k)  # [T*K, I] e4m3, [T*K, I/group]
+    gemm2_input, gemm2_scale = activated, activated_scale
+    if fp8_activations and not quantize_in_epilogue:
+        gemm2_input, gemm2_scale = quantize_activations(activated, down_group)  # [T*K, I] e4m3, [T*K, I/group]
     moe_down_kernel[(num_m_blocks * cdiv(hidden_size, config.block_size_n),)](
         # pointers
         gemm2_input,
@@ -405,6 +433,8 @@ def _fused_moe_chunk(
         BLOCK_K=down_block_k,
         SCALE_AFTER_LOOP=down_scaled_after,
         IMPRECISE_ACC_K=imprecise_accumulation(down_block_k),
+        ACT_GROUP=down_group,
+        ACT_SCALES_IN_LOOP=act_scales_in_loop,
         **launch_options(gemm2_input),
     )
     terms = pair_out.view(num_tokens, top_k, hidden_size)  # [T*K, H] -> [T, K, H]
@@ -413,6 +443,17 @@ def _fused_moe_chunk(
     # [T, K, H] -> [T, H]; torch accumulates 16-bit sums in float32 and rounds once, as the reference does
     torch.sum(terms, dim=1, out=out)
     return None
+
+
+def gate_up_writes_whole_groups(block_n: int, down_group: int, intermediate: int) -> bool:
+    """Whether every gate/up tile of `block_n` columns holds whole groups of the down GEMM's FP8
+    input, exactly one: then its epilogue quantizes the product (QUANTIZE_OUT), unless
+    VLM_CATALOG_KERNELS_OFF names `EPILOGUE_QUANTIZES`. True where the tile is one group wide (the
+    prefill tiles, 128 x 128, with per-channel experts' 128-column groups), or where one tile
+    and one group both span I."""
+    if EPILOGUE_QUANTIZES in kernels_off():
+        return False
+    return block_n == down_group or (block_n >= intermediate and down_group >= intermediate)
 
 
 def _check_alignment(alignment: MoeAlignment, num_pairs: int, num_experts: int, block_size_m: int) -> None:

@@ -71,7 +71,7 @@ MOE_GEMMS = ("triton", "grouped_mm")
 OFF_SWITCH = "moe_grouped_gemm"  # the name VLM_CATALOG_KERNELS_OFF takes
 GROUPED_GEMM_MIN_TOKENS = 1024  # prefill chunks; decode batches (at most 256) keep the Triton kernels
 PROBE_TOKENS = 256
-# of max |Triton path|: bf16 GEMMs differ in summation order only; W8A8 as the model-shape test allows
+# of max |reference|: bf16 GEMMs differ in summation order only; W8A8 as the model-shape test allows
 # (tests/kernels/test_fused_moe_fp8.py, W8A8_MODEL_SHAPES_TOLERANCE: an activation one bf16 unit
 # apart can land one e4m3 step apart)
 PROBE_TOLERANCE = {"bf16": 1e-2, "w8a8_channel": 3e-2}
@@ -137,7 +137,7 @@ def checked(device: torch.device, w13: torch.Tensor, w2: torch.Tensor, expert_ki
     """The first-call check's verdict for these weights (run now if this is their first call)."""
     key = _key(device, w13, w2, expert_kind)
     if key not in _checked:
-        _checked[key] = _matches_triton(w13, w2, expert_kind, w13_scale, w2_scale, block_shape)
+        _checked[key] = _matches_reference(w13, w2, expert_kind, w13_scale, w2_scale, block_shape)
     return _checked[key]
 
 
@@ -147,9 +147,11 @@ def verdicts() -> dict[str, bool]:
             for (_, w13, w2, kind, fast), verdict in _checked.items()}
 
 
-def _matches_triton(w13, w2, expert_kind, w13_scale, w2_scale, block_shape) -> bool:
-    """This path against the Triton kernels on PROBE_TOKENS random tokens, random routing."""
-    from kernels.moe.fused_moe import fused_moe_triton
+def _matches_reference(w13, w2, expert_kind, w13_scale, w2_scale, block_shape) -> bool:
+    """This path against `fused_moe_reference` on PROBE_TOKENS random tokens, random routing, with
+    the down GEMM's input quantized per token as here (the Triton kernels quantize it in groups of
+    128 columns, `kernels.fp8.down_input_group`)."""
+    from kernels.moe.fused_moe import fused_moe_reference
 
     num_experts, _, hidden_size = w13.shape
     generator = torch.Generator().manual_seed(0)
@@ -163,8 +165,14 @@ def _matches_triton(w13, w2, expert_kind, w13_scale, w2_scale, block_shape) -> b
     return faster_path_agrees(
         f"grouped-GEMM MoE for experts {tuple(w13.shape)} / {tuple(w2.shape)} ({expert_kind})",
         lambda: fused_moe_grouped_gemm(hidden, w13, w2, weights, ids, **scales),
-        lambda: fused_moe_triton(hidden, w13, w2, weights, ids, **scales), PROBE_TOLERANCE[expert_kind], logger,
-        against="the Triton kernels", replaced="the Triton kernels")
+        lambda: fused_moe_reference(hidden, w13, w2, weights, ids, **scales, down_group=per_token_down_group(w2)),
+        PROBE_TOLERANCE[expert_kind], logger, against="the reference", replaced="the Triton kernels")
+
+
+def per_token_down_group(w2: torch.Tensor) -> int:
+    """The down GEMM's FP8 input columns per scale on this path: all of I (one scale per token,
+    the row-wise recipe torch's scaled grouped GEMM takes)."""
+    return w2.shape[2]
 
 
 def expert_segments(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

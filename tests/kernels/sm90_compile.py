@@ -344,10 +344,10 @@ def routing(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.full((tokens, TOP_K), 1 / TOP_K, dtype=BF16), ids
 
 
-def moe_case(tokens: int, variant: str):
+def moe_case(tokens: int, variant: str, config=None):
     """The model's MoE call (terms left unsummed) with bf16 (or `f16`) experts, or FP8 experts
     with 128 x 128 block scales (`w8a8`: and FP8 GEMM inputs); a "per-channel" variant has one
-    scale per weight row (and per token)."""
+    scale per weight row (and per token). `config`: a `MoeKernelConfig` instead of the table's."""
     from kernels.fp8 import per_channel_block
     from kernels.moe.fused_moe import fused_moe_triton
 
@@ -362,8 +362,15 @@ def moe_case(tokens: int, variant: str):
     w13 = empty(EXPERTS, 2 * MOE_INTERMEDIATE, HIDDEN, dtype=weight_dtype)
     w2 = empty(EXPERTS, HIDDEN, MOE_INTERMEDIATE, dtype=weight_dtype)
     topk_weights, topk_ids = routing(tokens)
-    fused_moe_triton(empty(tokens, HIDDEN, dtype=dtype), w13, w2, topk_weights.to(dtype), topk_ids, **fp8,
+    fused_moe_triton(empty(tokens, HIDDEN, dtype=dtype), w13, w2, topk_weights.to(dtype), topk_ids, config, **fp8,
                      sum_experts=False)
+
+
+def prefill_moe_tile():
+    """128 x 128 x 128, 8 warps, 3 stages: the H100 table's per-channel W8A8 tile at 16k tokens."""
+    from kernels.moe.configs import MoeKernelConfig
+
+    return MoeKernelConfig(128, 128, 128, 1, 8, 3)
 
 
 def decode_case(batch: int, context: int, cache_dtype: torch.dtype, fused_write: bool, dtype: torch.dtype = BF16,
@@ -520,6 +527,10 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
                 f"fused_moe[T={count}, {variant} experts{', fp8 activations' if variant.startswith('w8a8') else ''}]",
                 lambda count=count, variant=variant: moe_case(count, variant),
             ))
+    # the H100 table's prefill tile for per-channel W8A8 (BLOCK_N 128 = the down input's 128-column
+    # group): the gate/up epilogue quantizes its product (QUANTIZE_OUT), the down loop scales each step
+    specs.append(("fused_moe[T=16384, w8a8 per-channel experts, fp8 activations, 128 x 128 x 128 tile]",
+                  lambda: moe_case(16384, "w8a8 per-channel", prefill_moe_tile())))
     # --dtype float16: its epilogues round like the bf16 ones (kernels/jit/rounding.py)
     specs.append(("fused_moe[T=8192, f16 experts]", lambda: moe_case(8192, "f16")))
     for count in (1, 256, 8192):  # the dense FP8 linear (qkv_proj), W8A16 and W8A8, blocks and per-channel

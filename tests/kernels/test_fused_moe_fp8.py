@@ -8,15 +8,19 @@ experts is measured, with its bound written down.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 import kernels
 from kernels.fp8 import (
+    DOWN_INPUT_GROUP,
     FP8_DTYPE,
     FP8_MAX,
     dequantize,
     dequantize_activations,
+    down_input_group,
     fp8_block_k,
     fp8_k_loop,
     per_channel_block,
@@ -163,6 +167,80 @@ def test_triton_fp8_activations(
     assert_close(out, fused_moe_reference(*args, **scales, fp8_activations=True), rel=TOLERANCE[dtype])
 
 
+# per-channel experts with I wider than DOWN_INPUT_GROUP: the down GEMM's input in 128-column groups,
+# quantized by the gate/up epilogue (BLOCK_N = 128) or by its own launch (BLOCK_N = 64), K steps of 128
+# or cut from 256 to the group
+PER_CHANNEL_WIDE_I = [
+    MoeKernelConfig(16, 128, 128, 1, 4, 2),  # the epilogue quantizes
+    MoeKernelConfig(16, 64, 128, 1, 4, 2),  # a separate launch quantizes
+    MoeKernelConfig(16, 128, 256, 1, 4, 2),  # the down K step cut to 128
+]
+
+
+@pytest.mark.parametrize("config", PER_CHANNEL_WIDE_I)
+def test_per_channel_down_input_in_128_column_groups(triton_device, poison_allocations, config):
+    # tolerance: TOLERANCE[bfloat16] against the reference, which quantizes the down input in the
+    # same groups (`down_input_group`); I = 320 makes the last group ragged (64 columns)
+    block = per_channel_block(64, 320)
+    assert down_input_group(block, 320) == DOWN_INPUT_GROUP == 128
+    args, scales, _ = fp8_inputs(9, 64, 320, 4, 2, torch.bfloat16, triton_device, block)
+    out = fused_moe_triton(*args, config, **scales, fp8_activations=True)
+    assert_close(out, fused_moe_reference(*args, **scales, fp8_activations=True), rel=TOLERANCE[torch.bfloat16])
+    # the reference with one scale per token differs: the groups are what the kernels use
+    per_token = fused_moe_reference(*args, **scales, fp8_activations=True, down_group=320)
+    assert not torch.equal(per_token, fused_moe_reference(*args, **scales, fp8_activations=True))
+
+
+def test_the_gate_up_epilogue_quantizes_as_the_separate_launch_does(triton_device, monkeypatch):
+    """The same bits whether the gate/up tile quantizes its product or a launch of the activation
+    quantizer does (`quantize_rows` is the arithmetic of both), for per-channel groups of 128 and
+    for 32-wide block scales whose last group is ragged (I = 48)."""
+    module = importlib.import_module("kernels.moe.fused_moe")
+    cases = [(per_channel_block(64, 320), 64, 320, MoeKernelConfig(16, 128, 128, 1, 4, 2)),
+             ((16, 32), 40, 48, MoeKernelConfig(32, 32, 16, 1, 4, 2))]
+    for block, hidden, intermediate, config in cases:
+        assert module.gate_up_writes_whole_groups(config.block_size_n, down_input_group(block, intermediate),
+                                                  intermediate)
+        args, scales, _ = fp8_inputs(11, hidden, intermediate, 4, 2, torch.float32, triton_device, block)
+        fused = fused_moe_triton(*args, config, **scales, fp8_activations=True)
+        with monkeypatch.context() as patch:
+            patch.setattr(module, "gate_up_writes_whole_groups", lambda *unused: False)
+            separate = fused_moe_triton(*args, config, **scales, fp8_activations=True)
+        assert torch.equal(fused, separate)
+
+
+def test_which_gate_up_tiles_quantize_their_product(monkeypatch):
+    from kernels.moe.fused_moe import gate_up_writes_whole_groups
+
+    assert gate_up_writes_whole_groups(128, 128, 768)  # the prefill tile, per-channel groups
+    assert not gate_up_writes_whole_groups(64, 128, 768)  # half a group per tile (decode tiles)
+    assert not gate_up_writes_whole_groups(256, 128, 768)  # two groups per tile
+    assert gate_up_writes_whole_groups(64, 64, 48)  # one tile spans I, and one group
+    assert not gate_up_writes_whole_groups(32, 64, 48)  # two tiles share the row's one scale
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "moe_gate_up_quantizes")
+    assert not gate_up_writes_whole_groups(128, 128, 768)  # switched off: a launch quantizes
+
+
+def test_down_input_groups(monkeypatch):
+    assert down_input_group((128, 128), 768) == 128  # block scales: the weights' block
+    assert down_input_group((1, 1024), 768) == DOWN_INPUT_GROUP  # per-channel, I wider than a group
+    assert down_input_group((1, 128), 96) == 128  # per-channel, I within one group: per token
+    monkeypatch.setenv("VLM_CATALOG_FP8_FAST_ACCUMULATION", "1")
+    assert down_input_group((1, 1024), 768) == 1024  # the sums stay in the tensor core: per token
+
+
+def test_per_channel_down_input_per_token_under_fast_accumulation(triton_device, monkeypatch):
+    # tolerance: TOLERANCE[bfloat16] against the reference with one scale per token, the recipe
+    # fast accumulation keeps (its sums cannot be scaled per K step)
+    monkeypatch.setenv("VLM_CATALOG_FP8_FAST_ACCUMULATION", "1")
+    block = per_channel_block(64, 320)
+    args, scales, _ = fp8_inputs(9, 64, 320, 4, 2, torch.bfloat16, triton_device, block)
+    out = fused_moe_triton(*args, MoeKernelConfig(16, 128, 128, 1, 4, 2), **scales, fp8_activations=True)
+    expected = fused_moe_reference(*args, **scales, fp8_activations=True)
+    assert torch.equal(expected, fused_moe_reference(*args, **scales, fp8_activations=True, down_group=block[1]))
+    assert_close(out, expected, rel=TOLERANCE[torch.bfloat16])
+
+
 def test_fp8_activations_quantize_per_token_group():
     values = torch.randn(5, 40) * torch.arange(1, 6)[:, None]  # rows of different ranges
     quantized, scale = quantize_activations(values, 16)
@@ -236,6 +314,26 @@ def test_triton_rejects_bad_fp8_arguments(triton_device):
 # quantizer matches the torch one code for code). 1e-2 is below that floor (T=4096 measured
 # 1.03e-2); 3e-2 is just above the reference's own spread.
 W8A8_MODEL_SHAPES_TOLERANCE = 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.fast_path("moe_gate_up_quantizes")
+@pytest.mark.parametrize("num_tokens", [256, 4096])
+def test_gpu_the_gate_up_epilogue_quantizes_as_the_separate_launch_does(cuda_device, monkeypatch, num_tokens):
+    # Qwen3-VL-30B-A3B's per-channel W8A8 experts on the prefill tile (128 x 128 x 128): the gate/up
+    # epilogue's FP8 product against a launch of the activation quantizer on the 16-bit product
+    # (the same arithmetic, `quantize_rows`). Tolerance 1e-2 of max |launch's|: the same sums,
+    # rounded the same way, unless the compiler orders the epilogue's float32 steps otherwise and
+    # an e4m3 value lands one step apart; the reference comparison is test_gpu_fp8_experts_model_shapes.
+    from kernels.moe.configs import MoeKernelConfig
+
+    args, scales, _ = fp8_inputs(num_tokens, 2048, 768, 128, 8, torch.bfloat16, cuda_device,
+                                 per_channel_block(2048, 768))
+    config = MoeKernelConfig(128, 128, 128, 1, 8, 3)
+    fused = fused_moe_triton(*args, config, **scales, fp8_activations=True)
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "moe_gate_up_quantizes")
+    separate = fused_moe_triton(*args, config, **scales, fp8_activations=True)
+    assert_close(fused, separate, rel=1e-2)
 
 
 @pytest.mark.gpu

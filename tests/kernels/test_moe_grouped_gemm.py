@@ -130,6 +130,17 @@ def test_per_channel_w8a8_experts_match_the_reference(monkeypatch, fast):
     assert_close(fused_moe_grouped_gemm(*args, **scales), fused_moe_reference(*args, **scales), rel=1e-2)
 
 
+def test_per_channel_w8a8_down_input_is_quantized_per_token(monkeypatch):
+    # tolerance: 1e-2 against the reference quantizing the down input per token, as this path does;
+    # with I = 320 the Triton kernels' recipe (128-column groups) is another reference
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_stand_in, raising=False)
+    args, scales, _ = fp8_inputs(41, 64, 320, 8, 2, torch.bfloat16, "cpu", per_channel_block(64, 320))
+    scales["fp8_activations"] = True
+    per_token = fused_moe_reference(*args, **scales, down_group=grouped_gemm.per_token_down_group(args[2]))
+    assert not torch.equal(per_token, fused_moe_reference(*args, **scales))
+    assert_close(fused_moe_grouped_gemm(*args, **scales), per_token, rel=1e-2)
+
+
 def test_formats_it_does_not_take_are_refused_by_name():
     args, scales, _ = fp8_inputs(8, 64, 32, 8, 2, torch.bfloat16, "cpu", (32, 32))  # block scales
     assert expert_format(args[1], scales["block_shape"], fp8_activations=True) is None
@@ -155,10 +166,9 @@ def test_it_runs_only_where_asked(monkeypatch):
 
 @pytest.fixture
 def hopper_here(monkeypatch):
-    """The dispatch's device test passes on CPU, the Triton path is the reference, and the
-    grouped path is asked for: what is left to decide is the size and the first-call check."""
+    """The dispatch's device test passes on CPU and the grouped path is asked for: what is left
+    to decide is the size and the first-call check (against the reference)."""
     monkeypatch.setattr(grouped_gemm, "device_supported", lambda device, kind: True)
-    monkeypatch.setattr(FUSED_MOE_MODULE, "fused_moe_triton", lambda *a, **k: fused_moe_reference(*a, **k))
     monkeypatch.setenv(MOE_GEMM_ENV_VAR, "grouped_mm")
 
 
@@ -179,7 +189,7 @@ def test_a_mismatch_or_an_error_keeps_the_triton_path_with_a_warning(hopper_here
     monkeypatch.setattr(grouped_gemm, "fused_moe_grouped_gemm", lambda *a, **k: torch.zeros(a[0].shape))
     with caplog.at_level(logging.WARNING, logger="kernels.moe.grouped_gemm"):
         assert not grouped_gemm_wanted(hidden, w13, w2, None, None, None, False)
-    assert "from the Triton kernels, above 0.01" in caplog.text
+    assert "from the reference, above 0.01" in caplog.text
     grouped_gemm._checked.clear()
 
     def refuse(*args, **kwargs):
@@ -223,12 +233,14 @@ def test_gpu_grouped_gemm_model_shapes(cuda_device, num_tokens, per_channel_w8a8
         args, scales, _ = fp8_inputs(num_tokens, 2048, 768, 128, 8, torch.bfloat16, cuda_device,
                                      per_channel_block(2048, 768))
         scales["fp8_activations"] = True
+        recipe = dict(down_group=grouped_gemm.per_token_down_group(args[2]))  # the down input per token, as here
     else:
         args, scales = moe_inputs(num_tokens, 2048, 768, 128, 8, torch.bfloat16, cuda_device), {}
-    expected = fused_moe_reference(*args, **scales)
+        recipe = {}
+    expected = fused_moe_reference(*args, **scales, **recipe)
     rel = W8A8_MODEL_SHAPES_TOLERANCE if per_channel_w8a8 else 1e-2
     if per_channel_w8a8:
-        on_cpu = {key: value.cpu() if torch.is_tensor(value) else value for key, value in scales.items()}
+        on_cpu = {key: value.cpu() if torch.is_tensor(value) else value for key, value in dict(scales, **recipe).items()}
         spread = relative_error(expected, fused_moe_reference(*(arg.cpu() for arg in args), **on_cpu))
         rel = max(rel, 1.5 * spread)
     assert_close(fused_moe_grouped_gemm(*args, **scales), expected, rel=rel)
