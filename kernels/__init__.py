@@ -12,7 +12,7 @@ shadow the same-named submodules: import the variants with
 """
 
 from kernels.activation import silu_and_mul
-from kernels.fp8_linear import fp8_linear
+from kernels.fp8_linear import fp8_linear, fp8_linear_rows
 from kernels.kv_cache import PackedContexts, kv_layout, reshape_and_cache, zeros_paged_cache
 from kernels.linear_gelu import linear_gelu_tanh
 from kernels.moe import (
@@ -45,6 +45,7 @@ __all__ = [
     "add_rms_norm_route",
     "add_rms_norm_router",
     "fp8_linear",
+    "fp8_linear_rows",
     "fused_add_rms_norm",
     "fused_moe",
     "fused_sum_add_rms_norm",

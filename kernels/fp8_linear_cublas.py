@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -147,29 +148,38 @@ def _matches_reference(dtype: torch.dtype, weight: torch.Tensor, weight_scale: t
 
 
 def cublas_operands(
-    flat: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int]
+    flat: torch.Tensor | Sequence[torch.Tensor], weight: torch.Tensor, weight_scale: torch.Tensor,
+    block: tuple[int, int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(a, scale_a, b, scale_b) for `F.scaled_mm` from x [M, K] and W [N, K] with its scales
-    [ceil(N/128), ceil(K/128)] (per-channel: [N, 1]), laid out as the module doc says."""
-    rows, in_features = flat.shape
+    [ceil(N/128), ceil(K/128)] (per-channel: [N, 1]), laid out as the module doc says. x may
+    come as consecutive pieces of its rows ([M_i, K], unit column stride): each is quantized
+    into its rows of `a` where it lies, so x is never stacked in 16 bits."""
+    pieces = [flat] if isinstance(flat, torch.Tensor) else list(flat)
+    rows, in_features = sum(piece.shape[0] for piece in pieces), pieces[0].shape[1]
+    device = pieces[0].device
     per_row = row_wise(block, in_features)
     k_blocks = weight_scale.shape[1]
     padded_rows = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
-    quantized = torch.empty((padded_rows, in_features), dtype=FP8_DTYPE, device=flat.device)  # [M4, K]
+    quantized = torch.empty((padded_rows, in_features), dtype=FP8_DTYPE, device=device)  # [M4, K]
     if per_row:
-        scale = torch.empty((padded_rows, 1), dtype=torch.float32, device=flat.device)  # [M4, 1], unit strides
+        scale = torch.empty((padded_rows, 1), dtype=torch.float32, device=device)  # [M4, 1], unit strides
     else:
-        scale = torch.empty((k_blocks, padded_rows), dtype=torch.float32, device=flat.device).t()  # [M4, Kb], M-major
+        scale = torch.empty((k_blocks, padded_rows), dtype=torch.float32, device=device).t()  # [M4, Kb], M-major
     if padded_rows > rows:
         quantized[rows:].zero_()
         scale[rows:].fill_(1.0)
     group = in_features if per_row else block[1]  # one scale per token, or per token and 128 columns
-    if flat.is_cuda:
-        quantize_activations_triton(flat, group, quantized[:rows], scale[:rows])
-    else:  # CPU: only tests get here (with a stand-in for F.scaled_mm)
-        reference_quantized, reference_scale = quantize_activations_reference(flat, group)
-        quantized[:rows].copy_(reference_quantized)
-        scale[:rows].copy_(reference_scale)
+    start = 0
+    for piece in pieces:
+        end = start + piece.shape[0]
+        if piece.is_cuda:
+            quantize_activations_triton(piece, group, quantized[start:end], scale[start:end])
+        else:  # CPU: only tests get here (with a stand-in for F.scaled_mm)
+            reference_quantized, reference_scale = quantize_activations_reference(piece, group)
+            quantized[start:end].copy_(reference_quantized)
+            scale[start:end].copy_(reference_scale)
+        start = end
     if per_row:
         return quantized, scale, weight.t(), weight_scale.t()  # scale_a [M4, 1], b [K, N], scale_b [1, N]
     padded_k_blocks = -(-k_blocks // 4) * 4
@@ -179,26 +189,29 @@ def cublas_operands(
 
 
 def fp8_linear_cublas(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
-    block: tuple[int, int],
+    x: torch.Tensor | Sequence[torch.Tensor], weight: torch.Tensor, weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None, *, block: tuple[int, int],
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype: W8A8 with 1x128 / 128x128 scales on cuBLAS, or
-    row-wise ones for per-channel weights (`row_wise`)."""
+    row-wise ones for per-channel weights (`row_wise`). x may be consecutive pieces of its rows
+    ([M_i, K] each, `cublas_operands`): then [sum M_i, N]."""
     out_features, in_features = weight.shape
-    flat = x.reshape(-1, in_features)  # [M, K]
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    rows = flat.shape[0]
+    if isinstance(x, torch.Tensor):
+        pieces, out_shape = [x.reshape(-1, in_features)], (*x.shape[:-1], out_features)  # [M, K]
+    else:  # consecutive row pieces [M_i, K] of x [M, K]
+        pieces, out_shape = list(x), (sum(piece.shape[0] for piece in x), out_features)
+    pieces = [piece if piece.stride(-1) == 1 else piece.contiguous() for piece in pieces]
+    dtype, rows = pieces[0].dtype, sum(piece.shape[0] for piece in pieces)
     if rows == 0:
-        return x.new_empty(*x.shape[:-1], out_features)
-    a, scale_a, b, scale_b = cublas_operands(flat, weight, weight_scale, block)
+        return pieces[0].new_empty(out_shape)
+    a, scale_a, b, scale_b = cublas_operands(pieces, weight, weight_scale, block)
     scaling = F.ScalingType
     if row_wise(block, in_features):
         recipe_a, recipe_b = scaling.RowWise, scaling.RowWise
     else:
         recipe_a, recipe_b = scaling.BlockWise1x128, scaling.BlockWise128x128
-    out = F.scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=x.dtype,
+    out = F.scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=dtype,
                       use_fast_accum=_fast_accumulation(block, in_features))[:rows]  # [M, N]
     if bias is not None:  # added in float32 as the reference does (one more rounding)
-        out = (out.float() + bias.float()).to(x.dtype)
-    return out.view(*x.shape[:-1], out_features)  # [..., N]
+        out = (out.float() + bias.float()).to(dtype)
+    return out.view(*out_shape)  # [..., N]

@@ -118,6 +118,41 @@ def test_the_documented_gemm_on_these_operands_matches_the_reference(
     assert cublas.fp8_linear_cublas(x[:0], weight, scale, block=block).shape == (0, out_features)
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_row_pieces_give_the_bits_of_their_stack(hopper, per_channel):
+    """A step's decode rows and prefill rows, quantized where they lie into one GEMM input: the
+    same answer, bit for bit, as the stacked input (7 + 6 rows: the padding rows follow both)."""
+    block = per_channel_block(256) if per_channel else BLOCK
+    x, weight, scale = inputs(13, 256, 384, torch.bfloat16, block)
+    pieces = [x[:7], x[7:]]
+    stacked = cublas.fp8_linear_cublas(x, weight, scale, block=block)
+    assert torch.equal(cublas.fp8_linear_cublas(pieces, weight, scale, block=block), stacked)
+    for got, want in zip(cublas.cublas_operands(pieces, weight, scale, block), cublas.cublas_operands(x, weight, scale,
+                                                                                                         block)):
+        assert torch.equal(got.float(), want.float()) and got.stride() == want.stride()
+    assert cublas.fp8_linear_cublas([x[:0], x[:0]], weight, scale, block=block).shape == (0, 384)
+
+
+def test_fp8_linear_rows_quantizes_pieces_only_where_cublas_runs(monkeypatch):
+    dense = importlib.import_module("kernels.fp8_linear")
+    x, weight, scale = inputs(8, 256, 384)
+    pieces = [x[:3], x[3:]]
+    taken = []
+    monkeypatch.setattr(dense, "use_triton", lambda *tensors, op: True)
+    monkeypatch.setattr(cublas, "usable", lambda *args: True)
+    monkeypatch.setattr(cublas, "fp8_linear_cublas", lambda rows, *args, block: taken.append(("cublas", rows)) or "c")
+    monkeypatch.setattr(dense, "fp8_linear_triton", lambda rows, *args: taken.append(("triton", rows)) or "t")
+    assert kernels.fp8_linear_rows(pieces, weight, scale, BLOCK, fp8_activations=True) == "c"
+    assert taken.pop()[1] is pieces  # the pieces as they are
+    assert kernels.fp8_linear_rows(pieces, weight, scale, BLOCK, fp8_activations=False) == "t"  # W8A16
+    assert torch.equal(taken.pop()[1], x)  # stacked first
+    monkeypatch.setattr(cublas, "usable", lambda *args: False)
+    assert kernels.fp8_linear_rows(pieces, weight, scale, BLOCK, fp8_activations=True) == "t"
+    assert torch.equal(taken.pop()[1], x)
+    with pytest.raises(ValueError, match="at least one piece"):
+        kernels.fp8_linear_rows([], weight, scale, BLOCK)
+
+
 def test_the_first_call_check_runs_once_per_shape(hopper, monkeypatch):
     calls = []
 

@@ -70,8 +70,15 @@ class PagedAttention(AttentionBackend):
         self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         qk_norm_rope: kernels.QKNormRope | None = None,
     ) -> torch.Tensor:
+        outputs = self.attend_rows(layer_index, q, k, v, scale, qk_norm_rope)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def attend_rows(
+        self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+        qk_norm_rope: kernels.QKNormRope | None = None,
+    ) -> list[torch.Tensor]:
         """The decode rows (first) in one fused launch, with `qk_norm_rope` applied inside it where
-        the kernel can (one launch less per layer), then the prefill rows."""
+        the kernel can (one launch less per layer), then the prefill rows: one piece each."""
         k_cache, v_cache = self.kv_caches[layer_index]
         decode, prefill = self.metadata.decode, self.metadata.prefill
         outputs = []
@@ -92,7 +99,7 @@ class PagedAttention(AttentionBackend):
                 prefill.context_lens, scale, max_query_len=prefill.max_query_len,
                 new_kv=(k_rest, v[split:]), host_lens=prefill.host_lens, contexts=self.prefill_contexts,
             ))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return outputs
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

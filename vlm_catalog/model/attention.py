@@ -34,6 +34,16 @@ class AttentionBackend(ABC):
         `qk_norm_rope`: q and k are raw, and get it first (what k is stored as included); a
         backend may apply it inside its attention kernel."""
 
+    def attend_rows(
+        self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+        qk_norm_rope: kernels.QKNormRope | None = None,
+    ) -> list[torch.Tensor]:
+        """`attend`'s answer as consecutive pieces of its rows ([T_i, Hq, D], in order; stacked they
+        are `attend`'s). A backend whose rows come from several kernels returns them apart, so
+        that a consumer that copies its input anyway (the W8A8 o_proj quantizes it) reads each
+        where it lies instead of a stacked copy. Here: one piece."""
+        return [self.attend(layer_index, q, k, v, scale, qk_norm_rope)]
+
 
 class ContiguousKVCache(AttentionBackend):
     """Unpaged per-sequence KV cache. Call `plan` before each model forward."""

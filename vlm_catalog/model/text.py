@@ -101,8 +101,9 @@ class TextAttention(nn.Module):
         # per-head RMSNorm and MRoPE of q and k, applied by the backend (a decode kernel may fuse it)
         qk_norm_rope = kernels.QKNormRope(self.q_norm.weight, self.k_norm.weight, positions, inv_freq,
                                           self.mrope_section, self.eps)
-        out = attention.attend(self.layer_index, q, k, v, self.scale, qk_norm_rope)  # [T, Hq, D]
-        return project(self.o_proj, out.reshape(num_tokens, self.q_size))  # [T, Hq * D] -> [T, H]
+        pieces = attention.attend_rows(self.layer_index, q, k, v, self.scale, qk_norm_rope)  # [T_i, Hq, D] each
+        rows = [piece.reshape(piece.shape[0], self.q_size) for piece in pieces]  # [T_i, Hq, D] -> [T_i, Hq * D]
+        return project_rows(self.o_proj, rows)  # [T, Hq * D] -> [T, H]
 
 
 def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -111,6 +112,14 @@ def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(layer) is nn.Linear:
         return kernels.skinny_linear(x, layer.weight, layer.bias)
     return layer(x)
+
+
+def project_rows(layer: nn.Module, rows: list[torch.Tensor]) -> torch.Tensor:
+    """`project` of the row pieces stacked ([T_i, K] each -> [T, N]): an `Fp8Linear` takes them as
+    they are (`kernels.fp8_linear_rows`), anything else their concatenation."""
+    if len(rows) > 1 and isinstance(layer, Fp8Linear):
+        return layer.forward_rows(rows)
+    return project(layer, rows[0] if len(rows) == 1 else torch.cat(rows))
 
 
 def _frozen(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -161,6 +170,12 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias, fp8_activations=True)
+
+    def forward_rows(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        """`forward` of consecutive row pieces [T_i, K] stacked, without stacking them where the
+        GEMM quantizes them anyway: [T, N]."""
+        return kernels.fp8_linear_rows(rows, self.weight, self.weight_scale, self.block, self.bias,
+                                       fp8_activations=True)
 
 
 class DenseMLP(nn.Module):
