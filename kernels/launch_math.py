@@ -7,6 +7,8 @@ made about ten such calls, each eager step 48 times over. These give the same re
 non-negative integers launch code passes (tests/kernels/test_launch_math.py).
 """
 
+import functools
+
 
 def cdiv(numerator: int, denominator: int) -> int:
     """`numerator / denominator` rounded up, as `triton.cdiv`."""
@@ -18,9 +20,10 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+@functools.cache
 def triton_dtype(dtype):
     """The `triton.language` dtype of a torch floating dtype, for a dtype constexpr (a kernel that
-    rounds to a dtype none of its pointers has)."""
+    rounds to a dtype none of its pointers has); cached, as every launch asks."""
     import torch
     import triton.language as tl
 

@@ -17,3 +17,15 @@ def test_cdiv_matches_triton():
     for numerator in [*range(0, 300), 27_000, 32_768, 151_936]:
         for denominator in (1, 2, 3, 16, 64, 128, 256, 1000):
             assert cdiv(numerator, denominator) == triton.cdiv(numerator, denominator), (numerator, denominator)
+
+
+def test_triton_dtypes_of_the_float_dtypes_and_a_clear_error_otherwise():
+    import torch
+    import triton.language as tl
+
+    from kernels.launch_math import triton_dtype
+
+    assert [triton_dtype(dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)] == [
+        tl.float32, tl.bfloat16, tl.float16]
+    with pytest.raises(ValueError, match="no Triton dtype for torch.int32"):
+        triton_dtype(torch.int32)
