@@ -299,3 +299,17 @@ def test_gpu_cublas_replays_in_a_cuda_graph(cuda_device):
     graph.replay()
     torch.cuda.synchronize()
     assert_close(captured, eager, rel=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_gpu_row_pieces_give_the_bits_of_their_stack(cuda_device, per_channel):
+    # o_proj of Qwen3-VL-30B-A3B in a mixed step: 256 decode rows, then 3,001 prefill rows (the
+    # padding follows both). Exact: the pieces are quantized into the same operands, bit for bit.
+    on_hopper(cuda_device)
+    block = per_channel_block(4096) if per_channel else BLOCK
+    x, weight, scale = (t.to(cuda_device) for t in inputs(3257, 4096, 2048, block=block))
+    pieces = [x[:256], x[256:]]
+    assert cublas.usable(x, weight, scale, block)
+    assert torch.equal(kernels.fp8_linear_rows(pieces, weight, scale, block, fp8_activations=True),
+                       cublas.fp8_linear_cublas(x, weight, scale, block=block))
