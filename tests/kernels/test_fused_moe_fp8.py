@@ -329,7 +329,7 @@ def test_gpu_the_gate_up_epilogue_quantizes_as_the_separate_launch_does(cuda_dev
 
     args, scales, _ = fp8_inputs(num_tokens, 2048, 768, 128, 8, torch.bfloat16, cuda_device,
                                  per_channel_block(2048, 768))
-    config = MoeKernelConfig(128, 128, 128, 1, 8, 3)
+    config = MoeKernelConfig(128, 128, 128, 1, 8, 4)
     fused = fused_moe_triton(*args, config, **scales, fp8_activations=True)
     monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "moe_gate_up_quantizes")
     separate = fused_moe_triton(*args, config, **scales, fp8_activations=True)
