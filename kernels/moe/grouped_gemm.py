@@ -20,7 +20,8 @@ Formats:
 - bf16 experts: `torch._grouped_mm`.
 - per-channel W8A8 experts (`--quantization fp8_w8a8_channel`: one scale per weight
   row, `per_channel_experts`, FP8 activations): `torch._scaled_grouped_mm` with
-  row-wise scales, one per token (the rows quantized per token, `quantize_activations`)
+  row-wise scales, one per token (the rows quantized per token, `quantize_activations`;
+  the down GEMM's input too, where the Triton kernels take one scale per 128 columns)
   and one per weight row; `use_fast_accum` only under VLM_CATALOG_FP8_FAST_ACCUMULATION,
   as the Triton kernels and cuBLAS's row-wise recipe accumulate.
 Both round each GEMM's result to bf16 and multiply the routing weights in bf16, as
@@ -40,8 +41,9 @@ When it runs (`grouped_gemm_wanted`): `VLM_CATALOG_MOE_GEMM=grouped_mm`, bf16 hi
 states on a CUDA device of compute capability 9.x whose torch has the op, a format
 above, at least GROUPED_GEMM_MIN_TOKENS tokens, no CUDA graph being captured, and
 not turned off (`VLM_CATALOG_KERNELS_OFF=moe_grouped_gemm`). The first call for each
-(device, weight shapes, format) checks it against the Triton path on PROBE_TOKENS
-tokens; an error or a mismatch logs a warning and that shape keeps the Triton path.
+(device, weight shapes, format) checks it against `fused_moe_reference` on its own
+recipe (`per_token_down_group`) on PROBE_TOKENS tokens; an error or a mismatch logs a
+warning and that shape keeps the Triton path.
 """
 
 from __future__ import annotations
