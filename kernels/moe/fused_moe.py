@@ -129,6 +129,8 @@ def fused_moe_reference(
     order = torch.argsort(ids_by_slot, stable=True)
     experts, counts = torch.unique_consecutive(ids_by_slot[order], return_counts=True)
     pair_out = hidden.new_empty((top_k * num_tokens, hidden.shape[1]))  # [K*T, H], row j*T + t
+    if block_shape is not None and down_group is None:  # the Triton path's groups, one lookup for every expert
+        down_group = down_input_group(block_shape, w2.shape[2])
     for expert, pairs in zip(experts.tolist(), torch.split(order, counts.tolist())):
         tokens, slots = pairs % num_tokens, pairs // num_tokens
         if block_shape is None:
@@ -141,8 +143,7 @@ def fused_moe_reference(
             inputs = gemm_input(hidden[tokens], block_shape[1], fp8_activations)
             gate, up = F.linear(inputs, gate_up_weight).to(hidden.dtype).chunk(2, dim=-1)
             activated = F.silu(gate) * up  # [n, I]
-            group = down_group or down_input_group(block_shape, activated.shape[1])
-            down = F.linear(gemm_input(activated, group, fp8_activations), down_weight).to(hidden.dtype)
+            down = F.linear(gemm_input(activated, down_group, fp8_activations), down_weight).to(hidden.dtype)
         rows = ascending[tokens, slots] * num_tokens + tokens
         pair_out[rows] = down * weights[tokens, slots, None]  # [n, H]
     per_rank = pair_out.view(top_k, num_tokens, -1)  # [K, T, H], experts in ascending id
