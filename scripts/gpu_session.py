@@ -395,9 +395,12 @@ def _run_step(step: Step, command: list[str], limit: float, out: Path, log, env,
     log.flush()
     lines: list[str] = []
     started = time.monotonic()
-    # its own process group, so a step stopped at its limit takes its children (compile workers) along
+    # its own process group, so a step stopped at its limit takes its children (compile workers) along;
+    # SIGINT as in a terminal, so the first stop signal works where this session was started with it
+    # ignored (a shell's background job: `nohup ... &`), as it would not otherwise (a step then ran on
+    # for SIGINT's whole grace, without pytest's summary)
     process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
+                               text=True, start_new_session=True, preexec_fn=_default_sigint)
     stopped = threading.Event()
 
     def stop() -> None:
@@ -420,6 +423,12 @@ def _run_step(step: Step, command: list[str], limit: float, out: Path, log, env,
     status = "timeout" if stopped.is_set() else ("ok" if process.returncode == 0 else "failed")
     print(f"[gpu_session] {step.name}: {status} in {seconds:.0f} s (exit {process.returncode})", flush=True)
     return StepResult(step.name, status, seconds, process.returncode, limit, command)
+
+
+def _default_sigint() -> None:
+    """In a step's child, before it starts: SIGINT's default action (a Python child then installs its
+    KeyboardInterrupt handler), whatever this process inherited."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _stop_group(process: subprocess.Popen) -> None:

@@ -108,6 +108,21 @@ def test_a_silent_step_is_stopped_too(session, tmp_path):
     assert results[0].status == "timeout" and results[0].seconds < 15
 
 
+def test_sigint_stops_a_step_even_where_the_session_was_started_with_it_ignored(session, tmp_path):
+    """A shell's background job (`nohup ... &`) starts with SIGINT ignored, which its children
+    inherit: a step would then run on through SIGINT's whole grace (15 s) until SIGTERM."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        results = session.run_plan([python_step(session, "sleeps", "import time; time.sleep(60)", max_s=1.5)],
+                                   budget_s=30, out=tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert results[0].status == "timeout" and results[0].seconds < 10
+    assert "KeyboardInterrupt" in (tmp_path / "session.log").read_text()
+
+
 def test_steps_never_run_past_the_budget_and_skip_below_their_minimum(session, tmp_path):
     steps = [
         python_step(session, "long", "import time; time.sleep(60)", max_s=100),
