@@ -12,11 +12,13 @@ shadow the same-named submodules: import the variants with
 """
 
 from kernels.activation import silu_and_mul
-from kernels.fp8_linear import fp8_linear, fp8_linear_rows
+from kernels.fp8_input import Fp8Input, Fp8InputLayout
+from kernels.fp8_linear import fp8_linear, fp8_linear_input_layout, fp8_linear_rows
 from kernels.kv_cache import PackedContexts, kv_layout, reshape_and_cache, zeros_paged_cache
 from kernels.linear_gelu import linear_gelu_tanh
 from kernels.moe import (
     fused_moe,
+    fused_moe_input_layout,
     moe_align_block_size,
     moe_gemm_config,
     route_topk,
@@ -40,14 +42,18 @@ from kernels.varlen_attention import varlen_attention
 from kernels.vision_rotary import vision_rotary
 
 __all__ = [
+    "Fp8Input",
+    "Fp8InputLayout",
     "PackedContexts",
     "QKNormRope",
     "add_rms_norm_route",
     "add_rms_norm_router",
     "fp8_linear",
+    "fp8_linear_input_layout",
     "fp8_linear_rows",
     "fused_add_rms_norm",
     "fused_moe",
+    "fused_moe_input_layout",
     "fused_sum_add_rms_norm",
     "gathered_sum_add_rms_norm",
     "kv_layout",

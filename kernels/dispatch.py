@@ -83,6 +83,9 @@ FAST_PATHS = frozenset({
     # the fused MoE's gate/up epilogue writes the down GEMM's FP8 input where its tile holds one
     # group (off: a quantize_activations launch between the GEMMs; kernels/moe/fused_moe.py)
     "moe_gate_up_quantizes",
+    # the RMSNorm before a W8A8 GEMM (q/k/v on cuBLAS, the fused MoE) writes that GEMM's FP8 input
+    # itself (off: the norm writes 16 bits, the GEMM quantizes them; kernels/fp8_input.py)
+    "norm_quantizes",
 })
 FP8_FAST_ACCUMULATION_ENV_VAR = "VLM_CATALOG_FP8_FAST_ACCUMULATION"
 AUTO_DEVICE_TYPES = ("cuda",)  # where `auto` picks Triton; a test adds "cpu" to run the GPU choices interpreted

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels import fp8_linear_cublas
+from kernels import fp8_input, fp8_linear_cublas
 from kernels.attention_common import dot_precision
 from kernels.checks import (
     FLOAT_DTYPES,
@@ -44,13 +44,14 @@ from kernels.fp8 import (
     imprecise_accumulation,
     quantize_activations,
 )
+from kernels.fp8_input import Fp8Input, Fp8InputLayout
 from kernels.launch_math import cdiv
 from kernels.moe.configs import MoeKernelConfig, as_moe_config
 from kernels.pdl import launch_options
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Input,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     block: tuple[int, int],
@@ -58,12 +59,41 @@ def fp8_linear(
     fp8_activations: bool = False,
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype, for W [N, K] e4m3 and its block scales. W8A8 on a
-    Hopper GPU runs on cuBLAS where it passed its check (kernels/fp8_linear_cublas.py)."""
+    Hopper GPU runs on cuBLAS where it passed its check (kernels/fp8_linear_cublas.py). x may
+    come quantized already (`Fp8Input` [M, K], in `fp8_linear_input_layout`): then [M, N]."""
+    if isinstance(x, Fp8Input):
+        return _fp8_linear_quantized(x, weight, weight_scale, block, bias)
     if use_triton(x, weight, op="fp8_linear"):
         if fp8_activations and fp8_linear_cublas.usable(x, weight, weight_scale, block):
             return fp8_linear_cublas.fp8_linear_cublas(x, weight, weight_scale, bias, block=block)
         return fp8_linear_triton(x, weight, weight_scale, block, bias, fp8_activations)
     return fp8_linear_reference(x, weight, weight_scale, block, bias, fp8_activations)
+
+
+def fp8_linear_input_layout(
+    like: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int]
+) -> Fp8InputLayout | None:
+    """How the W8A8 GEMM of an input like `like` (its dtype and device) takes that input quantized
+    by the kernel before it (kernels/fp8_input.py): where it runs on cuBLAS, cuBLAS's layout;
+    elsewhere None (it quantizes its 16-bit input itself)."""
+    if not (fp8_input.wanted() and use_triton(like, weight, op="fp8_linear")
+            and fp8_linear_cublas.usable(like, weight, weight_scale, block)):
+        return None
+    return fp8_linear_cublas.input_layout(block, weight.shape[1])
+
+
+def _fp8_linear_quantized(
+    x: Fp8Input, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int],
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """W8A8 of rows quantized ahead: cuBLAS where it is usable, as `fp8_linear_input_layout` promised;
+    anywhere else (it was turned off since) the reference's arithmetic on the same FP8 values."""
+    like = torch.empty((0, x.shape[1]), dtype=x.dtype, device=x.device)  # x's 16-bit rows, for the checks
+    _check_args(like, weight, weight_scale, block, bias)
+    if use_triton(like, weight, op="fp8_linear") and fp8_linear_cublas.usable(like, weight, weight_scale, block):
+        return fp8_linear_cublas.fp8_linear_cublas(x, weight, weight_scale, bias, block=block)
+    widened = dequantize(weight, weight_scale, tuple(block), torch.float32)  # [N, K]
+    return F.linear(x.dequantized(), widened, None if bias is None else bias.float()).to(x.dtype)  # [M, N]
 
 
 def fp8_linear_rows(

@@ -55,12 +55,8 @@ import torch.nn.functional as F
 from kernels.checks import dtype_name
 from kernels.dispatch import fp8_fast_accumulation, kernels_off
 from kernels.first_call_check import faster_path_agrees
-from kernels.fp8 import (
-    FP8_DTYPE,
-    quantize_activations_reference,
-    quantize_activations_triton,
-    spans_reduction,
-)
+from kernels.fp8 import spans_reduction
+from kernels.fp8_input import Fp8Input, Fp8InputLayout, empty_fp8_input, fill_padding, quantize_into
 
 logger = logging.getLogger(__name__)
 
@@ -147,55 +143,71 @@ def _matches_reference(dtype: torch.dtype, weight: torch.Tensor, weight_scale: t
         logger, against="the reference", replaced="the Triton kernel")
 
 
+def input_layout(block: tuple[int, int], in_features: int) -> Fp8InputLayout:
+    """The FP8 input the GEMM takes (module doc): rows padded to ROW_MULTIPLE; one scale per token
+    (row-wise: [M4, 1], unit strides) or per token and 128 columns ([M4, Kb], row index fastest)."""
+    if row_wise(block, in_features):
+        return Fp8InputLayout(group=in_features, row_multiple=ROW_MULTIPLE)
+    return Fp8InputLayout(group=block[1], row_multiple=ROW_MULTIPLE, scales_row_index_fastest=True)
+
+
 def cublas_operands(
-    flat: torch.Tensor | Sequence[torch.Tensor], weight: torch.Tensor, weight_scale: torch.Tensor,
+    flat: torch.Tensor | Sequence[torch.Tensor] | Fp8Input, weight: torch.Tensor, weight_scale: torch.Tensor,
     block: tuple[int, int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(a, scale_a, b, scale_b) for `F.scaled_mm` from x [M, K] and W [N, K] with its scales
     [ceil(N/128), ceil(K/128)] (per-channel: [N, 1]), laid out as the module doc says. x may
     come as consecutive pieces of its rows ([M_i, K], unit column stride): each is quantized
-    into its rows of `a` where it lies, so x is never stacked in 16 bits."""
-    pieces = [flat] if isinstance(flat, torch.Tensor) else list(flat)
-    rows, in_features = sum(piece.shape[0] for piece in pieces), pieces[0].shape[1]
-    device = pieces[0].device
-    per_row = row_wise(block, in_features)
-    k_blocks = weight_scale.shape[1]
-    padded_rows = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
-    quantized = torch.empty((padded_rows, in_features), dtype=FP8_DTYPE, device=device)  # [M4, K]
-    if per_row:
-        scale = torch.empty((padded_rows, 1), dtype=torch.float32, device=device)  # [M4, 1], unit strides
+    into its rows of `a` where it lies, so x is never stacked in 16 bits. Or x comes quantized
+    already, in `input_layout` (an `Fp8Input` the norm before the GEMM wrote): `a` and `scale_a`
+    are its values and scales."""
+    in_features = weight.shape[1]
+    layout = input_layout(block, in_features)
+    if isinstance(flat, Fp8Input):
+        _check_fp8_input(flat, layout)
+        quantized, scale = flat.values, flat.scale
     else:
-        scale = torch.empty((k_blocks, padded_rows), dtype=torch.float32, device=device).t()  # [M4, Kb], M-major
-    if padded_rows > rows:
-        quantized[rows:].zero_()
-        scale[rows:].fill_(1.0)
-    group = in_features if per_row else block[1]  # one scale per token, or per token and 128 columns
-    start = 0
-    for piece in pieces:
-        end = start + piece.shape[0]
-        if piece.is_cuda:
-            quantize_activations_triton(piece, group, quantized[start:end], scale[start:end])
-        else:  # CPU: only tests get here (with a stand-in for F.scaled_mm)
-            reference_quantized, reference_scale = quantize_activations_reference(piece, group)
-            quantized[start:end].copy_(reference_quantized)
-            scale[start:end].copy_(reference_scale)
-        start = end
-    if per_row:
+        pieces = [flat] if isinstance(flat, torch.Tensor) else list(flat)
+        rows = sum(piece.shape[0] for piece in pieces)
+        quantized, scale = empty_fp8_input(rows, in_features, layout, pieces[0].device)  # [M4, K], [M4, G]
+        fill_padding(quantized, scale, rows)
+        start = 0
+        for piece in pieces:
+            end = start + piece.shape[0]
+            quantize_into(piece, quantized[start:end], scale[start:end], layout.group)
+            start = end
+    if row_wise(block, in_features):
         return quantized, scale, weight.t(), weight_scale.t()  # scale_a [M4, 1], b [K, N], scale_b [1, N]
+    k_blocks = weight_scale.shape[1]
     padded_k_blocks = -(-k_blocks // 4) * 4
     if padded_k_blocks > k_blocks:
         weight_scale = F.pad(weight_scale, (0, padded_k_blocks - k_blocks))  # [Nb, L4]
     return quantized, scale, weight.t(), weight_scale.t()  # b [K, N], scale_b [L4, Nb]
 
 
+def _check_fp8_input(x: Fp8Input, layout: Fp8InputLayout) -> None:
+    """A quantized input must be in the layout this GEMM asked for (a writer's bug otherwise)."""
+    padded = layout.padded_rows(x.rows)
+    expected_strides = (1, padded) if layout.scales_row_index_fastest else (layout.num_groups(x.shape[1]), 1)
+    if (x.group != layout.group or x.values.shape[0] != padded or x.scale.shape[0] != padded
+            or (layout.num_groups(x.shape[1]) > 1 and x.scale.stride() != expected_strides)):
+        raise ValueError(f"x: an FP8 input of group {x.group}, values {tuple(x.values.shape)} and scales "
+                         f"{tuple(x.scale.shape)} with strides {x.scale.stride()}, where cuBLAS takes {layout}")
+
+
 def fp8_linear_cublas(
-    x: torch.Tensor | Sequence[torch.Tensor], weight: torch.Tensor, weight_scale: torch.Tensor,
+    x: torch.Tensor | Sequence[torch.Tensor] | Fp8Input, weight: torch.Tensor, weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None, *, block: tuple[int, int],
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype: W8A8 with 1x128 / 128x128 scales on cuBLAS, or
     row-wise ones for per-channel weights (`row_wise`). x may be consecutive pieces of its rows
-    ([M_i, K] each, `cublas_operands`): then [sum M_i, N]."""
+    ([M_i, K] each, `cublas_operands`), or [M, K] quantized already in `input_layout`: then
+    [M, N] (in the dtype the quantized rows were rounded from)."""
     out_features, in_features = weight.shape
+    if isinstance(x, Fp8Input):
+        if x.rows == 0:
+            return torch.empty((0, out_features), dtype=x.dtype, device=x.device)
+        return _scaled_mm(x, x.rows, x.dtype, (x.rows, out_features), weight, weight_scale, bias, block)
     if isinstance(x, torch.Tensor):
         pieces, out_shape = [x.reshape(-1, in_features)], (*x.shape[:-1], out_features)  # [M, K]
     else:  # consecutive row pieces [M_i, K] of x [M, K]
@@ -204,7 +216,16 @@ def fp8_linear_cublas(
     dtype, rows = pieces[0].dtype, sum(piece.shape[0] for piece in pieces)
     if rows == 0:
         return pieces[0].new_empty(out_shape)
-    a, scale_a, b, scale_b = cublas_operands(pieces, weight, weight_scale, block)
+    return _scaled_mm(pieces, rows, dtype, out_shape, weight, weight_scale, bias, block)
+
+
+def _scaled_mm(
+    x: Sequence[torch.Tensor] | Fp8Input, rows: int, dtype: torch.dtype, out_shape: tuple[int, ...],
+    weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, block: tuple[int, int],
+) -> torch.Tensor:
+    """`F.scaled_mm` on x's operands (`cublas_operands`): [rows, N] in `dtype`, viewed as `out_shape`."""
+    in_features = weight.shape[1]
+    a, scale_a, b, scale_b = cublas_operands(x, weight, weight_scale, block)
     scaling = F.ScalingType
     if row_wise(block, in_features):
         recipe_a, recipe_b = scaling.RowWise, scaling.RowWise

@@ -33,6 +33,7 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import kernels_off, use_triton
+from kernels.fp8_input import Fp8Input, Fp8InputLayout
 from kernels.launch_math import cdiv, next_power_of_2
 from kernels.moe.align import MoeAlignment, empty_alignment, max_padded_pairs
 from kernels.moe.routing import (
@@ -204,32 +205,39 @@ def norms_and_routes_in_one_launch(num_tokens: int) -> bool:
 
 
 def add_rms_norm_router(
-    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
+    quantize: Fp8InputLayout | None = None,
+) -> tuple[torch.Tensor | Fp8Input, torch.Tensor, torch.Tensor]:
     """(x [T, H], residual [T, H]) -> (normed [T, H], new residual x + residual [T, H], router
     logits normed @ gate_weight.T [T, E]): in one launch on the Triton path for decode batches,
-    else `fused_add_rms_norm` (which dispatches itself) and `F.linear`."""
+    else `fused_add_rms_norm` (which dispatches itself) and `F.linear`. `quantize`: the experts'
+    FP8 input layout, which must keep the 16-bit rows (the router reads them); the normed rows
+    then come as that input (`Fp8Input`) where the norm runs alone, as they are in the one launch."""
+    if quantize is not None and not quantize.keep_unquantized:
+        raise ValueError("quantize: the router reads the normed 16-bit rows, so the layout must keep them")
     one_launch = x.dim() == 2 and norms_and_routes_in_one_launch(x.shape[0])
     if one_launch and use_triton(x, residual, norm_weight, gate_weight, op="add_rms_norm_router"):
         return add_rms_norm_router_triton(x, residual, norm_weight, eps, gate_weight)
-    normed, new_residual = fused_add_rms_norm(x, residual, norm_weight, eps)
-    return normed, new_residual, F.linear(normed, gate_weight)
+    normed, new_residual = fused_add_rms_norm(x, residual, norm_weight, eps, quantize)
+    return normed, new_residual, F.linear(normed if quantize is None else normed.unquantized, gate_weight)
 
 
 def add_rms_norm_route(
     x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_weight: torch.Tensor,
     top_k: int, renormalize: bool = True, weights_dtype: torch.dtype | None = None, *, block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, MoeRouting]:
+    quantize: Fp8InputLayout | None = None,
+) -> tuple[torch.Tensor | Fp8Input, torch.Tensor, MoeRouting]:
     """`add_rms_norm_router`, then the routing `route_topk_and_align` makes of its logits (weights
     in `weights_dtype`, default the router's dtype; the layout for GEMM blocks of `block_size`
     rows, or None): in one launch on the Triton path for decode batches, unless
-    ``norm_router_routes`` is in VLM_CATALOG_KERNELS_OFF (then a second launch routes)."""
+    ``norm_router_routes`` is in VLM_CATALOG_KERNELS_OFF (then a second launch routes).
+    `quantize` as `add_rms_norm_router` takes it."""
     weights_dtype = weights_dtype or gate_weight.dtype
     one_launch = x.dim() == 2 and norms_and_routes_in_one_launch(x.shape[0])
     if (one_launch and "norm_router_routes" not in kernels_off()
             and use_triton(x, residual, norm_weight, gate_weight, op="add_rms_norm_router")):
         return add_rms_norm_route_triton(x, residual, norm_weight, eps, gate_weight, top_k, renormalize,
                                          weights_dtype, block_size)
-    normed, new_residual, logits = add_rms_norm_router(x, residual, norm_weight, eps, gate_weight)
+    normed, new_residual, logits = add_rms_norm_router(x, residual, norm_weight, eps, gate_weight, quantize)
     return normed, new_residual, MoeRouting(*route_topk_and_align(logits, top_k, renormalize, weights_dtype,
                                                                   block_size=block_size))

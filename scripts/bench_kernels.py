@@ -493,6 +493,7 @@ def bench_elementwise(shapes: Shapes, dtype, device, timer) -> list[Row]:
     import torch
 
     from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
+    from kernels.fp8_input import Fp8InputLayout, quantize_fp8_input
     from kernels.kv_cache import reshape_and_cache_reference, reshape_and_cache_triton
     from kernels.linear_gelu import epilogue_wanted, linear_gelu_tanh, linear_gelu_tanh_reference
     from kernels.moe.routing import route_topk_reference, route_topk_triton
@@ -546,6 +547,26 @@ def bench_elementwise(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 "torch sum, then fused_add_rms_norm (Triton)",
                 baseline_ms,
                 gigabytes_per_second((8 + 3) * num_tokens * hidden * element, ms),
+                target_speedup=1.0,
+            )
+        )
+
+    # the norm before a W8A8 GEMM writing its FP8 input (kernels/fp8_input.py), against the norm's
+    # 16-bit output quantized by its own launch: q/k/v on cuBLAS (per-channel: one scale per token,
+    # rows padded to 4), after a MoE layer's 8 terms, as a prefill step runs it
+    if dtype in (torch.bfloat16, torch.float16):
+        terms = torch.randn(tokens, 8, hidden, dtype=dtype, device=device)
+        layout = Fp8InputLayout(group=hidden, row_multiple=4)
+        ms = timer(lambda: fused_sum_add_rms_norm_triton(terms, residual, weight, 1e-6, layout))
+        rows.append(
+            Row(
+                "fused_sum_add_rms_norm[FP8 out]",
+                f"T={tokens} K=8 H={hidden}, one scale per token",
+                ms,
+                "the same norm, then quantize_fp8_input (its own launch)",
+                timer(lambda: quantize_fp8_input(fused_sum_add_rms_norm_triton(terms, residual, weight, 1e-6)[0],
+                                                 layout)),
+                gigabytes_per_second((8 + 2) * tokens * hidden * element + tokens * hidden, ms),
                 target_speedup=1.0,
             )
         )

@@ -34,7 +34,7 @@ ENGINE_PHASES = ("engine", "engine_fp8_kv", "engine_fp8", "engine_w8a8", "engine
 # the rows that set a switch or a default: decode attention, the MoE's GEMM choice, and every
 # vision attention row (our kernel, SDPA with cuDNN, FlashAttention's varlen)
 KERNEL_ROW_PREFIXES = ("paged_decode_attention", "paged_prefill_attention", "fused_moe[grouped_mm]", "fused_moe[fp8 w8a8, per-channel",
-                       "varlen_attention", "moe_align_block_size")
+                       "varlen_attention", "moe_align_block_size", "fused_sum_add_rms_norm[FP8 out]")
 UNMARKED_REGION = "unmarked"  # vlm_catalog.bench.device_profile.UNMARKED (this script imports no project code)
 PROFILE_REGIONS = ("vlm.vision_encoder", "vlm.text_forward.prefill", "vlm.text_forward.decode", "vlm.step",
                    UNMARKED_REGION)

@@ -57,6 +57,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from kernels import fp8_input
 from kernels.attention_common import dot_precision
 from kernels.checks import (
     FLOAT_DTYPES,
@@ -79,6 +80,7 @@ from kernels.fp8 import (
     quantize_activations,
     spans_reduction,
 )
+from kernels.fp8_input import Fp8Input, Fp8InputLayout
 from kernels.launch_math import cdiv, triton_dtype
 from kernels.moe.align import MoeAlignment, max_padded_pairs
 from kernels.moe.configs import MoeKernelConfig, as_moe_config, get_moe_config
@@ -213,9 +215,12 @@ def fused_moe_triton(
     fp8_activations: bool = False,
     sum_experts: bool = True,
     alignment: MoeAlignment | None = None,
+    hidden_fp8: Fp8Input | None = None,
 ) -> torch.Tensor:
     _check_fused_moe_args(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block_shape)
     _check_fp8_activations(block_shape, fp8_activations)
+    if hidden_fp8 is not None:
+        _check_hidden_fp8(hidden_fp8, hidden, block_shape, fp8_activations)
     if block_shape is not None:
         check_same_device(hidden=hidden, w13_scale=w13_scale, w2_scale=w2_scale)
     scales = None if block_shape is None else (w13_scale, w2_scale, tuple(block_shape))
@@ -227,7 +232,8 @@ def fused_moe_triton(
         )
     if not sum_experts and num_tokens <= MAX_TOKENS_PER_CHUNK:  # one chunk: its terms are the answer
         return _fused_moe_chunk(
-            hidden, w13, w2, topk_weights, topk_ids, config, None, scales, fp8_activations, alignment
+            hidden, w13, w2, topk_weights, topk_ids, config, None, scales, fp8_activations, alignment,
+            None if hidden_fp8 is None else hidden_fp8.row_range(0, num_tokens),
         )
     out = torch.empty_like(hidden)
     for start in range(0, num_tokens, MAX_TOKENS_PER_CHUNK):
@@ -243,8 +249,36 @@ def fused_moe_triton(
             scales,
             fp8_activations,
             alignment,
+            None if hidden_fp8 is None else hidden_fp8.row_range(start, end),
         )
     return out
+
+
+def _check_hidden_fp8(hidden_fp8: Fp8Input, hidden: torch.Tensor, block_shape: tuple[int, int] | None,
+                      fp8_activations: bool) -> None:
+    """The hidden rows quantized ahead must be the GEMM input `fused_moe_input_layout` asked for."""
+    if not fp8_activations or block_shape is None:
+        raise ValueError("hidden_fp8: given, but the experts do not take FP8 activations")
+    if hidden_fp8.shape != hidden.shape or hidden_fp8.group != block_shape[1] or hidden_fp8.scale.stride(-1) != 1:
+        raise ValueError(f"hidden_fp8: rows {tuple(hidden_fp8.shape)} of group {hidden_fp8.group} (scale strides "
+                         f"{hidden_fp8.scale.stride()}), where hidden {tuple(hidden.shape)} takes group "
+                         f"{block_shape[1]} with row-major scales")
+
+
+def fused_moe_input_layout(
+    like: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None, block_shape: tuple[int, int] | None = None, fp8_activations: bool = False,
+) -> Fp8InputLayout | None:
+    """How `fused_moe` of hidden rows like `like` (their count, dtype and device) takes them
+    quantized by the norm before it (`hidden_fp8`, kernels/fp8_input.py): on the Triton path with
+    W8A8 experts, one scale per token and the weights' block width, the 16-bit rows kept (the
+    router reads them); elsewhere None (the grouped-GEMM path and the reference quantize
+    themselves, or take no FP8 input)."""
+    if not (fp8_activations and block_shape is not None and fp8_input.wanted()
+            and use_triton(like, w13, w2, op="fused_moe")
+            and not grouped_gemm_wanted(like, w13, w2, w13_scale, w2_scale, block_shape, fp8_activations)):
+        return None
+    return Fp8InputLayout(group=block_shape[1], keep_unquantized=True)
 
 
 def moe_gemm_config(
@@ -303,9 +337,11 @@ def _fused_moe_chunk(
     scales: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None,
     fp8_activations: bool = False,
     alignment: MoeAlignment | None = None,
+    quantized_hidden: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """The chunk's output summed into `out` [T, H]; with `out` None, its unsummed terms [T, K, H].
-    `alignment`: the pairs' layout made ahead (else aligned here)."""
+    `alignment`: the pairs' layout made ahead (else aligned here). `quantized_hidden`: the chunk's
+    FP8 rows [T, H] and scales [T, H/group] written ahead (else quantized here)."""
     from kernels.jit.fused_moe import moe_down_kernel, moe_gate_up_silu_kernel
     from kernels.moe.align import moe_align_block_size
 
@@ -352,7 +388,9 @@ def _fused_moe_chunk(
         activated = torch.empty((num_pairs, intermediate), dtype=hidden.dtype, device=hidden.device)
         activated_scale = activated  # a placeholder, never written without QUANTIZE_OUT
     gemm1_input, gemm1_scale = hidden, hidden  # the scale is a placeholder unless FP8_ACTIVATIONS
-    if fp8_activations:
+    if fp8_activations and quantized_hidden is not None:
+        gemm1_input, gemm1_scale = quantized_hidden  # [T, H] e4m3, [T, H/group], by the norm before
+    elif fp8_activations:
         gemm1_input, gemm1_scale = quantize_activations(hidden, quant_k)  # [T, H] e4m3, [T, H/group]
     pair_out = torch.empty((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
     meta = dict(
@@ -486,6 +524,7 @@ def fused_moe(
     fp8_activations: bool = False,
     sum_experts: bool = True,
     alignment: MoeAlignment | None = None,
+    hidden_fp8: Fp8Input | None = None,
 ) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I],
     topk_weights / topk_ids [T, K] -> [T, H]. `config`: GEMM block sizes
@@ -496,7 +535,9 @@ def fused_moe(
     [T, K, H] unsummed (up to MAX_TOKENS_PER_CHUNK tokens), and the grouped-GEMM path a
     `SortedExpertTerms`; the caller takes any of the three (`RMSNorm.add_and_norm`).
     `alignment`: the pairs' layout made ahead (`route_topk_and_align`), for the same topk_ids and
-    the config's block_size_m; the reference path ignores it. With VLM_CATALOG_MOE_GEMM=grouped_mm,
+    the config's block_size_m; the reference path ignores it. `hidden_fp8`: hidden quantized ahead in
+    `fused_moe_input_layout` (the same bits the Triton path's own quantizer makes, which it then
+    skips; the other paths ignore it). With VLM_CATALOG_MOE_GEMM=grouped_mm,
     prefill-sized calls on Hopper take torch's grouped GEMMs instead (kernels/moe/grouped_gemm.py)."""
     scales = dict(
         w13_scale=w13_scale, w2_scale=w2_scale, block_shape=block_shape, fp8_activations=fp8_activations,
@@ -507,5 +548,6 @@ def fused_moe(
             return fused_moe_grouped_gemm(hidden, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale,
                                           w2_scale=w2_scale, block_shape=block_shape,
                                           fp8_activations=fp8_activations, sum_experts=sum_experts)
-        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, config, **scales, sum_experts=sum_experts)
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, config, **scales, sum_experts=sum_experts,
+                                hidden_fp8=hidden_fp8)
     return fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids, config, **scales)

@@ -437,6 +437,7 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
     """(label, a call of Triton wrappers at the model's shapes)."""
     from kernels.activation import silu_and_mul_quantize_triton, silu_and_mul_triton
     from kernels.fp8 import per_channel_block, quantize_activations_triton
+    from kernels.fp8_input import Fp8InputLayout
     from kernels.fp8_linear import fp8_linear_triton
     from kernels.kv_cache import reshape_and_cache_triton
     from kernels.moe.align import moe_align_block_size_triton
@@ -463,6 +464,14 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
         ("gathered_sum_add_rms_norm[K=8]", lambda: gathered_sum_add_rms_norm_triton(  # the grouped-GEMM MoE's rows
             empty(tokens * TOP_K, HIDDEN), torch.zeros(tokens, TOP_K, dtype=torch.int64), empty(tokens, TOP_K, dtype=FP32),
             empty(tokens, HIDDEN), weight, 1e-6)),
+        # the norms writing the next W8A8 GEMM's FP8 input (kernels/fp8_input.py): q/k/v's on cuBLAS with
+        # per-channel weights (one scale per token, rows padded to 4), the experts' with 128-wide blocks
+        ("fused_sum_add_rms_norm[K=8, FP8 out per token]", lambda: fused_sum_add_rms_norm_triton(
+            empty(tokens, TOP_K, HIDDEN), empty(tokens, HIDDEN), weight, 1e-6,
+            Fp8InputLayout(group=HIDDEN, row_multiple=4))),
+        ("fused_add_rms_norm[FP8 out in 128 columns, kept]", lambda: fused_add_rms_norm_triton(
+            empty(tokens, HIDDEN), empty(tokens, HIDDEN), weight, 1e-6,
+            Fp8InputLayout(group=128, row_multiple=4, scales_row_index_fastest=True, keep_unquantized=True))),
         *((f"add_rms_norm_router[T={count}]",  # a decode layer's post-attention norm and router logits
            lambda count=count: add_rms_norm_router_triton(empty(count, HIDDEN), empty(count, HIDDEN), weight, 1e-6,
                                                           empty(EXPERTS, HIDDEN)))

@@ -82,6 +82,7 @@ def test_interpret_smoke_run_writes_json(tmp_path):
         "fused_moe[grouped_mm]",  # torch's bf16 grouped GEMM runs on CPU too
         "paged_prefill_attention[fresh]",
         "fused_sum_add_rms_norm",
+        "fused_sum_add_rms_norm[FP8 out]",
         "moe_align_block_size[one launch]",
         "route_topk_and_align[one launch]",
         "add_rms_norm_router[one launch]",

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import kernels
 from kernels import fp8_linear_cublas as cublas
 from kernels.fp8 import per_channel_block, quantize
+from kernels.fp8_input import Fp8InputLayout, quantize_fp8_input
 from kernels.fp8_linear import fp8_linear_reference
 from tests.kernels.helpers import TOLERANCE, assert_close
 
@@ -313,3 +314,59 @@ def test_gpu_row_pieces_give_the_bits_of_their_stack(cuda_device, per_channel):
     assert cublas.usable(x, weight, scale, block)
     assert torch.equal(kernels.fp8_linear_rows(pieces, weight, scale, block, fp8_activations=True),
                        cublas.fp8_linear_cublas(x, weight, scale, block=block))
+
+
+# --------------------------------------------------------------------------- inputs quantized ahead
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_an_input_quantized_ahead_gives_the_bits_of_its_16_bit_rows(hopper, monkeypatch, per_channel):
+    """The norm before q/k/v writes the GEMM's FP8 input in `input_layout` (kernels/fp8_input.py):
+    the GEMM's answer is the one it gives the 16-bit rows, bit for bit (5 rows: 3 padding rows)."""
+    dense = importlib.import_module("kernels.fp8_linear")
+    monkeypatch.setattr(dense, "use_triton", lambda *tensors, op: True)
+    block = per_channel_block(256) if per_channel else BLOCK
+    x, weight, scale = inputs(5, 256, 384, torch.bfloat16, block)
+    layout = kernels.fp8_linear_input_layout(x, weight, scale, block)
+    assert layout == cublas.input_layout(block, 256) and layout.row_multiple == cublas.ROW_MULTIPLE
+    quantized = quantize_fp8_input(x, layout)
+    expected = kernels.fp8_linear(x, weight, scale, block, fp8_activations=True)
+    assert torch.equal(kernels.fp8_linear(quantized, weight, scale, block, fp8_activations=True), expected)
+    for got, want in zip(cublas.cublas_operands(quantized, weight, scale, block),
+                         cublas.cublas_operands(x, weight, scale, block)):
+        assert torch.equal(got.float(), want.float()) and got.stride() == want.stride()
+    empty = quantize_fp8_input(x[:0], layout)
+    assert kernels.fp8_linear(empty, weight, scale, block, fp8_activations=True).shape == (0, 384)
+
+
+def test_the_gemm_asks_for_its_input_quantized_only_where_cublas_runs(hopper, monkeypatch):
+    dense = importlib.import_module("kernels.fp8_linear")
+    x, weight, scale = inputs(8, 256, 384)
+    assert kernels.fp8_linear_input_layout(x, weight, scale, BLOCK) is None  # on CPU: the reference GEMM
+    monkeypatch.setattr(dense, "use_triton", lambda *tensors, op: True)
+    assert kernels.fp8_linear_input_layout(x, weight, scale, BLOCK) == cublas.input_layout(BLOCK, 256)
+    assert kernels.fp8_linear_input_layout(x.float(), weight, scale, BLOCK) is None  # cuBLAS takes 16 bits
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "norm_quantizes")
+    assert kernels.fp8_linear_input_layout(x, weight, scale, BLOCK) is None
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "fp8_linear_cublas")
+    assert kernels.fp8_linear_input_layout(x, weight, scale, BLOCK) is None
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_an_input_quantized_ahead_off_cublas_takes_the_reference_arithmetic(per_channel):
+    """Where cuBLAS no longer runs (turned off after the norm had written the input), the GEMM
+    multiplies the same FP8 values as the reference does: its answer, bit for bit."""
+    block = per_channel_block(256) if per_channel else BLOCK
+    x, weight, scale = inputs(6, 256, 384, torch.bfloat16, block)
+    bias = torch.randn(384).to(torch.bfloat16)
+    quantized = quantize_fp8_input(x, cublas.input_layout(block, 256))
+    expected = fp8_linear_reference(x, weight, scale, block, bias, fp8_activations=True)
+    assert torch.equal(kernels.fp8_linear(quantized, weight, scale, block, bias, fp8_activations=True), expected)
+
+
+def test_an_input_in_another_layout_is_refused(hopper):
+    x, weight, scale = inputs(5, 256, 384)
+    wrong = quantize_fp8_input(x, Fp8InputLayout(group=128, row_multiple=4))  # scales row-major
+    with pytest.raises(ValueError, match="x: an FP8 input of group 128"):
+        cublas.fp8_linear_cublas(wrong, weight, scale, block=BLOCK)
+    unpadded = quantize_fp8_input(x, Fp8InputLayout(group=128, scales_row_index_fastest=True))
+    with pytest.raises(ValueError, match="where cuBLAS takes"):
+        cublas.fp8_linear_cublas(unpadded, weight, scale, block=BLOCK)

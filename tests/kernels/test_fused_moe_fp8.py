@@ -30,6 +30,7 @@ from kernels.fp8 import (
     quantize_activations_triton,
     quantize_experts,
 )
+from kernels.fp8_input import Fp8InputLayout, quantize_fp8_input
 from kernels.moe.configs import MoeKernelConfig
 from kernels.moe.fused_moe import fused_moe_reference, fused_moe_triton
 from tests.kernels.helpers import TOLERANCE, assert_close
@@ -239,6 +240,58 @@ def test_per_channel_down_input_per_token_under_fast_accumulation(triton_device,
     expected = fused_moe_reference(*args, **scales, fp8_activations=True)
     assert torch.equal(expected, fused_moe_reference(*args, **scales, fp8_activations=True, down_group=block[1]))
     assert_close(out, expected, rel=TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("block,chunk", [((16, 32), 16384), (per_channel_block(64, 320), 4)])
+def test_hidden_rows_quantized_ahead_give_the_same_bits(triton_device, poison_allocations, monkeypatch, block, chunk):
+    """The norm before the experts writes their FP8 input (`hidden_fp8`, in `fused_moe_input_layout`):
+    the same answer, bit for bit, as the experts quantizing the 16-bit rows themselves; over
+    several chunks too (chunks of 4 tokens: each takes its own rows of the input)."""
+    module = importlib.import_module("kernels.moe.fused_moe")
+    monkeypatch.setattr(module, "MAX_TOKENS_PER_CHUNK", chunk)
+    args, scales, _ = fp8_inputs(11, 64, 320, 4, 2, torch.bfloat16, triton_device, block)
+    layout = kernels.fused_moe_input_layout(args[0], *args[1:3], **scales, fp8_activations=True)
+    assert layout == Fp8InputLayout(group=block[1], keep_unquantized=True)
+    hidden_fp8 = quantize_fp8_input(args[0], layout)
+    config = MoeKernelConfig(16, 64, 32, 1, 4, 2)
+    expected = fused_moe_triton(*args, config, **scales, fp8_activations=True)
+    assert torch.equal(fused_moe_triton(*args, config, **scales, fp8_activations=True, hidden_fp8=hidden_fp8),
+                       expected)
+    quantizer = importlib.import_module("kernels.fp8")
+    calls = []
+    real = quantizer.quantize_activations_triton
+    monkeypatch.setattr(quantizer, "quantize_activations_triton", lambda *a, **k: calls.append(a[0].shape[1]) or real(*a, **k))
+    terms = kernels.fused_moe(*args, config, **scales, fp8_activations=True, sum_experts=False, hidden_fp8=hidden_fp8)
+    assert torch.equal(terms.sum(1), expected) if chunk > 11 else torch.equal(terms, expected)
+    assert calls and 64 not in calls  # the hidden rows [T, 64] were not quantized again (only the down input, [T*K, 320])
+
+
+def test_the_experts_ask_for_their_input_quantized_only_on_the_triton_path_with_fp8_activations(
+        triton_device, monkeypatch):
+    args, scales, _ = fp8_inputs(5, 64, 96, 4, 2, torch.bfloat16, triton_device, (16, 32))
+    hidden, w13, w2 = args[:3]
+    assert kernels.fused_moe_input_layout(hidden, w13, w2, **scales, fp8_activations=True) is not None
+    assert kernels.fused_moe_input_layout(hidden, w13, w2, **scales, fp8_activations=False) is None  # W8A16
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "norm_quantizes")
+    assert kernels.fused_moe_input_layout(hidden, w13, w2, **scales, fp8_activations=True) is None
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "fused_moe")  # the reference quantizes its own input
+    assert kernels.fused_moe_input_layout(hidden, w13, w2, **scales, fp8_activations=True) is None
+    monkeypatch.delenv("VLM_CATALOG_KERNELS_OFF")
+    grouped = importlib.import_module("kernels.moe.fused_moe")
+    monkeypatch.setattr(grouped, "grouped_gemm_wanted", lambda *unused: True)  # torch's grouped GEMMs
+    assert kernels.fused_moe_input_layout(hidden, w13, w2, **scales, fp8_activations=True) is None
+
+
+def test_hidden_rows_quantized_otherwise_are_refused(triton_device):
+    args, scales, _ = fp8_inputs(5, 64, 96, 4, 2, torch.bfloat16, triton_device, (16, 32))
+    wrong_group = quantize_fp8_input(args[0], Fp8InputLayout(group=16, keep_unquantized=True))
+    with pytest.raises(ValueError, match="hidden_fp8: rows"):
+        fused_moe_triton(*args, **scales, fp8_activations=True, hidden_fp8=wrong_group)
+    fewer_rows = quantize_fp8_input(args[0][:4], Fp8InputLayout(group=32))
+    with pytest.raises(ValueError, match="hidden_fp8: rows"):
+        fused_moe_triton(*args, **scales, fp8_activations=True, hidden_fp8=fewer_rows)
+    with pytest.raises(ValueError, match="do not take FP8 activations"):
+        fused_moe_triton(*args, **scales, hidden_fp8=quantize_fp8_input(args[0], Fp8InputLayout(group=32)))
 
 
 def test_fp8_activations_quantize_per_token_group():

@@ -3,13 +3,20 @@ expert terms summed inside the next norm) gives the reference path's output, dee
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
+import torch.nn.functional as F
 
+from kernels import fp8_linear_cublas as cublas
+from kernels.fp8 import per_channel_block
 from tests.kernels.helpers import FLOAT32_TOLERANCE, TOLERANCE, assert_close
+from tests.kernels.test_fp8_linear_cublas import documented_scaled_mm
 from vlm_catalog.model.attention import ContiguousKVCache
 from vlm_catalog.model.config import TextConfig
-from vlm_catalog.model.text import MultimodalEmbeddings, TextDecoder
+from vlm_catalog.model.fp8 import Fp8BlockQuantization
+from vlm_catalog.model.text import MultimodalEmbeddings, TextDecoder, dense_input_widths
 
 
 def tiny_decoder(dtype: torch.dtype, device) -> TextDecoder:
@@ -91,3 +98,60 @@ def test_decoder_with_the_grouped_gemm_moe_matches_the_reference_path(triton_dev
     assert taken == [9, 9]  # layers 0 and 2 are MoE layers (1 is dense)
     monkeypatch.setenv("VLM_CATALOG_KERNELS", "reference")
     assert_close(on_grouped, forward(), rel=TOLERANCE[torch.bfloat16])
+
+
+def w8a8_tiny_decoder(device) -> TextDecoder:
+    """`tiny_decoder` in bfloat16 with per-channel W8A8 experts and dense projections (the record
+    engine's `fp8_w8a8_channel`)."""
+    decoder = tiny_decoder(torch.bfloat16, device)
+    text = decoder.config
+    for experts in decoder.moe_experts():
+        experts.quantize_(Fp8BlockQuantization(*per_channel_block(text.hidden_size, text.moe_intermediate_size)))
+        experts.fp8_activations = True
+    decoder.use_fp8_linears(Fp8BlockQuantization(*per_channel_block(*dense_input_widths(text))),
+                            quantize_present=True)
+    return decoder
+
+
+@pytest.mark.parametrize("lengths,quantizing_norms,hidden_quantizations", [
+    ([7, 5], 5, 1),  # 3 q/k/v inputs and 2 MoE inputs by their norms; the dense MLP's input by its GEMM
+    ([2, 1], 3, 3),  # a decode-sized batch: the MoE layers' norms run with the router in one launch
+], ids=["12 tokens", "3 tokens"])
+def test_w8a8_norms_write_the_gemms_fp8_inputs_with_the_same_answer(
+        triton_device, monkeypatch, lengths, quantizing_norms, hidden_quantizations):
+    """Where q/k/v runs on cuBLAS (here the documented stand-in for `F.scaled_mm`) and the experts
+    on Triton with FP8 activations, the norms before them write their FP8 inputs: the decoder's
+    output is the same, bit for bit, as with `norm_quantizes` off, where the GEMMs quantize the
+    norms' 16-bit rows themselves (exact: one arithmetic, `quantize_rows`)."""
+    norms, quantizer = importlib.import_module("kernels.rms_norm"), importlib.import_module("kernels.fp8")
+    monkeypatch.setattr(cublas, "device_supported", lambda device: True)  # a CPU passing for a Hopper GPU
+    monkeypatch.setattr(F, "scaled_mm", documented_scaled_mm)
+    monkeypatch.setattr(cublas, "_checked", {})
+    decoder = w8a8_tiny_decoder(triton_device)
+    tokens = sum(lengths)
+    input_ids = torch.randint(0, 64, (tokens,), device=triton_device)
+    positions = torch.arange(tokens, device=triton_device).expand(3, -1).contiguous()  # [3, T]
+    multimodal = MultimodalEmbeddings(rows=torch.tensor([0, 2], device=triton_device),
+                                      embeddings=torch.randn(2, 32, device=triton_device).to(torch.bfloat16),
+                                      deepstack=[torch.randn(2, 32, device=triton_device).to(torch.bfloat16)])
+    layouts, quantized_shapes = [], []  # the norms' FP8 layouts; the quantizer's inputs
+    real_empty_fp8_input, real_quantize = norms.empty_fp8_input, quantizer.quantize_activations_triton
+    monkeypatch.setattr(norms, "empty_fp8_input", lambda *a: layouts.append(a[2]) or real_empty_fp8_input(*a))
+    monkeypatch.setattr(quantizer, "quantize_activations_triton",
+                        lambda x, *a, **k: quantized_shapes.append(tuple(x.shape)) or real_quantize(x, *a, **k))
+
+    def forward() -> torch.Tensor:
+        layouts.clear()
+        quantized_shapes.clear()
+        attention = ContiguousKVCache(3)
+        attention.plan(["a", "b"], lengths)
+        with torch.inference_mode():
+            return decoder(input_ids, positions, attention, multimodal)
+
+    fused = forward()
+    assert len(layouts) == quantizing_norms and quantized_shapes.count((tokens, 32)) == hidden_quantizations
+    assert sum(layout.keep_unquantized for layout in layouts) == quantizing_norms - 3  # the MoE's: the router's
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "norm_quantizes")
+    separate = forward()
+    assert not layouts and quantized_shapes.count((tokens, 32)) == 6  # 3 q/k/v, 2 MoE and the dense MLP's gate/up
+    assert torch.equal(fused, separate)

@@ -20,7 +20,8 @@ def test_check_parity_command(tmp_path, tiny_tokenizer, capsys, monkeypatch):
 
     # a 1% error in our RMSNorm weights must be caught
     real_rms_norm = kernels.rms_norm
-    monkeypatch.setattr(kernels, "rms_norm", lambda x, weight, eps: real_rms_norm(x, weight * 1.01, eps))
+    monkeypatch.setattr(kernels, "rms_norm",
+                        lambda x, weight, eps, quantize=None: real_rms_norm(x, weight * 1.01, eps, quantize))
     assert main(args) == 1
     assert "FAIL" in capsys.readouterr().out
 

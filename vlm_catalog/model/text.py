@@ -12,6 +12,10 @@ router softmax in float32, deepstack features added after the first layers),
 so float32 logits match it to ~1e-5. Two differences in layout, not in maths:
 q/k/v projections are fused into one `qkv_proj` matmul and dense MLPs' gate/up
 into one `gate_up_proj` (the checkpoint loader concatenates them).
+
+In a W8A8 model the norms before q/k/v and before the experts write those GEMMs'
+FP8 inputs themselves where the GEMMs ask for them (`input_layout`, kernels/fp8_input.py):
+the same bits the GEMMs' own quantizers would make of the 16-bit rows.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch import nn
 
 import kernels
 from kernels.fp8 import FP8_DTYPE, quantize, quantize_experts, requantize
+from kernels.fp8_input import Fp8Input, Fp8InputLayout, rows_of
 from kernels.moe.grouped_gemm import SortedExpertTerms
 from kernels.moe.routing import MoeRouting
 from vlm_catalog.model.attention import AttentionBackend
@@ -52,19 +57,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, quantize: Fp8InputLayout | None = None) -> torch.Tensor | Fp8Input:
+        """norm(x); with `quantize` as the next W8A8 GEMM's FP8 input in that layout."""
+        return kernels.rms_norm(x, self.weight, self.eps, quantize)
 
-    def add_and_norm(self, x: torch.Tensor | SortedExpertTerms,
-                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor | SortedExpertTerms, residual: torch.Tensor,
+                     quantize: Fp8InputLayout | None = None) -> tuple[torch.Tensor | Fp8Input, torch.Tensor]:
         """(norm(x + residual), x + residual) in one pass; x [T, H], or [T, K, H] terms (a MoE
         layer's unsummed expert outputs) that the same pass sums first, or such terms left
-        where the grouped-GEMM MoE wrote them, which the same pass gathers too."""
+        where the grouped-GEMM MoE wrote them, which the same pass gathers too. With `quantize`
+        the normed rows come as the next W8A8 GEMM's FP8 input in that layout."""
         if isinstance(x, SortedExpertTerms):
-            return kernels.gathered_sum_add_rms_norm(x.values, x.rows, x.weights, residual, self.weight, self.eps)
+            return kernels.gathered_sum_add_rms_norm(x.values, x.rows, x.weights, residual, self.weight, self.eps,
+                                                     quantize)
         if x.dim() == 3:
-            return kernels.fused_sum_add_rms_norm(x, residual, self.weight, self.eps)
-        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return kernels.fused_sum_add_rms_norm(x, residual, self.weight, self.eps, quantize)
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps, quantize)
 
 
 class TextAttention(nn.Module):
@@ -86,14 +94,20 @@ class TextAttention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
+    def input_layout(self, like: torch.Tensor) -> Fp8InputLayout | None:
+        """How q/k/v takes hidden rows like `like` quantized by the norm before it (a W8A8 projection
+        on cuBLAS, `Fp8Linear.input_layout`), or None: it takes them in 16 bits."""
+        return self.qkv_proj.input_layout(like) if isinstance(self.qkv_proj, Fp8Linear) else None
+
     def forward(
         self,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | Fp8Input,
         positions: torch.Tensor,
         inv_freq: torch.Tensor,
         attention: AttentionBackend,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
+        """hidden [T, H] (quantized already where `input_layout` asked) -> [T, H]."""
+        num_tokens = rows_of(hidden)
         q, k, v = project(self.qkv_proj, hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -106,9 +120,10 @@ class TextAttention(nn.Module):
         return project_rows(self.o_proj, rows)  # [T, Hq * D] -> [T, H]
 
 
-def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def project(layer: nn.Module, x: torch.Tensor | Fp8Input) -> torch.Tensor:
     """`layer(x)`; a plain `nn.Linear` through `kernels.skinny_linear`, which takes a decode
-    batch's few rows to its own kernel on the Triton path (an `Fp8Linear` runs its own GEMMs)."""
+    batch's few rows to its own kernel on the Triton path (an `Fp8Linear` runs its own GEMMs,
+    and takes x quantized already where its `input_layout` asked)."""
     if type(layer) is nn.Linear:
         return kernels.skinny_linear(x, layer.weight, layer.bias)
     return layer(x)
@@ -168,8 +183,13 @@ class Fp8Linear(nn.Module):
         self.weight_scale.copy_(scale)
         self.block = quantization.block
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Input) -> torch.Tensor:
         return kernels.fp8_linear(x, self.weight, self.weight_scale, self.block, self.bias, fp8_activations=True)
+
+    def input_layout(self, like: torch.Tensor) -> Fp8InputLayout | None:
+        """How the GEMM takes rows like `like` (dtype, device) quantized by the kernel before it
+        (`kernels.fp8_linear_input_layout`: on cuBLAS), or None: it quantizes them itself."""
+        return kernels.fp8_linear_input_layout(like, self.weight, self.weight_scale, self.block)
 
     def forward_rows(self, rows: list[torch.Tensor]) -> torch.Tensor:
         """`forward` of consecutive row pieces [T_i, K] stacked, without stacking them where the
@@ -275,13 +295,25 @@ class SparseMoE(nn.Module):
             router_logits, self.top_k, self.renormalize, weights_dtype=router_logits.dtype,
             block_size=self.gemm_block_size(hidden.shape[0])))
 
-    def forward(self, hidden: torch.Tensor, sum_experts: bool = True,
+    def input_layout(self, like: torch.Tensor) -> Fp8InputLayout | None:
+        """How the experts take hidden rows like `like` quantized by the norm before them (W8A8
+        experts on the Triton path, `kernels.fused_moe_input_layout`), or None."""
+        experts = self.experts
+        return kernels.fused_moe_input_layout(
+            like, experts.gate_up_proj, experts.down_proj, w13_scale=experts.gate_up_proj_scale,
+            w2_scale=experts.down_proj_scale, block_shape=experts.fp8_block, fp8_activations=experts.fp8_activations)
+
+    def forward(self, hidden: torch.Tensor | Fp8Input, sum_experts: bool = True,
                 routing: MoeRouting | None = None) -> torch.Tensor | SortedExpertTerms:
         """[T, H] -> [T, H]; `sum_experts=False`: on the Triton path, possibly the K weighted
         expert outputs [T, K, H] unsummed, or on the grouped-GEMM path where that path left
         them (`SortedExpertTerms`); `RMSNorm.add_and_norm` sums either. `routing`: `self.route(hidden)`
-        made already (`DecoderLayer.add_norm_and_route`, with the norm before it)."""
+        made already (`DecoderLayer.add_norm_and_route`, with the norm before it). hidden may come
+        quantized already, with its 16-bit rows, where `input_layout` asked."""
         experts = self.experts
+        hidden_fp8 = hidden if isinstance(hidden, Fp8Input) else None
+        if hidden_fp8 is not None:
+            hidden = hidden_fp8.unquantized  # [T, H] 16-bit, which the router reads
         weights, expert_ids, alignment = routing if routing is not None else self.route(hidden)
         return kernels.fused_moe(
             hidden,
@@ -295,6 +327,7 @@ class SparseMoE(nn.Module):
             fp8_activations=experts.fp8_activations,
             sum_experts=sum_experts,
             alignment=alignment,
+            hidden_fp8=hidden_fp8,
         )
 
 
@@ -330,20 +363,20 @@ class DecoderLayer(nn.Module):
 
     def add_norm_and_route(
         self, attention_out: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, MoeRouting | None]:
+    ) -> tuple[torch.Tensor | Fp8Input, torch.Tensor, MoeRouting | None]:
         """The post-attention add-and-norm: (normed [T, H], new residual [T, H], and a MoE layer's
         routing, else None). A MoE layer's come from `kernels.add_rms_norm_route`: the norm, the
         router's logits, the top-k and the pairs' layout in one launch for decode batches on the
-        Triton path."""
+        Triton path; the normed rows quantized too where the experts ask (`SparseMoE.input_layout`)."""
         norm = self.post_attention_layernorm
         mlp = self.mlp
         if isinstance(mlp, SparseMoE):
             return kernels.add_rms_norm_route(
                 attention_out, residual, norm.weight, norm.eps, mlp.gate.weight, mlp.top_k, mlp.renormalize,
-                block_size=mlp.gemm_block_size(attention_out.shape[0]))
+                block_size=mlp.gemm_block_size(attention_out.shape[0]), quantize=mlp.input_layout(attention_out))
         return (*norm.add_and_norm(attention_out, residual), None)
 
-    def mlp_terms(self, normed: torch.Tensor,
+    def mlp_terms(self, normed: torch.Tensor | Fp8Input,
                   routing: MoeRouting | None = None) -> torch.Tensor | SortedExpertTerms:
         """The MLP's output [T, H], or a MoE layer's unsummed expert terms ([T, K, H], or
         `SortedExpertTerms` from the grouped-GEMM path) for the next `add_and_norm` to sum in
@@ -409,19 +442,24 @@ class TextDecoder(nn.Module):
             residual = residual.index_copy(0, multimodal.rows, multimodal.embeddings.to(residual.dtype))
         deepstack = multimodal.deepstack if multimodal is not None else []
 
-        normed = self.layers[0].input_layernorm(residual)
+        first = self.layers[0]
+        normed = first.input_layernorm(residual, first.self_attn.input_layout(residual))
         for index, layer in enumerate(self.layers):
             attention_out = layer.self_attn(normed, positions, self.inv_freq, attention)
             normed, residual, routing = layer.add_norm_and_route(attention_out, residual)
             mlp_out = layer.mlp_terms(normed, routing)  # [T, H] or [T, K, H]
-            next_norm = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
+            if index + 1 < len(self.layers):  # the next layer's input norm, writing its q/k/v input
+                next_layer = self.layers[index + 1]
+                next_norm, next_layout = next_layer.input_layernorm, next_layer.self_attn.input_layout(residual)
+            else:  # the final norm: the logits' input, in 16 bits
+                next_norm, next_layout = self.norm, None
             if index < len(deepstack) and deepstack[index].shape[0]:
                 if isinstance(mlp_out, SortedExpertTerms):
                     mlp_out = mlp_out.sum()  # [T, H]
                 elif mlp_out.dim() == 3:
                     mlp_out = mlp_out.sum(1)  # [T, K, H] -> [T, H]
                 residual = (residual + mlp_out).index_add_(0, multimodal.rows, deepstack[index].to(residual.dtype))
-                normed = next_norm(residual)
+                normed = next_norm(residual, next_layout)
             else:
-                normed, residual = next_norm.add_and_norm(mlp_out, residual)
+                normed, residual = next_norm.add_and_norm(mlp_out, residual, next_layout)
         return normed
