@@ -316,6 +316,30 @@ def test_gpu_row_pieces_give_the_bits_of_their_stack(cuda_device, per_channel):
                        cublas.fp8_linear_cublas(x, weight, scale, block=block))
 
 
+@pytest.mark.gpu
+@pytest.mark.fast_path("norm_quantizes")
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_gpu_q_k_v_from_the_norm_s_fp8_input_as_from_its_16_bit_rows(cuda_device, per_channel):
+    # q/k/v of Qwen3-VL-30B-A3B after a MoE layer: the norm of 8 terms and the residual writes
+    # cuBLAS's FP8 input (4,099 rows: one padding row), against the same norm's 16-bit rows
+    # quantized by the GEMM. Tolerance 1e-2 of max |expected| (bfloat16): the same FP8 values
+    # (test_rms_norm_quantizes.py's GPU test counts any that differ), so expected exact.
+    on_hopper(cuda_device)
+    block = per_channel_block(2048) if per_channel else BLOCK
+    _, weight, scale = (t.to(cuda_device) for t in inputs(1, 2048, 5120, block=block))
+    terms = torch.randn(4099, 8, 2048, device=cuda_device).to(torch.bfloat16)
+    residual = torch.randn(4099, 2048, device=cuda_device).to(torch.bfloat16)
+    norm_weight = torch.rand(2048, device=cuda_device).to(torch.bfloat16) + 0.5
+    layout = kernels.fp8_linear_input_layout(residual, weight, scale, block)
+    assert layout == cublas.input_layout(block, 2048)  # cuBLAS runs, so it asks
+    normed, _ = kernels.fused_sum_add_rms_norm(terms, residual, norm_weight, 1e-6)
+    quantized, _ = kernels.fused_sum_add_rms_norm(terms, residual, norm_weight, 1e-6, layout)
+    expected = kernels.fp8_linear(normed, weight, scale, block, fp8_activations=True)
+    got = kernels.fp8_linear(quantized, weight, scale, block, fp8_activations=True)
+    assert_close(got, expected, rel=1e-2)
+    print(f"per_channel={per_channel}: bit for bit {torch.equal(got, expected)}")
+
+
 # --------------------------------------------------------------------------- inputs quantized ahead
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_an_input_quantized_ahead_gives_the_bits_of_its_16_bit_rows(hopper, monkeypatch, per_channel):
