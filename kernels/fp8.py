@@ -65,18 +65,26 @@ def quantize_experts(weights: torch.Tensor, block: tuple[int, int]) -> tuple[tor
     return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
-def quantize_activations(values: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(
+    values: torch.Tensor, group: int, quantized: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic FP8 activations: x [T, K] -> (Q [T, K] e4m3, scale [T, ceil(K/group)] float32),
     one scale per token and `group` consecutive columns (max |x| / 448, 1 for an all-zero group),
     as vLLM and SGLang quantize the inputs of block-FP8 GEMMs. The Triton kernel on CUDA
-    (`kernels/jit/fp8_quant.py`, a power-of-two group), this torch reference elsewhere."""
+    (`kernels/jit/fp8_quant.py`, a power-of-two group), this torch reference elsewhere: the same
+    bits. Into `quantized` and `scale` (any strides) when given, new row-major tensors otherwise."""
     from kernels.dispatch import use_triton
 
     one_group_per_row = group >= values.shape[-1]  # any width: the kernel widens it to a power of two
     power_of_two = group & (group - 1) == 0
     if use_triton(values, op="quantize_activations") and (one_group_per_row or power_of_two) and values.stride(-1) == 1:
-        return quantize_activations_triton(values, group)
-    return quantize_activations_reference(values, group)
+        return quantize_activations_triton(values, group, quantized, scale)
+    reference_quantized, reference_scale = quantize_activations_reference(values, group)
+    if quantized is None or scale is None:
+        return reference_quantized, reference_scale
+    quantized.copy_(reference_quantized)
+    scale.copy_(reference_scale)
+    return quantized, scale
 
 
 def quantize_activations_triton(

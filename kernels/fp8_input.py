@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.dispatch import kernels_off
-from kernels.fp8 import FP8_DTYPE, dequantize_activations, quantize_activations_reference
+from kernels.fp8 import FP8_DTYPE, dequantize_activations, quantize_activations
 
 OFF_SWITCH = "norm_quantizes"  # the name VLM_CATALOG_KERNELS_OFF takes
 
@@ -104,28 +104,12 @@ def fill_padding(values: torch.Tensor, scale: torch.Tensor, rows: int) -> None:
         scale[rows:].fill_(1.0)
 
 
-def quantize_into(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, group: int) -> None:
-    """x [R, K] (unit column stride) quantized per row and `group` columns into values [R, K] and
-    scales [R, G] (any strides): the Triton kernel where the op runs on Triton and takes the group,
-    else the torch reference. The same bits either way."""
-    from kernels.dispatch import use_triton
-    from kernels.fp8 import quantize_activations_triton
-
-    one_group_per_row, power_of_two = group >= x.shape[1], group & (group - 1) == 0
-    if use_triton(x, op="quantize_activations") and (one_group_per_row or power_of_two):
-        quantize_activations_triton(x, group, values, scale)
-    else:
-        quantized, row_scales = quantize_activations_reference(x, group)
-        values.copy_(quantized)
-        scale.copy_(row_scales)
-
-
 def quantize_fp8_input(x: torch.Tensor, layout: Fp8InputLayout) -> Fp8Input:
-    """x [R, K] 16-bit quantized into `layout` (`quantize_into`), its padding rows filled."""
+    """x [R, K] 16-bit quantized into `layout` (`quantize_activations`), its padding rows filled."""
     rows, cols = x.shape
     values, scale = empty_fp8_input(rows, cols, layout, x.device)
     if rows:
-        quantize_into(x, values[:rows], scale[:rows], layout.group)
+        quantize_activations(x, layout.group, values[:rows], scale[:rows])
     fill_padding(values, scale, rows)
     return Fp8Input(values, scale, rows, layout.group, x.dtype, x if layout.keep_unquantized else None)
 

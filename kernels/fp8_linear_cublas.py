@@ -55,8 +55,8 @@ import torch.nn.functional as F
 from kernels.checks import dtype_name
 from kernels.dispatch import fp8_fast_accumulation, kernels_off
 from kernels.first_call_check import faster_path_agrees
-from kernels.fp8 import spans_reduction
-from kernels.fp8_input import Fp8Input, Fp8InputLayout, empty_fp8_input, fill_padding, quantize_into
+from kernels.fp8 import quantize_activations, spans_reduction
+from kernels.fp8_input import Fp8Input, Fp8InputLayout, empty_fp8_input, fill_padding
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def cublas_operands(
         start = 0
         for piece in pieces:
             end = start + piece.shape[0]
-            quantize_into(piece, quantized[start:end], scale[start:end], layout.group)
+            quantize_activations(piece, layout.group, quantized[start:end], scale[start:end])
             start = end
     if row_wise(block, in_features):
         return quantized, scale, weight.t(), weight_scale.t()  # scale_a [M4, 1], b [K, N], scale_b [1, N]
