@@ -28,9 +28,14 @@ def quantize_rows(x):
     The arithmetic of `quantize_activations_reference`; the fused MoE's gate/up epilogue
     quantizes its tiles with it too, so both give the same bits."""
     x = x.to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)  # [ROWS]
-    scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    scale = scale_of_max(tl.max(tl.abs(x), axis=1))  # [ROWS]
     return saturate_fp8(x / scale[:, None]), scale
+
+
+@triton.jit
+def scale_of_max(amax):
+    """The scale of a group whose largest |x| is amax: amax / 448, 1 for an all-zero group."""
+    return tl.where(amax > 0.0, amax / 448.0, 1.0)
 
 
 @triton.jit

@@ -7,7 +7,7 @@ quantized per GROUP columns as `quantize_activations_kernel` quantizes it."""
 import triton
 import triton.language as tl
 
-from kernels.jit.fp8_quant import quantize_rows
+from kernels.jit.fp8_quant import saturate_fp8, scale_of_max
 from kernels.jit.pdl import after_previous_grid
 
 
@@ -85,16 +85,16 @@ def rms_norm_kernel(
     if WRITE_OUT:
         tl.store(out_ptr + row * stride_out_row + cols, out, mask=mask)
     if QUANTIZE:
-        # the rounded output in groups: [BLOCK_SIZE] -> [BLOCK_SIZE / GROUP, GROUP]; the columns past
-        # hidden_size and a padding row's are 0, which quantize_rows needs (a zero group: scale 1)
-        groups = tl.reshape(out.to(tl.float32), [BLOCK_SIZE // GROUP, GROUP])
-        quantized, scale = quantize_rows(groups)
-        group_cols = tl.reshape(cols, [BLOCK_SIZE // GROUP, GROUP])
-        tl.store(
-            quantized_ptr + row * stride_quantized_row + group_cols,
-            quantized.to(quantized_ptr.dtype.element_ty),
-            mask=group_cols < hidden_size,
-        )
+        # `quantize_rows`' arithmetic: each group's scale from the rounded output in groups
+        # ([BLOCK_SIZE] -> [BLOCK_SIZE / GROUP, GROUP]; the columns past hidden_size and a padding
+        # row's are 0, which a zero group's scale of 1 needs), then the row divided and stored as
+        # the vector it is. Stored from the [groups, GROUP] shape, Triton 3.6 went through shared
+        # memory and wrote one byte per store (tests/kernels/test_sm90_compile.py).
+        x = out.to(tl.float32)
+        scale = scale_of_max(tl.max(tl.abs(tl.reshape(x, [BLOCK_SIZE // GROUP, GROUP])), axis=1))  # [BLOCK_SIZE / GROUP]
+        column_scale = tl.reshape(tl.broadcast_to(scale[:, None], [BLOCK_SIZE // GROUP, GROUP]), [BLOCK_SIZE])
+        tl.store(quantized_ptr + row * stride_quantized_row + cols,
+                 saturate_fp8(x / column_scale).to(quantized_ptr.dtype.element_ty), mask=cols < hidden_size)
         group_index = tl.arange(0, BLOCK_SIZE // GROUP)
         tl.store(scale_ptr + row * stride_scale_row + group_index * stride_scale_group, scale,
                  mask=group_index * GROUP < hidden_size)

@@ -135,6 +135,21 @@ def test_per_channel_w8a8_with_fast_accumulation_keeps_the_wgmma_chain_asynchron
                                     ("fp8_linear_kernel", "?", "1")]), result.stdout
 
 
+def test_the_norms_store_their_fp8_output_8_bytes_a_thread():
+    """The norms writing a W8A8 GEMM's FP8 input (`rms_norm_kernel` with QUANTIZE) store it from
+    the row's own layout: 8 bytes a thread, no byte through shared memory. On Triton 3.6 (the GPU
+    image's) the first form, which reshaped the row to [groups, GROUP] and stored from there, went
+    through shared memory and stored one byte per instruction (8 narrow stores a thread, 2 KiB of
+    shared memory); Triton 3.9 built that form wide. `make test-floor` runs this on 3.6."""
+    result = run_compile("--only", "FP8 out")
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = re.findall(r"FP8 out.*\] / rms_norm_kernel: ok \((.*)\)", result.stdout)
+    assert len(lines) == 2, result.stdout  # one scale per token, and 128-column groups
+    for line in lines:
+        assert " 0 narrow accesses" in line and " 0 shared byte loads" in line, line
+        assert int(re.search(r"(\d+) B shared", line).group(1)) <= 256, line  # the reductions' scratch only
+
+
 @pytest.mark.slow
 def test_float32_attention_kernels_compile_for_sm90():
     result = run_compile("--float32")
