@@ -83,13 +83,13 @@ def logprob_values(output) -> list[float]:
             for _, value in sorted(step.items())]
 
 
-def run_random_schedule(llm: LLM, seed: int) -> dict:
-    """Add the seed's requests a few at a time between steps, abort about one step in ten, and
-    step to the end. Returns {request index: final output, or the add_request error's message}
-    and the indices aborted."""
+def run_random_schedule(llm: LLM, seed: int, num_requests: tuple[int, int] = (12, 24)) -> dict:
+    """Add the seed's requests (a count drawn from `num_requests`, end excluded) a few at a time
+    between steps, abort about one step in ten, and step to the end. Returns the requests,
+    {request index: final output, or the add_request error's message} and the indices aborted."""
     rng = random.Random(seed)
     engine = llm.engine
-    requests = [random_request(rng, index) for index in range(rng.randrange(12, 24))]
+    requests = [random_request(rng, index) for index in range(rng.randrange(*num_requests))]
     results: dict[int, object] = {}
     aborted: set[int] = set()
     waiting = list(range(len(requests)))

@@ -267,3 +267,29 @@ def test_steps_with_new_images_never_make_the_host_wait(checkpoint, gpu_paths_on
     assert calls["encode_images"] >= 1 and calls["forward"] > 3  # chunked prefill steps, then decodes
     assert llm.engine.runner.model.visual.grid_tables.misses >= 3  # every image a new grid shape
     assert not waits, waits
+
+
+@pytest.mark.slow
+def test_random_schedules_on_the_record_engine_s_paths_answer_as_the_reference_path_alone(
+        checkpoint, gpu_paths_on_cpu, monkeypatch):
+    """`tests/engine/test_random_schedules.py` on the GPU benchmark's record engine (per-channel
+    W8A8 over an FP8 cache, async scheduling), every kernel through Triton: arrivals between
+    steps, aborts, a pool that preempts, chunked prompts, shared images and prefixes, grammars and
+    bad images. The state only these paths keep across steps (the decode kernel's cache write
+    and in-place merge counters, the one-launch routing, the MoE's terms summed in the next norm)
+    must not carry one request's schedule into another's answer: each answers as it does alone
+    on the reference path. Seed 4's schedule holds five grammars, preemptions and aborts (about
+    100 s in the interpreter); async steps keeping the rows of requests that took forced tokens
+    meanwhile fail it."""
+    from tests.engine.test_random_schedules import check_against_solo, run_random_schedule
+
+    options = {"quantization": "fp8_w8a8_channel", "kv_cache_dtype": "fp8"}
+    llm = LLM(checkpoint, async_scheduling=True, block_size=4, kv_cache_memory_bytes=40 * 1024,
+              max_num_batched_tokens=64, max_num_seqs=6, **options)
+    engine = llm.engine
+    run = run_random_schedule(llm, seed=4, num_requests=(8, 9))
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    assert engine.stats.num_preemptions > 0 and run["aborted"] and engine.stats.num_grammars_attached > 0
+    monkeypatch.setenv("VLM_CATALOG_KERNELS", "reference")
+    solo = LLM(checkpoint, async_scheduling=False, **options)
+    assert check_against_solo(run, solo, engine.num_blocks * engine.config.block_size) >= 3
