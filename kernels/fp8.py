@@ -75,9 +75,8 @@ def quantize_activations(
     bits. Into `quantized` and `scale` (any strides) when given, new row-major tensors otherwise."""
     from kernels.dispatch import use_triton
 
-    one_group_per_row = group >= values.shape[-1]  # any width: the kernel widens it to a power of two
-    power_of_two = group & (group - 1) == 0
-    if use_triton(values, op="quantize_activations") and (one_group_per_row or power_of_two) and values.stride(-1) == 1:
+    if (use_triton(values, op="quantize_activations") and kernels_take_group(group, values.shape[-1])
+            and values.stride(-1) == 1):
         return quantize_activations_triton(values, group, quantized, scale)
     reference_quantized, reference_scale = quantize_activations_reference(values, group)
     if quantized is None or scale is None:
@@ -85,6 +84,13 @@ def quantize_activations(
     quantized.copy_(reference_quantized)
     scale.copy_(reference_scale)
     return quantized, scale
+
+
+def kernels_take_group(group: int, cols: int) -> bool:
+    """Whether the Triton kernels that quantize activations (`quantize_activations_kernel`, the norms'
+    epilogue) take one scale per `group` of `cols` columns: one group per row at any width (they
+    widen it to a power of two), or a power-of-two group."""
+    return group >= cols or group & (group - 1) == 0
 
 
 def quantize_activations_triton(

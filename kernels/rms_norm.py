@@ -28,6 +28,7 @@ from kernels.checks import (
     check_unit_stride_last_dim,
 )
 from kernels.dispatch import use_triton
+from kernels.fp8 import kernels_take_group
 from kernels.fp8_input import Fp8Input, Fp8InputLayout, empty_fp8_input, quantize_fp8_input
 from kernels.launch_math import next_power_of_2, triton_dtype
 from kernels.pdl import launch_options
@@ -181,11 +182,9 @@ def _launch(
 def _kernel_group(quantize: Fp8InputLayout | None, hidden_size: int, block_size: int) -> int | None:
     """The kernel's GROUP for the layout: the whole (power-of-two) row for one scale per row, the
     layout's group where it is a power of two, else None (and None without a layout)."""
-    if quantize is None:
+    if quantize is None or not kernels_take_group(quantize.group, hidden_size):
         return None
-    if quantize.group >= hidden_size:
-        return block_size
-    return quantize.group if quantize.group & (quantize.group - 1) == 0 else None
+    return block_size if quantize.group >= hidden_size else quantize.group
 
 
 def _quantized_reference(
