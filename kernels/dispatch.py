@@ -74,6 +74,10 @@ FAST_PATHS = frozenset({
     # paged decode over several splits: each (sequence, KV head)'s last split to finish merges them
     # (off: the reduce kernel's own launch; kernels/arrival_counters.py)
     "decode_merge_in_place",
+    # paged decode with 3 or more pipeline stages: each tile's cache blocks are loaded an iteration
+    # before its K/V, so more than one tile is in flight (off: in the same iteration, which keeps
+    # one; kernels/paged_decode_attention.py, loads_block_ids_ahead)
+    "decode_ids_ahead",
     # add_rms_norm_route: the norm-and-router launch's last program routes and lays the pairs out
     # too (off: route_topk_and_align's own launch; kernels/norm_router.py)
     "norm_router_routes",

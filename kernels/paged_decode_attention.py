@@ -296,6 +296,20 @@ def reads_fp8_words(v_cache: torch.Tensor) -> bool:
         stride % 4 == 0 for stride in v_cache.stride()[:-1])
 
 
+def loads_block_ids_ahead(config: DecodeKernelConfig) -> bool:
+    """Whether the split kernel loads each tile's cache blocks one iteration before the tile's K/V
+    (IDS_AHEAD, jit/paged_decode_attention.py): where the config asks for 3 or more pipeline
+    stages, unless VLM_CATALOG_KERNELS_OFF names `decode_ids_ahead`.
+
+    Loaded in the same iteration, the block ids make the K/V loads indirect, and Triton's
+    pipeliner (3.6 and 3.9) then keeps one tile in flight whatever the stages: in the sm_90
+    SASS every iteration begins by waiting for all outstanding copies (``DEPBAR.LE SB0, 0x0``),
+    issued late in the iteration before. Ahead, 3 stages keep one more tile in flight and 4
+    two more (``0x2``, ``0x4``). At 2 stages it would change nothing but the registers (116 to
+    146 at 64 positions a tile), so those configs keep the loop they were tuned with."""
+    return config.num_stages >= 3 and "decode_ids_ahead" not in kernels_off()
+
+
 def split_plan(
     batch: int,
     num_kv_heads: int,
@@ -453,6 +467,7 @@ def _launch_decode(
         MERGE_IN_PLACE=merge_in_place,
         BLOCK_MERGE_G=block_merge_g,
         MERGE_SPLITS=merge_splits,
+        IDS_AHEAD=loads_block_ids_ahead(config),
         **config.launch_options(),
         **launch_options(q),
     )

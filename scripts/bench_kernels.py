@@ -81,6 +81,9 @@ class Shapes:
     decode_tuning_context: int = 2048
     decode_graph_bound: int = 32768
     decode_tuning_batches: tuple[int, ...] = (1, 8, 32, 64, 128, 256)
+    # the engine's full decode batch at a benchmark-sized context: the block ids' rows
+    # (`_block_ids_ahead_rows`) time it beside the decode cases above
+    full_decode_case: tuple[int, int] = (256, 2048)
     prefill_cases: tuple[tuple[int, int, int], ...] = (
         (4, 2048, 0),
         (1, 2048, 6144),
@@ -124,6 +127,7 @@ TINY_SHAPES = Shapes(  # --interpret smoke run: every code path, seconds on a CP
     decode_tuning_context=40,
     decode_graph_bound=64,
     decode_tuning_batches=(1, 2),
+    full_decode_case=(3, 40),
     prefill_cases=((2, 16, 8),),
     fresh_prefill_cases=((2, 24),),
     vision_cases=((2, 20),),
@@ -714,6 +718,50 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
         return _attention_rows(shapes, dtype, device, timer)
 
 
+def _block_ids_ahead_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
+    """The FP8-cache decode with each tile's block ids loaded an iteration before its K/V
+    (`kernels.paged_decode_attention.loads_block_ids_ahead`: configs of 3 or more stages), at the
+    decode cases and the engine's full batch, with lengths spread as a batch's are. Where the
+    config the engine picks has 2 stages (the H100 table's up to batch 128): against that config
+    with 3 stages, the ids ahead. Where it has 3 or more (the table's batch 256): against the same
+    config with the ids in the same iteration, which keeps one tile in flight. A note says if the
+    outputs are not bit for bit the same."""
+    import torch
+
+    from kernels.dispatch import KERNELS_OFF_ENV_VAR, environment_variable
+    from kernels.paged_decode_attention import paged_decode_attention_triton
+    from kernels.paged_decode_configs import get_decode_config
+
+    rows = []
+    fp8 = torch.float8_e4m3fn
+    for batch, context in (*shapes.decode_cases, shapes.full_decode_case):
+        lengths = spread_lengths(batch, context)
+        k_cache, v_cache, block_tables, context_lens = _paged_cache(batch, context, shapes, dtype, device, lengths)
+        k_cache, v_cache = k_cache.to(fp8), v_cache.to(fp8)
+        q = torch.randn(batch, shapes.num_q_heads, shapes.head_dim, dtype=dtype, device=device)
+        picked = get_decode_config(fp8, shapes.head_dim, batch, device)
+        decode = partial(paged_decode_attention_triton, q, k_cache, v_cache, block_tables, context_lens,
+                         shapes.head_dim**-0.5, max_context_len=max(lengths))
+        kv_bytes = 2 * sum(lengths) * shapes.num_kv_heads * shapes.head_dim  # one byte each
+        picked_label = f"{picked.block_n} positions, {picked.num_warps} warps, {picked.num_stages} stages"
+        if picked.num_stages >= 3:
+            name, ours = "paged_decode_attention[fp8 kv, ids ahead]", decode
+            baseline = f"ids in the same iteration ({picked_label})"
+            ahead_out = decode()
+            with environment_variable(KERNELS_OFF_ENV_VAR, "decode_ids_ahead"):
+                same = torch.equal(ahead_out, decode())
+                baseline_ms = timer(decode)
+        else:
+            name = "paged_decode_attention[fp8 kv, ids ahead, 3 stages]"
+            ours = partial(decode, config=replace(picked, num_stages=3, tuned=False))
+            baseline, baseline_ms = f"the engine's config ({picked_label})", timer(decode)
+            same = torch.equal(ours(), decode())
+        ms = timer(ours)
+        rows.append(Row(name, f"B={batch} ctx={context} (0.4-1.6x)", ms, baseline, baseline_ms,
+                        gigabytes_per_second(kv_bytes, ms), note="" if same else "OUTPUT DIFFERS"))
+    return rows
+
+
 def _attention_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
     import torch
     import torch.nn.functional as F
@@ -801,6 +849,8 @@ def _attention_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
                 note="" if same else "OUTPUT DIFFERS from the engine's layout",
             )
         )
+
+    rows.extend(_block_ids_ahead_rows(shapes, dtype, device, timer))
 
     for num_seqs, new_tokens, prefix in shapes.prefill_cases:
         context = prefix + new_tokens

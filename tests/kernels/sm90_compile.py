@@ -170,6 +170,10 @@ class Compiled:
     # tensor-core work finishes before the next is issued (None: no nvdisasm)
     loop_full_wgmma_waits: int | None
     block_n: int | None  # the launch's BLOCK_N, where it has one: the loop's tile width
+    # at the longest loop's first wait for asynchronous copies (`DEPBAR.LE SB0, N`), the copy
+    # groups left in flight: 0 where every iteration waits for everything issued before it (one
+    # tile ahead at most, whatever the stages); None without such a wait or without nvdisasm
+    loop_copies_in_flight: int | None = None
     # ptxas' reason for serializing the kernel's wgmma (its "Potential Performance Loss" note,
     # C7514 and kin): every wgmma then waits for the one before it, in every loop
     wgmma_serialized: str | None = None
@@ -192,6 +196,8 @@ class Compiled:
                 f"longest loop {'?' if self.loop_instructions is None else self.loop_instructions} instructions"
                 + ("" if self.block_n is None else f", BLOCK_N {self.block_n}")
                 + f", {'?' if self.loop_full_wgmma_waits is None else self.loop_full_wgmma_waits} full wgmma waits"
+                + ("" if self.loop_copies_in_flight is None
+                   else f", {self.loop_copies_in_flight} copy groups in flight at the loop's wait")
                 + ("" if self.wgmma_serialized is None else f", wgmma serialized by ptxas: {self.wgmma_serialized}")
                 + ("" if not self.fp8_sums_across_k else f", {self.fp8_sums_across_k} FP8 dots summing across K")
                 + ("" if self.grid_dependency_wait else ", no griddepcontrol.wait")
@@ -234,6 +240,7 @@ SASS_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 SASS_LABEL = re.compile(r"^\s*\.(L_x_\d+):")
 SASS_BACKWARD_BRANCH = re.compile(r"\bBRA\b.*`\(\.(L_x_\d+)\)")
 FULL_WGMMA_WAIT = re.compile(r"^WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b")
+COPY_WAIT = re.compile(r"^DEPBAR\.LE SB0, 0x([0-9a-f]+)\b")  # cp.async groups allowed still in flight
 WGMMA_SERIALIZED = re.compile(r"wgmma\.mma_async instructions are serialized due to (.*?)\s+in the function")
 
 
@@ -306,6 +313,8 @@ def compile_launch(launch: Launch) -> Compiled:
         shared_byte_loads=len(SHARED_BYTE_LOAD.findall(compiled.asm["ptx"])),
         loop_instructions=None if loop is None else len(loop),
         loop_full_wgmma_waits=None if loop is None else sum(bool(FULL_WGMMA_WAIT.match(line)) for line in loop),
+        loop_copies_in_flight=next((int(wait.group(1), 16) for line in loop or () if (wait := COPY_WAIT.match(line))),
+                                   None),
         block_n=launch.arguments.get("BLOCK_N"),
         wgmma_serialized=serialized.group(1) if (serialized := WGMMA_SERIALIZED.search(log.getvalue())) else None,
         fp8_sums_across_k=fp8_sums_across_k(compiled.asm["ttir"]),
@@ -375,14 +384,15 @@ def prefill_moe_tile():
 
 
 def decode_case(batch: int, context: int, cache_dtype: torch.dtype, fused_write: bool, dtype: torch.dtype = BF16,
-                norm_rope: bool = False, merge_in_place: bool = True):
+                norm_rope: bool = False, merge_in_place: bool = True, config=None):
     """`norm_rope`: q and k raw, normed and rotated in the kernel (as the engine's decode steps run it);
-    `merge_in_place=False`: the splits merged by the reduce kernel's launch (`decode_merge_in_place` off)."""
+    `merge_in_place=False`: the splits merged by the reduce kernel's launch (`decode_merge_in_place` off);
+    `config`: launch settings other than the default's (a GPU model's tuned table, `full_batch_decode_config`)."""
     if not merge_in_place:
         from kernels.dispatch import KERNELS_OFF_ENV_VAR, environment_variable
 
         with environment_variable(KERNELS_OFF_ENV_VAR, "decode_merge_in_place"):
-            return decode_case(batch, context, cache_dtype, fused_write, dtype, norm_rope)
+            return decode_case(batch, context, cache_dtype, fused_write, dtype, norm_rope, config=config)
     from kernels.paged_decode_attention import (
         paged_decode_attention_triton,
         paged_decode_attention_with_kv_write_triton,
@@ -393,7 +403,7 @@ def decode_case(batch: int, context: int, cache_dtype: torch.dtype, fused_write:
     k_cache, v_cache = kv_cache(cache_dtype)
     lens = torch.full((batch,), context, dtype=torch.int32)
     tables = block_tables(batch)
-    hints = {"max_context_len": MAX_MODEL_LEN}  # what the captured graphs pass
+    hints = {"max_context_len": MAX_MODEL_LEN, "config": config}  # the bound the captured graphs pass
     if norm_rope:
         hints["qk_norm_rope"] = QKNormRope(empty(HEAD_DIM, dtype=dtype), empty(HEAD_DIM, dtype=dtype),
                                            torch.zeros(3, batch, dtype=torch.int64),
@@ -404,6 +414,14 @@ def decode_case(batch: int, context: int, cache_dtype: torch.dtype, fused_write:
                                                     **hints)
     else:
         paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, HEAD_DIM**-0.5, **hints)
+
+
+def full_batch_decode_config():
+    """The H100 table's FP8-cache decode settings at batch 256 (2026-11-27): 128 positions a tile,
+    4 warps, 3 stages, with which the split kernel loads each tile's block ids an iteration ahead."""
+    from kernels.paged_decode_configs import DecodeKernelConfig
+
+    return DecodeKernelConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=8, min_split_tokens=256)
 
 
 def prefill_case(cache_dtype: torch.dtype, dtype: torch.dtype = BF16):
@@ -519,6 +537,12 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
                 specs.append((
                     f"paged_decode[{name}, {cache_name} cache, B={batch}, ctx 2000, fused write, q/k norm+rope]",
                     lambda b=batch, cd=cache_dtype, d=dtype: decode_case(b, 2000, cd, True, d, norm_rope=True),
+                ))
+            if cache_name == "fp8":  # the engine's full decode batch on the H100 table's 3 stages
+                specs.append((
+                    f"paged_decode[{name}, fp8 cache, B=256, ctx 2000, fused write, q/k norm+rope, 3 stages]",
+                    lambda d=dtype: decode_case(256, 2000, FP8, True, d, norm_rope=True,
+                                                config=full_batch_decode_config()),
                 ))
             if cache_name == name:  # the splits merged by a second launch (decode_merge_in_place off)
                 specs.append((

@@ -56,6 +56,29 @@ def load_bench_gpu():
     return module
 
 
+def test_the_block_ids_rows_time_a_three_stage_table_entry_against_the_ids_in_the_same_iteration(tmp_path):
+    """Where the decode config in effect has 3 stages (as the H100 table's at batch 256), the block
+    ids' rows time it against the same config loading the ids in the same iteration
+    (`decode_ids_ahead` off), every decode case and the full batch, and find the same bits."""
+    pytest.importorskip("triton")
+    entry = {"block_n": 16, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "min_split_tokens": 16,
+             "tuned": True}
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"format": 1, "device": "a test's", "moe": [], "paged_decode": [
+        {"kv_dtype": "float8_e4m3fn", "head_dim": 32, "batch": batch, "config": entry, "ms": 1.0}
+        for batch in (1, 8)]}))
+    out = tmp_path / "bench.json"
+    result = run_script("--interpret", "--groups", "attention", "--json", str(out), interpret=True,
+                        VLM_CATALOG_TUNED_CONFIGS=str(table))
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [row for row in json.loads(out.read_text())["rows"] if "ids" in row["name"]]
+    assert [(row["name"], row["shape"]) for row in rows] == [
+        ("paged_decode_attention[fp8 kv, ids ahead]", "B=2 ctx=40 (0.4-1.6x)"),
+        ("paged_decode_attention[fp8 kv, ids ahead]", "B=3 ctx=40 (0.4-1.6x)")]
+    assert all(row["baseline"].startswith("ids in the same iteration (16 positions, 4 warps, 3 stages)")
+               and "DIFFERS" not in row["note"] for row in rows), rows
+
+
 def test_without_a_gpu_it_says_so_and_exits_0():
     result = run_script()
     assert result.returncode == 0, result.stderr
@@ -88,8 +111,10 @@ def test_interpret_smoke_run_writes_json(tmp_path):
         "add_rms_norm_router[one launch]",
         "add_rms_norm_route[one launch]",
         "skinny_linear[16x256, 4 warps, 4 stages]",
+        "paged_decode_attention[fp8 kv, ids ahead, 3 stages]",  # the default config's 2 stages, against 3
     } <= names
     assert all(row["triton_ms"] > 0 and row["baseline_ms"] > 0 for row in report["rows"])
+    assert not any("DIFFERS" in row["note"] for row in report["rows"]), report["rows"]
     assert report["groups"] == ["elementwise", "attention", "moe", "dense_fp8"]  # all by default
     assert report["kernels_off"] == [] and report["fp8_fast_accumulation"] is False  # the switches, recorded
 

@@ -413,3 +413,77 @@ class ReduceSpy:
     def __getitem__(self, grid):
         self.launches.append(grid)
         return self.kernel[grid]
+
+
+AHEAD_CONFIG = DecodeKernelConfig(block_n=16, num_warps=4, num_stages=3, programs_per_sm=2, min_split_tokens=16)
+
+
+def test_block_ids_are_loaded_ahead_on_three_stages_or_more(monkeypatch):
+    module = importlib.import_module("kernels.paged_decode_attention")
+    assert module.loads_block_ids_ahead(AHEAD_CONFIG)
+    assert module.loads_block_ids_ahead(DecodeKernelConfig(block_n=64, num_stages=4))
+    assert not module.loads_block_ids_ahead(DecodeKernelConfig(block_n=64, num_stages=2))  # as tuned before
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "decode_ids_ahead")
+    assert not module.loads_block_ids_ahead(AHEAD_CONFIG)
+
+
+def _decode_with_kv_write(paged, block_size, num_splits, device, seed=0):
+    """(output, K cache, V cache) of a fused-write decode step on copies of `paged`'s caches, over
+    its sequences (the current token at each one's last position), on AHEAD_CONFIG."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, num_kv_heads, head_dim = len(paged.context_lens), paged.k_cache.shape[2], paged.k_cache.shape[3]
+    q = torch.randn(batch, 4 * num_kv_heads, head_dim, generator=generator).to(torch.bfloat16).to(device)
+    k = torch.randn(batch, num_kv_heads, head_dim, generator=generator).to(torch.bfloat16).to(device)
+    v = torch.randn(batch, num_kv_heads, head_dim, generator=generator).to(torch.bfloat16).to(device)
+    slots = [-1 if length == 0 else int(paged.block_tables[seq, (length - 1) // block_size]) * block_size
+             + (length - 1) % block_size for seq, length in enumerate(paged.context_lens.tolist())]
+    k_cache, v_cache = paged.k_cache.clone(), paged.v_cache.clone()
+    out = paged_decode_attention_with_kv_write_triton(
+        q, k, v, k_cache, v_cache, torch.tensor(slots, device=device), paged.block_tables, paged.context_lens,
+        head_dim**-0.5, max_context_len=1024, num_splits=num_splits, config=AHEAD_CONFIG)
+    return out, k_cache, v_cache
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_block_ids_loaded_ahead_give_the_bits_of_the_same_iteration(triton_device, poison_allocations, monkeypatch,
+                                                                   cache_dtype, num_splits):
+    """The split kernel with each tile's block ids loaded an iteration before its K/V (3 stages)
+    gives the output and writes the cache bit for bit as the loop loading them in the same
+    iteration (`decode_ids_ahead` off): sequences of 0, 1 and 2 tokens, ones ending inside a block
+    and on a block's last slot, splits ending mid-tile, one split or several (merged in place)."""
+    # tolerance: exact against the loop it replaces; TOLERANCE[bfloat16] against the reference
+    block_size = 4
+    paged = build_paged_kv([0, 1, 2, 37, 16, 130], block_size, 2, 32, cache_dtype, triton_device)
+    ahead = _decode_with_kv_write(paged, block_size, num_splits, triton_device)
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "decode_ids_ahead")
+    same_iteration = _decode_with_kv_write(paged, block_size, num_splits, triton_device)
+    for mine, theirs in zip(ahead, same_iteration, strict=True):
+        assert torch.equal(mine.cpu().view(torch.uint8), theirs.cpu().view(torch.uint8))
+    monkeypatch.delenv("VLM_CATALOG_KERNELS_OFF")
+    q = torch.randn(6, 8, 32).to(torch.bfloat16).to(triton_device)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, 32**-0.5)
+    reference = paged_decode_attention_reference(q, paged.k_cache.to(torch.bfloat16),
+                                                 paged.v_cache.to(torch.bfloat16), *args[3:])
+    out = paged_decode_attention_triton(*args, max_context_len=1024, num_splits=num_splits, config=AHEAD_CONFIG)
+    assert_close(out, reference, rel=TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.fast_path("decode_ids_ahead")
+def test_gpu_block_ids_loaded_ahead_give_the_bits_of_the_same_iteration(cuda_device, monkeypatch):
+    """On the GPU at the engine's shapes (FP8 cache, bf16 query, 32 query and 4 KV heads of 128,
+    block size 16) on the H100 table's batch-256 settings (128 positions a tile, 3 stages): the
+    loop loading the block ids ahead gives the bits of the one loading them in the same
+    iteration, the in-place merge included."""
+    # tolerance: exact between the two loops; 1e-2 (bfloat16) against the reference
+    config = DecodeKernelConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=8, min_split_tokens=256)
+    lengths = [37 + 131 * i for i in range(64)]  # 37 to 8k tokens
+    paged = build_paged_kv(lengths, 16, 4, 128, torch.float8_e4m3fn, cuda_device)
+    q = torch.randn(len(lengths), 32, 128, device=cuda_device, dtype=torch.bfloat16)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, 128**-0.5)
+    ahead = paged_decode_attention_triton(*args, max_context_len=32768, config=config)
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "decode_ids_ahead")
+    assert torch.equal(paged_decode_attention_triton(*args, max_context_len=32768, config=config), ahead)
+    widened = (paged.k_cache.to(torch.bfloat16), paged.v_cache.to(torch.bfloat16))
+    assert_close(ahead, paged_decode_attention_reference(q, *widened, *args[3:]), rel=1e-2)

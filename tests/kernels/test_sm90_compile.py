@@ -75,9 +75,9 @@ def test_kernels_compile_for_sm90():
                             result.stdout)
     fp8_prefill = re.findall(r"paged_prefill\[bf16, fp8 cache\] / paged_prefill_attention_kernel: ok \((.*)\)",
                              result.stdout)
-    # three launches as the bench times them, and two as the engine's decode steps run them (q/k
-    # normed and rotated in the kernel)
-    assert len(fp8_decode) == 5 and len(fp8_prefill) == 1, result.stdout
+    # three launches as the bench times them, and three as the engine's decode steps run them (q/k
+    # normed and rotated in the kernel; at batch 256 also on the H100 table's 3 stages)
+    assert len(fp8_decode) == 6 and len(fp8_prefill) == 1, result.stdout
     for line in fp8_decode + fp8_prefill:
         assert " 0 f16->bf16 conversions" in line and " 0 shared byte loads" in line, result.stdout
     # The GEMMs over FP8 weights with bf16 inputs widen the weights by inline PTX
@@ -93,7 +93,7 @@ def test_kernels_compile_for_sm90():
     # tile width (paged_decode_configs.py) keeps the bound.
     decode_loops = re.findall(r"paged_decode\[.*\] / paged_decode_split_kernel: ok \(.*longest loop (\d+|\?) "
                               r"instructions, BLOCK_N (\d+),", result.stdout)
-    assert len(decode_loops) == 11, result.stdout  # 5 per cache dtype, and the reduce launch's bf16 case
+    assert len(decode_loops) == 12, result.stdout  # 5 per cache dtype, FP8's on 3 stages, the reduce launch's
     if all(count != "?" for count, _ in decode_loops):  # Triton bundles nvdisasm
         per_position = [int(count) / int(block_n) for count, block_n in decode_loops]
         assert 1.5 <= min(per_position) and max(per_position) <= 11, per_position  # two dots, a softmax: not under 1.5
@@ -148,6 +148,22 @@ def test_the_norms_store_their_fp8_output_8_bytes_a_thread():
     for line in lines:
         assert " 0 narrow accesses" in line and " 0 shared byte loads" in line, line
         assert int(re.search(r"(\d+) B shared", line).group(1)) <= 256, line  # the reductions' scratch only
+
+
+def test_the_decode_loop_keeps_more_than_one_tile_in_flight_on_three_stages():
+    """The FP8-cache decode at the engine's full batch on the H100 table's settings (128 positions a
+    tile, 3 stages) waits at the top of its loop with a copy group still in flight per stage past
+    two: its block ids are loaded an iteration ahead (`loads_block_ids_ahead`). Loaded in the same
+    iteration (`decode_ids_ahead` off, the loop before), the K/V loads are indirect and the loop
+    waits for every copy (0 in flight), on Triton 3.6 as on 3.9."""
+    label = r"paged_decode\[bf16, fp8 cache, B=256, .*3 stages\] / paged_decode_split_kernel: ok \((.*)\)"
+    for kernels_off, in_flight in (("", "2"), ("decode_ids_ahead", "0")):
+        result = run_compile("--only", "3 stages", VLM_CATALOG_KERNELS_OFF=kernels_off)
+        assert result.returncode == 0, result.stdout + result.stderr
+        line = re.search(label, result.stdout)
+        assert line, result.stdout
+        if "longest loop ?" not in line.group(1):  # Triton bundles nvdisasm
+            assert f", {in_flight} copy groups in flight at the loop's wait" in line.group(1), (kernels_off, line)
 
 
 @pytest.mark.slow
