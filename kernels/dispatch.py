@@ -90,6 +90,9 @@ FAST_PATHS = frozenset({
     # the RMSNorm before a W8A8 GEMM (q/k/v on cuBLAS, the fused MoE) writes that GEMM's FP8 input
     # itself (off: the norm writes 16 bits, the GEMM quantizes them; kernels/fp8_input.py)
     "norm_quantizes",
+    # the fused MoE's down GEMM on the prefill tiles: one program per SM walking its tiles in one
+    # flattened loop (off: one program per tile; kernels/moe/fused_moe.py, down_runs_persistent)
+    "moe_down_persistent",
 })
 FP8_FAST_ACCUMULATION_ENV_VAR = "VLM_CATALOG_FP8_FAST_ACCUMULATION"
 AUTO_DEVICE_TYPES = ("cuda",)  # where `auto` picks Triton; a test adds "cpu" to run the GPU choices interpreted

@@ -1028,7 +1028,12 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
     from kernels.dispatch import KERNELS_OFF_ENV_VAR, environment_variable, fp8_accumulation
     from kernels.moe.align import moe_align_block_size_reference, moe_align_block_size_triton
     from kernels.moe.configs import get_moe_config
-    from kernels.moe.fused_moe import fused_moe_reference, fused_moe_triton
+    from kernels.moe.fused_moe import (
+        down_runs_persistent,
+        fused_moe_reference,
+        fused_moe_triton,
+        moe_gemm_config,
+    )
 
     rows = []
     element = torch.finfo(dtype).bits // 8
@@ -1092,6 +1097,18 @@ def bench_moe(shapes: Shapes, dtype, device, timer) -> list[Row]:
                             "fp8 w8a8, per-channel", fp8_times["fp8 w8a8, per-channel"],
                             teraflops(flops, launch_ms),
                             note="the down GEMM's input quantized by its own launch, not the gate/up epilogue"))
+            # the down GEMM with one program per tile, where its tiles run persistent (the prefill
+            # tiles, kernels/moe/fused_moe.py down_runs_persistent): the row says what that saves
+            channel_config = moe_gemm_config(num_tokens, per_channel[0][1], shapes.top_k, None, True,
+                                             per_channel[1]["block_shape"])
+            if down_runs_persistent(channel_config):
+                with environment_variable(KERNELS_OFF_ENV_VAR, "moe_down_persistent"):
+                    per_tile_ms = timer(partial(fused_moe_triton, *per_channel[0], **per_channel[1],
+                                                fp8_activations=True))
+                rows.append(Row("fused_moe[fp8 w8a8, per-channel, one program per down tile]", f"T={num_tokens}",
+                                per_tile_ms, "fp8 w8a8, per-channel", fp8_times["fp8 w8a8, per-channel"],
+                                teraflops(flops, per_tile_ms),
+                                note="the down GEMM launched one program per tile, not one per SM walking them"))
         rows += _grouped_gemm_rows(num_tokens, inputs, per_channel, ms, fp8_times.get("fp8 w8a8, per-channel"),
                                    flops, weight_bytes, element, shapes, timer)
         align_args = (ids, shapes.num_experts, config.block_size_m)

@@ -174,6 +174,9 @@ class Compiled:
     # groups left in flight: 0 where every iteration waits for everything issued before it (one
     # tile ahead at most, whatever the stages); None without such a wait or without nvdisasm
     loop_copies_in_flight: int | None = None
+    # a persistent launch (PERSISTENT): its longest loop is the flattened one over all its tiles'
+    # K steps, the epilogue in a branch taken once per tile (its wait for the accumulator among them)
+    persistent: bool = False
     # ptxas' reason for serializing the kernel's wgmma (its "Potential Performance Loss" note,
     # C7514 and kin): every wgmma then waits for the one before it, in every loop
     wgmma_serialized: str | None = None
@@ -200,6 +203,7 @@ class Compiled:
                    else f", {self.loop_copies_in_flight} copy groups in flight at the loop's wait")
                 + ("" if self.wgmma_serialized is None else f", wgmma serialized by ptxas: {self.wgmma_serialized}")
                 + ("" if not self.fp8_sums_across_k else f", {self.fp8_sums_across_k} FP8 dots summing across K")
+                + (", persistent" if self.persistent else "")
                 + ("" if self.grid_dependency_wait else ", no griddepcontrol.wait")
                 + ("" if self.grid_dependency_trigger else ", no griddepcontrol.launch_dependents"))
 
@@ -318,6 +322,7 @@ def compile_launch(launch: Launch) -> Compiled:
         block_n=launch.arguments.get("BLOCK_N"),
         wgmma_serialized=serialized.group(1) if (serialized := WGMMA_SERIALIZED.search(log.getvalue())) else None,
         fp8_sums_across_k=fp8_sums_across_k(compiled.asm["ttir"]),
+        persistent=bool(launch.arguments.get("PERSISTENT", False)),
         grid_dependency_wait="griddepcontrol.wait" in compiled.asm["ptx"],
         grid_dependency_trigger="griddepcontrol.launch_dependents" in compiled.asm["ptx"],
     )

@@ -79,6 +79,26 @@ def test_the_block_ids_rows_time_a_three_stage_table_entry_against_the_ids_in_th
                and "DIFFERS" not in row["note"] for row in rows), rows
 
 
+def test_where_the_down_gemm_runs_persistent_a_row_times_it_one_program_per_tile(tmp_path):
+    """A tuned table giving the per-channel W8A8 experts 128-row tiles (the prefill tiles, whose down
+    GEMM walks its tiles one program per SM) makes the MoE rows time the same call with
+    `moe_down_persistent` off, against the row as the engine runs it."""
+    pytest.importorskip("triton")
+    entry = {"block_size_m": 128, "block_size_n": 32, "block_size_k": 32, "group_size_m": 1, "num_warps": 8,
+             "num_stages": 3, "tuned": True}
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"format": 1, "device": "a test's", "paged_decode": [], "moe": [
+        {"num_experts": 8, "hidden": 64, "intermediate": 32, "dtype": "float8_e4m3fn_w8a8", "tokens": tokens,
+         "config": entry, "ms": 1.0} for tokens in (4, 16)]}))
+    out = tmp_path / "bench.json"
+    result = run_script("--interpret", "--groups", "moe", "--json", str(out), interpret=True,
+                        VLM_CATALOG_TUNED_CONFIGS=str(table))
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [row for row in json.loads(out.read_text())["rows"] if "one program per down tile" in row["name"]]
+    assert [row["shape"] for row in rows] == ["T=4", "T=16"], rows
+    assert all(row["baseline"] == "fp8 w8a8, per-channel" and row["triton_ms"] > 0 for row in rows), rows
+
+
 def test_without_a_gpu_it_says_so_and_exits_0():
     result = run_script()
     assert result.returncode == 0, result.stderr

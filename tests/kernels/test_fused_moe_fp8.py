@@ -401,3 +401,65 @@ def test_gpu_fp8_experts_model_shapes(cuda_device, num_tokens, fp8_activations, 
     scales["fp8_activations"] = fp8_activations
     rel = W8A8_MODEL_SHAPES_TOLERANCE if fp8_activations else 1e-2
     assert_close(kernels.fused_moe(*args, **scales), fused_moe_reference(*args, **scales), rel=rel)
+
+
+PERSISTENT_CASES = [  # (weights, hidden, intermediate, config): 128-row tiles, more than the 4 programs a CPU gets
+    ("bf16", 64, 48, MoeKernelConfig(128, 32, 16, 2, 8, 3)),
+    ("fp8 blocks", 64, 48, MoeKernelConfig(128, 32, 16, 1, 8, 3)),  # 16 x 16 blocks: scaled every K step
+    ("w8a8 per-channel", 64, 320, MoeKernelConfig(128, 128, 128, 1, 8, 4)),  # 128-column down groups, epilogue
+]
+
+
+@pytest.mark.parametrize("weights,hidden,intermediate,config", PERSISTENT_CASES, ids=[c[0] for c in PERSISTENT_CASES])
+def test_the_persistent_down_gemm_gives_the_bits_of_one_program_per_tile(triton_device, poison_allocations,
+                                                                         monkeypatch, weights, hidden, intermediate,
+                                                                         config):
+    """On the prefill tiles (BLOCK_M 128) the down GEMM runs one program per SM (4 stand in on the
+    CPU), each walking several tiles, in one flattened loop: the same bits as one program per
+    tile (`moe_down_persistent` off), summed and as unsummed terms, and close to the reference.
+    40 tokens to 4 experts (top-2) fill 4 M blocks of 128 rows, with padding blocks past them."""
+    # tolerance: exact against one program per tile; TOLERANCE[bfloat16] against the reference
+    module = importlib.import_module("kernels.moe.fused_moe")
+    assert module.down_runs_persistent(config)
+    block = {"fp8 blocks": (16, 16), "w8a8 per-channel": per_channel_block(hidden, intermediate)}.get(weights)
+    if block is None:
+        from tests.kernels.test_fused_moe import moe_inputs
+
+        args, scales = moe_inputs(40, hidden, intermediate, 4, 2, torch.bfloat16, triton_device), {}
+    else:
+        args, scales, _ = fp8_inputs(40, hidden, intermediate, 4, 2, torch.bfloat16, triton_device, block)
+        scales = {**scales, "fp8_activations": weights.startswith("w8a8")}
+    persistent = fused_moe_triton(*args, config, **scales)
+    terms = fused_moe_triton(*args, config, **scales, sum_experts=False)  # [T, K, H]
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "moe_down_persistent")
+    assert not module.down_runs_persistent(config)
+    assert torch.equal(persistent, fused_moe_triton(*args, config, **scales))
+    assert torch.equal(terms, fused_moe_triton(*args, config, **scales, sum_experts=False))
+    assert_close(persistent, fused_moe_reference(*args, **scales), rel=TOLERANCE[torch.bfloat16])
+
+
+def test_only_the_prefill_tiles_run_the_persistent_down_gemm():
+    module = importlib.import_module("kernels.moe.fused_moe")
+    assert module.down_runs_persistent(MoeKernelConfig(128, 128, 128, 1, 8, 4))
+    assert not module.down_runs_persistent(MoeKernelConfig(64, 64, 128, 8, 4, 3))  # decode and mid-sized tiles
+    assert not module.down_runs_persistent(MoeKernelConfig(16, 64, 128, 1, 4, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.fast_path("moe_down_persistent")
+@pytest.mark.parametrize("num_tokens", [4096, 16384])
+def test_gpu_the_persistent_down_gemm_matches_one_program_per_tile(cuda_device, monkeypatch, num_tokens):
+    # Qwen3-VL-30B-A3B's per-channel W8A8 experts on the H100 table's prefill tile (128 x 128 x 128,
+    # 8 warps, 4 stages), where the down GEMM runs one program per SM walking its tiles in a flattened
+    # loop, against one program per tile. Tolerance 1e-2 of max |per tile|: the same sums in the same
+    # order, unless the compiler orders an epilogue's float32 steps otherwise in the flattened loop;
+    # the reference comparison is test_gpu_fp8_experts_model_shapes.
+    args, scales, _ = fp8_inputs(num_tokens, 2048, 768, 128, 8, torch.bfloat16, cuda_device,
+                                 per_channel_block(2048, 768))
+    config = MoeKernelConfig(128, 128, 128, 1, 8, 4)
+    persistent = fused_moe_triton(*args, config, **scales, fp8_activations=True)
+    again = fused_moe_triton(*args, config, **scales, fp8_activations=True)
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "moe_down_persistent")
+    per_tile = fused_moe_triton(*args, config, **scales, fp8_activations=True)
+    assert torch.equal(persistent, again)  # deterministic: each tile is one program's, whichever
+    assert_close(persistent, per_tile, rel=1e-2)

@@ -112,9 +112,16 @@ def test_kernels_compile_for_sm90():
     # (kernels/jit/rounding.py). Triton 3.6 built the same source without them.
     serialized = re.findall(r"^(.*): ok \(.*wgmma serialized by ptxas: (.*)\)", result.stdout, flags=re.MULTILINE)
     assert not serialized, serialized
-    moe_16_bit = re.findall(r"fused_moe\[T=\d+, (?:bf16|f16) experts\] / \w+: ok \(.*, (\d+|\?) full wgmma waits",
-                            result.stdout)
-    assert len(moe_16_bit) == 8 and all(waits in ("0", "?") for waits in moe_16_bit), result.stdout
+    # A persistent down GEMM (the prefill tiles) waits once more in its flattened loop: for the
+    # accumulator, in the epilogue's branch, once per tile; its K steps keep one wgmma in flight.
+    moe_16_bit = re.findall(r"fused_moe\[T=\d+, (?:bf16|f16) experts\] / \w+: ok \(.*, (\d+|\?) full wgmma waits"
+                            r"(.*)\)", result.stdout)
+    assert len(moe_16_bit) == 8, result.stdout
+    assert all(waits in ("0", "?") or (waits == "1" and "persistent" in rest) for waits, rest in moe_16_bit), \
+        result.stdout
+    persistent = re.findall(r"fused_moe\[T=(\d+), [^\]]*\] / (\w+): ok \(.*, persistent\)", result.stdout)
+    assert {kernel for _, kernel in persistent} == {"moe_down_kernel"}, result.stdout  # gate/up: never
+    assert {int(tokens) for tokens, _ in persistent} == {8192, 16384}, result.stdout  # the 128-row tiles only
     attention = re.search(r"D=72\] / varlen_attention_kernel: ok \(.* (\d+) B shared", result.stdout)
     assert attention and int(attention.group(1)) > 32 * 1024, result.stdout  # pipelined (cp.async stages)
 
@@ -124,15 +131,19 @@ def test_per_channel_w8a8_with_fast_accumulation_keeps_the_wgmma_chain_asynchron
     the tensor core (the check above sees it) and never wait for a wgmma inside the loop, at
     their own tiles (`fused_moe.asynchronous_k_loops`). Adding each step's sum into float32
     waits for that step's wgmma: at T=8192 (Triton 3.9) 141 / 110 loop instructions and no full
-    wait here, against 196 / 131 and 2 / 1 waits by default (gate/up / down)."""
+    wait here, against 196 / 131 and 2 / 1 waits by default (gate/up / down). The down GEMM runs
+    persistent on these 128-row tiles: its flattened loop's one full wait is the epilogue's, once
+    per tile, in a branch its K steps skip."""
     result = run_compile("--only", "T=8192, w8a8 per-channel", VLM_CATALOG_FP8_FAST_ACCUMULATION="1")
     assert result.returncode == 0, result.stdout + result.stderr
-    launches = re.findall(r"\] / (\w+): ok \(.*, (\d+|\?) full wgmma waits, (\d+) FP8 dots summing across K\)",
-                          result.stdout)
-    assert sorted(launches) == sorted([("moe_gate_up_silu_kernel", "0", "2"), ("moe_down_kernel", "0", "1"),
-                                       ("fp8_linear_kernel", "0", "1")]) or \
-        sorted(launches) == sorted([("moe_gate_up_silu_kernel", "?", "2"), ("moe_down_kernel", "?", "1"),
-                                    ("fp8_linear_kernel", "?", "1")]), result.stdout
+    launches = re.findall(r"\] / (\w+): ok \(.*, (\d+|\?) full wgmma waits, .*?(\d+) FP8 dots summing across K"
+                          r"(, persistent)?\)", result.stdout)
+    assert sorted(launches) == sorted([("moe_gate_up_silu_kernel", "0", "2", ""),
+                                       ("moe_down_kernel", "1", "1", ", persistent"),
+                                       ("fp8_linear_kernel", "0", "1", "")]) or \
+        sorted(launches) == sorted([("moe_gate_up_silu_kernel", "?", "2", ""),
+                                    ("moe_down_kernel", "?", "1", ", persistent"),
+                                    ("fp8_linear_kernel", "?", "1", "")]), result.stdout
 
 
 def test_the_norms_store_their_fp8_output_8_bytes_a_thread():
