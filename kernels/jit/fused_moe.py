@@ -269,19 +269,12 @@ def moe_down_kernel(
         used_m_blocks = tl.cdiv(tl.load(num_tokens_post_padded_ptr), BLOCK_M)
         for tile in tl.range(tl.program_id(0), used_m_blocks * num_n_blocks, tl.num_programs(0), flatten=True):
             m_block, n_block = grouped_tile(tile, used_m_blocks, num_n_blocks, GROUP_M)
-            pairs, pair_mask, cols, col_mask, a_ptrs, w_ptrs, scales_ptr = down_tile_operands(
-                m_block, n_block, activated_ptr, w2_ptr, w2_scale_ptr, sorted_token_ids_ptr, expert_ids_ptr,
-                num_pairs, hidden_size, stride_activated_pair, stride_w2_expert, stride_w2_row,
-                stride_w2_scale_expert, BLOCK_M, BLOCK_N, BLOCK_K)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k_start in range(0, intermediate, BLOCK_K):
-                acc = down_k_step(acc, a_ptrs, w_ptrs, k_start, activated_scale_ptr, scales_ptr, pairs, pair_mask,
-                                  cols, col_mask, n_block * BLOCK_N, intermediate, stride_activated_scale_pair,
-                                  stride_w2_scale_row, BLOCK_N, BLOCK_K, DOT_PRECISION, FP8_WEIGHTS,
-                                  FP8_ACTIVATIONS, QUANT_N, QUANT_K, WIDEN_WITH_PTX, SCALE_AFTER_LOOP,
-                                  IMPRECISE_ACC_K, ACT_GROUP, ACT_SCALES_IN_LOOP)
-                a_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
+            acc, pairs, pair_mask, cols, col_mask, scales_ptr = down_tile_sums(
+                m_block, n_block, activated_ptr, activated_scale_ptr, w2_ptr, w2_scale_ptr, sorted_token_ids_ptr,
+                expert_ids_ptr, num_pairs, intermediate, hidden_size, stride_activated_pair,
+                stride_activated_scale_pair, stride_w2_expert, stride_w2_row, stride_w2_scale_expert,
+                stride_w2_scale_row, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, FP8_WEIGHTS, FP8_ACTIVATIONS, QUANT_N,
+                QUANT_K, WIDEN_WITH_PTX, SCALE_AFTER_LOOP, IMPRECISE_ACC_K, ACT_GROUP, ACT_SCALES_IN_LOOP)
             store_down_tile(acc, activated_scale_ptr, scales_ptr, topk_weights_ptr, pair_out_ptr, pairs, pair_mask,
                             cols, col_mask, n_block * BLOCK_N, stride_activated_scale_pair, stride_w2_scale_row,
                             stride_topk_weights, stride_pair_out_pair, BLOCK_N, QUANT_N, FP8_ACTIVATIONS,
@@ -290,19 +283,12 @@ def moe_down_kernel(
         m_block, n_block = grouped_tile(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
         if m_block * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
             return
-        pairs, pair_mask, cols, col_mask, a_ptrs, w_ptrs, scales_ptr = down_tile_operands(
-            m_block, n_block, activated_ptr, w2_ptr, w2_scale_ptr, sorted_token_ids_ptr, expert_ids_ptr,
-            num_pairs, hidden_size, stride_activated_pair, stride_w2_expert, stride_w2_row,
-            stride_w2_scale_expert, BLOCK_M, BLOCK_N, BLOCK_K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k_start in range(0, intermediate, BLOCK_K):
-            acc = down_k_step(acc, a_ptrs, w_ptrs, k_start, activated_scale_ptr, scales_ptr, pairs, pair_mask, cols,
-                              col_mask, n_block * BLOCK_N, intermediate, stride_activated_scale_pair,
-                              stride_w2_scale_row, BLOCK_N, BLOCK_K, DOT_PRECISION, FP8_WEIGHTS, FP8_ACTIVATIONS,
-                              QUANT_N, QUANT_K, WIDEN_WITH_PTX, SCALE_AFTER_LOOP, IMPRECISE_ACC_K, ACT_GROUP,
-                              ACT_SCALES_IN_LOOP)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+        acc, pairs, pair_mask, cols, col_mask, scales_ptr = down_tile_sums(
+            m_block, n_block, activated_ptr, activated_scale_ptr, w2_ptr, w2_scale_ptr, sorted_token_ids_ptr,
+            expert_ids_ptr, num_pairs, intermediate, hidden_size, stride_activated_pair, stride_activated_scale_pair,
+            stride_w2_expert, stride_w2_row, stride_w2_scale_expert, stride_w2_scale_row, BLOCK_M, BLOCK_N, BLOCK_K,
+            DOT_PRECISION, FP8_WEIGHTS, FP8_ACTIVATIONS, QUANT_N, QUANT_K, WIDEN_WITH_PTX, SCALE_AFTER_LOOP,
+            IMPRECISE_ACC_K, ACT_GROUP, ACT_SCALES_IN_LOOP)
     let_next_grid_launch()  # the main loop is done (every tile's, PERSISTENT): the next grid may launch (kernels/jit/pdl.py)
     if not PERSISTENT:  # the tile's epilogue overlaps the next grid's launch
         store_down_tile(acc, activated_scale_ptr, scales_ptr, topk_weights_ptr, pair_out_ptr, pairs, pair_mask, cols,
@@ -312,14 +298,18 @@ def moe_down_kernel(
 
 
 @triton.jit
-def down_tile_operands(
-    m_block, n_block, activated_ptr, w2_ptr, w2_scale_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_pairs,
-    hidden_size, stride_activated_pair, stride_w2_expert, stride_w2_row, stride_w2_scale_expert,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def down_tile_sums(
+    m_block, n_block, activated_ptr, activated_scale_ptr, w2_ptr, w2_scale_ptr, sorted_token_ids_ptr, expert_ids_ptr,
+    num_pairs, intermediate, hidden_size, stride_activated_pair, stride_activated_scale_pair, stride_w2_expert,
+    stride_w2_row, stride_w2_scale_expert, stride_w2_scale_row,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8_WEIGHTS: tl.constexpr, FP8_ACTIVATIONS: tl.constexpr, QUANT_N: tl.constexpr, QUANT_K: tl.constexpr,
+    WIDEN_WITH_PTX: tl.constexpr, SCALE_AFTER_LOOP: tl.constexpr, IMPRECISE_ACC_K: tl.constexpr,
+    ACT_GROUP: tl.constexpr, ACT_SCALES_IN_LOOP: tl.constexpr,
 ):
-    """A down tile's pairs (flat indices t * K + k, T*K for padding), its output columns, and its
-    first K step's operand pointers (A [BLOCK_M, BLOCK_K], weights [BLOCK_K, BLOCK_N]) and its
-    expert's weight scale rows."""
+    """A down tile's K loop: its sums [BLOCK_M, BLOCK_N] (the scales left for after the loop not yet
+    applied), its pairs (flat indices t * K + k, T*K for padding) and output columns with their
+    masks, and its expert's weight scale rows, for `store_down_tile`."""
     expert = tl.load(expert_ids_ptr + m_block).to(tl.int64)
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_token_ids_ptr + rows).to(tl.int64)  # [BLOCK_M]
@@ -330,7 +320,15 @@ def down_tile_operands(
     a_ptrs = activated_ptr + pairs[:, None] * stride_activated_pair + ks[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w2_ptr + expert * stride_w2_expert + cols[None, :] * stride_w2_row + ks[:, None]  # [BLOCK_K, BLOCK_N]
     scales_ptr = w2_scale_ptr + expert * stride_w2_scale_expert  # the expert's scale rows
-    return pairs, pair_mask, cols, col_mask, a_ptrs, w_ptrs, scales_ptr
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, intermediate, BLOCK_K):
+        acc = down_k_step(acc, a_ptrs, w_ptrs, k_start, activated_scale_ptr, scales_ptr, pairs, pair_mask, cols,
+                          col_mask, n_block * BLOCK_N, intermediate, stride_activated_scale_pair, stride_w2_scale_row,
+                          BLOCK_N, BLOCK_K, DOT_PRECISION, FP8_WEIGHTS, FP8_ACTIVATIONS, QUANT_N, QUANT_K,
+                          WIDEN_WITH_PTX, SCALE_AFTER_LOOP, IMPRECISE_ACC_K, ACT_GROUP, ACT_SCALES_IN_LOOP)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc, pairs, pair_mask, cols, col_mask, scales_ptr
 
 
 @triton.jit

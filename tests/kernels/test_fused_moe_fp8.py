@@ -9,6 +9,7 @@ experts is measured, with its bound written down.
 from __future__ import annotations
 
 import importlib
+from functools import partial
 
 import pytest
 import torch
@@ -378,15 +379,17 @@ def test_gpu_the_gate_up_epilogue_quantizes_as_the_separate_launch_does(cuda_dev
     # (the same arithmetic, `quantize_rows`). Tolerance 1e-2 of max |launch's|: the same sums,
     # rounded the same way, unless the compiler orders the epilogue's float32 steps otherwise and
     # an e4m3 value lands one step apart; the reference comparison is test_gpu_fp8_experts_model_shapes.
-    from kernels.moe.configs import MoeKernelConfig
-
-    args, scales, _ = fp8_inputs(num_tokens, 2048, 768, 128, 8, torch.bfloat16, cuda_device,
-                                 per_channel_block(2048, 768))
-    config = MoeKernelConfig(128, 128, 128, 1, 8, 4)
-    fused = fused_moe_triton(*args, config, **scales, fp8_activations=True)
+    run = per_channel_w8a8_on_the_prefill_tile(num_tokens, cuda_device)
+    fused = run()
     monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "moe_gate_up_quantizes")
-    separate = fused_moe_triton(*args, config, **scales, fp8_activations=True)
-    assert_close(fused, separate, rel=1e-2)
+    assert_close(fused, run(), rel=1e-2)
+
+
+def per_channel_w8a8_on_the_prefill_tile(num_tokens: int, device):
+    """A call of the fused MoE on Qwen3-VL-30B-A3B's per-channel W8A8 experts (random, `num_tokens`
+    tokens) on the H100 table's prefill tile, 128 x 128 x 128 with 8 warps and 4 stages."""
+    args, scales, _ = fp8_inputs(num_tokens, 2048, 768, 128, 8, torch.bfloat16, device, per_channel_block(2048, 768))
+    return partial(fused_moe_triton, *args, MoeKernelConfig(128, 128, 128, 1, 8, 4), **scales, fp8_activations=True)
 
 
 @pytest.mark.gpu
@@ -454,12 +457,8 @@ def test_gpu_the_persistent_down_gemm_matches_one_program_per_tile(cuda_device, 
     # loop, against one program per tile. Tolerance 1e-2 of max |per tile|: the same sums in the same
     # order, unless the compiler orders an epilogue's float32 steps otherwise in the flattened loop;
     # the reference comparison is test_gpu_fp8_experts_model_shapes.
-    args, scales, _ = fp8_inputs(num_tokens, 2048, 768, 128, 8, torch.bfloat16, cuda_device,
-                                 per_channel_block(2048, 768))
-    config = MoeKernelConfig(128, 128, 128, 1, 8, 4)
-    persistent = fused_moe_triton(*args, config, **scales, fp8_activations=True)
-    again = fused_moe_triton(*args, config, **scales, fp8_activations=True)
+    run = per_channel_w8a8_on_the_prefill_tile(num_tokens, cuda_device)
+    persistent = run()
+    assert torch.equal(persistent, run())  # deterministic: each tile is one program's, whichever
     monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "moe_down_persistent")
-    per_tile = fused_moe_triton(*args, config, **scales, fp8_activations=True)
-    assert torch.equal(persistent, again)  # deterministic: each tile is one program's, whichever
-    assert_close(persistent, per_tile, rel=1e-2)
+    assert_close(persistent, run(), rel=1e-2)
