@@ -73,7 +73,7 @@ are issued late in the iteration before, after that tile's block ids have come b
 With the ids loaded one iteration early (`tile_blocks` for the next tile, carried
 into the loop's next iteration) the K/V addresses no longer wait for a load of their
 own iteration, and 3 stages keep one more tile in flight, 4 two more (`0x2`, `0x4`;
-B=256, 128 positions a tile: 106 KiB of shared memory at 3 stages against 73 KiB).
+B=256, 128 positions a tile: 104 KiB of shared memory at 3 stages against 72.5 KiB).
 
 In the sm_90 SASS at B=128 with the fused write, one loop iteration is 481
 instructions per warp with an FP8 cache and 529 with a bfloat16 one (965 and 997
