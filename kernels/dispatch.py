@@ -78,6 +78,9 @@ FAST_PATHS = frozenset({
     # before its K/V, so more than one tile is in flight (off: in the same iteration, which keeps
     # one; kernels/paged_decode_attention.py, loads_block_ids_ahead)
     "decode_ids_ahead",
+    # paged decode: the split kernel's grid is (KV head, sequence, split), a sequence's heads side
+    # by side (off: (sequence, KV head, split); kernels/paged_decode_attention.py)
+    "decode_heads_together",
     # add_rms_norm_route: the norm-and-router launch's last program routes and lays the pairs out
     # too (off: route_topk_and_align's own launch; kernels/norm_router.py)
     "norm_router_routes",

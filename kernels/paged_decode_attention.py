@@ -310,6 +310,18 @@ def loads_block_ids_ahead(config: DecodeKernelConfig) -> bool:
     return config.num_stages >= 3 and "decode_ids_ahead" not in kernels_off()
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
+
+
+def launches_heads_together(batch: int) -> bool:
+    """Whether the split kernel's grid is (KV head, sequence, split) (HEADS_TOGETHER,
+    jit/paged_decode_attention.py), so that a sequence's KV heads run side by side and read each
+    cache block's interleaved rows at about the same time, unless VLM_CATALOG_KERNELS_OFF names
+    `decode_heads_together` or the batch passes CUDA's limit on the grid's second dimension.
+    Every sequence's head 0 launched before any head 1 before; the output is the same."""
+    return batch <= MAX_GRID_Y and "decode_heads_together" not in kernels_off()
+
+
 def split_plan(
     batch: int,
     num_kv_heads: int,
@@ -404,7 +416,9 @@ def _launch_decode(
     merge_splits = max(1, min(next_power_of_2(num_splits), MERGE_TILE // (block_merge_g * block_d)))
     fp16_dots = float16_dots(q.dtype, k_cache.dtype) and reads_fp8_words(v_cache)
     v_words = fp16_dots and "fp8_v_words" not in kernels_off()  # off: V read as bytes, cast to float16
-    paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    heads_together = launches_heads_together(batch)
+    grid = (num_kv_heads, batch, num_splits) if heads_together else (batch, num_kv_heads, num_splits)
+    paged_decode_split_kernel[grid](
         # pointers
         q,
         k_cache,
@@ -468,6 +482,7 @@ def _launch_decode(
         BLOCK_MERGE_G=block_merge_g,
         MERGE_SPLITS=merge_splits,
         IDS_AHEAD=loads_block_ids_ahead(config),
+        HEADS_TOGETHER=heads_together,
         **config.launch_options(),
         **launch_options(q),
     )

@@ -718,14 +718,17 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
         return _attention_rows(shapes, dtype, device, timer)
 
 
-def _block_ids_ahead_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
-    """The FP8-cache decode with each tile's block ids loaded an iteration before its K/V
-    (`kernels.paged_decode_attention.loads_block_ids_ahead`: configs of 3 or more stages), at the
-    decode cases and the engine's full batch, with lengths spread as a batch's are. Where the
-    config the engine picks has 2 stages (the H100 table's up to batch 128): against that config
-    with 3 stages, the ids ahead. Where it has 3 or more (the table's batch 256): against the same
-    config with the ids in the same iteration, which keeps one tile in flight. A note says if the
-    outputs are not bit for bit the same."""
+def _decode_variant_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
+    """The FP8-cache decode as the engine launches it against its variants, at the decode cases
+    and the engine's full batch, with lengths spread as a batch's are:
+    - each tile's block ids loaded an iteration before its K/V
+      (`kernels.paged_decode_attention.loads_block_ids_ahead`: configs of 3 or more stages).
+      Where the config the engine picks has 2 stages (the H100 table's up to batch 128): against
+      that config with 3 stages, the ids ahead. Where it has 3 or more (the table's batch 256):
+      against the same config with the ids in the same iteration, which keeps one tile in flight;
+    - a sequence's KV heads launched side by side (`launches_heads_together`), against the grid
+      (sequence, KV head, split) that launched every sequence's head 0 first.
+    A note says if the outputs are not bit for bit the same."""
     import torch
 
     from kernels.dispatch import KERNELS_OFF_ENV_VAR, environment_variable
@@ -757,8 +760,16 @@ def _block_ids_ahead_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
             baseline, baseline_ms = f"the engine's config ({picked_label})", timer(decode)
             same = torch.equal(ours(), decode())
         ms = timer(ours)
-        rows.append(Row(name, f"B={batch} ctx={context} (0.4-1.6x)", ms, baseline, baseline_ms,
-                        gigabytes_per_second(kv_bytes, ms), note="" if same else "OUTPUT DIFFERS"))
+        shape = f"B={batch} ctx={context} (0.4-1.6x)"
+        rows.append(Row(name, shape, ms, baseline, baseline_ms, gigabytes_per_second(kv_bytes, ms),
+                        note="" if same else "OUTPUT DIFFERS"))
+        engine_ms, engine_out = (ms, ours()) if picked.num_stages >= 3 else (baseline_ms, decode())
+        with environment_variable(KERNELS_OFF_ENV_VAR, "decode_heads_together"):
+            same = torch.equal(engine_out, decode())
+            apart_ms = timer(decode)
+        rows.append(Row("paged_decode_attention[fp8 kv, heads together]", shape, engine_ms,
+                        "the grid (sequence, KV head, split)", apart_ms, gigabytes_per_second(kv_bytes, engine_ms),
+                        note="" if same else "OUTPUT DIFFERS"))
     return rows
 
 
@@ -850,7 +861,7 @@ def _attention_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
             )
         )
 
-    rows.extend(_block_ids_ahead_rows(shapes, dtype, device, timer))
+    rows.extend(_decode_variant_rows(shapes, dtype, device, timer))
 
     for num_seqs, new_tokens, prefix in shapes.prefill_cases:
         context = prefix + new_tokens

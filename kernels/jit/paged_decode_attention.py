@@ -1,7 +1,7 @@
 """Paged decode attention: one query token per sequence, split-KV ("flash decoding").
 
-Phase 1, `paged_decode_split_kernel`, grid (B, Hkv, num_splits): each program owns
-one sequence, one KV head with all of its query heads (GQA: the K/V tiles are
+Phase 1, `paged_decode_split_kernel`, grid (Hkv, B, num_splits) (HEADS_TOGETHER, below;
+else (B, Hkv, num_splits)): each program owns one sequence, one KV head with all of its query heads (GQA: the K/V tiles are
 read once for the whole group, and the group forms the M dimension of `tl.dot`),
 and one contiguous range of cache positions. It runs an online softmax over that
 range and writes the unnormalised partial output plus its running max and sum
@@ -74,6 +74,15 @@ With the ids loaded one iteration early (`tile_blocks` for the next tile, carrie
 into the loop's next iteration) the K/V addresses no longer wait for a load of their
 own iteration, and 3 stages keep one more tile in flight, 4 two more (`0x2`, `0x4`;
 B=256, 128 positions a tile: 104 KiB of shared memory at 3 stages against 72.5 KiB).
+
+Heads together (HEADS_TOGETHER): the grid is (KV head, sequence, split), so the
+programs of one sequence's KV heads launch one after another and run side by side.
+A cache position's rows for the KV heads lie together, [Hkv, D] in the engine's
+layout, and one program reads every Hkv-th 128-byte row of a block. With the
+grid (sequence, KV head, split), every sequence's head 0 launched before any
+head 1: each block was read four times over, a quarter at a time, at four
+different moments. Side by side, the four programs read a block's rows at about
+the same time.
 
 In the sm_90 SASS at B=128 with the fused write, one loop iteration is 481
 instructions per warp with an FP8 cache and 529 with a bfloat16 one (965 and 997
@@ -172,10 +181,13 @@ def paged_decode_split_kernel(
     BLOCK_MERGE_G: tl.constexpr,  # MERGE_IN_PLACE: next power of two >= queries_per_kv
     MERGE_SPLITS: tl.constexpr,  # MERGE_IN_PLACE: splits merged per step
     IDS_AHEAD: tl.constexpr,  # each tile's cache blocks loaded one iteration before its K/V (module doc)
+    HEADS_TOGETHER: tl.constexpr,  # grid (KV head, sequence, split), not (sequence, KV head, split) (module doc)
 ):
     wait_for_previous_grid()  # first, before any memory access; the next grid launches after the main loop (kernels/jit/pdl.py)
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    if HEADS_TOGETHER:  # grid (KV head, sequence, split): a sequence's heads launch one after another
+        kv_head, seq, num_kv_heads = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.num_programs(0)
+    else:  # grid (sequence, KV head, split)
+        seq, kv_head, num_kv_heads = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)
     split = tl.program_id(2)
 
     dims = tl.arange(0, BLOCK_D)
@@ -317,7 +329,7 @@ def paged_decode_split_kernel(
                            stride_partial_stat_head)
             # every thread's stores are issued before one thread signals (release, GPU scope)
             tl.debug_barrier()
-            counter = merge_counters_ptr + seq * tl.num_programs(1) + kv_head
+            counter = merge_counters_ptr + seq * num_kv_heads + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == splits_used - 1:  # the last split of this (sequence, KV head) to finish
                 merge_splits(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, seq, kv_head,

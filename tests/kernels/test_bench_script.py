@@ -71,7 +71,7 @@ def test_the_block_ids_rows_time_a_three_stage_table_entry_against_the_ids_in_th
     result = run_script("--interpret", "--groups", "attention", "--json", str(out), interpret=True,
                         VLM_CATALOG_TUNED_CONFIGS=str(table))
     assert result.returncode == 0, result.stdout + result.stderr
-    rows = [row for row in json.loads(out.read_text())["rows"] if "ids" in row["name"]]
+    rows = [row for row in json.loads(out.read_text())["rows"] if "fp8 kv, ids" in row["name"]]
     assert [(row["name"], row["shape"]) for row in rows] == [
         ("paged_decode_attention[fp8 kv, ids ahead]", "B=2 ctx=40 (0.4-1.6x)"),
         ("paged_decode_attention[fp8 kv, ids ahead]", "B=3 ctx=40 (0.4-1.6x)")]
@@ -132,6 +132,7 @@ def test_interpret_smoke_run_writes_json(tmp_path):
         "add_rms_norm_route[one launch]",
         "skinny_linear[16x256, 4 warps, 4 stages]",
         "paged_decode_attention[fp8 kv, ids ahead, 3 stages]",  # the default config's 2 stages, against 3
+        "paged_decode_attention[fp8 kv, heads together]",
     } <= names
     assert all(row["triton_ms"] > 0 and row["baseline_ms"] > 0 for row in report["rows"])
     assert not any("DIFFERS" in row["note"] for row in report["rows"]), report["rows"]

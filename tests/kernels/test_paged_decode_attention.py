@@ -487,3 +487,53 @@ def test_gpu_block_ids_loaded_ahead_give_the_bits_of_the_same_iteration(cuda_dev
     assert torch.equal(paged_decode_attention_triton(*args, max_context_len=32768, config=config), ahead)
     widened = (paged.k_cache.to(torch.bfloat16), paged.v_cache.to(torch.bfloat16))
     assert_close(ahead, paged_decode_attention_reference(q, *widened, *args[3:]), rel=1e-2)
+
+
+def test_a_sequences_heads_launch_together_unless_turned_off_or_past_the_grid_limit(monkeypatch):
+    module = importlib.import_module("kernels.paged_decode_attention")
+    assert module.launches_heads_together(256) and module.launches_heads_together(module.MAX_GRID_Y)
+    assert not module.launches_heads_together(module.MAX_GRID_Y + 1)  # CUDA's grid y limit: sequences there
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "decode_heads_together")
+    assert not module.launches_heads_together(256)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_heads_launched_together_give_the_bits_of_heads_apart(triton_device, poison_allocations, monkeypatch,
+                                                             cache_dtype):
+    """The split kernel's grid (KV head, sequence, split) gives the output and writes the cache bit
+    for bit as (sequence, KV head, split) (`decode_heads_together` off), the in-place merge's
+    counters (one per sequence and KV head) included: 3 splits, 2 KV heads, lengths 0 to 130."""
+    # tolerance: exact against the other grid
+    module = importlib.import_module("kernels.paged_decode_attention")
+    launched = []
+    real_launch = module._launch_decode
+
+    def spy(*args, **kwargs):
+        launched.append(module.launches_heads_together(args[0].shape[0]))
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_launch_decode", spy)
+    paged = build_paged_kv([0, 1, 2, 37, 16, 130], 4, 2, 32, cache_dtype, triton_device)
+    together = _decode_with_kv_write(paged, 4, 3, triton_device)
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "decode_heads_together")
+    apart = _decode_with_kv_write(paged, 4, 3, triton_device)
+    assert launched == [True, False]
+    for mine, theirs in zip(together, apart, strict=True):
+        assert torch.equal(mine.cpu().view(torch.uint8), theirs.cpu().view(torch.uint8))
+    assert int(arrival_counters(triton_device, 1).abs().sum()) == 0  # both grids leave them at zero
+
+
+@pytest.mark.gpu
+@pytest.mark.fast_path("decode_heads_together")
+def test_gpu_heads_launched_together_give_the_bits_of_heads_apart(cuda_device, monkeypatch):
+    """On the GPU at the engine's shapes (FP8 cache, 32 query and 4 KV heads of 128, block size 16),
+    with splits merged in place: the grid (KV head, sequence, split) gives the bits of (sequence,
+    KV head, split)."""
+    # tolerance: exact between the two grids
+    lengths = [37 + 131 * i for i in range(64)]
+    paged = build_paged_kv(lengths, 16, 4, 128, torch.float8_e4m3fn, cuda_device)
+    q = torch.randn(len(lengths), 32, 128, device=cuda_device, dtype=torch.bfloat16)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, 128**-0.5)
+    together = paged_decode_attention_triton(*args, max_context_len=32768, num_splits=16)
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "decode_heads_together")
+    assert torch.equal(paged_decode_attention_triton(*args, max_context_len=32768, num_splits=16), together)
