@@ -81,8 +81,8 @@ class Shapes:
     decode_tuning_context: int = 2048
     decode_graph_bound: int = 32768
     decode_tuning_batches: tuple[int, ...] = (1, 8, 32, 64, 128, 256)
-    # the engine's full decode batch at a benchmark-sized context: the block ids' rows
-    # (`_block_ids_ahead_rows`) time it beside the decode cases above
+    # the engine's full decode batch at a benchmark-sized context: the decode variants' rows
+    # (`_decode_variant_rows`) time it beside the decode cases above
     full_decode_case: tuple[int, int] = (256, 2048)
     prefill_cases: tuple[tuple[int, int, int], ...] = (
         (4, 2048, 0),
@@ -718,6 +718,13 @@ def bench_attention(shapes: Shapes, dtype, device, timer) -> list[Row]:
         return _attention_rows(shapes, dtype, device, timer)
 
 
+def _decode_variant_row(shape: str, kv_bytes: int, name: str, baseline: str, ms: float, baseline_ms: float,
+                        same: bool) -> Row:
+    """One of `_decode_variant_rows`: `same` says whether the two launches gave the same bits."""
+    return Row(name, shape, ms, baseline, baseline_ms, gigabytes_per_second(kv_bytes, ms),
+               note="" if same else "OUTPUT DIFFERS")
+
+
 def _decode_variant_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
     """The FP8-cache decode as the engine launches it against its variants, at the decode cases
     and the engine's full batch, with lengths spread as a batch's are:
@@ -747,29 +754,24 @@ def _decode_variant_rows(shapes: Shapes, dtype, device, timer) -> list[Row]:
                          shapes.head_dim**-0.5, max_context_len=max(lengths))
         kv_bytes = 2 * sum(lengths) * shapes.num_kv_heads * shapes.head_dim  # one byte each
         picked_label = f"{picked.block_n} positions, {picked.num_warps} warps, {picked.num_stages} stages"
-        if picked.num_stages >= 3:
-            name, ours = "paged_decode_attention[fp8 kv, ids ahead]", decode
-            baseline = f"ids in the same iteration ({picked_label})"
-            ahead_out = decode()
-            with environment_variable(KERNELS_OFF_ENV_VAR, "decode_ids_ahead"):
-                same = torch.equal(ahead_out, decode())
-                baseline_ms = timer(decode)
-        else:
-            name = "paged_decode_attention[fp8 kv, ids ahead, 3 stages]"
-            ours = partial(decode, config=replace(picked, num_stages=3, tuned=False))
-            baseline, baseline_ms = f"the engine's config ({picked_label})", timer(decode)
-            same = torch.equal(ours(), decode())
-        ms = timer(ours)
         shape = f"B={batch} ctx={context} (0.4-1.6x)"
-        rows.append(Row(name, shape, ms, baseline, baseline_ms, gigabytes_per_second(kv_bytes, ms),
-                        note="" if same else "OUTPUT DIFFERS"))
-        engine_ms, engine_out = (ms, ours()) if picked.num_stages >= 3 else (baseline_ms, decode())
+        engine_out, engine_ms = decode(), timer(decode)  # as the engine launches it
+        variant_row = partial(_decode_variant_row, shape, kv_bytes)
+
+        if picked.num_stages >= 3:  # the engine's launch loads the ids ahead: against the ids in the same iteration
+            with environment_variable(KERNELS_OFF_ENV_VAR, "decode_ids_ahead"):
+                same = torch.equal(engine_out, decode())
+                rows.append(variant_row("paged_decode_attention[fp8 kv, ids ahead]",
+                                        f"ids in the same iteration ({picked_label})", engine_ms, timer(decode), same))
+        else:  # 2 stages: the same config on 3, the ids ahead, against it
+            three_stages = partial(decode, config=replace(picked, num_stages=3, tuned=False))
+            same = torch.equal(three_stages(), engine_out)
+            rows.append(variant_row("paged_decode_attention[fp8 kv, ids ahead, 3 stages]",
+                                    f"the engine's config ({picked_label})", timer(three_stages), engine_ms, same))
         with environment_variable(KERNELS_OFF_ENV_VAR, "decode_heads_together"):
             same = torch.equal(engine_out, decode())
-            apart_ms = timer(decode)
-        rows.append(Row("paged_decode_attention[fp8 kv, heads together]", shape, engine_ms,
-                        "the grid (sequence, KV head, split)", apart_ms, gigabytes_per_second(kv_bytes, engine_ms),
-                        note="" if same else "OUTPUT DIFFERS"))
+            rows.append(variant_row("paged_decode_attention[fp8 kv, heads together]",
+                                    "the grid (sequence, KV head, split)", engine_ms, timer(decode), same))
     return rows
 
 
