@@ -96,6 +96,10 @@ FAST_PATHS = frozenset({
     # the fused MoE's down GEMM on the prefill tiles: one program per SM walking its tiles in one
     # flattened loop (off: one program per tile; kernels/moe/fused_moe.py, down_runs_persistent)
     "moe_down_persistent",
+    # a kernel launched with programmatic dependent launch asks for its weights into L2 before it
+    # waits for the grid before it: the skinny projections and the norm-and-router launch (off: it
+    # reads nothing before the wait; kernels/pdl.py, kernels/jit/l2_prefetch.py)
+    "pdl_weight_prefetch",
 })
 FP8_FAST_ACCUMULATION_ENV_VAR = "VLM_CATALOG_FP8_FAST_ACCUMULATION"
 AUTO_DEVICE_TYPES = ("cuda",)  # where `auto` picks Triton; a test adds "cpu" to run the GPU choices interpreted

@@ -10,7 +10,10 @@ its memory is visible), before touching any memory, and then lets the next grid 
 once, or, in the kernels of the batch-1 decode step (the projections, decode attention, the
 norm-and-router launch and the experts), after their main loop, so that the next grid's
 waiting programs do not take the SMs from this grid's programs still to start. So a kernel
-computes exactly as it does without PDL, and only the launches overlap. Kernels of other
+computes exactly as it does without PDL, and only the launches overlap. The skinny projections
+and the norm-and-router launch also ask for their weights into L2 before the wait
+(`prefetches_weights`, kernels/jit/l2_prefetch.py): no grid writes them, and they then stream
+in while the grid before finishes. Kernels of other
 libraries (cuBLAS, torch) are launched as usual and wait as usual.
 
 Off by default: bench_gpu.py's roofline phase times the batch-1 decode step both ways
@@ -28,10 +31,11 @@ import functools
 
 import torch
 
-from kernels.dispatch import environment_flag, environment_variable
+from kernels.dispatch import environment_flag, environment_variable, kernels_off
 
 PDL_ENV_VAR = "VLM_CATALOG_PDL"
 PDL_MIN_CAPABILITY = (9, 0)
+L2_LINE_BYTES = 128  # what one `prefetch.global.L2` brings (kernels/jit/l2_prefetch.py)
 
 
 def programmatic_dependent_launch(enabled: bool) -> contextlib.AbstractContextManager:
@@ -52,6 +56,19 @@ def launch_options(tensor: torch.Tensor) -> dict[str, bool]:
         return {}
     index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
     return {"launch_pdl": True} if _device_takes_pdl(index) else {}
+
+
+def prefetches_weights(options: dict[str, bool]) -> bool:
+    """Whether a kernel launched with `options` (`launch_options`' answer) asks for its weights into
+    L2 before it waits for the grid before it (kernels/jit/l2_prefetch.py): where the launch uses
+    PDL, unless ``VLM_CATALOG_KERNELS_OFF`` names `pdl_weight_prefetch`. Without PDL the wait
+    returns at once, and the prefetches would only come just ahead of the loads themselves."""
+    return bool(options.get("launch_pdl")) and "pdl_weight_prefetch" not in kernels_off()
+
+
+def line_elements(tensor: torch.Tensor) -> int:
+    """Elements of `tensor` in one L2 line: the column step of `prefetch_rows_to_l2`."""
+    return max(1, L2_LINE_BYTES // tensor.element_size())
 
 
 @functools.cache

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from kernels.checks import check_dtype, check_same_device, check_shape, check_unit_stride_last_dim
 from kernels.dispatch import use_triton
 from kernels.launch_math import cdiv
-from kernels.pdl import launch_options
+from kernels.pdl import launch_options, line_elements, prefetches_weights
 
 SKINNY_MAX_ROWS = 8  # the largest batch given the kernel (a decode graph's first buckets: 1, 2, 4, 8)
 SKINNY_DTYPES = (torch.float16, torch.bfloat16)
@@ -39,9 +39,11 @@ SKINNY_LAUNCH = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4)
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         launch: dict[str, int] | None = None) -> torch.Tensor:
+                         launch: dict[str, int] | None = None, prefetch_weight: bool | None = None) -> torch.Tensor:
     """x [M, K] (M <= 16) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype; `launch`: other
-    BLOCK_N / BLOCK_K / num_warps / num_stages (the kernel rows' candidates)."""
+    BLOCK_N / BLOCK_K / num_warps / num_stages (the kernel rows' candidates); `prefetch_weight`:
+    each program asks for its weight rows into L2 before it waits for the grid before it
+    (None: where the launch uses PDL, `kernels.pdl.prefetches_weights`)."""
     from kernels.jit.skinny_linear import skinny_linear_kernel
 
     check_shape("x", x, (None, None))
@@ -63,6 +65,9 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if num_rows == 0 or num_cols == 0:
         return out
     settings = launch or SKINNY_LAUNCH
+    options = launch_options(x)
+    if prefetch_weight is None:
+        prefetch_weight = prefetches_weights(options)
     skinny_linear_kernel[(cdiv(num_cols, settings["BLOCK_N"]),)](
         # pointers
         x,
@@ -82,9 +87,12 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         BLOCK_N=settings["BLOCK_N"],
         BLOCK_K=settings["BLOCK_K"],
         HAS_BIAS=bias is not None,
+        PREFETCH_WEIGHT=prefetch_weight,
+        LINE_ELEMENTS=line_elements(weight),
+        PREFETCH_LINES=max(1, 32 * settings["num_warps"] // settings["BLOCK_N"]),  # one line per thread
         num_warps=settings["num_warps"],
         num_stages=settings["num_stages"],
-        **launch_options(x),
+        **options,
     )
     return out
 

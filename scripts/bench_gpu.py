@@ -263,6 +263,8 @@ def measure_roofline(model, device: torch.device, ceilings: dict) -> dict:
     floor = active_weight_bytes(model) / ceilings["copy_bandwidth_bytes_per_s"]
     release_memory(device)
     batch1_pdl = measure_decode_batch1_with_pdl(model, device, context_bound=tokens, floor=floor)
+    batch1_pdl_unprefetched = measure_decode_batch1_with_pdl_without_prefetch(model, device, context_bound=tokens,
+                                                                              floor=floor)
     batch1_unfused = measure_decode_batch1_without(NEWEST_DECODE_FUSIONS, model, device, context_bound=tokens,
                                                    floor=floor)
     batch, context = (DECODE_BATCH, DECODE_CONTEXT) if device.type == "cuda" else (4, 32)
@@ -284,6 +286,7 @@ def measure_roofline(model, device: torch.device, ceilings: dict) -> dict:
         "cuda_graphs": batch1["cuda_graphs"],
         "decode_batch1_kernels": batch1["kernels"],  # where the step's time goes (kernel_breakdown)
         "decode_batch1_pdl": batch1_pdl,  # the same step with the other VLM_CATALOG_PDL setting
+        "decode_batch1_pdl_without_prefetch": batch1_pdl_unprefetched,  # with PDL, no weight read before a wait
         "decode_batch1_unfused": batch1_unfused,  # the same step with NEWEST_DECODE_FUSIONS off
         "decode_large_batch": large_batch,  # a decode step of many sequences, and its kernels
     }
@@ -297,6 +300,25 @@ def measure_decode_batch1_with_pdl(model, device: torch.device, context_bound: i
         return {"skipped": "programmatic dependent launch needs a CUDA device"}
     enabled = not pdl_requested()
     return measure_decode_batch1_variant(programmatic_dependent_launch(enabled), {"pdl": enabled}, model, device,
+                                         context_bound, floor)
+
+
+def measure_decode_batch1_with_pdl_without_prefetch(model, device: torch.device, context_bound: int,
+                                                    floor: float) -> dict:
+    """The batch-1 decode step with programmatic dependent launch and `pdl_weight_prefetch` off: its
+    kernels read nothing before they wait for the grid before them (kernels/jit/l2_prefetch.py),
+    so beside the PDL step it shows what asking for the weights early gave. As
+    `measure_decode_batch1_with_pdl` records it."""
+    if device.type != "cuda":
+        return {"skipped": "programmatic dependent launch needs a CUDA device"}
+    turned_off = sorted(kernels_off() | {"pdl_weight_prefetch"})
+
+    @contextlib.contextmanager
+    def setting():
+        with programmatic_dependent_launch(True), environment_variable(KERNELS_OFF_ENV_VAR, ",".join(turned_off)):
+            yield
+
+    return measure_decode_batch1_variant(setting(), {"pdl": True, "kernels_off": turned_off}, model, device,
                                          context_bound, floor)
 
 

@@ -271,6 +271,11 @@ def roofline_section(record: dict, previous: dict | None) -> str | None:
     elif isinstance(other, dict) and "error" in other:
         lines.append(f"the same with programmatic dependent launch {'on' if other.get('pdl') else 'off'}: "
                      f"error: {other['error']}")
+    unprefetched = roofline.get("decode_batch1_pdl_without_prefetch")  # with PDL, no weight read before a wait
+    if isinstance(unprefetched, dict) and ("seconds" in unprefetched or "error" in unprefetched):
+        lines.append("the same with programmatic dependent launch and no weights prefetched before the wait: " + (
+            f"{number(1e3 * unprefetched['seconds'], 3)} ms, {number(unprefetched.get('over_floor'))}x the floor"
+            if "seconds" in unprefetched else f"error: {unprefetched['error']}"))
     unfused = roofline.get("decode_batch1_unfused")  # the same step with the newest fusions off
     if isinstance(unfused, dict) and ("seconds" in unfused or "error" in unfused):
         off = ", ".join(unfused.get("kernels_off", []))

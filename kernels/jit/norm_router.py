@@ -11,11 +11,16 @@ in float32 and rounded once to the hidden dtype, as a 16-bit `F.linear` does.
 ROUTE: each program then counts its arrival (kernels/arrival_counters.py), and the last one
 routes every token on the stored logits and writes the whole align layout (`route_and_align`):
 `route_topk_align_kernel`'s outputs, without its launch.
+
+PREFETCH_WEIGHT (a launch with programmatic dependent launch, kernels/pdl.py): each program
+first asks for its router rows and the norm weight into L2 (kernels/jit/l2_prefetch.py),
+before it waits for the grid before it, which wrote x.
 """
 
 import triton
 import triton.language as tl
 
+from kernels.jit.l2_prefetch import prefetch_rows_to_l2
 from kernels.jit.moe_routing import softmax_topk
 from kernels.jit.pdl import let_next_grid_launch, wait_for_previous_grid
 
@@ -69,9 +74,20 @@ def add_rms_norm_router_kernel(
     RENORMALIZE: tl.constexpr,  # ROUTE
     BLOCK_PADDED: tl.constexpr,  # ROUTE: next power of two >= the most entries the layout can use
     BLOCK_BLOCKS: tl.constexpr,  # ROUTE: next power of two >= the most blocks the layout can use
+    PREFETCH_WEIGHT: tl.constexpr,  # ask for the program's router rows and the norm weight into L2 before the wait
+    LINE_ELEMENTS: tl.constexpr,  # weight elements per 128-byte line
+    PREFETCH_LINES: tl.constexpr,  # lines of each row per prefetch step
 ):
-    wait_for_previous_grid()  # first, before any memory access; the next grid launches after the main loop (kernels/jit/pdl.py)
     program = tl.program_id(0)
+    if PREFETCH_WEIGHT:  # read-only, no grid's output: asked for while the grid before still runs
+        prefetch_experts = tl.minimum(program * BLOCK_E + tl.arange(0, BLOCK_E), num_experts - 1)
+        prefetch_rows_to_l2(gate_weight_ptr + prefetch_experts[:, None].to(tl.int64) * stride_gate_row, hidden_size,
+                            LINE_ELEMENTS, PREFETCH_LINES)
+        if program == 0:  # every program reads the norm weight; one asks for it (its elements are no
+            # wider than the router's, so a step of LINE_ELEMENTS skips no line of it)
+            prefetch_rows_to_l2(norm_weight_ptr + tl.zeros([1, 1], dtype=tl.int64), hidden_size, LINE_ELEMENTS,
+                                PREFETCH_LINES)
+    wait_for_previous_grid()  # before any other memory access; the next grid launches after the main loop (kernels/jit/pdl.py)
     tokens = tl.arange(0, BLOCK_T)
     token_mask = tokens < num_tokens
 

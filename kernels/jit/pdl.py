@@ -1,7 +1,8 @@
 """The device side of programmatic dependent launch (kernels/pdl.py).
 
 Every Triton kernel begins with `after_previous_grid()` or `wait_for_previous_grid()`, before
-it reads or writes any memory: it waits until the grid before it in the stream has finished and
+it reads or writes any memory (the one exception: a few kernels ask for their weights, which
+no grid writes, into L2 first; kernels/jit/l2_prefetch.py): it waits until the grid before it in the stream has finished and
 its writes are visible (``griddepcontrol.wait``). Then it lets the next grid launch
 (``griddepcontrol.launch_dependents``; that grid waits the same way before its own work):
 `after_previous_grid` at once, the kernels of the batch-1 decode step later, with

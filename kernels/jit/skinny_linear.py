@@ -4,11 +4,16 @@ Program p owns output columns [p * BLOCK_N, (p + 1) * BLOCK_N) for every row and
 BLOCK_K steps. The rows are padded to BLOCK_M = 16 for `tl.dot` (masked loads, nothing read
 past M), so the weight tiles feed a dot and Triton's software pipeline keeps NUM_STAGES of
 them in flight: the kernel streams the weight once, at a few KiB per program per step.
+
+With PREFETCH_WEIGHT (a launch with programmatic dependent launch, kernels/pdl.py) each program
+first asks for its weight rows into L2 (kernels/jit/l2_prefetch.py), before it waits for the
+grid before it: the weight is no grid's output, and it streams in while that grid finishes.
 """
 
 import triton
 import triton.language as tl
 
+from kernels.jit.l2_prefetch import prefetch_rows_to_l2
 from kernels.jit.pdl import let_next_grid_launch, wait_for_previous_grid
 
 
@@ -32,10 +37,16 @@ def skinny_linear_kernel(
     BLOCK_N: tl.constexpr,  # output columns per program
     BLOCK_K: tl.constexpr,  # reduction step
     HAS_BIAS: tl.constexpr,
+    PREFETCH_WEIGHT: tl.constexpr,  # ask for the program's weight rows into L2 before the wait
+    LINE_ELEMENTS: tl.constexpr,  # weight elements per 128-byte line
+    PREFETCH_LINES: tl.constexpr,  # lines of each row per prefetch step
 ):
-    wait_for_previous_grid()  # first, before any memory access; the next grid launches after the main loop (kernels/jit/pdl.py)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PREFETCH_WEIGHT:  # read-only, no grid's output: asked for while the grid before still runs
+        prefetch_rows_to_l2(weight_ptr + tl.minimum(cols, num_cols - 1)[:, None].to(tl.int64) * stride_weight_row,
+                            reduction, LINE_ELEMENTS, PREFETCH_LINES)
+    wait_for_previous_grid()  # before any other memory access; the next grid launches after the main loop (kernels/jit/pdl.py)
     row_mask = rows < num_rows
     col_mask = cols < num_cols
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x_row  # [BLOCK_M, 1]

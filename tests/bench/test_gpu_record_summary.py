@@ -65,6 +65,8 @@ NEW_RECORD = {
     "roofline": {"prefill_tokens": 8192, "prefill_mfu": 0.52, "decode_batch1_seconds": 0.0042,
                  "decode_over_floor": 1.9, "decode_batch1_graph_seconds": 0.00395,
                  "decode_batch1_pdl": {"pdl": True, "seconds": 0.0036, "over_floor": 1.63, "kernels": {}},
+                 "decode_batch1_pdl_without_prefetch": {"pdl": True, "kernels_off": ["pdl_weight_prefetch"],
+                                                        "seconds": 0.0038, "over_floor": 1.72, "kernels": {}},
                  "decode_batch1_unfused": {"kernels_off": ["add_rms_norm_router", "decode_merge_in_place"],
                                            "seconds": 0.0046, "over_floor": 2.1, "kernels": {}},
                  "decode_batch1_kernels": {"total_us_per_step": 3900.0, "kernels": [
@@ -129,6 +131,8 @@ def test_a_record_with_the_new_fields_prints_them_beside_the_previous_one(tmp_pa
     assert "2.03x" in text and "1.90x the floor (was 2.03x) (target 1.5x); the graph alone 3.950 ms" in text
     assert "850.0 us x48: `moe_gate_up_silu_kernel`" in text
     assert "the same with programmatic dependent launch on: 3.600 ms, 1.63x the floor" in text
+    assert ("the same with programmatic dependent launch and no weights prefetched before the wait: 3.800 ms, "
+            "1.72x the floor") in text
     assert "the same with add_rms_norm_router, decode_merge_in_place off: 4.600 ms, 2.10x the floor" in text
     assert "decode_large_batch: error: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED" in text
     assert "| record | fused_moe[fp8 w8a8, per-channel, grouped_mm] | T=16384 | 1.6000 | - | 2.4000 | 1.50 |" in text

@@ -100,6 +100,7 @@ def recorded_launches() -> Iterator[list[Launch]]:
 
     def record(self, *args, grid, warmup, **kwargs):
         options = {name: kwargs.pop(name) for name in LAUNCH_OPTIONS if name in kwargs}
+        kwargs.pop("launch_pdl", None)  # how the launch runs, not what it compiles
         bound = inspect.signature(self.fn).bind(*args, **kwargs)
         bound.apply_defaults()
         launches.append(Launch(self, dict(bound.arguments), options))
@@ -189,6 +190,9 @@ class Compiled:
     # the kernel lets the next grid launch (`griddepcontrol.launch_dependents`): without it, a
     # launch with PDL would start the next grid only once this one has ended, and gain nothing
     grid_dependency_trigger: bool = True
+    # the kernel asks for memory into L2 before it waits for the grid before it (PREFETCH_WEIGHT,
+    # kernels/jit/l2_prefetch.py: its weights, while that grid finishes)
+    prefetches_before_wait: bool = False
 
     def summary(self) -> str:
         registers = "?" if self.registers is None else self.registers
@@ -204,6 +208,7 @@ class Compiled:
                 + ("" if self.wgmma_serialized is None else f", wgmma serialized by ptxas: {self.wgmma_serialized}")
                 + ("" if not self.fp8_sums_across_k else f", {self.fp8_sums_across_k} FP8 dots summing across K")
                 + (", persistent" if self.persistent else "")
+                + (", weights prefetched into L2 before the wait" if self.prefetches_before_wait else "")
                 + ("" if self.grid_dependency_wait else ", no griddepcontrol.wait")
                 + ("" if self.grid_dependency_trigger else ", no griddepcontrol.launch_dependents"))
 
@@ -325,7 +330,33 @@ def compile_launch(launch: Launch) -> Compiled:
         persistent=bool(launch.arguments.get("PERSISTENT", False)),
         grid_dependency_wait="griddepcontrol.wait" in compiled.asm["ptx"],
         grid_dependency_trigger="griddepcontrol.launch_dependents" in compiled.asm["ptx"],
+        prefetches_before_wait=prefetches_before_wait(compiled.asm["ptx"]),
     )
+
+
+def prefetches_before_wait(ptx: str) -> bool:
+    """Whether the PTX asks for a line into L2 (`prefetch.global.L2`) before `griddepcontrol.wait`."""
+    prefetch, wait = ptx.find("prefetch.global.L2"), ptx.find("griddepcontrol.wait")
+    return prefetch >= 0 and (wait < 0 or prefetch < wait)
+
+
+@contextlib.contextmanager
+def launched_with_pdl() -> Iterator[None]:
+    """The wrappers launch as on a Hopper GPU with VLM_CATALOG_PDL=1 (their `launch_options` ask
+    for programmatic dependent launch; here the tensors are on the CPU, where it asks for none)."""
+    modules = [importlib.import_module(name) for name in ("kernels.skinny_linear", "kernels.norm_router")]
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            stack.enter_context(mock.patch.object(module, "launch_options", lambda tensor: {"launch_pdl": True}))
+        yield
+
+
+def with_pdl(call: Callable[[], object]) -> Callable[[], object]:
+    """`call` as `launched_with_pdl` launches it."""
+    def launch():
+        with launched_with_pdl():
+            return call()
+    return launch
 
 
 # --------------------------------------------------------------------------- cases
@@ -508,6 +539,12 @@ def cases(include_float32: bool) -> list[tuple[str, Callable[[], object]]]:
            lambda count=count, k=k, n=n: skinny_linear_triton(empty(count, k), empty(n, k)))
           for name, k, n in (("qkv", HIDDEN, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM), ("o", Q_HEADS * HEAD_DIM, HIDDEN))
           for count in (1, 8)),
+        # the batch-1 decode step's graph with VLM_CATALOG_PDL=1: the weights asked for before the wait
+        ("skinny_linear[qkv, T=1, launched with PDL]",
+         with_pdl(lambda: skinny_linear_triton(empty(1, HIDDEN), empty((Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN)))),
+        ("add_rms_norm_route[T=1, launched with PDL]", with_pdl(lambda: add_rms_norm_route_triton(
+            empty(1, HIDDEN), empty(1, HIDDEN), weight, 1e-6, empty(EXPERTS, HIDDEN), TOP_K, True, BF16,
+            moe_gemm_config(1, empty(EXPERTS, 2 * MOE_INTERMEDIATE, HIDDEN), TOP_K).block_size_m))),
         ("qk_norm_mrope", lambda: qk_norm_mrope_triton(
             *qkv_views(tokens)[:2], empty(HEAD_DIM), empty(HEAD_DIM), torch.zeros(3, tokens, dtype=torch.int64),
             empty(HEAD_DIM // 2, dtype=FP32), MROPE_SECTION, 1e-6)),

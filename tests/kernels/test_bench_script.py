@@ -546,6 +546,8 @@ def test_bench_gpu_single_phases_on_cpu(tmp_path):
     assert (large["batch"], large["context"]) == (4, 32) and large["seconds"] > 0 and large["tokens_per_s"] > 0
     assert large["kernels"]["total_us_per_step"] > 0 and not large["cuda_graphs"]
     assert report["roofline"]["decode_batch1_pdl"] == {"skipped": "programmatic dependent launch needs a CUDA device"}
+    assert report["roofline"]["decode_batch1_pdl_without_prefetch"] == {
+        "skipped": "programmatic dependent launch needs a CUDA device"}
     unfused = report["roofline"]["decode_batch1_unfused"]  # the same step with the newest fusions off
     assert unfused["kernels_off"] == ["add_rms_norm_router", "decode_merge_in_place", "skinny_linear"]
     assert unfused["seconds"] > 0
@@ -705,6 +707,28 @@ def test_the_roofline_times_the_batch1_step_with_the_other_pdl_setting(monkeypat
     assert bench_gpu.measure_decode_batch1_with_pdl(None, cuda, 8192, floor=0.002) == {
         "pdl": False, "error": "RuntimeError: operation not permitted when stream is capturing"}
     assert seen == [True, False, False] and pdl_requested()  # the setting is back as it was
+
+
+def test_the_roofline_times_the_pdl_step_without_its_weight_prefetches(monkeypatch):
+    from kernels.dispatch import KERNELS_OFF_ENV_VAR, kernels_off
+    from kernels.pdl import PDL_ENV_VAR, pdl_requested, prefetches_weights
+
+    bench_gpu = load_bench_gpu()
+    seen = []
+
+    def decode_step(model, device, batch, context, context_bound, repeats=10):
+        seen.append((pdl_requested(), prefetches_weights({"launch_pdl": True}), kernels_off()))
+        return {"seconds": 0.003, "kernels": {"total_us_per_step": 2900.0}}
+
+    monkeypatch.setattr(bench_gpu, "measure_decode_batch", decode_step)
+    monkeypatch.setattr(bench_gpu, "release_memory", lambda device: None)
+    monkeypatch.delenv(PDL_ENV_VAR, raising=False)
+    monkeypatch.setenv(KERNELS_OFF_ENV_VAR, "skinny_linear")  # the run's own switches stay off
+    assert bench_gpu.measure_decode_batch1_with_pdl_without_prefetch(None, torch.device("cuda"), 8192, 0.002) == {
+        "pdl": True, "kernels_off": ["pdl_weight_prefetch", "skinny_linear"], "seconds": 0.003, "over_floor": 1.5,
+        "kernels": {"total_us_per_step": 2900.0}}
+    assert seen == [(True, False, {"pdl_weight_prefetch", "skinny_linear"})]
+    assert not pdl_requested() and kernels_off() == {"skinny_linear"}  # the settings are back as they were
 
 
 def test_the_roofline_keeps_its_numbers_when_the_large_decode_batch_does_not_fit(tmp_path, monkeypatch):

@@ -134,13 +134,13 @@ def test_ops_named_off_take_the_reference_and_the_rest_keep_triton(monkeypatch):
                        "fp8_linear_cublas,fp8_widen_ptx,fp8_float16_dots,fp8_v_words,moe_grouped_gemm,"
                        "decode_qk_norm_rope,gelu_gemm_epilogue,decode_merge_in_place,norm_router_routes,"
                        "moe_gate_up_quantizes,norm_quantizes,decode_ids_ahead,moe_down_persistent,"
-                       "decode_heads_together")
+                       "decode_heads_together,pdl_weight_prefetch")
     assert dispatch.kernels_off() == {"fp8_linear_cublas", "fp8_widen_ptx", "fp8_float16_dots", "fp8_v_words",
                                       "moe_grouped_gemm", "decode_qk_norm_rope", "gelu_gemm_epilogue",
                                       "decode_merge_in_place", "norm_router_routes",
                                       "moe_gate_up_quantizes", "norm_quantizes",
                                       "decode_ids_ahead", "moe_down_persistent",
-                                      "decode_heads_together"} == dispatch.FAST_PATHS
+                                      "decode_heads_together", "pdl_weight_prefetch"} == dispatch.FAST_PATHS
     assert dispatch.use_triton(torch.randn(2), op="fp8_linear")
 
 

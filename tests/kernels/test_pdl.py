@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from kernels import pdl
-from kernels.pdl import PDL_ENV_VAR, launch_options, pdl_requested, programmatic_dependent_launch
+from kernels.pdl import (
+    PDL_ENV_VAR,
+    launch_options,
+    pdl_requested,
+    prefetches_weights,
+    programmatic_dependent_launch,
+)
 
 JIT_DIR = Path(__file__).resolve().parents[2] / "kernels" / "jit"
 
@@ -47,6 +53,14 @@ def test_the_context_sets_the_variable_for_its_block(monkeypatch):
     assert pdl_requested()
 
 
+def test_a_kernel_prefetches_its_weights_only_when_launched_with_pdl(monkeypatch):
+    monkeypatch.delenv("VLM_CATALOG_KERNELS_OFF", raising=False)
+    assert prefetches_weights({"launch_pdl": True})
+    assert not prefetches_weights({})  # without PDL the wait returns at once: nothing to overlap
+    monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "pdl_weight_prefetch")
+    assert not prefetches_weights({"launch_pdl": True})
+
+
 def test_a_bad_setting_is_named(monkeypatch):
     monkeypatch.setenv(PDL_ENV_VAR, "sometimes")
     with pytest.raises(ValueError, match="VLM_CATALOG_PDL='sometimes' is not a flag"):
@@ -68,14 +82,34 @@ def statement_call(statement) -> str | None:
     return None
 
 
-def test_every_kernel_waits_for_the_grid_before_it_first():
-    # a kernel launched with launch_pdl=True may start while the one before it still runs: its
-    # first statement must be the wait, before any load or store (the docstring aside)
+# what a kernel may do before it waits: compute its program's indices, and under PREFETCH_WEIGHT
+# ask for its weights into L2 (kernels/jit/l2_prefetch.py), which no grid writes
+CALLS_BEFORE_THE_WAIT = {"program_id", "arange", "minimum", "zeros", "to", "prefetch_rows_to_l2"}
+
+
+def calls_in(statement) -> set[str]:
+    return {getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            for node in ast.walk(statement) if isinstance(node, ast.Call)}
+
+
+def test_every_kernel_waits_for_the_grid_before_it_before_touching_memory():
+    # a kernel launched with launch_pdl=True may start while the one before it still runs: before
+    # the wait it loads and stores nothing (the docstring aside); it may prefetch its weights, only
+    # under PREFETCH_WEIGHT
     kernels = list(kernel_functions())
     assert len(kernels) >= 18
+    prefetching = set()
     for module, kernel in kernels:
         body = [s for s in kernel.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-        assert statement_call(body[0]) in ("after_previous_grid", "wait_for_previous_grid"), f"{module}: {kernel.name}"
+        waits = [i for i, s in enumerate(body) if statement_call(s) in ("after_previous_grid", "wait_for_previous_grid")]
+        assert waits, f"{module}: {kernel.name} never waits for the grid before it"
+        for statement in body[:waits[0]]:
+            assert calls_in(statement) <= CALLS_BEFORE_THE_WAIT, f"{module}: {kernel.name} before its wait"
+            if "prefetch_rows_to_l2" in calls_in(statement):
+                assert isinstance(statement, ast.If) and getattr(statement.test, "id", None) == "PREFETCH_WEIGHT", \
+                    f"{module}: {kernel.name} prefetches outside `if PREFETCH_WEIGHT:`"
+                prefetching.add(kernel.name)
+    assert prefetching == {"skinny_linear_kernel", "add_rms_norm_router_kernel"}
 
 
 def test_a_kernel_that_waits_alone_lets_the_next_grid_launch_once_after_its_main_loop():
@@ -113,5 +147,8 @@ def test_every_launch_passes_the_launch_options():
     assert len(launches) >= 18
     for path, name, call in launches:
         spread = [k.value for k in call.keywords if k.arg is None]  # **mapping arguments
-        assert any(getattr(value.func, "id", None) == "launch_options" for value in spread
-                   if isinstance(value, ast.Call)), f"{path}: {name} is launched without **launch_options(...)"
+        source = (JIT_DIR.parent / path).read_text()
+        called = any(getattr(value.func, "id", None) == "launch_options" for value in spread
+                     if isinstance(value, ast.Call))
+        named = any(f"{value.id} = launch_options(" in source for value in spread if isinstance(value, ast.Name))
+        assert called or named, f"{path}: {name} is launched without **launch_options(...)"

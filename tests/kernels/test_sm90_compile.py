@@ -177,6 +177,19 @@ def test_the_decode_loop_keeps_more_than_one_tile_in_flight_on_three_stages():
             assert f", {in_flight} copy groups in flight at the loop's wait" in line.group(1), (kernels_off, line)
 
 
+def test_kernels_launched_with_pdl_ask_for_their_weights_before_the_wait():
+    """Launched with programmatic dependent launch, the skinny projection and the norm-and-router
+    launch prefetch their weights into L2 before `griddepcontrol.wait` (in their PTX), on Triton
+    3.6 as on 3.9; with `pdl_weight_prefetch` off they read nothing before it."""
+    for kernels_off, prefetched in (("", True), ("pdl_weight_prefetch", False)):
+        result = run_compile("--only", "launched with PDL", VLM_CATALOG_KERNELS_OFF=kernels_off)
+        assert result.returncode == 0, result.stdout + result.stderr
+        lines = re.findall(r"launched with PDL\] / (\w+): ok \((.*)\)", result.stdout)
+        assert {kernel for kernel, _ in lines} == {"skinny_linear_kernel", "add_rms_norm_router_kernel"}, result.stdout
+        for kernel, line in lines:
+            assert ("weights prefetched into L2 before the wait" in line) == prefetched, (kernels_off, kernel, line)
+
+
 @pytest.mark.slow
 def test_float32_attention_kernels_compile_for_sm90():
     result = run_compile("--float32")
