@@ -8,6 +8,20 @@ also applies `interpreter_compat.patch_interpreter_bfloat16`, which makes the
 interpreter's bfloat16 `tl.dot` and float32 -> bfloat16 rounding match a GPU,
 `patch_interpreter_scalar_index` (loops with tensor bounds on older Triton) and
 `patch_interpreter_fp8` (float32 -> float8 e4m3 rounding as on a GPU).
+
+Step-sized arguments. Triton compiles a kernel once per specialization of its arguments: an
+integer equal to 1 becomes a constant, one divisible by 16 says so, and so does a pointer
+aligned to 16 bytes. An argument that takes a new value every engine step (a step's token,
+row or pair count, a count of chunks or splits, the stride of a [3, T] positions tensor)
+would then compile new variants in the middle of serving whenever a step falls in a class
+the warm-up did not run (an odd token count with an even pair count, say), a stall of
+a second or more each on a GPU. Those parameters are listed in their kernel's
+``@triton.jit(do_not_specialize=[...])``: one variant serves every value. They are counts
+and strides of small index tensors, where the hints buy nothing; the strides of the large
+tiles (a model's widths) keep them. Block tables are padded to whole 16s of columns instead
+(`vlm_catalog/engine/block_table_rows.py`), since the decode loop loads its block ids as
+vectors. `tests/engine/test_warmup_variants.py` runs the engine with every launch recorded
+and requires the benchmark's run to launch no variant its warm-up did not.
 """
 
 from kernels.jit.interpreter_compat import (

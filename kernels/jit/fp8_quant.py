@@ -38,7 +38,8 @@ def scale_of_max(amax):
     return tl.where(amax > 0.0, amax / 448.0, 1.0)
 
 
-@triton.jit
+# step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)
+@triton.jit(do_not_specialize=["rows"])
 def quantize_activations_kernel(
     # pointers
     x_ptr,  # [rows, cols]

@@ -86,7 +86,8 @@ def grouped_tile(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
     return m_block, n_block
 
 
-@triton.jit
+# step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def moe_gate_up_silu_kernel(
     # pointers
     hidden_ptr,  # [T, H] (e4m3 with FP8_ACTIVATIONS)
@@ -220,7 +221,8 @@ def moe_gate_up_silu_kernel(
         tl.store(out_ptrs, activated, mask=pair_mask[:, None] & col_mask[None, :])
 
 
-@triton.jit
+# step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def moe_down_kernel(
     # pointers
     activated_ptr,  # [T*K, I] (e4m3 with FP8_ACTIVATIONS)

@@ -73,7 +73,8 @@ def count_experts(topk_ids_ptr, start, end, BLOCK_EXPERTS: tl.constexpr, COUNT_B
     return counts
 
 
-@triton.jit
+# step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)
+@triton.jit(do_not_specialize=["num_pairs"])
 def moe_count_kernel(
     # pointers
     topk_ids_ptr,  # [T*K]
@@ -94,7 +95,8 @@ def moe_count_kernel(
     tl.store(chunk_counts_ptr + chunk * num_experts + experts, counts, mask=experts < num_experts)
 
 
-@triton.jit
+# step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)
+@triton.jit(do_not_specialize=["num_chunks"])
 def moe_offsets_kernel(
     # pointers
     chunk_counts_ptr,  # [chunks, E] int32, from moe_count_kernel
@@ -126,7 +128,8 @@ def moe_offsets_kernel(
     tl.store(num_tokens_post_padded_ptr, tl.sum(padded_counts, axis=0))
 
 
-@triton.jit
+# step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)
+@triton.jit(do_not_specialize=["num_pairs", "chunk_size"])
 def moe_scatter_kernel(
     # pointers
     topk_ids_ptr,  # [T*K]

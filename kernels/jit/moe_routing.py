@@ -82,7 +82,8 @@ def route_topk_kernel(
     tl.store(topk_ids_ptr + token * stride_ids_token + slots, ids, mask=slot_mask)
 
 
-@triton.jit
+# step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)
+@triton.jit(do_not_specialize=["num_tokens"])
 def route_topk_align_kernel(
     # pointers
     logits_ptr,  # [T, E]

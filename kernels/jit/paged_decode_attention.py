@@ -113,7 +113,8 @@ def tile_blocks(block_table, tile_start, end, BLOCK_N: tl.constexpr, BLOCK_SIZE:
     return tl.load(block_table + positions // BLOCK_SIZE, mask=positions < end, other=0)  # [BLOCK_N]
 
 
-@triton.jit
+# step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)
+@triton.jit(do_not_specialize=["stride_positions_axis", "stride_partial_stat_head"])
 def paged_decode_split_kernel(
     # pointers
     q_ptr,  # [B, Hq, D]
@@ -441,7 +442,8 @@ def merge_splits(
     )
 
 
-@triton.jit
+# step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)
+@triton.jit(do_not_specialize=["num_splits", "stride_partial_stat_head"])
 def paged_decode_reduce_kernel(
     # pointers
     partial_out_ptr,  # [B, Hq, num_splits, D] float32

@@ -23,7 +23,8 @@ from kernels.jit.fp8_widen import saturate_float16
 from kernels.jit.pdl import after_previous_grid
 
 
-@triton.jit
+# step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)
+@triton.jit(do_not_specialize=["skip_fresh_from"])
 def paged_prefill_attention_kernel(
     # pointers
     q_ptr,  # [T, Hq, D]

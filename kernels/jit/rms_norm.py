@@ -11,7 +11,8 @@ from kernels.jit.fp8_quant import saturate_fp8, scale_of_max
 from kernels.jit.pdl import after_previous_grid
 
 
-@triton.jit
+# step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)
+@triton.jit(do_not_specialize=["num_rows"])
 def rms_norm_kernel(
     # pointers
     x_ptr,  # [T, H], or [T, NUM_TERMS, H] terms summed first, or GATHER_TERMS: values [R, H]

@@ -140,7 +140,8 @@ def mrope_cos_sin_columns(
     return tl.cos(angle).to(DTYPE).to(tl.float32), tl.sin(angle).to(DTYPE).to(tl.float32)
 
 
-@triton.jit
+# step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)
+@triton.jit(do_not_specialize=["stride_positions_axis"])
 def qk_norm_mrope_kernel(
     # pointers
     q_ptr,  # [T, Hq, D]

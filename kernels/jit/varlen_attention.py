@@ -15,7 +15,8 @@ import triton.language as tl
 from kernels.jit.pdl import after_previous_grid
 
 
-@triton.jit
+# step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)
+@triton.jit(do_not_specialize=["max_segment_len"])
 def varlen_attention_kernel(
     # pointers
     q_ptr,  # [N, H, D]

@@ -7,12 +7,14 @@ import random
 import pytest
 import torch
 
-from vlm_catalog.engine.block_table_rows import BlockTableRows
+from vlm_catalog.engine.block_table_rows import WIDTH_MULTIPLE, BlockTableRows
 
 
-def padded(lists: list[list[int]]) -> torch.Tensor:
-    """The reference: what the runner built before, every step from scratch."""
-    width = max(1, *(len(blocks) for blocks in lists))
+def padded(lists: list[list[int]], max_blocks: int) -> torch.Tensor:
+    """The reference: what the runner built before, every step from scratch, zero-padded to a
+    width of whole `WIDTH_MULTIPLE`s (at most `max_blocks`)."""
+    longest = max(1, *(len(blocks) for blocks in lists))
+    width = min(max_blocks, -(-longest // WIDTH_MULTIPLE) * WIDTH_MULTIPLE)
     return torch.tensor([blocks + [0] * (width - len(blocks)) for blocks in lists], dtype=torch.int32)
 
 
@@ -33,7 +35,8 @@ def test_growing_tables_over_many_steps_match_the_rebuilt_reference():
         step_requests = rng.sample(sorted(tables), rng.randrange(1, len(tables) + 1))
         gathered = rows.gather([(name, tables[name]) for name in step_requests])
         assert gathered.dtype == torch.int32
-        assert torch.equal(gathered, padded([tables[name] for name in step_requests])), step
+        assert torch.equal(gathered, padded([tables[name] for name in step_requests], 64)), step
+        assert gathered.shape[1] % WIDTH_MULTIPLE == 0  # one Triton variant whatever the step (kernels/jit)
 
 
 def test_a_request_allocated_afresh_gets_its_new_blocks_and_zero_padding():
@@ -42,7 +45,7 @@ def test_a_request_allocated_afresh_gets_its_new_blocks_and_zero_padding():
     other = [1, 2, 3]
     rows.gather([("a", first), ("b", other)])
     again = [9]  # a new list after a preemption: shorter, other blocks
-    assert rows.gather([("a", again), ("b", other)]).tolist() == [[9, 0, 0], [1, 2, 3]]
+    assert rows.gather([("a", again), ("b", other)]).tolist() == [[9] + [0] * 7, [1, 2, 3] + [0] * 5]  # the table's 8
 
 
 def test_rows_not_used_for_longest_are_reused_when_none_is_free():
@@ -50,8 +53,16 @@ def test_rows_not_used_for_longest_are_reused_when_none_is_free():
     a, b, c = [1], [2, 2], [3, 3, 3]
     rows.gather([("a", a), ("b", b)])
     rows.gather([("b", b)])
-    assert rows.gather([("c", c)]).tolist() == [[3, 3, 3]]  # takes a's row
-    assert rows.gather([("a", a), ("c", c)]).tolist() == [[1, 0, 0], [3, 3, 3]]  # a comes back (in b's row)
+    assert rows.gather([("c", c)]).tolist() == [[3, 3, 3, 0]]  # takes a's row (the table's 4 columns)
+    assert rows.gather([("a", a), ("c", c)]).tolist() == [[1, 0, 0, 0], [3, 3, 3, 0]]  # a comes back (in b's row)
+
+
+def test_the_width_is_a_whole_number_of_16s_within_the_table():
+    rows = BlockTableRows(max_rows=3, max_blocks=40)
+    assert rows.gather([("a", [7])]).shape == (1, 16)  # never 1: Triton would compile that width apart
+    assert rows.gather([("a", [7]), ("b", list(range(17)))]).shape == (2, 32)
+    assert rows.gather([("c", list(range(33)))]).shape == (1, 40)  # the table's width caps it
+    assert rows.gather([("b", list(range(17)))])[0, 17:].eq(0).all()
 
 
 def test_too_many_requests_or_blocks_are_refused():

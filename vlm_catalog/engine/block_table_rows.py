@@ -14,6 +14,11 @@ A row stays valid while the request's block list is the same list object
 request is allocated again after a preemption), so no one has to tell the
 rows about preemptions or finished requests: the rows of requests not seen
 for longest are reused when none is free.
+
+The width is the longest list's, rounded up to a multiple of `WIDTH_MULTIPLE` (within the
+table): the kernels' row stride then always divides by 16, so Triton compiles one variant for
+every step instead of one per class of widths (1, a multiple of 16, any other), which a
+serving engine would meet first in the middle of a run (kernels/jit/__init__.py).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+WIDTH_MULTIPLE = 16  # columns of a gathered table: a row stride Triton specializes as divisible by 16
 
 
 @dataclass
@@ -45,7 +52,8 @@ class BlockTableRows:
         self._free = list(range(max_rows - 1, -1, -1))
 
     def gather(self, requests: Sequence[tuple[Hashable, list[int]]]) -> torch.Tensor:
-        """[len(requests), width] int32 (host): each (request id, block list)'s blocks, zero-padded to the longest.
+        """[len(requests), width] int32 (host): each (request id, block list)'s blocks, zero-padded to the
+        longest rounded up to `WIDTH_MULTIPLE` (or the table's width, if that is less).
 
         The block lists must be the block manager's own lists (see module doc).
         """
@@ -60,6 +68,7 @@ class BlockTableRows:
                 row.written = len(blocks)
             rows.append(row.index)
             width = max(width, len(blocks))
+        width = min(self.max_blocks, -(-width // WIDTH_MULTIPLE) * WIDTH_MULTIPLE)
         return torch.from_numpy(self._table[rows, :width])  # fancy indexing copies: [B, width]
 
     def _row(self, request_id: Hashable, blocks: list[int], in_use: int) -> _Row:
