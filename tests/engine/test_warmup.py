@@ -5,7 +5,9 @@ import pytest
 
 from kernels.moe.configs import TOKEN_BUCKETS, token_bucket
 from tests.engine.conftest import mixed_conversations
+from tests.model.helpers import noise_image
 from vlm_catalog import SamplingParams
+from vlm_catalog.engine import warmup
 from vlm_catalog.engine.config import EngineConfig
 from vlm_catalog.engine.llm_engine import EngineStats, LLMEngine
 from vlm_catalog.engine.warmup import warm_up, warmup_token_counts
@@ -86,6 +88,48 @@ def test_a_failing_warmup_request_stops_the_start_with_the_way_out(engine_checkp
     monkeypatch.setattr(engine.runner, "encode_images", images_fail)
     with pytest.raises(RuntimeError, match=r"warm-up request warmup-\d+ failed: cannot decode .*--warmup off"):
         warm_up(engine)
+
+
+def test_the_warmup_sends_long_sequences_beside_short_ones_where_sdpa_would_take_the_long(engine_checkpoint,
+                                                                                           monkeypatch):
+    """FlashAttention 2's callers leave images of SDPA_MIN_SEGMENT_LEN patches and whole prompts
+    of SDPA_MIN_PREFILL_LEN tokens to SDPA and the shorter ones of the same call to a Triton
+    kernel (engine/warmup.py): the warm-up puts a large image beside the small one, and a long
+    prompt beside a short one, each pair in one step. At the 30B thresholds the tiny model's
+    processor never makes such an image (it caps both images at the same size), so the small image
+    is made smaller and the thresholds lowered to the tiny model's sizes."""
+    monkeypatch.setattr(warmup, "WARMUP_IMAGE_SIZE", (160, 120))
+    engine = LLMEngine(model=engine_checkpoint, max_num_batched_tokens=1024, max_num_seqs=8, warmup=False)
+    small, large = (engine.processor.process([{"role": "user", "content": [
+        {"type": "image", "image": noise_image(*size, seed=1)}, {"type": "text", "text": "x"}]}])
+        for size in (warmup.WARMUP_IMAGE_SIZE, warmup.WARMUP_LARGE_IMAGE_SIZE))
+    patches = [warmup._patches(prompt) for prompt in (small, large)]
+    assert patches[0] < patches[1]
+    monkeypatch.setattr(warmup, "SDPA_MIN_SEGMENT_LEN", patches[1])
+    monkeypatch.setattr(warmup, "SDPA_MIN_PREFILL_LEN", 200)
+    images_per_call, prefills_per_step = [], []
+    real_encode, real_execute = engine.runner.encode_images, engine.runner.execute
+
+    def encode_images(chunks):
+        found, failures = real_encode(chunks)
+        images_per_call.append(len(found) + len(failures))
+        return found, failures
+
+    def execute(chunks, *args, **kwargs):  # (start, tokens) of the step's prefill chunks
+        prefills_per_step.append([(c.start, c.num_tokens) for c in chunks if c.num_tokens > 1 or c.start == 0])
+        return real_execute(chunks, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "encode_images", encode_images)
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    report = warm_up(engine)
+    assert report.num_images_encoded == 2 and max(images_per_call) == 2  # both images in one call
+    assert report.num_requests == len(report.token_counts) + 8
+    assert [(0, 200), (0, warmup.SHORT_PROMPT_TOKENS)] in prefills_per_step
+
+    monkeypatch.setattr(warmup, "SDPA_MIN_SEGMENT_LEN", patches[1] + 1)  # the processor leaves it short: no large
+    monkeypatch.setattr(warmup, "SDPA_MIN_PREFILL_LEN", 1024)  # no room beside it in a 1024-token step
+    report = warm_up(engine)
+    assert report.num_images_encoded == 1 and report.num_requests == len(report.token_counts) + 5
 
 
 def test_warmup_refuses_an_engine_with_requests(engine_checkpoint):

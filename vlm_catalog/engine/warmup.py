@@ -14,6 +14,14 @@ requests together (a prefill with decodes in the same step, an image, seeded
 sampling with the top-k/top-p filters, a constrained one). Each generates two
 or four tokens, so decode steps (graph replays or eager) run too.
 
+Where FlashAttention 2 is the varlen call (`kernels/flash_varlen.py`), a step's attention
+leaves its long sequences to SDPA and the short ones of the same call to a Triton kernel:
+images of `SDPA_MIN_SEGMENT_LEN` patches or more beside smaller ones in the vision tower, whole
+prompts of `SDPA_MIN_PREFILL_LEN` tokens or more beside shorter ones in the decoder. Those
+kernels run in no other step, so a large image joins the requests together, and a long
+prompt arrives with a short one (under 32 tokens: the kernel's smaller tile). On an engine
+whose steps or KV pool are too small for them they are left out.
+
 Afterwards the engine is as if it had just started: the requests are finished
 and their blocks free, the prefix cache and encoder cache are empty, the
 counters are zero and the engine's generator is re-seeded, so greedy and seeded
@@ -32,6 +40,8 @@ import torch
 from PIL import Image
 
 from kernels.moe.configs import TOKEN_BUCKETS
+from kernels.paged_prefill_attention import SDPA_MIN_PREFILL_LEN
+from kernels.varlen_attention import SDPA_MIN_SEGMENT_LEN
 from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.preprocess.processor import ProcessedPrompt
 
@@ -42,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 WARMUP_ID_PREFIX = "warmup-"
 WARMUP_IMAGE_SIZE = (640, 480)  # (width, height): a catalogue-photo size, a few hundred image tokens
+# 4800 patches of 16 px, past SDPA_MIN_SEGMENT_LEN (module doc); about 1200 image tokens
+WARMUP_LARGE_IMAGE_SIZE = (1280, 960)
+SHORT_PROMPT_TOKENS = 16  # beside a long prompt: the prefill kernel's tile for queries of up to 32 rows
 # tokens each single request generates: the prefill samples one, a decode step the other
 SINGLE_MAX_TOKENS = 2
 MIXED_MAX_TOKENS = 4
@@ -95,6 +108,7 @@ def warm_up(engine: LLMEngine) -> WarmupReport:
         num_requests += 1
         _run_until_idle(engine)
     num_requests = _warm_up_mixed(engine, prompts, num_requests, room)
+    num_requests = _warm_up_long_beside_short(engine, prompts, num_requests, room)
     num_steps = engine.stats.num_steps  # model steps (not the empty ones waiting for the grammar)
     num_images = engine.runner.num_images_encoded
     _forget(engine)
@@ -122,14 +136,39 @@ def _warm_up_mixed(engine: LLMEngine, prompts: _PromptMaker, num_requests: int, 
         (prompts.text(length), SamplingParams(max_tokens=MIXED_MAX_TOKENS, choice=["yes", "no"],
                                               output_kind="final_only")),
     ]
-    image = prompts.image()
+    image = prompts.image(WARMUP_IMAGE_SIZE)
     if image is not None and image.num_tokens + MIXED_MAX_TOKENS <= room:
         arrivals.append((image, decoding))
+        large = prompts.image(WARMUP_LARGE_IMAGE_SIZE)
+        # only where the processor leaves it past SDPA's threshold, and one step holds it with the rest
+        if (large is not None and _patches(large) >= SDPA_MIN_SEGMENT_LEN and large.num_tokens + MIXED_MAX_TOKENS <= room
+                and sum(p.num_tokens for p, _ in arrivals) + large.num_tokens <= engine.config.max_num_batched_tokens):
+            arrivals.append((large, decoding))
     for prompt, params in arrivals:
         engine.add_request(prompt, params, request_id=f"{WARMUP_ID_PREFIX}{num_requests}")
         num_requests += 1
     _run_until_idle(engine)
     return num_requests
+
+
+def _warm_up_long_beside_short(engine: LLMEngine, prompts: _PromptMaker, num_requests: int, room: int) -> int:
+    """A prompt of `SDPA_MIN_PREFILL_LEN` tokens and one of `SHORT_PROMPT_TOKENS` in the same step
+    (module doc), where the step and the pool have room for both. Returns the request count so far."""
+    length = SDPA_MIN_PREFILL_LEN
+    if length + SHORT_PROMPT_TOKENS > min(room, engine.config.max_num_batched_tokens):
+        return num_requests
+    greedy = SamplingParams(max_tokens=SINGLE_MAX_TOKENS, ignore_eos=True, output_kind="final_only")
+    for prompt_length in (length, SHORT_PROMPT_TOKENS):
+        engine.add_request(prompts.text(prompt_length), greedy, request_id=f"{WARMUP_ID_PREFIX}{num_requests}")
+        num_requests += 1
+    _run_until_idle(engine)
+    return num_requests
+
+
+def _patches(prompt: ProcessedPrompt) -> int:
+    """The vision tower's rows (patches) for the prompt's images: each image token merges
+    merge_size x merge_size of them."""
+    return sum(count for _, count in prompt.image_spans) * prompt.merge_size**2
 
 
 def _run_until_idle(engine: LLMEngine) -> None:
@@ -160,9 +199,10 @@ class _PromptMaker:
         picks = torch.randint(0, len(self.ordinary), (length,), generator=self.generator)
         return ProcessedPrompt(token_ids=self.ordinary[picks].tolist(), images=[], image_spans=[])
 
-    def image(self) -> ProcessedPrompt | None:
-        """A chat prompt with a noise JPEG (None if the processor cannot make one)."""
-        width, height = WARMUP_IMAGE_SIZE
+    def image(self, size: tuple[int, int]) -> ProcessedPrompt | None:
+        """A chat prompt with a noise JPEG of `size` (width, height); None if the processor cannot
+        make one."""
+        width, height = size
         pixels = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=self.generator)
         buffer = io.BytesIO()
         Image.fromarray(pixels.numpy()).save(buffer, format="JPEG")
