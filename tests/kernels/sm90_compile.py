@@ -91,9 +91,10 @@ class Launch:
 
 
 @contextlib.contextmanager
-def recorded_launches() -> Iterator[list[Launch]]:
+def recorded_launches(on_launch: Callable[[Launch], None] | None = None) -> Iterator[list[Launch]]:
     """Every `kernel[grid](...)` inside is recorded instead of run; the wrappers size their
-    grids and split counts for an H100."""
+    grids and split counts for an H100. `on_launch`: called with each launch instead of keeping
+    it in the list (whose launches hold their argument tensors)."""
     decode = importlib.import_module("kernels.paged_decode_attention")  # the package re-exports a function by that name
 
     launches: list[Launch] = []
@@ -103,7 +104,11 @@ def recorded_launches() -> Iterator[list[Launch]]:
         kwargs.pop("launch_pdl", None)  # how the launch runs, not what it compiles
         bound = inspect.signature(self.fn).bind(*args, **kwargs)
         bound.apply_defaults()
-        launches.append(Launch(self, dict(bound.arguments), options))
+        launch = Launch(self, dict(bound.arguments), options)
+        if on_launch is None:
+            launches.append(launch)
+        else:
+            on_launch(launch)
 
     saved_run, saved_count = JITFunction.run, decode.multiprocessor_count
     JITFunction.run = record
