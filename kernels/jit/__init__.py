@@ -17,8 +17,12 @@ would then compile new variants in the middle of serving whenever a step falls i
 the warm-up did not run (an odd token count with an even pair count, say), a stall of
 a second or more each on a GPU. Those parameters are listed in their kernel's
 ``@triton.jit(do_not_specialize=[...])``: one variant serves every value. They are counts
-and strides of small index tensors, where the hints buy nothing; the strides of the large
-tiles (a model's widths) keep them. Block tables are padded to whole 16s of columns instead
+and strides of small index tensors, where the sm_90 compile (`tests/kernels/sm90_compile.py`)
+is the same without the hints, or shorter. The GEMMs' and norms' row counts keep theirs
+(`fp8_linear`, `skinny_linear`, `add_rms_norm_router`, and the scatter of `moe_align`): there
+a row count of 1 or a multiple of 16 compiles a shorter main loop (at T=1 `skinny_linear`
+spilled without it), and the warm-up runs both classes of every token bucket. The strides
+of the large tiles (a model's widths) keep theirs too. Block tables are padded to whole 16s of columns instead
 (`vlm_catalog/engine/block_table_rows.py`), since the decode loop loads its block ids as
 vectors. `tests/engine/test_warmup_variants.py` runs the engine with every launch recorded
 and requires the benchmark's run to launch no variant its warm-up did not.

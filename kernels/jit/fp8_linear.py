@@ -33,8 +33,7 @@ from kernels.jit.fused_moe import grouped_tile
 from kernels.jit.pdl import after_previous_grid
 
 
-# step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)
-@triton.jit(do_not_specialize=["num_rows"])
+@triton.jit
 def fp8_linear_kernel(
     # pointers
     x_ptr,  # [M, K] (e4m3 with FP8_ACTIVATIONS)

@@ -128,8 +128,7 @@ def moe_offsets_kernel(
     tl.store(num_tokens_post_padded_ptr, tl.sum(padded_counts, axis=0))
 
 
-# step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)
-@triton.jit(do_not_specialize=["num_pairs", "chunk_size"])
+@triton.jit
 def moe_scatter_kernel(
     # pointers
     topk_ids_ptr,  # [T*K]

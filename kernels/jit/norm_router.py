@@ -34,8 +34,7 @@ def _rounded_sum_chunk(x_ptr, residual_ptr, tokens, cols, mask, stride_x_row, st
     return (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
 
 
-# step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit
 def add_rms_norm_router_kernel(
     # pointers
     x_ptr,  # [T, H] the attention block's output

@@ -17,8 +17,7 @@ from kernels.jit.l2_prefetch import prefetch_rows_to_l2
 from kernels.jit.pdl import let_next_grid_launch, wait_for_previous_grid
 
 
-# step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)
-@triton.jit(do_not_specialize=["num_rows"])
+@triton.jit
 def skinny_linear_kernel(
     # pointers
     x_ptr,  # [M, K]
