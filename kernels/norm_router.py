@@ -43,7 +43,7 @@ from kernels.moe.routing import (
     routing_meta,
     routing_outputs,
 )
-from kernels.pdl import launch_options, line_elements, prefetches_weights
+from kernels.pdl import launch_options, weight_prefetch_meta
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_reference
 
 NORM_ROUTER_MAX_TOKENS = 8  # the largest decode batch given the one launch
@@ -154,15 +154,13 @@ def _launch(x, residual, norm_weight, eps, gate_weight, normed, new_residual, lo
     """The kernel; with `routing` (its outputs, uninitialised), `counter` and `route_meta` (the
     routing's meta-parameters and `route_tiles`), its last program routes and lays the pairs out;
     `prefetch_weight`: each program asks for its router rows and the norm weight into L2 before it
-    waits for the grid before it (None: where the launch uses PDL, `kernels.pdl.prefetches_weights`)."""
+    waits for the grid before it (None: where the launch uses PDL, `kernels.pdl.weight_prefetch_meta`)."""
     from kernels.jit.norm_router import add_rms_norm_router_kernel
 
     num_tokens, hidden_size = x.shape
     num_experts = gate_weight.shape[0]
     meta = norm_router_launch(num_tokens, num_experts, hidden_size)
     options = launch_options(x)
-    if prefetch_weight is None:
-        prefetch_weight = prefetches_weights(options)
     if routing is None:  # placeholders, never touched without ROUTE
         outputs = (logits,) * 6
         route_meta = dict(ROUTE=False, TOP_K=1, BLOCK_K=1, BLOCK_EXPERTS=1, RENORMALIZE=False, BLOCK_PADDED=1,
@@ -200,9 +198,7 @@ def _launch(x, residual, norm_weight, eps, gate_weight, normed, new_residual, lo
         # meta-parameters
         **meta,
         **route_meta,
-        PREFETCH_WEIGHT=prefetch_weight,
-        LINE_ELEMENTS=line_elements(gate_weight),
-        PREFETCH_LINES=max(1, 32 * NORM_ROUTER_WARPS // meta["BLOCK_E"]),  # about one line per thread
+        **weight_prefetch_meta(options, gate_weight, NORM_ROUTER_WARPS, meta["BLOCK_E"], prefetch_weight),
         num_warps=NORM_ROUTER_WARPS,
         **options,
     )

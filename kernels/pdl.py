@@ -71,6 +71,16 @@ def line_elements(tensor: torch.Tensor) -> int:
     return max(1, L2_LINE_BYTES // tensor.element_size())
 
 
+def weight_prefetch_meta(options: dict[str, bool], weight: torch.Tensor, num_warps: int, rows_per_program: int,
+                         prefetch_weight: bool | None = None) -> dict[str, object]:
+    """The meta-parameters of a kernel that prefetches `rows_per_program` rows of `weight` per
+    program on `num_warps` warps (kernels/jit/l2_prefetch.py), launched with `options`:
+    PREFETCH_WEIGHT (`prefetch_weight`; None: `prefetches_weights(options)`), LINE_ELEMENTS, and
+    PREFETCH_LINES, about one line per thread."""
+    return dict(PREFETCH_WEIGHT=prefetches_weights(options) if prefetch_weight is None else prefetch_weight,
+                LINE_ELEMENTS=line_elements(weight), PREFETCH_LINES=max(1, 32 * num_warps // rows_per_program))
+
+
 @functools.cache
 def _device_takes_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= PDL_MIN_CAPABILITY

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from kernels.checks import check_dtype, check_same_device, check_shape, check_unit_stride_last_dim
 from kernels.dispatch import use_triton
 from kernels.launch_math import cdiv
-from kernels.pdl import launch_options, line_elements, prefetches_weights
+from kernels.pdl import launch_options, weight_prefetch_meta
 
 SKINNY_MAX_ROWS = 8  # the largest batch given the kernel (a decode graph's first buckets: 1, 2, 4, 8)
 SKINNY_DTYPES = (torch.float16, torch.bfloat16)
@@ -43,7 +43,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     """x [M, K] (M <= 16) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype; `launch`: other
     BLOCK_N / BLOCK_K / num_warps / num_stages (the kernel rows' candidates); `prefetch_weight`:
     each program asks for its weight rows into L2 before it waits for the grid before it
-    (None: where the launch uses PDL, `kernels.pdl.prefetches_weights`)."""
+    (None: where the launch uses PDL, `kernels.pdl.weight_prefetch_meta`)."""
     from kernels.jit.skinny_linear import skinny_linear_kernel
 
     check_shape("x", x, (None, None))
@@ -66,8 +66,6 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return out
     settings = launch or SKINNY_LAUNCH
     options = launch_options(x)
-    if prefetch_weight is None:
-        prefetch_weight = prefetches_weights(options)
     skinny_linear_kernel[(cdiv(num_cols, settings["BLOCK_N"]),)](
         # pointers
         x,
@@ -87,9 +85,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         BLOCK_N=settings["BLOCK_N"],
         BLOCK_K=settings["BLOCK_K"],
         HAS_BIAS=bias is not None,
-        PREFETCH_WEIGHT=prefetch_weight,
-        LINE_ELEMENTS=line_elements(weight),
-        PREFETCH_LINES=max(1, 32 * settings["num_warps"] // settings["BLOCK_N"]),  # one line per thread
+        **weight_prefetch_meta(options, weight, settings["num_warps"], settings["BLOCK_N"], prefetch_weight),
         num_warps=settings["num_warps"],
         num_stages=settings["num_stages"],
         **options,

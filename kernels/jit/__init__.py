@@ -23,9 +23,9 @@ in `moe_offsets` at T=4096, no spill). The GEMMs' and norms' row counts keep the
 (`fp8_linear`, `skinny_linear`, `add_rms_norm_router`, and the scatter of `moe_align`): there
 a row count of 1 or a multiple of 16 compiles a shorter main loop (at T=1 `skinny_linear`
 spilled without it), and the warm-up runs both classes of every token bucket. The strides
-of the large tiles (a model's widths) keep theirs too. Block tables are padded to whole 16s of columns instead
-(`vlm_catalog/engine/block_table_rows.py`), since the decode loop loads its block ids as
-vectors. `tests/engine/test_warmup_variants.py` runs the engine with every launch recorded
+of the large tiles (a model's widths) keep theirs too. Block tables are padded to whole 16s
+of columns instead (`vlm_catalog/engine/block_table_rows.py`), since the decode loop loads
+its block ids as vectors. `tests/engine/test_warmup_variants.py` runs the engine with every launch recorded
 and requires the benchmark's run to launch no variant its warm-up did not.
 """
 

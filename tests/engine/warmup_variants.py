@@ -95,32 +95,23 @@ def gpu_choices_on_cpu(flash: str) -> Iterator[None]:
     def stand_in_sdpa(query, key, value, *args, **kwargs):  # SDPA (long sequences under FlashAttention 2)
         return query.new_zeros((*query.shape[:-1], value.shape[-1]))
 
-    def zeros(*args, **kwargs):
-        return torch.zeros(*args, **kwargs)
+    def h100_multiprocessors(device):
+        return H100_MULTIPROCESSORS
 
-    def zeros_like(*args, **kwargs):
-        return saved_empty_like(*args, **kwargs).zero_()
-
-    saved_empty_like = torch.empty_like
     patches = [
         (dispatch, "AUTO_DEVICE_TYPES", ("cuda", "cpu")),
         (flash_varlen, "FLASH_DEVICE_TYPES", ("cuda", "cpu")),
         (flash_varlen, "flash_varlen_function", lambda: stand_in_varlen),
         (flash_varlen, "flash_varlen_provider", lambda: "fa3" if flash == "fa3" else "torch"),
         (flash_varlen, "_check_bottom_right", lambda q: None),
-        (attention_common, "multiprocessor_count", lambda device: H100_MULTIPROCESSORS),
         (torch.nn.functional, "scaled_dot_product_attention", stand_in_sdpa),
-        (torch, "empty", zeros),
-        (torch, "empty_like", zeros_like),
+        (torch, "empty", torch.zeros),
+        (torch, "empty_like", torch.zeros_like),
+        # the module that defines it, and those that imported it by name
+        *((module, "multiprocessor_count", h100_multiprocessors) for module in (
+            attention_common, importlib.import_module("kernels.moe.fused_moe"),
+            importlib.import_module("kernels.paged_decode_attention"))),
     ]
-    # modules that imported a patched function by name
-    for module_name in ("kernels.moe.fused_moe", "kernels.paged_decode_attention", "kernels.varlen_attention",
-                        "kernels.paged_prefill_attention"):
-        module = importlib.import_module(module_name)
-        for attribute in ("multiprocessor_count", "flash_varlen_function", "flash_varlen_provider"):
-            if hasattr(module, attribute):
-                replacement = next(p[2] for p in patches if p[1] == attribute and p[0] is not module)
-                patches.append((module, attribute, replacement))
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
     for module, name, value in patches:
         setattr(module, name, value)

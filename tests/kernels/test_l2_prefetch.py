@@ -21,6 +21,7 @@ from tests.kernels.test_norm_router import inputs as norm_router_inputs
 from tests.kernels.test_skinny_linear import operands as skinny_operands
 
 norm_router_module = importlib.import_module("kernels.norm_router")
+pdl_module = importlib.import_module("kernels.pdl")
 
 
 @pytest.fixture
@@ -92,10 +93,10 @@ def test_the_norm_and_router_launch_prefetches_its_weights_and_computes_the_same
                     routing.alignment.expert_ids, routing.alignment.num_tokens_post_padded)
         return norm_router_module.add_rms_norm_router_triton(x, residual, norm_weight, 1e-6, gate_weight)
 
-    monkeypatch.setattr(norm_router_module, "prefetches_weights", lambda options: False)
+    monkeypatch.setattr(pdl_module, "prefetches_weights", lambda options: False)
     plain = launch()
     assert prefetched().size == 0
-    monkeypatch.setattr(norm_router_module, "prefetches_weights", lambda options: True)  # as under PDL
+    monkeypatch.setattr(pdl_module, "prefetches_weights", lambda options: True)  # as under PDL
     ahead = launch()
     for got, want in zip(ahead, plain, strict=True):
         assert torch.equal(got, want)
