@@ -12,7 +12,12 @@ highest precedence first:
    user's own tuning, or one just written in the same device call;
 2. the packaged table of the running GPU model, ``kernels/tuned/<device name>.json``
    (`device_table_path`: the name torch reports, spaces as underscores), on CUDA only;
-3. the built-in Python tables, then the heuristics.
+3. the packaged tables of its siblings: other GPU models with the same compute capability
+   and the same number of SMs (an H200 and an H100 SXM: sm_90, 132 SMs), as the tables
+   declare them (`Processor`). Their tiles fit the same SMs and the same shared memory, and
+   were measured under the engine's conditions, which the built-in tables were not; a
+   model's own table goes over them entry by entry;
+4. the built-in Python tables, then the heuristics.
 
 A table is read once per process (per device name and file path). A table that cannot
 be read, or an entry that is not a valid key or config, is an error naming the file and
@@ -23,6 +28,7 @@ what the tuner measured (``ms``, and ``default_ms``: the setting it replaced, on
 same inputs)::
 
     {"format": 1, "device": "NVIDIA H100 80GB HBM3",
+     "compute_capability": [9, 0], "multiprocessors": 132,
      "moe": [{"num_experts": 128, "hidden": 2048, "intermediate": 768,
               "dtype": "float8_e4m3fn_w8a8", "tokens": 256,
               "config": {"block_size_m": 32, ...}, "ms": 0.21, "default_ms": 0.46,
@@ -72,6 +78,31 @@ class TunedConfigs:
 NO_TUNED_CONFIGS = TunedConfigs()
 
 
+@dataclass(frozen=True)
+class Processor:
+    """What a GPU model's tiles depend on besides its memory: its compute capability and its SM
+    count. A table records the processor it was measured on (``compute_capability``,
+    ``multiprocessors``); models with the same one read each other's tables (the lookup order
+    above)."""
+
+    capability: tuple[int, int]
+    multiprocessors: int
+
+    def fields(self) -> dict[str, Any]:
+        return {"compute_capability": list(self.capability), "multiprocessors": self.multiprocessors}
+
+    @classmethod
+    def of_table(cls, document: Mapping[str, Any]) -> Processor | None:
+        """The processor a table declares, or None (a table from before the fields, or a
+        malformed one: such a table is nobody's sibling)."""
+        capability, multiprocessors = document.get("compute_capability"), document.get("multiprocessors")
+        if (not isinstance(capability, list) or len(capability) != 2
+                or not all(isinstance(part, int) and not isinstance(part, bool) for part in capability)
+                or not isinstance(multiprocessors, int) or isinstance(multiprocessors, bool)):
+            return None
+        return cls((capability[0], capability[1]), multiprocessors)
+
+
 def device_table_name(device_name: str) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'NVIDIA_H100_80GB_HBM3' (a file name on any system)."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", device_name.strip()).strip("_")
@@ -87,28 +118,71 @@ def _cuda_device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def device_name(device: torch.device | str | None) -> str | None:
-    """The GPU model a CUDA device is (None for any other device)."""
+@functools.cache
+def _cuda_processor(index: int) -> Processor:
+    properties = torch.cuda.get_device_properties(index)
+    return Processor((properties.major, properties.minor), properties.multi_processor_count)
+
+
+def _cuda_index(device: torch.device | str | None) -> int | None:
     if device is None:
         return None
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    return _cuda_device_name(device.index if device.index is not None else torch.cuda.current_device())
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def device_name(device: torch.device | str | None) -> str | None:
+    """The GPU model a CUDA device is (None for any other device)."""
+    index = _cuda_index(device)
+    return None if index is None else _cuda_device_name(index)
+
+
+def device_processor(device: torch.device | str | None) -> Processor | None:
+    """A CUDA device's compute capability and SM count (None for any other device)."""
+    index = _cuda_index(device)
+    return None if index is None else _cuda_processor(index)
 
 
 def tuned_configs(device: torch.device | str | None) -> TunedConfigs:
-    """The tuned entries in effect for `device` (the packaged table of its GPU model, then the
-    one ``VLM_CATALOG_TUNED_CONFIGS`` names over it); empty where there are none."""
+    """The tuned entries in effect for `device` (its siblings' packaged tables, then its GPU
+    model's own, then the one ``VLM_CATALOG_TUNED_CONFIGS`` names over them); empty where there
+    are none."""
     override = os.environ.get(TUNED_CONFIGS_ENV_VAR, "").strip()
-    return _merged(device_name(device), override)
+    name = device_name(device)
+    return _merged(name, device_processor(device) if name is not None else None, override)
+
+
+def sibling_tables(name: str, processor: Processor | None) -> list[Path]:
+    """The packaged tables of other GPU models with `processor` (in file-name order)."""
+    if processor is None or not TABLES_DIR.is_dir():
+        return []
+    own = device_table_path(name)
+    return [path for path in sorted(TABLES_DIR.glob("*.json"))
+            if path.name != own.name and Processor.of_table(_read(path)) == processor]
+
+
+def describe_sources(sources: Iterable[str], name: str | None) -> str:
+    """`TunedConfigs.sources` for a log line, a sibling's packaged table marked as such."""
+    own = None if name is None else device_table_path(name)
+
+    def described(source: str) -> str:
+        path = Path(source)
+        if own is not None and path.parent == TABLES_DIR and path.name != own.name:
+            return f"{source} (a sibling GPU model's: the same compute capability and SM count)"
+        return source
+
+    return ", ".join(described(source) for source in sources)
 
 
 @functools.cache
-def _merged(name: str | None, override: str) -> TunedConfigs:
+def _merged(name: str | None, processor: Processor | None, override: str) -> TunedConfigs:
     tables = []
-    if name is not None and device_table_path(name).is_file():
-        tables.append(device_table_path(name))
+    if name is not None:
+        tables += sibling_tables(name, processor)
+        if device_table_path(name).is_file():
+            tables.append(device_table_path(name))
     if override:
         path = Path(override).expanduser()
         if not path.is_file():
@@ -271,12 +345,14 @@ def _versions() -> dict[str, str | None]:
 
 
 def write_entries(path: Path, device: str | None, *, moe: Iterable[dict] = (),
-                  paged_decode: Iterable[dict] = ()) -> Path:
+                  paged_decode: Iterable[dict] = (), processor: Processor | None = None) -> Path:
     """Merges entries into the table at `path` (an entry with the key of one already there
     replaces it), checks the result as a reader would, and writes it whole (a reader never sees
-    half a file). `device`: the GPU model it was measured on. A new table starts from that
-    model's packaged one where there is one, so a tuning run's table is whole: committed over
-    the packaged file, it drops none of its entries."""
+    half a file). `device`: the GPU model it was measured on, and `processor` its capability and
+    SM count (`device_processor`), which let its siblings read the table. A new table starts
+    from that model's own packaged one where there is one (never a sibling's: its entries were
+    not measured here), so a tuning run's table is whole: committed over the packaged file, it
+    drops none of its entries."""
     path = Path(path)
     if path.exists():
         document = _read(path)
@@ -286,6 +362,8 @@ def write_entries(path: Path, device: str | None, *, moe: Iterable[dict] = (),
         document = {"format": FORMAT, "moe": [], "paged_decode": []}
     if device is not None:
         document["device"] = device
+    if processor is not None:
+        document.update(processor.fields())
     for kind, new in (("moe", list(moe)), ("paged_decode", list(paged_decode))):
         key_fields = KINDS[kind]
         merged = {tuple(entry.get(name) for name in key_fields): entry for entry in document.get(kind, [])}

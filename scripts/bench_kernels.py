@@ -1603,7 +1603,7 @@ def tune_moe(
     import torch
 
     from kernels.moe.configs import TOKEN_BUCKETS
-    from kernels.tuned_configs import device_name, moe_entry, write_entries
+    from kernels.tuned_configs import device_name, device_processor, moe_entry, write_entries
 
     device = torch.device(device)
     dtype = dtype or torch.bfloat16
@@ -1617,7 +1617,8 @@ def tune_moe(
                 max_candidates, pool, compile_workers)
             best[bucket] = (ms, config, default_ms)
             if write_table is not None:
-                write_entries(write_table, device_name(device), moe=[moe_entry(key, config, ms, default_ms)])
+                write_entries(write_table, device_name(device), processor=device_processor(device),
+                              moe=[moe_entry(key, config, ms, default_ms)])
                 print(f"# T={bucket}: written to {write_table}", flush=True)
     return best
 
@@ -1719,7 +1720,7 @@ def tune_decode(device, shapes: Shapes = GPU_SHAPES, dtype=None, batches=None, f
         format_decode_config_entry,
         get_decode_config,
     )
-    from kernels.tuned_configs import decode_entry, device_name, write_entries
+    from kernels.tuned_configs import decode_entry, device_name, device_processor, write_entries
 
     device = torch.device(device)
     dtype = dtype or torch.bfloat16
@@ -1764,7 +1765,8 @@ def tune_decode(device, shapes: Shapes = GPU_SHAPES, dtype=None, batches=None, f
         best[batch] = (ms, default_ms, config)
         if write_table is not None:
             key = (dtype_name(k_cache.dtype), shapes.head_dim, decode_batch_bucket(batch))
-            write_entries(write_table, device_name(device), paged_decode=[decode_entry(key, config, ms, default_ms)])
+            write_entries(write_table, device_name(device), processor=device_processor(device),
+                          paged_decode=[decode_entry(key, config, ms, default_ms)])
             print(f"# B={batch}: written to {write_table}", flush=True)
     return best
 

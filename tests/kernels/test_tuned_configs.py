@@ -19,6 +19,7 @@ from kernels.paged_decode_configs import (
 )
 from kernels.tuned_configs import (
     TUNED_CONFIGS_ENV_VAR,
+    Processor,
     TunedTableError,
     decode_entry,
     device_table_name,
@@ -46,10 +47,20 @@ def fresh_tables(monkeypatch, tmp_path):
     tuned_configs.clear_cache()
 
 
-def written_table(path, moe=((MOE_KEY, TILE),), decode=((DECODE_KEY, LAUNCH),)):
-    return write_entries(path, "NVIDIA H100 80GB HBM3",
+HOPPER_132 = Processor((9, 0), 132)  # an H100 SXM's, and an H200's
+
+
+def written_table(path, moe=((MOE_KEY, TILE),), decode=((DECODE_KEY, LAUNCH),), device="NVIDIA H100 80GB HBM3",
+                  processor=HOPPER_132):
+    return write_entries(path, device, processor=processor,
                          moe=[moe_entry(key, config, 0.2, 0.4) for key, config in moe],
                          paged_decode=[decode_entry(key, config, 0.05, 0.06) for key, config in decode])
+
+
+def on_gpus(monkeypatch, models: dict[str, tuple[str | None, Processor | None]]) -> None:
+    """Devices by name ("cuda:0") as GPU models with their processors, on this CPU machine."""
+    monkeypatch.setattr(tuned_configs, "device_name", lambda device: models[str(device)][0])
+    monkeypatch.setattr(tuned_configs, "device_processor", lambda device: models[str(device)][1])
 
 
 def lookups():
@@ -124,8 +135,9 @@ def test_the_packaged_table_of_the_gpu_model_applies_on_that_model_only(monkeypa
     assert device_table_name("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3"
     assert device_table_name(" NVIDIA H200 (MIG 1g.18gb) ") == "NVIDIA_H200_MIG_1g.18gb"
     written_table(tuned_configs.TABLES_DIR / "NVIDIA_H100_80GB_HBM3.json")
-    models = {"cpu": None, "cuda:0": "NVIDIA H100 80GB HBM3", "cuda:1": "NVIDIA H200"}
-    monkeypatch.setattr(tuned_configs, "device_name", lambda device: models[str(device)])
+    # cuda:1 is another processor (an H100 PCIe has 114 SMs): not a sibling either
+    on_gpus(monkeypatch, {"cpu": (None, None), "cuda:0": ("NVIDIA H100 80GB HBM3", HOPPER_132),
+                          "cuda:1": ("NVIDIA H100 PCIe", Processor((9, 0), 114))})
     key = (128, 2048, 768, W8A8, 256)
     assert get_moe_config(200, *key[:3], torch.float8_e4m3fn, fp8_activations=True, device="cuda:0") == TILE
     assert get_moe_config(200, *key[:3], torch.float8_e4m3fn, fp8_activations=True, device="cuda:1") != TILE
@@ -138,6 +150,59 @@ def test_the_packaged_table_of_the_gpu_model_applies_on_that_model_only(monkeypa
     assert get_decode_config(torch.float8_e4m3fn, 128, 256, device="cuda:0") == LAUNCH  # still the packaged one
     assert tuned_configs.tuned_configs("cuda:0").sources == (
         str(tuned_configs.TABLES_DIR / "NVIDIA_H100_80GB_HBM3.json"), str(tmp_path / "mine.json"))
+
+
+def test_a_gpu_model_without_a_table_reads_its_siblings_under_its_own(monkeypatch, tmp_path):
+    """An H200 has no table of its own yet: it reads the H100's (same capability, same SM count),
+    and a table of its own, once tuned, goes over that one entry by entry."""
+    h100_table = written_table(tuned_configs.TABLES_DIR / "NVIDIA_H100_80GB_HBM3.json")
+    on_gpus(monkeypatch, {"cuda:0": ("NVIDIA H200", HOPPER_132),
+                          "cuda:1": ("NVIDIA H100 PCIe", Processor((9, 0), 114)),
+                          "cuda:2": ("NVIDIA A100-SXM4-80GB", Processor((8, 0), 132))})
+    fp8_tile = (200, 128, 2048, 768, torch.float8_e4m3fn)
+    assert get_moe_config(*fp8_tile, fp8_activations=True, device="cuda:0") == TILE
+    assert get_decode_config(torch.float8_e4m3fn, 128, 256, device="cuda:0") == LAUNCH
+    assert tuned_configs.tuned_configs("cuda:0").sources == (str(h100_table),)
+    assert tuned_configs.describe_sources((str(h100_table),), "NVIDIA H200") == (
+        f"{h100_table} (a sibling GPU model's: the same compute capability and SM count)")
+    assert tuned_configs.describe_sources((str(h100_table),), "NVIDIA H100 80GB HBM3") == str(h100_table)
+    for other in ("cuda:1", "cuda:2"):  # fewer SMs, or another architecture: the built-in tables
+        assert get_moe_config(*fp8_tile, fp8_activations=True, device=other) != TILE
+        assert get_decode_config(torch.float8_e4m3fn, 128, 256, device=other) == default_decode_config(128)
+        assert tuned_configs.tuned_configs(other).sources == ()
+
+    # the H200's own table, MoE tiles only: its tile wins, the decode setting is still the sibling's
+    own = MoeKernelConfig(64, 64, 128, 1, 4, 3, tuned=True)
+    h200_table = written_table(tuned_configs.TABLES_DIR / "NVIDIA_H200.json", moe=[(MOE_KEY, own)], decode=[],
+                               device="NVIDIA H200")
+    tuned_configs.clear_cache()
+    assert get_moe_config(*fp8_tile, fp8_activations=True, device="cuda:0") == own
+    assert get_decode_config(torch.float8_e4m3fn, 128, 256, device="cuda:0") == LAUNCH
+    assert tuned_configs.tuned_configs("cuda:0").sources == (str(h100_table), str(h200_table))
+    # and the H200's table is now the H100's sibling, under the H100's own
+    on_gpus(monkeypatch, {"cuda:0": ("NVIDIA H100 80GB HBM3", HOPPER_132)})
+    assert get_moe_config(*fp8_tile, fp8_activations=True, device="cuda:0") == TILE
+    assert tuned_configs.tuned_configs("cuda:0").sources == (str(h200_table), str(h100_table))
+
+
+def test_a_table_that_does_not_declare_its_processor_is_nobodys_sibling(monkeypatch):
+    path = written_table(tuned_configs.TABLES_DIR / "NVIDIA_H100_80GB_HBM3.json", processor=None)
+    assert "multiprocessors" not in json.loads(path.read_text())
+    on_gpus(monkeypatch, {"cuda:0": ("NVIDIA H200", HOPPER_132), "cuda:1": ("NVIDIA H100 80GB HBM3", HOPPER_132)})
+    assert tuned_configs.tuned_configs("cuda:0").sources == ()
+    assert tuned_configs.tuned_configs("cuda:1").sources == (str(path),)  # still its own model's table
+    for broken in ({"compute_capability": [9], "multiprocessors": 132},
+                   {"compute_capability": [9, 0], "multiprocessors": "132"},
+                   {"compute_capability": [True, 0], "multiprocessors": 132}):
+        assert Processor.of_table(broken) is None
+    assert Processor.of_table(HOPPER_132.fields()) == HOPPER_132
+
+
+def test_a_written_table_declares_the_processor_it_was_measured_on(tmp_path):
+    document = json.loads(written_table(tmp_path / "table.json").read_text())
+    assert (document["device"], document["compute_capability"], document["multiprocessors"]) == (
+        "NVIDIA H100 80GB HBM3", [9, 0], 132)
+    assert Processor.of_table(document) == HOPPER_132
 
 
 def test_a_named_table_that_is_missing_is_an_error_naming_the_variable(monkeypatch, tmp_path):
@@ -184,7 +249,9 @@ def test_every_packaged_table_reads_and_is_named_after_its_gpu_model(path):
     """A table committed from a GPU session: it loads, and its file is the one its GPU model looks up."""
     table = load_table(path)
     assert table.moe or table.paged_decode
-    assert path.name == device_table_path(json.loads(path.read_text())["device"]).name
+    document = json.loads(path.read_text())
+    assert path.name == device_table_path(document["device"]).name
+    assert Processor.of_table(document) is not None  # so that its GPU model's siblings read it
 
 
 def test_writing_a_bad_entry_leaves_the_table_as_it_was(tmp_path):

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kernels.tuned_configs import TunedTableError, tuned_configs
+from kernels.tuned_configs import TunedTableError, describe_sources, device_name, tuned_configs
 from vlm_catalog.device_upload import upload
 from vlm_catalog.engine.block_manager import BlockManager
 from vlm_catalog.engine.config import EngineConfig, EngineConfigError
@@ -205,7 +205,8 @@ class LLMEngine:
         except TunedTableError as error:
             raise EngineConfigError(str(error)) from error
         if sources:
-            logger.info("tuned kernel launch settings: %s", ", ".join(sources))
+            logger.info("tuned kernel launch settings: %s",
+                        describe_sources(sources, device_name(self.config.torch_device)))
         return sources
 
     def _device_memory(self) -> DeviceMemory | None:
