@@ -99,7 +99,7 @@ def engine_section(record: dict, previous: dict | None) -> str:
     header = ["run", "samples/s", "seconds", "prefill tok/s", "decode tok/s", "steps", "vision s",
               "text forward s (prefill / decode steps)", "rest of steps / between steps s",
               "host s in the text forward (prefill / decode steps)"]
-    tables = [f"{phase}: {', '.join(Path(source).name for source in result['tuned_configs'])}"
+    tables = [f"{phase}: {', '.join(table_label(source, record.get('device')) for source in result['tuned_configs'])}"
               for phase, result in record.items()
               if phase.split(" (")[0] in ENGINE_PHASES and isinstance(result, dict) and result.get("tuned_configs")]
     read = f"\n\ntuned tables read: {'; '.join(tables)}" if tables else ""
@@ -158,6 +158,17 @@ def diagnostics_line(diagnostics: dict | None) -> str | None:
         if "num_host_alloc" in allocator:
             parts.append(f"{allocator['num_host_alloc']} pinned blocks, {number(allocator.get('host_alloc_seconds'))} s")
     return "; ".join(parts)
+
+
+def table_label(source: str, device: str | None) -> str:
+    """A tuned table's file name; a packaged table of another GPU model than the record's is a
+    sibling's (kernels/tuned_configs.py: the same compute capability and SM count)."""
+    from kernels.tuned_configs import device_table_name
+
+    path = Path(source)
+    if device and path.parent.name == "tuned" and path.stem != device_table_name(device):
+        return f"{path.name} (a sibling's, on this {device})"
+    return path.name
 
 
 def tuned_section(label: str, tuned: dict) -> str:

@@ -194,3 +194,17 @@ def test_the_tune_plan_files_print_the_tuned_engine_run_and_each_entry_against_i
     assert "## Tuned table tuned_configs.json (NVIDIA H100 80GB HBM3)" in text
     assert "| moe | dtype=float8_e4m3fn_w8a8 tokens=256 | 32 64 256 1 4 5 | 0.2500 | 0.5000 | 2.00 |" in text
     assert "| paged_decode | kv_dtype=float8_e4m3fn batch=256 | 32 4 2 2 256 | 0.5000 | 0.5000 | 1.00 |" in text
+
+
+def test_a_sibling_gpu_models_packaged_table_is_named_as_such(tmp_path, capsys):
+    """An H200 without a table of its own runs the H100's (kernels/tuned_configs.py): the summary
+    says whose table it was."""
+    packaged = "/repo/kernels/tuned/NVIDIA_H100_80GB_HBM3.json"
+    for device, expected in (("NVIDIA H200", "NVIDIA_H100_80GB_HBM3.json (a sibling's, on this NVIDIA H200)"),
+                             ("NVIDIA H100 80GB HBM3", "NVIDIA_H100_80GB_HBM3.json")):
+        record = {"device": device, "engine_w8a8_channel": {"fixed_150_tokens": engine_run(17.0),
+                                                            "tuned_configs": [packaged]}}
+        (tmp_path / "bench_gpu.json").write_text(json.dumps(record))
+        assert load_summary().main([str(tmp_path / "bench_gpu.json")]) == 0
+        read = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tuned tables read")]
+        assert read == [f"tuned tables read: engine_w8a8_channel: {expected}"]
