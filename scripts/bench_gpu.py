@@ -523,6 +523,7 @@ def engine_run_summary(engine: LLMEngine, conversations, params) -> tuple[dict, 
         "grammar_wait_seconds_mean": delta["seconds_awaiting_grammars"] / max(delta["num_grammars_attached"], 1),
         "errors": sum(o.finish_reason == "error" for o in outputs.values()),
         "device_seconds": device_time_split(delta, seconds),
+        "host_seconds": host_time_split(delta),
         # what the run paid for besides its work: Triton variants first launched in it, Python's
         # collections, the caching allocator's cudaMallocs and retries (bench/run_diagnostics.py)
         "diagnostics": diagnostics.summary(),
@@ -541,6 +542,20 @@ def device_time_split(delta: dict, seconds: float) -> dict:
     steps = delta["seconds_device_in_steps"]
     return {"vision_encoder": vision, "text_forward_prefill_steps": prefill, "text_forward_decode_steps": decode,
             "rest_of_steps": steps - vision - prefill - decode, "between_steps": seconds - steps}
+
+
+def host_time_split(delta: dict) -> dict:
+    """A run's host time in the engine's `step` calls (`EngineStats`): scheduling, the steps, the
+    outputs built, and within the steps the wait for the previous step's sampled tokens (async
+    scheduling: the host ahead, waiting for the device). `working` is the rest: where it is about
+    the device's time in steps (`device_seconds`), the device waited for the host. A launch that
+    waits for room in the device's launch queue counts as working here."""
+    steps = delta["seconds_in_prefill_steps"] + delta["seconds_in_decode_steps"]
+    scheduling, outputs = delta["seconds_scheduling"], delta["seconds_building_outputs"]
+    waiting = {kind: delta[f"seconds_waiting_for_sampled_tokens_{kind}_steps"] for kind in ("prefill", "decode")}
+    return {"scheduling": scheduling, "steps": steps, "outputs": outputs,
+            "waiting_for_sampled_tokens": {f"{kind}_steps": seconds for kind, seconds in waiting.items()},
+            "working": scheduling + steps + outputs - sum(waiting.values())}
 
 
 def package_versions() -> dict[str, str | None]:

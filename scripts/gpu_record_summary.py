@@ -105,11 +105,14 @@ def engine_section(record: dict, previous: dict | None) -> str:
     read = f"\n\ntuned tables read: {'; '.join(tables)}" if tables else ""
     paid = [f"- {name}: {line}" for name, run in runs.items() if (line := diagnostics_line(run.get("diagnostics")))]
     paid_text = "\n\nwhat each run paid for besides its work:\n" + "\n".join(paid) if paid else ""
+    hosts = [f"- {name}: {line}" for name, run in runs.items() if (line := host_line(run))]
+    host_text = ("\n\nthe host's time in the engine's steps (working about as long as the device means "
+                 "the device waited for it):\n" + "\n".join(hosts)) if hosts else ""
     routed = [f"- {phase}: {line}" for phase, result in record.items()
               if phase.split(" (")[0] in ENGINE_PHASES and isinstance(result, dict)
               and (line := routing_line(result.get("routing")))]
     routed_text = "\n\nhow spread the routing was (an untimed pass after the timed runs):\n" + "\n".join(routed) if routed else ""
-    return "## Engine runs\n\n" + table(header, rows) + read + paid_text + routed_text
+    return "## Engine runs\n\n" + table(header, rows) + read + paid_text + host_text + routed_text
 
 
 def routing_line(routing: dict | None) -> str | None:
@@ -158,6 +161,22 @@ def diagnostics_line(diagnostics: dict | None) -> str | None:
         if "num_host_alloc" in allocator:
             parts.append(f"{allocator['num_host_alloc']} pinned blocks, {number(allocator.get('host_alloc_seconds'))} s")
     return "; ".join(parts)
+
+
+def host_line(run: dict) -> str | None:
+    """A run's `host_seconds` (bench_gpu.py's `host_time_split`) against the device's time in
+    steps, in one line; None for a record from before the split."""
+    host, device = run.get("host_seconds"), run.get("device_seconds", {})
+    if not isinstance(host, dict):
+        return None
+    in_steps = sum(device.get(part) or 0.0 for part in ("vision_encoder", "text_forward_prefill_steps",
+                                                        "text_forward_decode_steps", "rest_of_steps"))
+    waiting = host.get("waiting_for_sampled_tokens") or {}
+    return (f"working {number(host.get('working'))} s (scheduling {number(host.get('scheduling'))}, steps "
+            f"{number(host.get('steps'))} less their waits for sampled tokens, "
+            f"{number(waiting.get('prefill_steps'))} in prefill and {number(waiting.get('decode_steps'))} in "
+            f"decode steps, outputs {number(host.get('outputs'))}) against the device's {number(in_steps)} s "
+            "in steps")
 
 
 def table_label(source: str, device: str | None) -> str:

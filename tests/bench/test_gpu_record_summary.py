@@ -28,7 +28,9 @@ def engine_run(samples_per_s: float) -> dict:
             "decode_tokens_per_s": 9000.0, "model_steps": 179, "prefill_steps": 29,
             "host_forward_seconds": {"prefill_steps": 1.5, "decode_steps": 0.75},
             "device_seconds": {"vision_encoder": 4.5, "text_forward_prefill_steps": 7.25,
-                               "text_forward_decode_steps": 3.5, "rest_of_steps": 0.5, "between_steps": 1.25}}
+                               "text_forward_decode_steps": 3.5, "rest_of_steps": 0.5, "between_steps": 1.25},
+            "host_seconds": {"scheduling": 0.5, "steps": 15.0, "outputs": 0.25, "working": 12.5,
+                             "waiting_for_sampled_tokens": {"prefill_steps": 0.25, "decode_steps": 3.0}}}
 
 
 NEW_RECORD = {
@@ -122,6 +124,9 @@ def test_a_record_with_the_new_fields_prints_them_beside_the_previous_one(tmp_pa
             "unconstrained at equal tokens: 0.93x (target 0.95x); the constrained run again, after the "
             "unconstrained one: 0.96x") in text
     assert "| engine_w8a8_channel (run 2) | 15.50 |" in text  # --repeat-runs: the later runs beside the first
+    assert ("- engine_w8a8_channel: working 12.50 s (scheduling 0.50, steps 15.00 less their waits for sampled "
+            "tokens, 0.25 in prefill and 3.00 in decode steps, outputs 0.25) against the device's 15.75 s in "
+            "steps") in text
     assert ("- engine_w8a8_channel: the busiest 8 experts took 15% of the slots (25% at the worst layer; uniform 6%) "
             "in 3 prefill-sized calls, busiest / mean load 3.2, 0 layer-experts unused; decode-sized calls touched "
             "25.5 experts per layer (uniform 25.8)") in text

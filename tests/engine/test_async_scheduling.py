@@ -4,6 +4,7 @@ whatever ends a request (length, EOS, stop token or string, grammar, abort), wit
 prefill, jump-forward and preemption; no placeholder may ever reach an output."""
 
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -175,6 +176,40 @@ def test_pending_tokens_check_their_shape_and_are_read_once_ready():
     pending = PendingTokens([SimpleNamespace(request_id="a"), SimpleNamespace(request_id="b")], torch.tensor([7, 9]))
     assert pending.rows == {"a": 0, "b": 1} and not pending.was_read
     assert pending.read() == [7, 9] and pending.was_read
+    assert pending.wait_seconds == 0.0  # CPU tokens: nothing to wait for
+
+
+class SlowEvent:
+    """A CUDA event the device reaches `delay` seconds after the host asks (a stand-in)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def synchronize(self) -> None:
+        time.sleep(self.delay)
+
+
+def test_the_hosts_wait_for_sampled_tokens_is_counted_for_the_steps_kind(engine_checkpoint, monkeypatch):
+    """Each read of the previous step's tokens waits on its event; the engine adds each wait to
+    the kind of step that read them (prefill or decode), and its own time outside the steps to
+    scheduling and to building outputs (EngineStats)."""
+    import vlm_catalog.engine.llm_engine as llm_engine
+
+    class SlowPendingTokens(PendingTokens):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self._ready = SlowEvent(0.01)
+
+    monkeypatch.setattr(llm_engine, "PendingTokens", SlowPendingTokens)
+    llm = LLM(engine_checkpoint, async_scheduling=True)
+    stats = llm.engine.stats
+    llm.chat([conversation(5, images=0)], SamplingParams(max_tokens=5, ignore_eos=True))
+    # one prefill step, then four decode steps, each reading the step before's token
+    assert (stats.num_prefill_steps, stats.num_decode_steps) == (1, 4)
+    assert stats.seconds_waiting_for_sampled_tokens_prefill_steps == 0.0  # the first step reads nothing
+    assert 0.04 <= stats.seconds_waiting_for_sampled_tokens_decode_steps <= stats.seconds_in_decode_steps
+    assert stats.seconds_scheduling > 0.0 and stats.seconds_building_outputs > 0.0
+    llm.engine.close()
 
 
 def test_a_step_that_fails_before_reading_the_tokens_leaves_them_for_the_next(sync_and_async, monkeypatch):

@@ -430,6 +430,12 @@ def test_bench_gpu_phases_smoke_on_cpu(tmp_path):
     host = engine["host_forward_seconds"]  # on CPU the forward's host clock is its time
     assert host["prefill_steps"] == pytest.approx(split["text_forward_prefill_steps"], rel=0.05)
     assert host["decode_steps"] == pytest.approx(split["text_forward_decode_steps"], rel=0.05)
+    # the host's time in step(): on CPU nothing is waited for, and the host's work is the run
+    host = engine["host_seconds"]
+    assert host["scheduling"] > 0 and host["outputs"] > 0 and host["steps"] > 0
+    assert host["waiting_for_sampled_tokens"] == {"prefill_steps": 0.0, "decode_steps": 0.0}
+    assert host["working"] == pytest.approx(host["scheduling"] + host["steps"] + host["outputs"])
+    assert host["working"] <= engine["seconds"] and host["steps"] >= sum(split.values()) - split["between_steps"]
     constrained = report["constrained"]
     # equal generated tokens by construction, both reported
     assert constrained["constrained_real_stop"]["generated_tokens"] == constrained["unconstrained_same_tokens"]["generated_tokens"]

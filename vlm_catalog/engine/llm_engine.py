@@ -104,6 +104,15 @@ class EngineStats:
     seconds_masking_logits: float = 0.0  # host time of applying the masks (copy and launch; more if it syncs)
     num_grammars_attached: int = 0  # constrained requests queued for scheduling once their grammar compiled
     seconds_awaiting_grammars: float = 0.0  # summed over them: arrival to being queued (the compile's wait)
+    # the host's own time in `step` besides the steps above: scheduling (compiled grammars attached,
+    # then the scheduler), and the outputs built; and, within the steps, its wait for the previous
+    # step's sampled tokens (async scheduling: the device getting there). Host time in `step` less
+    # that wait is what the host spent working: where it is about the device's time in steps, the
+    # device waited for the host
+    seconds_scheduling: float = 0.0
+    seconds_building_outputs: float = 0.0
+    seconds_waiting_for_sampled_tokens_prefill_steps: float = 0.0
+    seconds_waiting_for_sampled_tokens_decode_steps: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -350,8 +359,10 @@ class LLMEngine:
         With `async_scheduling`, the tokens this step samples are read by the next
         call (after it has launched its own forward pass), so their outputs come then.
         """
+        started = time.perf_counter()
         self._attach_grammars()
         output = self.scheduler.schedule()
+        self.stats.seconds_scheduling += time.perf_counter() - started
         self.stats.num_preemptions += len(output.preempted)
         pending, self._pending = self._pending, None  # the previous step's tokens, still on the device
         try:
@@ -360,13 +371,17 @@ class LLMEngine:
             if pending is not None and not pending.was_read and self._pending is None:
                 self._pending = pending  # not read yet: the next step reads them
             raise
+        started = time.perf_counter()
         self._release_host_memory_when_due()
-        return self._collect_outputs(list(dict.fromkeys(touched)))
+        outputs = self._collect_outputs(list(dict.fromkeys(touched)))
+        self.stats.seconds_building_outputs += time.perf_counter() - started
+        return outputs
 
     def _run_step(self, output: SchedulerOutput, pending: PendingTokens | None) -> list[Request]:
         """Encode, run and sample the scheduled chunks, reading `pending` once this step's forward
         is launched; the requests that took tokens."""
         touched: list[Request] = []
+        waiting_for = pending  # read inside the step: its wait counts for the step's kind
         if not output.is_empty:
             self.stats.num_steps += 1
             started = time.perf_counter()
@@ -383,11 +398,14 @@ class LLMEngine:
                     touched += self._sample_and_append(chunks, logits)
             elapsed = time.perf_counter() - started
             self._copy_runner_stats()
+            waited = 0.0 if waiting_for is None else waiting_for.wait_seconds
             if all(chunk.is_decode for chunk in chunks):
                 self.stats.seconds_in_decode_steps += elapsed
+                self.stats.seconds_waiting_for_sampled_tokens_decode_steps += waited
                 self.stats.num_decode_steps += 1
             else:
                 self.stats.seconds_in_prefill_steps += elapsed
+                self.stats.seconds_waiting_for_sampled_tokens_prefill_steps += waited
                 self.stats.num_prefill_steps += 1
         if pending is not None:  # nothing ran this step
             touched = self._take_pending(pending)

@@ -11,6 +11,8 @@ to wait on, so reading them never waits for the later forward pass.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from vlm_catalog.engine.request import Request
@@ -25,6 +27,7 @@ class PendingTokens:
         self.tokens = tokens
         self.rows = {request.request_id: row for row, request in enumerate(requests)}
         self.was_read = False
+        self.wait_seconds = 0.0  # the host's wait in `read` for the device to get there
         self._ready: torch.cuda.Event | None = None
         if tokens.is_cuda:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -35,8 +38,11 @@ class PendingTokens:
             self._host = tokens
 
     def read(self) -> list[int]:
-        """The tokens on the host, in request order (waits for the sampling step only)."""
+        """The tokens on the host, in request order (waits for the sampling step only; how long
+        is `wait_seconds`)."""
         if self._ready is not None:
+            started = time.perf_counter()
             self._ready.synchronize()
+            self.wait_seconds = time.perf_counter() - started
         self.was_read = True
         return self._host.tolist()
