@@ -45,6 +45,14 @@ def run_variants(tmp_path: Path, flash: str) -> dict:
 def check_the_run_was_a_real_one(variants: dict) -> None:
     assert variants["run_steps"] >= 6 and variants["warmup_steps"] > variants["run_steps"]
     assert KERNELS_EVERY_RUN_LAUNCHES <= set(variants["run"]), sorted(variants["run"])
+    # what its prefill-sized forwards asked of the host: the expert GEMMs launched once each per
+    # layer, and the torch ops besides (allocations and views among them) counted
+    prefill = variants["prefill_forward"]
+    assert prefill["forwards"] >= 1 and prefill["tokens_mean"] > 1024 and prefill["layers"] == 1
+    assert prefill["launches_by_kernel"]["moe_gate_up_silu_kernel"] == 1.0
+    assert prefill["launches_by_kernel"]["moe_down_kernel"] == 1.0
+    assert prefill["triton_launches"] >= 8 and prefill["torch_ops"] > prefill["triton_launches"]
+    assert prefill["torch_ops_by_name"]["zeros"] >= 1  # allocations (torch.empty is torch.zeros here)
 
 
 def test_a_run_after_the_warmup_compiles_nothing_with_flash_attention_2(tmp_path):

@@ -22,7 +22,12 @@ Not covered: CUDA graphs (their replays launch nothing; their capture runs at st
 the warm-up, for every captured batch size), cuBLAS's FP8 GEMMs (the dense projections take the
 Triton kernel here, a superset of the launches).
 
-    python -m tests.engine.warmup_variants [--records 32] [--flash fa2|fa3] [--json FILE]
+    python -m tests.engine.warmup_variants [--records 32] [--flash fa2|fa3] [--layers 1] [--json FILE]
+
+It also counts what the run's prefill-sized forward passes (more than `PREFILL_SIZED` tokens)
+ask of the host: their Triton launches and the torch ops they dispatch (allocations and views
+included), per forward. The difference between `--layers 1` and `--layers 2` is one decoder
+layer's share. Each is a launch (or an allocator call) the GPU host pays for in an eager step.
 
 Exit status 0 when the run launched no variant the warm-up did not. `test_warmup_variants.py`
 runs it in a subprocess (TRITON_INTERPRET must be unset: the interpreter replaces `triton.jit`).
@@ -48,6 +53,58 @@ import torch  # noqa: E402
 from tests.kernels.sm90_compile import H100_MULTIPROCESSORS, Launch, recorded_launches, specialize  # noqa: E402
 
 Variant = tuple  # (kernel name, launch options, per parameter: constexpr value or (type, divisible by 16))
+PREFILL_SIZED = 1024  # tokens: a forward pass above this counts as a prefill step's (module doc)
+
+
+class PrefillOps:
+    """The Triton launches and torch ops of the text model's prefill-sized forward passes."""
+
+    def __init__(self) -> None:
+        self.forwards = 0
+        self.tokens = 0
+        self.launches: Counter[str] = Counter()
+        self.torch_ops: Counter[str] = Counter()
+        self.inside = False
+
+    def wrap(self, decoder) -> None:
+        """Count inside `decoder.forward` from now on (an instance attribute over the method)."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts = self
+
+        class CountOps(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counts.torch_ops[func.overloadpacket.__name__] += 1
+                return func(*args, **(kwargs or {}))
+
+        forward = decoder.forward
+
+        def counted_forward(input_ids, *args, **kwargs):
+            if input_ids.shape[0] <= PREFILL_SIZED:
+                return forward(input_ids, *args, **kwargs)
+            self.forwards += 1
+            self.tokens += input_ids.shape[0]
+            self.inside = True
+            try:
+                with CountOps():
+                    return forward(input_ids, *args, **kwargs)
+            finally:
+                self.inside = False
+
+        decoder.forward = counted_forward
+
+    def launched(self, launch: Launch) -> None:
+        if self.inside:
+            self.launches[launch.kernel.fn.__name__] += 1
+
+    def report(self, layers: int) -> dict:
+        """Per forward: the launches and torch ops, the commonest ops named."""
+        forwards = max(self.forwards, 1)
+        return {"forwards": self.forwards, "tokens_mean": self.tokens / forwards, "layers": layers,
+                "triton_launches": sum(self.launches.values()) / forwards,
+                "torch_ops": sum(self.torch_ops.values()) / forwards,
+                "launches_by_kernel": {name: count / forwards for name, count in self.launches.most_common()},
+                "torch_ops_by_name": {name: count / forwards for name, count in self.torch_ops.most_common(12)}}
 
 
 def variant(launch: Launch) -> Variant:
@@ -197,13 +254,16 @@ def main(argv: list[str] | None = None) -> int:
         warmup: set[Variant] = set()
         run: set[Variant] = set()
         phase = warmup
+        prefill = PrefillOps()
 
         def record(launch: Launch) -> None:
             phase.add(variant(launch))
+            prefill.launched(launch)
 
         with gpu_choices_on_cpu(args.flash), recorded_launches(record):
             engine = build_engine(checkpoint, model)
             phase = run
+            prefill.wrap(model.language_model)
             steps = run_records(engine, Path(scratch), args.records, args.output_tokens)
     missing = sorted(run - warmup)
     print(f"warm-up: {len(warmup)} variants of {len({v[0] for v in warmup})} kernels "
@@ -211,11 +271,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(missing)} not in the warm-up")
     for item in missing:
         print("  " + describe(item, warmup))
+    ops = prefill.report(args.layers)
+    print(f"prefill-sized forwards: {ops['forwards']} of {ops['tokens_mean']:.0f} tokens on average, "
+          f"{args.layers} layer(s): {ops['triton_launches']:.1f} Triton launches and {ops['torch_ops']:.1f} torch "
+          f"ops each (commonest: {', '.join(f'{name} {count:g}' for name, count in ops['torch_ops_by_name'].items())})")
     if args.json is not None:
         args.json.write_text(json.dumps({
             "warmup_steps": engine.warmup_report.num_steps, "run_steps": steps,
             "warmup": variants_by_kernel(warmup), "run": variants_by_kernel(run),
-            "missing": [describe(item, warmup) for item in missing]}, indent=1))
+            "missing": [describe(item, warmup) for item in missing], "prefill_forward": ops}, indent=1))
     return 1 if missing else 0
 
 
