@@ -256,7 +256,9 @@ def test_on_cuda_with_graphs_the_same_answers(engine_checkpoint):
 def test_pending_tokens_from_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of device time queued before the tokens' copy
     tokens = torch.arange(5, device="cuda") * 3
     pending = PendingTokens([SimpleNamespace(request_id=f"r{i}") for i in range(5)], tokens)
     assert pending.rows["r3"] == 3 and not pending.was_read
     assert pending.read() == [0, 3, 6, 9, 12] and pending.was_read
+    assert pending.wait_seconds > 0.01  # the host waited for the device to get there

@@ -185,6 +185,22 @@ def test_a_gpu_model_without_a_table_reads_its_siblings_under_its_own(monkeypatc
     assert tuned_configs.tuned_configs("cuda:0").sources == (str(h200_table), str(h100_table))
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_its_processor_is_read_and_an_h100_sxm_or_h200_reads_the_h100_table(monkeypatch):
+    """The processor comes from the device's properties; on sm_90 with 132 SMs (an H100 SXM, an
+    H200) the packaged H100 table is in effect, its own or a sibling's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    monkeypatch.setattr(tuned_configs, "TABLES_DIR", PACKAGED_DIR)
+    tuned_configs.clear_cache()
+    properties = torch.cuda.get_device_properties(0)
+    processor = tuned_configs.device_processor("cuda")
+    assert processor == Processor((properties.major, properties.minor), properties.multi_processor_count)
+    if processor != HOPPER_132:
+        pytest.skip(f"{torch.cuda.get_device_name(0)} is {processor}, not sm_90 with 132 SMs")
+    assert str(PACKAGED_DIR / "NVIDIA_H100_80GB_HBM3.json") in tuned_configs.tuned_configs("cuda").sources
+
+
 def test_a_table_that_does_not_declare_its_processor_is_nobodys_sibling(monkeypatch):
     path = written_table(tuned_configs.TABLES_DIR / "NVIDIA_H100_80GB_HBM3.json", processor=None)
     assert "multiprocessors" not in json.loads(path.read_text())
