@@ -163,17 +163,17 @@ def sibling_tables(name: str, processor: Processor | None) -> list[Path]:
             if path.name != own.name and Processor.of_table(_read(path)) == processor]
 
 
+def is_siblings_table(source: str, name: str | None) -> bool:
+    """Whether the table at `source` is a packaged table (in a folder named as `TABLES_DIR`, so
+    also in a record made on another machine) of another GPU model than `name`: a sibling's."""
+    path = Path(source)
+    return name is not None and path.parent.name == TABLES_DIR.name and path.stem != device_table_name(name)
+
+
 def describe_sources(sources: Iterable[str], name: str | None) -> str:
     """`TunedConfigs.sources` for a log line, a sibling's packaged table marked as such."""
-    own = None if name is None else device_table_path(name)
-
-    def described(source: str) -> str:
-        path = Path(source)
-        if own is not None and path.parent == TABLES_DIR and path.name != own.name:
-            return f"{source} (a sibling GPU model's: the same compute capability and SM count)"
-        return source
-
-    return ", ".join(described(source) for source in sources)
+    return ", ".join(f"{source} (a sibling GPU model's: the same compute capability and SM count)"
+                     if is_siblings_table(source, name) else source for source in sources)
 
 
 @functools.cache

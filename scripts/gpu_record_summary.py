@@ -182,12 +182,10 @@ def host_line(run: dict) -> str | None:
 def table_label(source: str, device: str | None) -> str:
     """A tuned table's file name; a packaged table of another GPU model than the record's is a
     sibling's (kernels/tuned_configs.py: the same compute capability and SM count)."""
-    from kernels.tuned_configs import device_table_name
+    from kernels.tuned_configs import is_siblings_table
 
-    path = Path(source)
-    if device and path.parent.name == "tuned" and path.stem != device_table_name(device):
-        return f"{path.name} (a sibling's, on this {device})"
-    return path.name
+    name = Path(source).name
+    return f"{name} (a sibling's, on this {device})" if is_siblings_table(source, device) else name
 
 
 def tuned_section(label: str, tuned: dict) -> str:

@@ -381,10 +381,10 @@ class LLMEngine:
         """Encode, run and sample the scheduled chunks, reading `pending` once this step's forward
         is launched; the requests that took tokens."""
         touched: list[Request] = []
-        waiting_for = pending  # read inside the step: its wait counts for the step's kind
         if not output.is_empty:
             self.stats.num_steps += 1
             started = time.perf_counter()
+            waited = 0.0  # for the previous step's tokens, read in this one: counted for its kind
             with self.runner.step_timer:
                 images, failures = self.runner.encode_images(output.chunks)
                 chunks = order_chunks(self._drop_failed_image_chunks(output, failures))
@@ -392,13 +392,13 @@ class LLMEngine:
                 if chunks:
                     logits = self.runner.execute(chunks, images, pending)
                     if pending is not None:  # read while this step's forward runs, before its bookkeeping
-                        touched, pending = self._take_pending(pending), None
+                        touched, waited = self._take_pending(pending), pending.wait_seconds
+                        pending = None
                     self._count_computed(chunks)
                     self.scheduler.update_after_step(SchedulerOutput(chunks))
                     touched += self._sample_and_append(chunks, logits)
             elapsed = time.perf_counter() - started
             self._copy_runner_stats()
-            waited = 0.0 if waiting_for is None else waiting_for.wait_seconds
             if all(chunk.is_decode for chunk in chunks):
                 self.stats.seconds_in_decode_steps += elapsed
                 self.stats.seconds_waiting_for_sampled_tokens_decode_steps += waited

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -166,9 +167,8 @@ def _warm_up_long_beside_short(engine: LLMEngine, prompts: _PromptMaker, num_req
 
 
 def _patches(prompt: ProcessedPrompt) -> int:
-    """The vision tower's rows (patches) for the prompt's images: each image token merges
-    merge_size x merge_size of them."""
-    return sum(count for _, count in prompt.image_spans) * prompt.merge_size**2
+    """The vision tower's rows (patches) for the prompt's images: t x h x w of each grid."""
+    return sum(math.prod(image.grid_thw) for image in prompt.images)
 
 
 def _run_until_idle(engine: LLMEngine) -> None:
