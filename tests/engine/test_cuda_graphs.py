@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import arrival_counters as counters_module
 from kernels import pdl
 from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner, default_buckets
 from vlm_catalog.engine.paged_attention import (
@@ -106,6 +107,27 @@ def test_a_failed_capture_keeps_no_graph_and_decodes_eagerly(engine_checkpoint, 
     assert "decode steps run eagerly" in caplog.text and "operation not permitted" in caplog.text
     ids, positions, slots, lens = decode_inputs(5, 9, torch.device("cpu"), tables)
     assert runner.run(ids, positions, slots, tables, lens).shape == (5, model.config.text.hidden_size)
+
+
+def test_a_failed_start_up_check_reaches_the_graphs(engine_checkpoint, monkeypatch, caplog):
+    """The graphs keep what their kernels chose at capture, so the check of the kernels finishing
+    in their last program (kernels/arrival_counters.py) runs before it: where it fails, no counters
+    are served while the graphs are captured, and the decode merge and the routing take their two
+    launches in every replayed step too (the check once ran only after the capture)."""
+    model = load_model(engine_checkpoint, device=torch.device("cpu"))
+    caches, _ = prefilled(model, torch.device("cpu"))
+    runner = DecodeGraphRunner(model, caches, max_batch=8, max_blocks_per_sequence=16, max_context_len=64,
+                               capture=True, buckets=[2, 8])
+    monkeypatch.setenv("VLM_CATALOG_KERNELS", "triton")  # the check runs where the Triton kernels do
+    monkeypatch.setattr(counters_module, "_trusted", {})  # no verdict yet on this device
+    monkeypatch.setattr(counters_module, "_merge_problem", lambda device: "the in-place merge differs")
+    served_at_capture = []
+    monkeypatch.setattr(runner, "_capture", lambda: served_at_capture.append(
+        counters_module.arrival_counters(model.device, 1)))
+    with caplog.at_level(logging.WARNING, logger="kernels.arrival_counters"):
+        assert runner.capture() is True
+    assert served_at_capture == [None]
+    assert "the in-place merge differs" in caplog.text
 
 
 def test_default_buckets():

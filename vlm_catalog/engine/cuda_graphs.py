@@ -26,6 +26,7 @@ import logging
 
 import torch
 
+from kernels.arrival_counters import check_last_program_kernels
 from vlm_catalog.engine.paged_attention import DecodeBatch, PagedAttention, PagedAttentionMetadata
 from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel
 
@@ -88,6 +89,10 @@ class DecodeGraphRunner:
         capture failed: then no graph is kept (`capture_failure` says why, and it is logged)."""
         if not self.capture_enabled:
             return True
+        # the graphs keep whatever their kernels chose at capture: the kernels finishing in their
+        # last program must have passed their start-up check before then, or a failed check would
+        # reach only the eager steps (kernels/arrival_counters.py; the verdict is kept per device)
+        check_last_program_kernels(self.model.device)
         try:
             self._capture()
         except Exception as exc:  # noqa: BLE001 - any failure means: decode eagerly, and say why
