@@ -7,12 +7,15 @@ its writes are visible (``griddepcontrol.wait``). Then it lets the next grid lau
 (``griddepcontrol.launch_dependents``; that grid waits the same way before its own work):
 `after_previous_grid` at once, the kernels of the batch-1 decode step later, with
 `let_next_grid_launch()` after their main loop. Where is a matter of speed, not of
-correctness: the next grid's programs still wait for this whole grid. Launched early, they sit
-on the SMs waiting, and take room from this grid's programs that have not started yet; on the
-H100 and H200 of 2026-11-27 the decode step with every kernel triggering at its start was
-slower with PDL than without (4.51 against 4.14 ms). Launched after the main loop they only
-hide the launch behind the epilogue. A program that returns before the trigger counts as
-having triggered.
+correctness: the next grid's programs still wait for this whole grid. The next grid launches
+once every program of this one has triggered or returned (the PTX ISA), so an early trigger
+cannot take SMs from this grid's programs still to start; its waiting programs do start
+their weight prefetches (kernels/jit/l2_prefetch.py) while this grid's main loop still
+streams its own weights. On the H100 and H200 of 2026-11-27 the decode step with every
+kernel triggering at its start was slower with PDL than without (4.51 against 4.14 ms), with
+three cuBLAS GEMMs per layer breaking the chain; which of the two cost the time was not
+measured. Triggered after the main loop, the next launch hides behind the epilogue. A program
+that returns before the trigger counts as having triggered.
 
 Launched without PDL (the default) both instructions do nothing. They exist from sm_90
 (Hopper) on: for an older GPU (the target Triton compiles for, `cuda_capability_geq`) the
