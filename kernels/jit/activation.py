@@ -4,7 +4,7 @@ scale per token (`silu_and_mul_quantize_kernel`; grid = (tokens,), a row per pro
 import triton
 import triton.language as tl
 
-from kernels.jit.fp8_quant import saturate_fp8
+from kernels.jit.fp8_quant import divide_by_scale, scale_of_max
 from kernels.jit.pdl import after_previous_grid
 
 
@@ -61,8 +61,8 @@ def silu_and_mul_quantize_kernel(
     # what silu_and_mul writes, quantized as written
     product = silu_times_up(x_ptr + token * stride_x_token, cols, mask, intermediate, x_ptr.dtype.element_ty)
     amax = tl.max(tl.where(mask, tl.abs(product), 0.0), axis=0)
-    scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
-    quantized = saturate_fp8(product / scale)
+    scale = scale_of_max(amax)
+    quantized = divide_by_scale(product, scale)
     tl.store(quantized_ptr + token * stride_quantized_token + cols, quantized.to(quantized_ptr.dtype.element_ty),
              mask=mask)
     tl.store(scale_ptr + token, scale)

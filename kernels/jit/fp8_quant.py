@@ -17,8 +17,18 @@ from kernels.jit.pdl import after_previous_grid
 
 @triton.jit
 def saturate_fp8(x):
-    """x clamped to the float8 e4m3 range (+-448), in float32 (the cast then only rounds)."""
-    return tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    """x clamped to the float8 e4m3 range (+-448), in float32 (the cast then only rounds). A NaN
+    stays NaN, as in torch's clamp: the GPU's plain max/min (`max.f32`) return the other operand."""
+    x = tl.maximum(x.to(tl.float32), -448.0, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(x, 448.0, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def divide_by_scale(x, scale):
+    """x / scale rounded as IEEE division (`div.rn`), as torch divides, and within the e4m3 range.
+    Triton's `/` is `div.full.f32` on the GPU (2 ulp), so a rare element would land one e4m3
+    step away from the torch reference's."""
+    return saturate_fp8(tl.div_rn(x, scale))
 
 
 @triton.jit
@@ -29,13 +39,13 @@ def quantize_rows(x):
     quantizes its tiles with it too, so both give the same bits."""
     x = x.to(tl.float32)
     scale = scale_of_max(tl.max(tl.abs(x), axis=1))  # [ROWS]
-    return saturate_fp8(x / scale[:, None]), scale
+    return divide_by_scale(x, scale[:, None]), scale
 
 
 @triton.jit
 def scale_of_max(amax):
     """The scale of a group whose largest |x| is amax: amax / 448, 1 for an all-zero group."""
-    return tl.where(amax > 0.0, amax / 448.0, 1.0)
+    return tl.where(amax > 0.0, tl.div_rn(amax, 448.0), 1.0)  # IEEE division, as torch's
 
 
 # step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)

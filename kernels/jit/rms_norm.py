@@ -7,7 +7,7 @@ quantized per GROUP columns as `quantize_activations_kernel` quantizes it."""
 import triton
 import triton.language as tl
 
-from kernels.jit.fp8_quant import saturate_fp8, scale_of_max
+from kernels.jit.fp8_quant import divide_by_scale, scale_of_max
 from kernels.jit.pdl import after_previous_grid
 
 
@@ -95,7 +95,7 @@ def rms_norm_kernel(
         scale = scale_of_max(tl.max(tl.abs(tl.reshape(x, [BLOCK_SIZE // GROUP, GROUP])), axis=1))  # [BLOCK_SIZE / GROUP]
         column_scale = tl.reshape(tl.broadcast_to(scale[:, None], [BLOCK_SIZE // GROUP, GROUP]), [BLOCK_SIZE])
         tl.store(quantized_ptr + row * stride_quantized_row + cols,
-                 saturate_fp8(x / column_scale).to(quantized_ptr.dtype.element_ty), mask=cols < hidden_size)
+                 divide_by_scale(x, column_scale).to(quantized_ptr.dtype.element_ty), mask=cols < hidden_size)
         group_index = tl.arange(0, BLOCK_SIZE // GROUP)
         tl.store(scale_ptr + row * stride_scale_row + group_index * stride_scale_group, scale,
                  mask=group_index * GROUP < hidden_size)

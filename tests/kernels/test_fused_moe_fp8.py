@@ -320,6 +320,51 @@ def test_triton_activation_quantization_matches_the_reference(triton_device, dty
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
 
 
+def nan_stays_nan_in_every_fp8_writer(device: torch.device) -> None:
+    """A NaN in a row reaches the e4m3 output as NaN, in the activation quantizer, the SiLU-and-mul
+    one and the norm writing FP8 (kernels/jit/fp8_quant.py, `saturate_fp8`), as in the torch
+    references. The GPU's plain max/min return the other operand: once such a NaN was clamped to
+    -448, a finite value no check downstream would see. Groups without the NaN stay finite."""
+    from kernels.activation import silu_and_mul_quantize_triton
+
+    values = (torch.randn(3, 64) * 3).to(torch.bfloat16)
+    values[1, 5] = float("nan")
+    values = values.to(device)
+    quantized, _ = quantize_activations_triton(values, 32)
+    restored = quantized.float().cpu()
+    assert restored[1, 5].isnan()
+    assert restored[[0, 2]].isfinite().all() and restored[1, 32:].isfinite().all()
+    activated, _ = silu_and_mul_quantize_triton(values)  # [3, 32]: the NaN is in row 1's gate
+    assert activated.float()[1, 5].cpu().isnan() and activated.float()[[0, 2]].cpu().isfinite().all()
+    normed = kernels.rms_norm(values, torch.ones(64, dtype=torch.bfloat16, device=device), 1e-6,
+                              Fp8InputLayout(group=32))
+    assert normed.values.float()[1].cpu().isnan().all()  # the row's sum of squares is NaN
+    assert normed.values.float()[[0, 2]].cpu().isfinite().all()
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # the interpreter's max over the NaN row
+def test_a_nan_stays_nan_in_every_fp8_writer(triton_device):
+    nan_stays_nan_in_every_fp8_writer(triton_device)
+
+
+@pytest.mark.gpu
+def test_gpu_a_nan_stays_nan_in_every_fp8_writer(cuda_device):
+    nan_stays_nan_in_every_fp8_writer(cuda_device)
+
+
+@pytest.mark.gpu
+def test_gpu_activation_quantization_gives_the_reference_bits(cuda_device):
+    """On the GPU too: Triton's `/` is an approximate division there (`div.full.f32`), so the
+    quantizers divide with `tl.div_rn` (`divide_by_scale`) and give torch's bits, at the engine's
+    widths (a 16k-token step's hidden rows, per token and in 128 columns)."""
+    values = torch.randn(16384, 2048, device=cuda_device, dtype=torch.bfloat16) * 3
+    for group in (2048, 128):
+        got_q, got_scale = quantize_activations_triton(values, group)
+        want_q, want_scale = quantize_activations_reference(values, group)
+        assert torch.equal(got_scale, want_scale), group
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), group
+
+
 def test_triton_activation_quantization_writes_into_given_outputs_of_any_scale_layout(triton_device):
     """As cuBLAS's block-scaled GEMM wants them (kernels/fp8_linear_cublas.py): the scales with the
     row index fastest, in the first rows of larger, padded outputs that stay untouched beyond."""
