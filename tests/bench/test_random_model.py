@@ -128,6 +128,32 @@ def test_routing_recorder_counts_loads_and_distinct_experts():
     assert summary["small_calls"]["distinct_over_uniform"] == pytest.approx(16 / uniform_pair)
 
 
+def test_routing_recorder_counts_rows_the_norm_quantized(monkeypatch):
+    """On the GPU's W8A8 path the norm hands each MoE layer its rows quantized, with their 16-bit
+    rows kept (`Fp8Input`, kernels/fp8_input.py), and the routing made in its launch. The recorder
+    counts those calls as it counts 16-bit rows (it once failed on them: an Fp8Input has no
+    `is_cuda`, so the record of 2026-11-29's plan would have had no routing line)."""
+    from kernels.fp8_input import Fp8Input, Fp8InputLayout, quantize_fp8_input
+    from vlm_catalog.bench.routing_stats import RoutingRecorder
+    from vlm_catalog.model.config import ModelConfig
+    from vlm_catalog.model.text import SparseMoE
+
+    text = ModelConfig.from_dict({**load_random_routing().routing_shapes(256, 1, 96), "model_type": "qwen3_vl_moe"}).text
+    layer = SparseMoE(text)
+    layer.gate.weight.data = torch.eye(128, 256)  # logits = the first 128 hidden features
+    hot = torch.zeros(2048, 256)
+    hot[:, 8:16] = 1.0  # every token chooses experts 8-15
+    quantized = quantize_fp8_input(hot, Fp8InputLayout(group=256, keep_unquantized=True))
+    assert isinstance(quantized, Fp8Input)
+    monkeypatch.setattr(layer, "forward", lambda hidden, sum_experts=True, routing=None: None)  # the hook is tested
+    with RoutingRecorder(torch.nn.ModuleList([layer])) as recorder:
+        layer(quantized, routing=layer.route(hot))  # as DecoderLayer.mlp_terms calls it
+        layer(quantized)  # or routing itself, from the kept rows
+    summary = recorder.summary()
+    assert summary["large_calls"]["calls"] == 2 and summary["large_calls"]["top_k_share"] == 1.0
+    assert summary["large_calls"]["experts_unused"] == 120
+
+
 def test_routing_recorder_needs_moe_layers():
     from vlm_catalog.bench.routing_stats import RoutingRecorder
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fp8_input import Fp8Input
 from kernels.moe.align import expert_counts
 from vlm_catalog.model.text import SparseMoE
 
@@ -69,6 +70,8 @@ class RoutingRecorder:
     def _hook(self, layer: int):
         def record(module: SparseMoE, args: tuple, kwargs: dict) -> None:
             hidden = args[0] if args else kwargs["hidden"]
+            if isinstance(hidden, Fp8Input):  # quantized by the norm before it, as the layer reads it
+                hidden = hidden.unquantized  # [T, H] 16-bit, kept for the router
             if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
                 return
             routing = kwargs.get("routing", args[2] if len(args) > 2 else None)
