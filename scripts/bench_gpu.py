@@ -629,11 +629,7 @@ def measure_engine(checkpoint: Path, model, device: torch.device, records, outpu
         results["fixed_150_tokens"] = timed_run()
         if repeat_runs >= 2:
             results["fixed_150_tokens_again"] = [timed_run() for _ in range(repeat_runs - 1)]
-        try:  # an auxiliary count: its failure must not cost the phase its timed runs
-            results["routing"] = routing_pass(engine, model, conversations, sampling)
-        except Exception as exc:  # noqa: BLE001 - recorded in the phase
-            traceback.print_exc()
-            results["routing"] = {"error": f"{type(exc).__name__}: {exc}"}
+        results["routing"] = auxiliary(lambda: routing_pass(engine, model, conversations, sampling))
     results.update({"sampling": asdict(sampling), "async_scheduling": engine.async_scheduling, "repeat_runs": repeat_runs,
                     "max_num_batched_tokens": max_num_batched_tokens,
                     # the tuned tables (JSON) whose MoE tiles and decode launch settings it ran
@@ -767,14 +763,24 @@ def measure_constrained(checkpoint: Path, model, device: torch.device, records, 
             len(again[i].token_ids) == len(outputs[i].token_ids) for i in range(len(records)))
         results["constrained_again_over_unconstrained"] = (
             results["constrained_again"]["samples_per_s"] / unconstrained_rate)
-        results["other_jump_forward"] = time_other_jump_forward(engine, conversations, constrained, outputs,
-                                                                unconstrained_rate)
+        results["other_jump_forward"] = auxiliary(lambda: time_other_jump_forward(
+            engine, conversations, constrained, outputs, unconstrained_rate))
     results["repeat_runs"] = repeat_runs
     results["async_scheduling"] = engine.async_scheduling
     results["max_num_batched_tokens"] = max_num_batched_tokens
     results.update(memory_summary(engine, device))
     engine.close()
     return results
+
+
+def auxiliary(measure) -> dict:
+    """`measure()`'s result, or {"error": ...} where it raised: a phase's auxiliary measurement
+    (the routing pass, the other jump-forward setting) must not cost it the runs timed before."""
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001 - recorded in the phase
+        traceback.print_exc()
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def time_other_jump_forward(engine: LLMEngine, conversations, constrained, outputs, unconstrained_rate: float) -> dict:

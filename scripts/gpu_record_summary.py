@@ -275,6 +275,8 @@ def constrained_lines(record: dict, previous: dict | None, phase: str, label: st
                      f"unconstrained, {other['run'].get('model_steps', '-')} steps "
                      f"({other['run'].get('jump_forward_tokens', '-')} tokens by jump-forward), "
                      f"{'the same' if other.get('same_tokens') else 'OTHER'} tokens")
+    elif isinstance(other, dict) and "error" in other:
+        lines.append(f"the run with jump-forward the other way failed: {other['error']}")
     return "\n".join(f"- {line}" for line in lines)
 
 

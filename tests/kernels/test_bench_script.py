@@ -671,6 +671,24 @@ def test_bench_gpu_a_failing_routing_pass_keeps_the_phases_timed_runs(tmp_path, 
         "the routing pass failed: RuntimeError: CUDA error: an illegal memory access was encountered")
 
 
+def test_bench_gpu_a_failing_run_with_jump_forward_the_other_way_keeps_the_constrained_runs(tmp_path, monkeypatch):
+    """The constrained phase's last run, with jump-forward the other way from the engine's choice,
+    is a setting no record has run on the GPU (on under decode graphs): its failure is recorded in
+    `other_jump_forward`, and the three runs timed before it and the exit status stand."""
+    crash = RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    status, report = bench_gpu_where(monkeypatch, tmp_path, "time_other_jump_forward", crash,
+                                     "--output-tokens", "2", "--phase", "constrained", "--repeat-runs", "2")
+    assert status == 0
+    result = report["constrained"]
+    assert result["other_jump_forward"] == {"error": f"RuntimeError: {crash}"}
+    assert result["constrained_again"]["generated_tokens"] == result["constrained_real_stop"]["generated_tokens"]
+    assert result["unconstrained_same_tokens"]["samples_per_s"] > 0
+    from tests.bench.test_gpu_record_summary import load_summary
+
+    assert f"the run with jump-forward the other way failed: RuntimeError: {crash}" in (
+        load_summary().constrained_section(report, None))
+
+
 def test_the_routing_pass_runs_decode_steps_eagerly_and_puts_the_decode_graphs_back():
     """A CUDA graph's replay runs no hooks, so the pass sets the engine's decode graphs aside (here a
     stand-in: the CPU engine has none) and counts the decode steps too."""
