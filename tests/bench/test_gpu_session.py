@@ -156,6 +156,10 @@ def test_plans_name_what_exists(session):
                 assert argv[:3] == ["python3", "-m", "pytest"] and "gpu" in argv, argv
     record = [step.name for step in session.PLANS["record"]]
     assert record[0] == "pytest_gpu"  # the correctness check first: the engine numbers mean little without it
+    # then the targets (the engine, the decode step, constrained decoding), before the
+    # profile and the candidate engines: a call of about 560 s does not reach its last steps
+    targets = max(record.index(name) for name in ("engines", "roofline", "constrained"))
+    assert targets < min(record.index(name) for name in ("engine_profile", "engine_steps_32k", "engine_fast"))
 
 
 def test_plans_that_would_write_too_many_files_pack_them(session):
