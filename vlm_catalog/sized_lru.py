@@ -31,6 +31,10 @@ class SizedLRU(Generic[V]):
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
 
+    def values(self) -> list[V]:
+        """The entries, least recently used first (without counting hits or refreshing them)."""
+        return list(self._entries.values())
+
     def get(self, key: Hashable) -> V | None:
         value = self._entries.get(key)
         if value is None:

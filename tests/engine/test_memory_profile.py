@@ -5,6 +5,7 @@ import torch
 
 from tests.engine.conftest import conversation
 from vlm_catalog.engine.config import EngineConfigError
+from vlm_catalog.engine.encoder_cache import encoder_cache_bytes
 from vlm_catalog.engine.llm_engine import LLMEngine
 from vlm_catalog.engine.memory_profile import (
     CUDA_GRAPH_RESERVE_BYTES,
@@ -83,9 +84,17 @@ def _engine_with_simulated_device(monkeypatch, checkpoint, memory, **config):
 
 
 def test_engine_pool_is_what_the_profile_leaves_and_defaults_stay_in_budget(engine_checkpoint, monkeypatch):
-    text = ModelConfig.from_pretrained(engine_checkpoint).text
+    model_config = ModelConfig.from_pretrained(engine_checkpoint)
+    text = model_config.text
     per_block = kv_bytes_per_block(text.num_layers, 16, text.num_kv_heads, text.head_dim, torch.float32)
-    reserve = CUDA_GRAPH_RESERVE_BYTES  # enforce_eager is off by default
+    # the decode graphs' pool (enforce_eager is off by default), and two caches when full: the
+    # encoder cache's 32768 tokens of an embedding and the deepstack rows, float32 in this model,
+    # and the vision tower's 262144 patches of tables (a position row, rotary cos and sin)
+    vision = model_config.vision
+    cached_images = encoder_cache_bytes(32768, model_config, torch.float32)
+    assert cached_images == 32768 * (1 + len(vision.deepstack_visual_indexes)) * text.hidden_size * 4
+    grid_tables = 262_144 * (vision.hidden_size * 4 + 2 * vision.head_dim * 4)
+    reserve = CUDA_GRAPH_RESERVE_BYTES + cached_images + grid_tables
     weights, non_torch, activations = 40 * MiB, 30 * MiB, 25 * MiB
     wanted_blocks = 37
     # a device whose 90% leaves 37.5 blocks for the KV pool
@@ -99,6 +108,7 @@ def test_engine_pool_is_what_the_profile_leaves_and_defaults_stay_in_budget(engi
         stats = engine.cache_stats()
         assert stats["kv_capacity_tokens"] == wanted_blocks * 16
         assert stats["memory_profile"]["peak_activation_bytes"] == activations
+        assert stats["memory_profile"]["reserve_bytes"] == reserve
         engine.add_request(conversation(0, images=1), SamplingParams(max_tokens=4, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
@@ -126,7 +136,10 @@ def test_an_fp8_cache_fits_four_times_the_float32_tokens_in_the_same_budget(engi
     fp8_block = kv_bytes_per_block(text.num_layers, 16, text.num_kv_heads, text.head_dim, torch.float8_e4m3fn)
     assert fp32_block == 4 * fp8_block
     weights, non_torch, activations = 40 * MiB, 30 * MiB, 25 * MiB
-    total = int((weights + non_torch + activations + CUDA_GRAPH_RESERVE_BYTES + 10 * fp32_block) / 0.9) + 1
+    model_config = ModelConfig.from_pretrained(engine_checkpoint)
+    reserve = (CUDA_GRAPH_RESERVE_BYTES + encoder_cache_bytes(32768, model_config, torch.float32)
+               + 262_144 * (model_config.vision.hidden_size + 2 * model_config.vision.head_dim) * 4)
+    total = int((weights + non_torch + activations + reserve + 10 * fp32_block) / 0.9) + 1
     blocks = {}
     for kv_cache_dtype in ("auto", "fp8"):
         memory = SimulatedMemory(total, weights, non_torch, activations, log=[])

@@ -9,6 +9,9 @@ eviction never pulls features from under a running step.
 
 from __future__ import annotations
 
+import torch
+
+from vlm_catalog.model.config import ModelConfig
 from vlm_catalog.model.qwen3_vl_moe import ImageEmbedding
 from vlm_catalog.sized_lru import SizedLRU
 
@@ -19,3 +22,11 @@ class EncoderCache(SizedLRU[ImageEmbedding]):
 
     def __init__(self, max_tokens: int) -> None:
         super().__init__(max_tokens, size_of=lambda embedding: embedding.num_tokens, keep_oversized=True)
+
+
+def encoder_cache_bytes(max_tokens: int, config: ModelConfig, dtype: torch.dtype) -> int:
+    """The device memory an encoder cache of `max_tokens` holds when full: per language-model
+    token an embedding and one per deepstack layer, each `hidden_size` wide (the model runner
+    caches copies of each image's own rows, `ImageEmbedding.owning`)."""
+    per_token = (1 + len(config.vision.deepstack_visual_indexes)) * config.text.hidden_size * dtype.itemsize
+    return max_tokens * per_token

@@ -38,7 +38,7 @@ from vlm_catalog.engine.config import EngineConfig, EngineConfigError
 from vlm_catalog.engine.cpu_allocator import keep_freed_memory, release_free_memory
 from vlm_catalog.engine.cuda_graphs import DecodeGraphRunner
 from vlm_catalog.engine.detokenizer import Detokenizer
-from vlm_catalog.engine.encoder_cache import EncoderCache
+from vlm_catalog.engine.encoder_cache import EncoderCache, encoder_cache_bytes
 from vlm_catalog.engine.memory_profile import (
     CUDA_GRAPH_RESERVE_BYTES,
     CudaMemory,
@@ -230,7 +230,11 @@ class LLMEngine:
             config.max_num_batched_tokens, config.max_num_seqs, self.processor.image_processor,
             max_images=config.max_images_per_prompt * config.max_num_seqs,
         )
-        reserve = 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
+        # the decode graphs' pool, and what two caches keep between steps when full: the image
+        # embeddings (the encoder cache) and the vision tower's tables per grid shape
+        reserve = ((0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES)
+                   + encoder_cache_bytes(config.encoder_cache_tokens, self.model_config, self.model.dtype)
+                   + self.model.visual.grid_tables_max_bytes())
         return profile_memory(
             self.model, step, memory, config.gpu_memory_utilization, config.block_size, reserve,
             kv_cache_dtype=config.torch_kv_cache_dtype,

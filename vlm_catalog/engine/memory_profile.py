@@ -10,7 +10,10 @@ its pool the same way with its "profile run"):
                - peak_activations   peak torch allocation of the step, above that
                - non_torch          used outside torch: CUDA context, cuBLAS/Triton
                                     workspaces, other processes (total - free - reserved)
-               - reserve            CUDA-graph pool and allocator slack (fixed)
+               - reserve            CUDA-graph pool (fixed), and two caches when full:
+                                    the encoder cache's image embeddings
+                                    (`encoder_cache_bytes`) and the vision tower's
+                                    grid tables (`grid_tables_max_bytes`)
 
 The worst-case step (`worst_case_step`) is `max_num_batched_tokens` language-model
 tokens in one prefill sequence, the most image placeholders among them, the
@@ -212,7 +215,7 @@ class MemoryBudget:
                 f"{self.total_bytes / GiB:.2f} GiB leaves {self.kv_cache_bytes / GiB:.2f} GiB after weights "
                 f"{self.weights_bytes / GiB:.2f} GiB, peak activations {self.peak_activation_bytes / GiB:.2f} GiB "
                 f"(max_num_batched_tokens and the largest images), non-torch {self.non_torch_bytes / GiB:.2f} GiB "
-                f"and reserve {self.reserve_bytes / GiB:.2f} GiB; at least {min_kv_bytes} bytes are needed. "
+                f"and reserve {self.reserve_bytes / GiB:.2f} GiB (CUDA graphs, the encoder cache, the grid tables); at least {min_kv_bytes} bytes are needed. "
                 "Raise gpu_memory_utilization, lower max_num_batched_tokens or the image processor's max_pixels, "
                 "or set kv_cache_memory_bytes."
             )

@@ -148,7 +148,9 @@ class ModelRunner:
                     pixel_values = self.normalised(pixel_bytes)  # [N, C*T*P*P]
                     embeddings = self.model.encode_images(pixel_values, grids)
                 for (image, _), embedding in zip(ready, embeddings):
-                    self.encoder_cache.put(image.content_hash, embedding)
+                    # its own rows only: the cache's bound in tokens is then a bound in bytes
+                    # (`encoder_cache_bytes`, which the memory profile reserves)
+                    self.encoder_cache.put(image.content_hash, embedding.owning())
                     found[image.content_hash] = embedding
                     self.num_images_encoded += 1
         return found, failures

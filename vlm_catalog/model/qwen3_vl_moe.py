@@ -35,6 +35,15 @@ class ImageEmbedding:
     def slice(self, start: int, end: int) -> ImageEmbedding:
         return ImageEmbedding(self.embeddings[start:end], [d[start:end] for d in self.deepstack])
 
+    def owning(self) -> ImageEmbedding:
+        """This embedding with tensors that hold only its own rows: `encode_images` splits one
+        output of several images, whose views would keep the whole output alive in a cache that
+        counts only this image's tokens. Copies where a tensor is such a view, else itself."""
+        tensors = [self.embeddings, *self.deepstack]
+        if all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors):
+            return self
+        return ImageEmbedding(self.embeddings.clone(), [d.clone() for d in self.deepstack])
+
 
 class Qwen3VLMoeModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:

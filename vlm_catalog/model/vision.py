@@ -156,6 +156,12 @@ class VisionTower(nn.Module):
         self.grid_tables = GridTableCache()
         self.reset_rotary_buffers()
 
+    def grid_tables_max_bytes(self) -> int:
+        """The device memory `grid_tables` holds when full: per patch a position row in the
+        weights' dtype, and its rotary cos and sin in float32."""
+        per_patch = self.config.hidden_size * self.pos_embed.weight.element_size() + 2 * self.config.head_dim * 4
+        return self.grid_tables.max_size * per_patch
+
     def reset_rotary_buffers(self) -> None:
         """(Re)compute the float32 rotary frequencies, e.g. after allocating on a device."""
         rotary_dim = self.config.head_dim // 2
