@@ -45,7 +45,9 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     padded[:rows, :cols] = weight.float()
     tiles = padded.view(padded.shape[0] // block_n, block_n, padded.shape[1] // block_k, block_k)  # [Nb, bn, Kb, bk]
     amax = tiles.abs().amax(dim=(1, 3))  # [Nb, Kb]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # divided by a tensor: torch on CUDA multiplies by the reciprocal of a Python scalar divisor,
+    # which is not the IEEE quotient the Triton quantizers compute (`tl.div_rn`), for half the scales
+    scale = torch.where(amax > 0, amax / amax.new_full((), FP8_MAX), torch.ones_like(amax))
     quantized = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return quantized.view(padded.shape)[:rows, :cols].contiguous(), scale
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.arrival_counters import ROUTING_WEIGHTS_RTOL
 from kernels.norm_router import (
     add_rms_norm_router_reference,
     add_rms_norm_router_triton,
@@ -234,7 +235,11 @@ def test_gpu_add_rms_norm_route_model_shapes(cuda_device):
         first = None
         for _ in range(20):
             _, _, routing = kernels.add_rms_norm_route(*args[:3], 1e-6, args[3], 8, block_size=16)
-            assert torch.equal(routing.ids, ids) and torch.equal(routing.weights, weights)
+            # the ids exactly, the weights to one bf16 step: the routing kernel sums the softmax on
+            # 1-2 warps at these token counts, the fused launch on 4 (ROUTING_WEIGHTS_RTOL)
+            assert torch.equal(routing.ids, ids)
+            torch.testing.assert_close(routing.weights.float(), weights.float(), rtol=ROUTING_WEIGHTS_RTOL, atol=0)
             assert_alignment_matches_reference(routing.alignment, routing.ids, 128, 16)
             first = first or routing
+            assert torch.equal(routing.weights, first.weights)  # whichever program routes: the same bits
             assert torch.equal(routing.alignment.sorted_token_ids, first.alignment.sorted_token_ids)
