@@ -19,12 +19,12 @@ fused_moe_module = importlib.import_module("kernels.moe.fused_moe")  # `kernels.
 
 
 def moe_inputs(num_tokens, hidden, intermediate, num_experts, top_k, dtype, device):
-    hidden_states = torch.randn(num_tokens, hidden).to(dtype).to(device)
-    w13 = (torch.randn(num_experts, 2 * intermediate, hidden) * hidden**-0.5).to(dtype).to(device)
-    w2 = (torch.randn(num_experts, hidden, intermediate) * intermediate**-0.5).to(dtype).to(device)
-    weights, ids = route_topk_reference(
-        torch.randn(num_tokens, num_experts).to(device), top_k, True
-    )
+    # drawn on `device` (the CPU's draws as before): 128 experts' weights took about 5 s of a GPU
+    # test drawn on the host, in a `pytest -m gpu` step that must fit its device call
+    hidden_states = torch.randn(num_tokens, hidden, device=device).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, device=device) * hidden**-0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, intermediate, device=device) * intermediate**-0.5).to(dtype)
+    weights, ids = route_topk_reference(torch.randn(num_tokens, num_experts, device=device), top_k, True)
     return hidden_states, w13, w2, weights, ids
 
 
