@@ -215,7 +215,8 @@ class MemoryBudget:
                 f"{self.total_bytes / GiB:.2f} GiB leaves {self.kv_cache_bytes / GiB:.2f} GiB after weights "
                 f"{self.weights_bytes / GiB:.2f} GiB, peak activations {self.peak_activation_bytes / GiB:.2f} GiB "
                 f"(max_num_batched_tokens and the largest images), non-torch {self.non_torch_bytes / GiB:.2f} GiB "
-                f"and reserve {self.reserve_bytes / GiB:.2f} GiB (CUDA graphs, the encoder cache, the grid tables); at least {min_kv_bytes} bytes are needed. "
+                f"and reserve {self.reserve_bytes / GiB:.2f} GiB (CUDA graphs, the encoder cache, the grid tables); "
+                f"at least {min_kv_bytes} bytes are needed. "
                 "Raise gpu_memory_utilization, lower max_num_batched_tokens or the image processor's max_pixels, "
                 "or set kv_cache_memory_bytes."
             )
