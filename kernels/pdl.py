@@ -9,7 +9,7 @@ ramp-up. With ``VLM_CATALOG_PDL=1`` our Triton kernels are launched with Triton'
 its memory is visible), before touching any memory, and then lets the next grid launch: at
 once, or, in the kernels of the batch-1 decode step (the projections, decode attention, the
 norm-and-router launch and the experts), after their main loop, so that the next launch hides
-behind this grid's epilogue (kernels/jit/pdl.py says why not at once). So a kernel
+behind this grid's epilogue (kernels/jit/pdl.py: what is known of the early trigger). So a kernel
 computes exactly as it does without PDL, and only the launches overlap. The skinny projections
 and the norm-and-router launch also ask for their weights into L2 before the wait
 (`prefetches_weights`, kernels/jit/l2_prefetch.py): no grid writes them, and they then stream

@@ -322,9 +322,11 @@ def test_triton_activation_quantization_matches_the_reference(triton_device, dty
 
 def nan_stays_nan_in_every_fp8_writer(device: torch.device) -> None:
     """A NaN in a row reaches the e4m3 output as NaN, in the activation quantizer, the SiLU-and-mul
-    one and the norm writing FP8 (kernels/jit/fp8_quant.py, `saturate_fp8`), as in the torch
-    references. The GPU's plain max/min return the other operand: once such a NaN was clamped to
-    -448, a finite value no check downstream would see. Groups without the NaN stay finite."""
+    one and the norm writing FP8 (kernels/jit/fp8_quant.py, `saturate_fp8`), as the NaN element
+    does in the torch references (whose group scale is NaN too, where the GPU's max over the
+    group leaves the NaN out). The GPU's plain max/min return the other operand: once such a NaN
+    was clamped to -448, a finite value no check downstream would see. Groups without the NaN
+    stay finite."""
     from kernels.activation import silu_and_mul_quantize_triton
 
     values = (torch.randn(3, 64) * 3).to(torch.bfloat16)
