@@ -268,10 +268,8 @@ def measure_roofline(model, device: torch.device, ceilings: dict) -> dict:
     batch1_unfused = measure_decode_batch1_without(NEWEST_DECODE_FUSIONS, model, device, context_bound=tokens,
                                                    floor=floor)
     batch, context = (DECODE_BATCH, DECODE_CONTEXT) if device.type == "cuda" else (4, 32)
-    try:
-        large_batch = measure_decode_batch(model, device, batch, context, context_bound=tokens)
-    except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the batch-1 numbers above stand
-        large_batch = {"error": f"{type(exc).__name__}: {exc}"}
+    # e.g. out of memory: the batch-1 numbers above stand
+    large_batch = auxiliary(lambda: measure_decode_batch(model, device, batch, context, context_bound=tokens))
     release_memory(device)
     return {
         "prefill_tokens": tokens,
@@ -346,7 +344,7 @@ def measure_decode_batch1_variant(setting, fields: dict, model, device: torch.de
         with setting:
             step = measure_decode_batch(model, device, batch=1, context=100, context_bound=context_bound, repeats=20)
     except Exception as exc:  # noqa: BLE001 - e.g. a capture that refuses the launches: the run's step stands
-        return {**fields, "error": f"{type(exc).__name__}: {exc}"}
+        return {**fields, "error": error_text(exc)}
     finally:
         release_memory(device)
     return {**fields, "seconds": step["seconds"], "over_floor": step["seconds"] / floor, "kernels": step["kernels"]}
@@ -426,7 +424,7 @@ def kernel_breakdown(step, device: torch.device, steps: int = 5) -> dict:
             if own_us > 0:
                 rows.append({"name": event.key[:160], "us_per_step": own_us / steps, "calls_per_step": event.count / steps})
     except Exception as exc:  # noqa: BLE001 - e.g. no CUPTI on this machine
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"error": error_text(exc)}
     rows.sort(key=lambda row: -row["us_per_step"])
     return {
         "steps": steps,
@@ -780,7 +778,12 @@ def auxiliary(measure) -> dict:
         return measure()
     except Exception as exc:  # noqa: BLE001 - recorded in the phase
         traceback.print_exc()
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"error": error_text(exc)}
+
+
+def error_text(exc: Exception) -> str:
+    """How the record names a failure: the exception's type and message."""
+    return f"{type(exc).__name__}: {exc}"
 
 
 def time_other_jump_forward(engine: LLMEngine, conversations, constrained, outputs, unconstrained_rate: float) -> dict:
@@ -1052,7 +1055,7 @@ def main(argv: list[str] | None = None) -> int:
             value = measure()
         except Exception as exc:  # noqa: BLE001 - reported in the JSON and the exit status
             traceback.print_exc()
-            value = {"error": f"{type(exc).__name__}: {exc}"}
+            value = {"error": error_text(exc)}
             failed.append(name)
         else:
             if isinstance(value, dict) and value.get("errors"):  # the kernels phase: some rows failed
