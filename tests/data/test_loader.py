@@ -117,6 +117,20 @@ def test_values_are_never_coerced(tmp_path):
     assert catalogue.input_files == [path]
 
 
+def test_jsonl_blank_lines_take_no_id(tmp_path):
+    """docs/batch-job.md: a record's id is its index among the non-blank lines."""
+    (tmp_path / "a.jpg").write_bytes(jpeg_bytes((1, 2, 3)))
+    base = {"description": "d", "image": "a.jpg", "candidates": ["A > B"]}
+    lines = [json.dumps({**base, "title": "first"}), "", "   ", json.dumps({**base, "title": "second"}),
+             "\t", json.dumps({**base, "title": "third"})]
+    path = tmp_path / "records.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    catalogue = load_catalogue(path)
+    assert len(catalogue) == 3
+    assert [(r.id, r.title) for r in catalogue] == [("0", "first"), ("1", "second"), ("2", "third")]
+    assert catalogue[2].title == "third"
+
+
 def test_jsonl_image_paths_stay_inside_the_dataset_folder(tmp_path):
     folder = tmp_path / "shop"
     (folder / "img").mkdir(parents=True)
