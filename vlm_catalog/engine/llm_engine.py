@@ -233,8 +233,7 @@ class LLMEngine:
         # the decode graphs' pool, and what two caches keep between steps when full: the image
         # embeddings (the encoder cache) and the vision tower's tables per grid shape
         reserve = ((0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES)
-                   + encoder_cache_bytes(config.encoder_cache_tokens, self.model_config,
-                                         self.model.visual.merger.linear_fc2.weight.dtype)  # the embeddings' dtype
+                   + encoder_cache_bytes(config.encoder_cache_tokens, self.model_config, self.model.dtype)
                    + self.model.visual.grid_tables_max_bytes())
         return profile_memory(
             self.model, step, memory, config.gpu_memory_utilization, config.block_size, reserve,

@@ -159,7 +159,8 @@ class VisionTower(nn.Module):
     def grid_tables_max_bytes(self) -> int:
         """The device memory `grid_tables` holds when full: per patch a position row in the
         weights' dtype, and its rotary cos and sin in float32."""
-        per_patch = self.config.hidden_size * self.pos_embed.weight.element_size() + 2 * self.config.head_dim * 4
+        per_patch = (self.config.hidden_size * self.pos_embed.weight.element_size()
+                     + 2 * self.config.head_dim * torch.float32.itemsize)
         return self.grid_tables.max_size * per_patch
 
     def reset_rotary_buffers(self) -> None:
