@@ -153,8 +153,9 @@ def test_the_batch_runner_prepares_records_off_the_engine_thread(tmp_path: Path,
         # the same records, prepared on this thread and added one window at a time, give the same answers
         direct = {}
         for item in catalogue.items():
-            messages, params, _ = builder.build(item.record)
-            direct[item.id] = engine.add_request(process(messages), params, request_id=f"direct-{item.index}")
+            prompt = process(builder.messages(item.record))
+            params, _ = builder.params(item.record, answer_room=engine.answer_room(prompt))
+            direct[item.id] = engine.add_request(prompt, params, request_id=f"direct-{item.index}")
         texts = {}
         while engine.has_unfinished_requests():
             texts.update((output.request_id, output.text) for output in engine.step() if output.finished)

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from schemas import ProductMetadata, ProductRecord
 from vlm_catalog.engine.config import EngineConfig
 from vlm_catalog.engine.llm_engine import EngineRequestError, LLMEngine
-from vlm_catalog.engine.outputs import RequestOutput
+from vlm_catalog.engine.outputs import RequestOutput, context_cut
 from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 from vlm_catalog.preprocess.processor import ProcessedPrompt
@@ -92,11 +92,14 @@ class LLM:
 
         With `restrict_categories`, each record's answer is constrained to a
         schema whose `category` is an enum of that record's candidates, and
-        every answer is complete and valid within `sampling_params.max_tokens`:
+        every answer is complete and valid within `sampling_params.max_tokens`
+        (or within what the context leaves after the prompt, when that is less):
         a tight budget gets the bounded schema at once, and an answer the budget
         cuts is run again with it (see `budgeted_catalogue_schema`).
         A record that cannot run (an unreadable or oversized image, bad
-        candidates) comes back with its error; the others are unaffected.
+        candidates, a prompt longer than the model's context) comes back with
+        its error; the others are unaffected. Where the context leaves less
+        than an answer's fixed parts, an answer it cuts says so.
         """
         records = list(records)
         base = sampling_params or SamplingParams(max_tokens=150, temperature=0.0)
@@ -114,7 +117,8 @@ class LLM:
             )
             for i, output in zip(again, retried):
                 outputs[i] = output
-        return [_extraction(record, output, schema) for record, output in zip(records, outputs)]
+        max_model_len = self.engine.config.max_model_len
+        return [_extraction(record, output, schema, max_model_len) for record, output in zip(records, outputs)]
 
     def _extract_pass(self, records, bounded, schema, prompt_style, base, restrict_categories, use_tqdm):
         """One engine run over `records`; a record whose budget is tight gets the bounded
@@ -128,15 +132,15 @@ class LLM:
             record = records[index]
             json_schema, budget = schema, base.max_tokens
             try:
-                messages = build_messages(record, style=prompt_style, schema=schema)
-                if restrict_categories:
+                prompt = self.engine.processor.process(build_messages(record, style=prompt_style, schema=schema))
+                if restrict_categories:  # the budget also fits what the context leaves after the prompt
                     json_schema, budget, bounded[index] = record_schema(
-                        record.candidate_categories, base.max_tokens, self._count_tokens, schema, bounded[index]
+                        record.candidate_categories, base.max_tokens, self._count_tokens, schema, bounded[index],
+                        answer_room=self.engine.answer_room(prompt),
                     )
             except ValueError as exc:  # PromptError, ImageDecodeError (a decompression bomb too), GrammarError
                 return _Prepared(None, base, str(exc))
-            params = _with_schema(base, json_schema, budget)
-            return self._processed(messages, replace(params, output_kind="final_only"))
+            return _Prepared(prompt, replace(_with_schema(base, json_schema, budget), output_kind="final_only"))
 
         return self._run(len(records), prepare, use_tqdm), bounded
 
@@ -234,13 +238,15 @@ def _with_schema(params: SamplingParams, json_schema: Any, max_tokens: int) -> S
     return SamplingParams(**values)
 
 
-def _extraction(record: ProductRecord, output: RequestOutput, schema: type[BaseModel]) -> Extraction:
+def _extraction(record: ProductRecord, output: RequestOutput, schema: type[BaseModel], max_model_len: int) -> Extraction:
     metadata, error = None, output.error
     if output.finish_reason != "error":
         try:
             metadata = schema.model_validate_json(output.text)
         except ValidationError as exc:
-            error = f"answer does not validate ({output.finish_reason}): {exc.errors()[0]['msg']}"
+            cut_by_context = context_cut(output, max_model_len)
+            reason = output.finish_reason if cut_by_context is None else f"length: {cut_by_context}"
+            error = f"answer does not validate ({reason}): {exc.errors()[0]['msg']}"
     return Extraction(record.id, metadata, output.text, output.finish_reason, error, output.metrics)
 
 

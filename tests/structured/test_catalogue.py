@@ -128,3 +128,29 @@ def test_record_schema_bounds_only_tight_budgets_or_reruns():
     assert bounded and "pattern" in rerun.json_schema["properties"]["brand"]
     tight, budget, bounded = record_schema(CANDIDATES, 5, count)
     assert bounded and budget == reserve and "{0,0}" in tight.json_schema["properties"]["brand"]["pattern"]
+
+
+def test_record_schema_fits_the_budget_to_what_the_context_leaves():
+    """`answer_room` (max_model_len minus the prompt) caps the budget, so the bounded schema's
+    guarantee holds against the context too. Below the answer's fixed parts nothing can be
+    guaranteed: the whole room, the plain schema first, the bounded one (empty brand) to re-run."""
+    from vlm_catalog.structured.catalogue import answer_reserve, record_schema
+
+    def count(text: str) -> int:
+        return len(text.encode()) // 3 + 1
+
+    reserve = answer_reserve(CANDIDATES, count)
+    _, budget, bounded = record_schema(CANDIDATES, reserve + 200, count, answer_room=reserve + 1000)
+    assert not bounded and budget == reserve + 200  # room to spare: max_tokens rules
+    plain, budget, bounded = record_schema(CANDIDATES, reserve + 200, count, answer_room=reserve + 100)
+    assert not bounded and budget == reserve + 100 and "pattern" not in plain.json_schema["properties"]["brand"]
+    tight, budget, bounded = record_schema(CANDIDATES, reserve + 200, count, answer_room=reserve + 9)
+    assert bounded and budget == reserve + 9  # tight against the context: bounded at once, within the room
+    assert "{0,2}" in tight.json_schema["properties"]["brand"]["pattern"]  # 9 tokens // 4 per character
+    rerun, budget, bounded = record_schema(CANDIDATES, reserve + 200, count, bounded=True, answer_room=reserve + 100)
+    assert bounded and budget == reserve + 100 and "{0,25}" in rerun.json_schema["properties"]["brand"]["pattern"]
+    for max_tokens in (150, 5):  # a room below the reserve: all of it, even above a tiny max_tokens
+        plain, budget, bounded = record_schema(CANDIDATES, max_tokens, count, answer_room=reserve - 3)
+        assert not bounded and budget == reserve - 3 and "pattern" not in plain.json_schema["properties"]["brand"]
+        rerun, budget, bounded = record_schema(CANDIDATES, max_tokens, count, bounded=True, answer_room=reserve - 3)
+        assert bounded and budget == reserve - 3 and "{0,0}" in rerun.json_schema["properties"]["brand"]["pattern"]

@@ -21,7 +21,7 @@ from vlm_catalog.batch.requests import RequestBuilder, ResultLine, failure_kind_
 from vlm_catalog.data.loader import CatalogueItem
 from vlm_catalog.engine.llm_engine import EngineRequestError, LLMEngine
 from vlm_catalog.engine.sampling_params import SamplingParams
-from vlm_catalog.preprocess.processor import ProcessedPrompt, PromptProcessor
+from vlm_catalog.preprocess.processor import ProcessedPrompt
 from vlm_catalog.read_ahead import ReadAhead
 
 DEFAULT_READ_AHEAD = 64  # records; a step rarely finishes more, so the refill finds them ready
@@ -98,7 +98,7 @@ def run_items(
     """
     stats = FeedStats()
     pending: dict[str, tuple[CatalogueItem, bool]] = {}  # engine request id -> (item, bounded schema)
-    prepare = partial(prepare_item, engine.processor, builder)
+    prepare = partial(prepare_item, engine, builder)
     records = ReadAhead(items, prepare, read_ahead, prepare_workers) if read_ahead > 0 else _PrepareInline(items, prepare)
     with records:
         exhausted, stepped = False, False
@@ -128,7 +128,7 @@ def run_items(
                     if not output.finished:
                         continue
                     item, bounded = pending.pop(output.request_id)
-                    line = builder.result(item.id, output)
+                    line = builder.result(item.id, output, engine.config.max_model_len)
                     if line.failure == "length" and not bounded:
                         stats.records_prepared_on_engine_thread += 1
                         failure = _add(engine, prepare(item, bounded=True), pending)
@@ -144,20 +144,22 @@ def run_items(
                 stats.records_prepared_on_engine_thread += records.num_prepared
 
 
-def prepare_item(
-    processor: PromptProcessor, builder: RequestBuilder, item: CatalogueItem, bounded: bool = False
-) -> PreparedItem:
+def prepare_item(engine: LLMEngine, builder: RequestBuilder, item: CatalogueItem, bounded: bool = False) -> PreparedItem:
     """The item's prompt and sampling parameters, or its failed line (runs in the read-ahead's threads)."""
     if item.record is None:
         return PreparedItem(item, failure=ResultLine.failed(item.id, item.kind or "record", item.error or "unusable record"))
     try:
-        messages, params, bounded = builder.build(item.record, bounded=bounded)
-    except ValueError as exc:  # PromptError, ImageDecodeError (a decompression bomb too), GrammarError
+        messages = builder.messages(item.record)
+    except ValueError as exc:  # PromptError
         return PreparedItem(item, failure=ResultLine.failed(item.id, _kind_of(exc), str(exc)))
     try:
-        prompt = processor.process(messages)
-    except ValueError as exc:  # PromptError, ImageDecodeError, template errors: as the engine reports them
+        prompt = engine.processor.process(messages)
+    except ValueError as exc:  # PromptError, ImageDecodeError (a bomb too), template errors: as the engine reports them
         return PreparedItem(item, failure=ResultLine.failed(item.id, failure_kind_of_error(str(exc)), str(exc)))
+    try:  # the budget also fits what the context leaves after the prompt
+        params, bounded = builder.params(item.record, bounded, engine.answer_room(prompt))
+    except ValueError as exc:  # GrammarError
+        return PreparedItem(item, failure=ResultLine.failed(item.id, "record", str(exc)))
     return PreparedItem(item, prompt, params, bounded)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from schemas import ProductRecord
+from vlm_catalog.engine.outputs import context_cut
 from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.preprocess.image_decode import DecodeFailure
 
@@ -50,11 +51,12 @@ class RequestBuilder:
     """Messages and sampling parameters for a record: the mlperf (or concise) prompt,
     the per-record schema, greedy decoding.
 
-    The token budget: when `max_tokens` is tight (`budget_is_tight`: less than
+    The token budget is `max_tokens`, or what the context leaves after the
+    prompt when that is less. When it is tight (`budget_is_tight`: less than
     `TIGHT_BUDGET_MARGIN_TOKENS` beyond the answer's fixed parts), the record
     gets the bounded schema (`budgeted_catalogue_schema`) at once. Otherwise
     it gets the plain per-record schema (cheaper to compile), and an answer the
-    budget cuts is run again with the bounded one (`build(record, bounded=True)`),
+    budget cuts is run again with the bounded one (`params(record, bounded=True)`),
     which always completes. Either way every answer is valid.
     """
 
@@ -70,22 +72,30 @@ class RequestBuilder:
         self.max_tokens = max_tokens
         self.count_tokens = count_tokens
 
-    def build(self, record: ProductRecord, bounded: bool = False) -> tuple[list[dict[str, Any]], SamplingParams, bool]:
-        """(messages, params, whether the schema is bounded); ValueError (PromptError,
-        GrammarError, ImageDecodeError) for a record that cannot run."""
+    def messages(self, record: ProductRecord) -> list[dict[str, Any]]:
+        """The record's chat messages; ValueError (PromptError) for a record that cannot make a prompt."""
         from vlm_catalog.preprocess.prompt import build_messages
+
+        return _raw_image_parts(build_messages(record, style=self.prompt_style, schema=self.schema), record.image)
+
+    def params(
+        self, record: ProductRecord, bounded: bool = False, answer_room: int | None = None
+    ) -> tuple[SamplingParams, bool]:
+        """(params, whether the schema is bounded). `answer_room`: what the context leaves after
+        the record's prompt (`LLMEngine.answer_room`), which caps the budget. ValueError
+        (GrammarError) for a record that cannot run."""
         from vlm_catalog.structured.catalogue import record_schema
 
-        messages = _raw_image_parts(build_messages(record, style=self.prompt_style, schema=self.schema), record.image)
         json_schema, budget, bounded = record_schema(
-            record.candidate_categories, self.max_tokens, self.count_tokens, self.schema, bounded
+            record.candidate_categories, self.max_tokens, self.count_tokens, self.schema, bounded, answer_room
         )
-        return messages, SamplingParams(
+        return SamplingParams(
             max_tokens=budget, temperature=0.0, json_schema=json_schema, output_kind="final_only"
         ), bounded
 
-    def result(self, record_id: str, output) -> ResultLine:
-        """The line for a finished `RequestOutput`."""
+    def result(self, record_id: str, output, max_model_len: int | None = None) -> ResultLine:
+        """The line for a finished `RequestOutput` (`max_model_len`: the engine's, to say whether
+        the context rather than `--max-tokens` cut an answer)."""
         line = ResultLine(
             id=record_id, response=output.text, finish_reason=output.finish_reason,
             error=output.error, metrics=dict(output.metrics or {}), num_tokens=len(output.token_ids),
@@ -95,7 +105,8 @@ class RequestBuilder:
             return line
         if output.finish_reason == "length":
             line.failure = "length"
-            line.error = f"the answer was cut at {len(output.token_ids)} tokens (--max-tokens)"
+            cut_by_context = None if max_model_len is None else context_cut(output, max_model_len)
+            line.error = f"the answer was cut at {len(output.token_ids)} tokens ({cut_by_context or '--max-tokens'})"
             return line
         try:
             line.parsed = self.schema.model_validate_json(output.text).model_dump(mode="json")

@@ -297,6 +297,13 @@ class LLMEngine:
         self.detokenizers[request_id] = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         return request_id
 
+    def answer_room(self, prompt: ProcessedPrompt) -> int | None:
+        """The tokens the context (`max_model_len`) leaves for the output after `prompt`: a request's
+        `max_tokens` beyond it is cut there. None when the prompt does not fit at all
+        (`add_request` refuses it, saying so)."""
+        room = self.config.max_model_len - prompt.num_tokens
+        return room if room > 0 else None
+
     def _check_prompt(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
         config = self.config
         if prompt.num_tokens == 0:

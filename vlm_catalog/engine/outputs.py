@@ -18,3 +18,13 @@ class RequestOutput:
     delta_text: str = ""  # text added since the previous output of this request
     logprobs: list[dict[int, float]] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def context_cut(output: RequestOutput, max_model_len: int) -> str | None:
+    """Why an answer that finished by "length" ended, when the model's context rather than
+    `max_tokens` ended it (the prompt and the answer reached `max_model_len`); else None."""
+    generated = len(output.token_ids)
+    if output.finish_reason != "length" or output.num_prompt_tokens + generated < max_model_len:
+        return None
+    return (f"the prompt ({output.num_prompt_tokens} tokens) and the answer ({generated}) "
+            f"filled the model's context (max_model_len {max_model_len})")

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
 
+from vlm_catalog.engine.outputs import context_cut
 from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.server.chat import usage
 from vlm_catalog.server.errors import APIError, bad_request, from_pydantic, validation_error
@@ -162,7 +163,7 @@ def _validated(fields: dict[str, Any]) -> ExtractRequest:
 
 # --------------------------------------------------------------- extraction
 async def _prepare(state: ServiceState, product: ExtractRequest, param_prefix: str):
-    """Check the product; build its record, messages and sampling params (the heavy part in a thread)."""
+    """Check the product; build its record, processed prompt and sampling params (the heavy part in a thread)."""
     from schemas import ProductRecord, SchemaError, resolve_schema
     from vlm_catalog.preprocess.prompt import PromptError
     from vlm_catalog.structured import GrammarError
@@ -192,8 +193,8 @@ async def _prepare(state: ServiceState, product: ExtractRequest, param_prefix: s
     loop = asyncio.get_running_loop()
     try:
         max_tokens = product.max_tokens or state.settings.extract_max_tokens
-        messages, constrained, max_tokens = await loop.run_in_executor(
-            None, _messages_and_schema, record, product, schema.model, max_tokens, state.engine.tokenizer
+        prompt, constrained, max_tokens = await loop.run_in_executor(
+            None, _prompt_and_schema, record, product, schema.model, max_tokens, state.engine.engine
         )
     except GrammarError as exc:  # candidates the per-record schema cannot take
         raise bad_request(str(exc), param=param_prefix + "candidate_categories", code="invalid_product") from None
@@ -209,7 +210,7 @@ async def _prepare(state: ServiceState, product: ExtractRequest, param_prefix: s
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None
-    return messages, params, schema
+    return prompt, params, schema
 
 
 def _loc(param_prefix: str) -> tuple[str, ...]:
@@ -229,32 +230,41 @@ def _image_reference(image: str, param: str) -> str | bytes:
                           code="image_bad_base64") from None
 
 
-def _messages_and_schema(record, product: ExtractRequest, model, max_tokens: int, tokenizer):
-    """The prompt, the per-record schema (bounded when `max_tokens` is tight, so the answer
-    always completes: `structured.catalogue.record_schema`) and the budget to run it with."""
+def _prompt_and_schema(record, product: ExtractRequest, model, max_tokens: int, engine):
+    """The processed prompt, the per-record schema (bounded when the budget is tight, so the answer
+    always completes: `structured.catalogue.record_schema`) and the budget to run it with: `max_tokens`,
+    or what the context leaves after the prompt when that is less."""
     from vlm_catalog.preprocess.prompt import build_messages
     from vlm_catalog.structured.catalogue import record_schema
 
     def count_tokens(text: str) -> int:
-        return len(tokenizer.encode(text, add_special_tokens=False))
+        return len(engine.tokenizer.encode(text, add_special_tokens=False))
 
     messages = build_messages(record, style=product.prompt_style, schema=model)
-    constrained, budget, _ = record_schema(record.candidate_categories, max_tokens, count_tokens, model)
-    return messages, constrained, budget
+    try:
+        prompt = engine.processor.process(messages)
+    except ValueError as exc:  # ImageDecodeError, PromptError: refused as the engine refuses them
+        raise APIError(400, str(exc), code="invalid_prompt") from None
+    constrained, budget, _ = record_schema(
+        record.candidate_categories, max_tokens, count_tokens, model, answer_room=engine.answer_room(prompt)
+    )
+    return prompt, constrained, budget
 
 
-async def _run(state: ServiceState, product: ExtractRequest, messages, params, schema) -> dict[str, Any]:
+async def _run(state: ServiceState, product: ExtractRequest, prompt, params, schema) -> dict[str, Any]:
     from schemas import AnswerValidationError
 
     request_id = new_request_id("extract")
-    finished: Finished = await state.gateway.complete(messages, params, request_id)
+    finished: Finished = await state.gateway.complete(prompt, params, request_id)
     output = finished.output
     metadata, error = None, None
     try:
         params.json_schema.validate(output.text)  # the per-record schema: category among the candidates
         metadata = schema.validate(output.text).model_dump(mode="json")
     except AnswerValidationError as exc:
-        error = f"the answer does not validate against {schema.name} (finish_reason {output.finish_reason}): {exc}"
+        cut_by_context = context_cut(output, state.engine.engine.config.max_model_len)
+        reason = f"finish_reason {output.finish_reason}" + (f": {cut_by_context}" if cut_by_context else "")
+        error = f"the answer does not validate against {schema.name} ({reason}): {exc}"
     metrics = output.metrics
     result = {
         "id": request_id,

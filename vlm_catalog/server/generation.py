@@ -30,6 +30,7 @@ from vlm_catalog.engine.async_engine import AsyncLLM, EngineInternalError, Engin
 from vlm_catalog.engine.llm_engine import EngineRequestError
 from vlm_catalog.engine.outputs import RequestOutput
 from vlm_catalog.engine.sampling_params import SamplingParams
+from vlm_catalog.preprocess.processor import ProcessedPrompt
 from vlm_catalog.server.errors import APIError
 from vlm_catalog.server.metrics import ServiceMetrics
 from vlm_catalog.server.settings import ServerSettings
@@ -95,7 +96,7 @@ class EngineGateway:
 
     # ------------------------------------------------------------ generation
     async def outputs(
-        self, prompt: list[dict[str, Any]], params: SamplingParams, request_id: str
+        self, prompt: list[dict[str, Any]] | ProcessedPrompt, params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
         """The engine's outputs with its refusals and failures as `APIError`s."""
         try:
@@ -111,7 +112,9 @@ class EngineGateway:
         except EngineInternalError as exc:
             raise APIError(500, str(exc), type="server_error", code="internal_error") from None
 
-    async def complete(self, prompt: list[dict[str, Any]], params: SamplingParams, request_id: str) -> Finished:
+    async def complete(
+        self, prompt: list[dict[str, Any]] | ProcessedPrompt, params: SamplingParams, request_id: str
+    ) -> Finished:
         """Run a request to its end (within the request timeout)."""
         started = time.perf_counter()
         first_token: float | None = None

@@ -168,13 +168,29 @@ def record_schema(
     count_tokens: Callable[[str], int],
     base: type[BaseModel] | dict[str, Any] | str = ProductMetadata,
     bounded: bool = False,
+    answer_room: int | None = None,
 ) -> tuple[OutputSchema, int, bool]:
     """The schema to run a record with: `(schema, max_tokens to run it with, bounded)`.
 
     The bounded schema (`budgeted_catalogue_schema`) when asked for (to re-run an
     answer the budget cut) or when the budget is tight (`budget_is_tight`); the
     plain per-record schema otherwise, which is cheaper to compile.
+
+    `answer_room`: the tokens the model's context leaves after the record's
+    prompt (`LLMEngine.answer_room`). The engine ends every answer there, so the
+    budget is the smaller of `max_tokens` and the room, and the bounded schema's
+    guarantee (a complete answer within the budget) holds against the context
+    too. A room below the answer's fixed parts (`answer_reserve`) allows no
+    guarantee: the record runs with all the room (even beyond `max_tokens`) and
+    the plain schema first, since the answer the model picks may still fit; a
+    re-run gets the bounded one, whose free text is empty.
     """
+    if answer_room is not None:
+        if answer_room < answer_reserve(candidates, count_tokens, base):  # all the room, whatever max_tokens
+            if bounded:
+                return budgeted_catalogue_schema(candidates, answer_room, count_tokens, base)[0], answer_room, True
+            return catalogue_schema(candidates, base), answer_room, False
+        max_tokens = min(max_tokens, answer_room)
     if bounded or budget_is_tight(candidates, max_tokens, count_tokens, base):
         schema, budget = budgeted_catalogue_schema(candidates, max_tokens, count_tokens, base)
         return schema, budget, True
