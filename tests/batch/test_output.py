@@ -58,6 +58,35 @@ def test_damaged_and_duplicate_lines_are_dropped_by_a_renamed_clean_copy(tmp_pat
     assert [json.loads(raw)["id"] for raw in out.read_text().splitlines()] == ["0", "1"]
 
 
+def test_a_full_disk_at_open_is_an_output_error_and_leaves_the_file_whole(tmp_path, monkeypatch):
+    """Resuming on a disk that is still full: the clean copy or the job file cannot be written.
+    Either way one OutputError, no temporary file left behind, the lock released, every line kept."""
+    import errno
+
+    out = tmp_path / "p.jsonl"
+    results = ResultsFile.open(out, JOB)
+    results.write(line(0))
+    results.close()
+    clean = out.read_bytes() + json.dumps(line(1)).encode() + b"\n"
+    damaged = clean + b"not json\n"
+    real_fsync = os.fsync
+
+    def full_disk_fsync(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    for content in (damaged, clean):  # the clean copy fails, or (nothing to clean) the job file does
+        out.write_bytes(content)
+        monkeypatch.setattr(os, "fsync", full_disk_fsync)
+        with pytest.raises(OutputError, match=r"preparing .*p\.jsonl failed: No space left on device; every line"):
+            ResultsFile.open(out, JOB)
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["p.jsonl", "p.jsonl.job.json", "p.jsonl.lock"]
+        assert out.read_bytes() == content
+        resumed = ResultsFile.open(out, JOB)  # the lock was released; with room again, it resumes
+        resumed.close()
+        assert set(resumed.done) == {0, 1} and out.read_bytes() == clean
+
+
 def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path):
     out = tmp_path / "p.jsonl"
     first = ResultsFile.open(out, JOB)

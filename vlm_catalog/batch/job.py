@@ -280,7 +280,7 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
         except KeyboardInterrupt:
             summary.interrupted = True
         except OSError as exc:  # e.g. the disk is full: lines written so far stay valid
-            raise BatchError(f"writing {settings.out} failed: {exc.strerror or exc}") from None
+            raise _write_error(settings, exc) from None
         finally:
             progress.close()
         summary.seconds = progress.seconds
@@ -289,10 +289,18 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
         summary.file_failures = Counter(kind for kind in selected_done if kind is not None)
         summary.file_answered = sum(1 for kind in selected_done if kind is None)
     finally:
-        results.close()
+        try:
+            results.close()
+        except OSError as exc:  # the disk is still full: the bytes of a cut line stay unwritten
+            raise _write_error(settings, exc) from None
     if settings.evaluate and not summary.interrupted:
         summary.accuracy = evaluate_results(settings, catalogue)
     return summary
+
+
+def _write_error(settings: BatchSettings, exc: OSError) -> BatchError:
+    return BatchError(f"writing {settings.out} failed: {exc.strerror or exc}; the lines written so far are kept, "
+                      "and the same command resumes once there is room")
 
 
 def _selected_done(catalogue, settings: BatchSettings, results: ResultsFile):

@@ -62,6 +62,12 @@ class ResultsFile:
                 done, repaired, dropped = _scan_and_repair(path)
             _write_atomically(job_path, json.dumps(job, indent=2, sort_keys=True) + "\n")
             handle = path.open("a", encoding="utf-8")
+        except OSError as exc:  # e.g. the disk is full: every step above leaves the file whole
+            lock_handle.close()
+            raise OutputError(
+                f"preparing {path} failed: {exc.strerror or exc}; every line in it is kept, "
+                "and the same command resumes once there is room"
+            ) from None
         except BaseException:
             lock_handle.close()
             raise
@@ -86,11 +92,15 @@ class ResultsFile:
         return Counter(kind for kind in self.done.values() if kind is not None)
 
     def close(self) -> None:
+        """Flush and fsync, close the file, release the lock. Raises OSError when the last bytes
+        cannot reach the disk (it is full); the file and the lock are closed all the same."""
         try:
             if not self._handle.closed:
-                self._handle.flush()
-                os.fsync(self._handle.fileno())
-                self._handle.close()
+                try:
+                    self._handle.flush()
+                    os.fsync(self._handle.fileno())
+                finally:
+                    self._handle.close()  # closes the descriptor even when its flush fails
         finally:
             self._lock_handle.close()  # closing the descriptor releases the flock
 
@@ -166,16 +176,20 @@ def _parse_line(raw: bytes) -> tuple[int | None, str | None]:
 def _rewrite_clean(path: Path) -> None:
     seen: set[int] = set()
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".clean")
-    os.fchmod(fd, os.stat(path).st_mode & 0o777)
-    with os.fdopen(fd, "wb") as clean, path.open("rb") as original:
-        for raw in original:
-            index, _ = _parse_line(raw)
-            if index is not None and index not in seen:
-                seen.add(index)
-                clean.write(raw)
-        clean.flush()
-        os.fsync(clean.fileno())
-    os.replace(temporary, path)
+    try:
+        os.fchmod(fd, os.stat(path).st_mode & 0o777)
+        with os.fdopen(fd, "wb") as clean, path.open("rb") as original:
+            for raw in original:
+                index, _ = _parse_line(raw)
+                if index is not None and index not in seen:
+                    seen.add(index)
+                    clean.write(raw)
+            clean.flush()
+            os.fsync(clean.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 def _replace_with_empty(path: Path) -> None:
