@@ -207,6 +207,9 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_file_resumes(small_cata
             self.handle = handle
             self.closed = False
 
+        def write(self, text: str) -> None:
+            pass  # buffered, never to reach the disk
+
         def flush(self) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -224,7 +227,6 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_file_resumes(small_cata
             self._handle.write('{"id": "9", "resp')
             self._handle.flush()
             self._handle = FullDisk(self._handle)
-            self._handle.flush()
         real_write(self, line)
 
     monkeypatch.setattr(ResultsFile, "write", write_until_full)
@@ -237,6 +239,58 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_file_resumes(small_cata
     monkeypatch.setattr(ResultsFile, "write", real_write)
     assert extract(small_catalogue, out) == 0
     assert answers(out) == reference_answers and len(read_lines(out)) == 12
+
+
+def test_a_dataset_that_goes_away_mid_run_stops_it_with_one_line(small_catalogue, reference_answers, tmp_path,
+                                                                   monkeypatch, capsys):
+    """An OSError from reading (a lost network mount) is not blamed on the output: one line, and
+    the same command resumes."""
+    import errno
+
+    from vlm_catalog.data.loader import Catalogue
+
+    real_items = Catalogue.items
+
+    def items_then_gone(self, indices=None):
+        for count, item in enumerate(real_items(self, indices)):
+            if count == 5:
+                raise OSError(errno.ESTALE, "Stale file handle", str(small_catalogue))
+            yield item
+
+    out = tmp_path / "p.jsonl"
+    monkeypatch.setattr(Catalogue, "items", items_then_gone)
+    assert extract(small_catalogue, out) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "writing" not in err
+    assert err.splitlines()[-1].startswith("error: the run stopped: [Errno 116] Stale file handle")
+    assert err.splitlines()[-1].endswith("the lines written so far are kept, and the same command resumes")
+    monkeypatch.setattr(Catalogue, "items", real_items)
+    assert extract(small_catalogue, out) == 0
+    assert answers(out) == reference_answers and len(read_lines(out)) == 12
+
+
+def test_a_damaged_row_group_fails_its_records_and_the_run_goes_on(small_catalogue, reference_answers, tmp_path,
+                                                                    capsys):
+    """A parquet file with one undecodable row group (rows 4-7): those records fail alone, as
+    `record` failures naming the group, and every other record is answered as before."""
+    import shutil
+
+    from tests.data.test_loader import _damage_row_group
+
+    dataset = tmp_path / "catalogue"
+    shutil.copytree(small_catalogue, dataset)
+    _damage_row_group(dataset / "data" / "test-00000-of-00001.parquet", 1)
+    out = tmp_path / "p.jsonl"
+    assert extract(dataset, out) == 3
+    printed = capsys.readouterr()
+    assert "Traceback" not in printed.err and "8 answered, 4 failed (record: 4)" in printed.out
+    lines = {line["id"]: line for line in read_lines(out)}
+    assert sorted(lines, key=int) == [str(i) for i in range(12)]
+    for record_id, line in lines.items():
+        if 4 <= int(record_id) < 8:
+            assert line["failure"] == "record" and "row group 1 cannot be read" in line["error"]
+        else:
+            assert line["failure"] is None and line["response"] == reference_answers[record_id]
 
 
 def test_every_input_layout_runs(tmp_path):

@@ -253,3 +253,67 @@ def test_catalogue_from_one_row_group_matches_row_by_row(tmp_path):
     random.Random(5).shuffle(order)
     assert [item.record.title for item in catalogue.items(order)] == [f"item {i}" for i in order]
     assert [record.title for record in catalogue] == [f"item {i}" for i in range(150)]
+
+
+def _damage_row_group(path, group: int, column: str | None = None) -> None:
+    """Overwrite the page header of a column chunk (the first column's, or `column`'s) of row
+    group `group`, as a bad disk block or a half-copied file does."""
+    import pyarrow.parquet as pq
+
+    metadata = pq.ParquetFile(path).metadata.row_group(group)
+    chunks = [metadata.column(i) for i in range(metadata.num_columns)]
+    chunk = chunks[0] if column is None else next(chunk for chunk in chunks if chunk.path_in_schema == column)
+    offset = chunk.data_page_offset
+    with open(path, "r+b") as handle:
+        handle.seek(offset + 2)
+        handle.write(b"\xff" * 16)
+
+
+def test_a_damaged_row_group_fails_its_rows_alone(tmp_path):
+    """The rows of a row group whose data cannot be decoded come back as reasons naming the file
+    and the group; the groups before and after it read normally, in any order."""
+    from vlm_catalog.data.loader import _ParquetRows
+
+    path = _numbered_parquet(tmp_path / "a.parquet", 250, row_group_size=100)  # groups of 100, 100, 50
+    _damage_row_group(path, 1)
+    rows = _ParquetRows([path], rows_per_read=16)
+    for start, stop in [(0, 250), (150, 210), (90, 110), (199, 201)]:
+        got = list(rows.rows(start, stop))
+        assert len(got) == stop - start
+        for index, row in zip(range(start, stop), got):
+            if 100 <= index < 200:
+                assert isinstance(row, str) and "a.parquet: row group 1 cannot be read" in row, row
+                assert "\n" not in row
+            else:
+                assert row["n"] == index
+
+
+def test_a_damaged_row_group_in_a_catalogue_is_a_record_failure_per_row(tmp_path):
+    import pyarrow.parquet as pq
+
+    from tests.batch.conftest import sample_rows, write_parquet
+
+    directory = write_parquet(tmp_path / "catalogue", sample_rows(12), row_group_size=4)
+    path = directory / "data" / "test-00000-of-00001.parquet"
+    _damage_row_group(path, 1)
+    items = list(load_catalogue(directory).items())
+    assert [item.index for item in items] == list(range(12))
+    assert all(item.record is not None for item in items[:4] + items[8:])
+    for item in items[4:8]:
+        assert item.record is None and item.kind == "record" and "row group 1 cannot be read" in item.error
+    assert pq.ParquetFile(path).metadata.num_row_groups == 3
+
+
+def test_a_damaged_label_column_loses_only_that_row_groups_labels(tmp_path):
+    """Scoring reads the label columns whole; a damaged group there makes its records' labels
+    unusable (None, or the strict `labels()` naming the first), and the rest are scored."""
+    from tests.batch.conftest import sample_rows, write_parquet
+
+    directory = write_parquet(tmp_path / "catalogue", sample_rows(12), row_group_size=4)
+    _damage_row_group(directory / "data" / "test-00000-of-00001.parquet", 2, column="ground_truth_category")
+    catalogue = load_catalogue(directory)
+    labels = catalogue.labels_or_none()
+    assert [label is None for label in labels] == [False] * 8 + [True] * 4
+    assert [label.category for label in labels[:8]] == [row["ground_truth_category"] for row in sample_rows(8)]
+    with pytest.raises(CatalogueError, match=r"record 8: .*row group 2 of column 'ground_truth_category' cannot be read"):
+        catalogue.labels()

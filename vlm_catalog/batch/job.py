@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlm_catalog.batch.output import JOB_SUFFIX, OutputError, ResultsFile
+from vlm_catalog.batch.output import JOB_SUFFIX, OutputError, ResultsFile, ResultsWriteError
 from vlm_catalog.batch.progress import Progress
 from vlm_catalog.batch.requests import FAILURE_KINDS, ResultLine
 from vlm_catalog.batch.selection import WHOLE, Shard, count_selected, pending_indices
@@ -279,8 +279,11 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
                     run_on_ray(settings, list(pending), emit_then_check, progress.restart)
         except KeyboardInterrupt:
             summary.interrupted = True
-        except OSError as exc:  # e.g. the disk is full: lines written so far stay valid
+        except ResultsWriteError as exc:  # e.g. the disk is full: lines written so far stay valid
             raise _write_error(settings, exc) from None
+        except OSError as exc:  # e.g. the dataset's file went away (a lost network mount)
+            raise BatchError(f"the run stopped: {exc}; the lines written so far are kept, "
+                             "and the same command resumes") from None
         finally:
             progress.close()
         summary.seconds = progress.seconds
@@ -298,8 +301,9 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
     return summary
 
 
-def _write_error(settings: BatchSettings, exc: OSError) -> BatchError:
-    return BatchError(f"writing {settings.out} failed: {exc.strerror or exc}; the lines written so far are kept, "
+def _write_error(settings: BatchSettings, exc: OSError | ResultsWriteError) -> BatchError:
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return BatchError(f"writing {settings.out} failed: {reason}; the lines written so far are kept, "
                       "and the same command resumes once there is room")
 
 

@@ -36,6 +36,13 @@ class OutputError(RuntimeError):
     """The results file cannot be used; the message says why and what to do."""
 
 
+class ResultsWriteError(OutputError):
+    """Appending a line failed (e.g. the disk is full); what is in the file stays valid."""
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(cause.strerror or str(cause))
+
+
 class ResultsFile:
     def __init__(self, path: Path, lock_handle, handle, done: dict[int, str | None]) -> None:
         self.path = path
@@ -80,13 +87,16 @@ class ResultsFile:
         index = int(line["id"])
         if index in self.done:
             raise OutputError(f"record {index} is already in {self.path}")  # a bug, never data
-        self._handle.write(json.dumps(line, ensure_ascii=False) + "\n")
-        self._handle.flush()
-        self.done[index] = line.get("failure")
-        self._unsynced += 1
-        if self._unsynced >= FSYNC_EVERY_LINES:
-            os.fsync(self._handle.fileno())
-            self._unsynced = 0
+        try:
+            self._handle.write(json.dumps(line, ensure_ascii=False) + "\n")
+            self._handle.flush()
+            self.done[index] = line.get("failure")
+            self._unsynced += 1
+            if self._unsynced >= FSYNC_EVERY_LINES:
+                os.fsync(self._handle.fileno())
+                self._unsynced = 0
+        except OSError as exc:
+            raise ResultsWriteError(exc) from exc
 
     def failure_counts(self) -> Counter:
         return Counter(kind for kind in self.done.values() if kind is not None)

@@ -139,7 +139,9 @@ class _Rows(Protocol):
         """Rows start..stop-1 as dicts of raw values (a str: why the row cannot be read)."""
         ...
 
-    def column(self, name: str) -> list[Any]: ...
+    def column(self, name: str) -> list[Any]:
+        """One column's raw values (`Unreadable` where the file's data is damaged)."""
+        ...
 
 
 class _ParquetRows:
@@ -208,19 +210,55 @@ class _ParquetRows:
             cursor.rows = batch.to_pylist()
         return cursor.start, cursor.rows
 
-    def rows(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
+    def rows(self, start: int, stop: int) -> Iterator[dict[str, Any] | str]:
+        """Rows start..stop-1. Where a row group's data is damaged (a corrupt page, a truncated
+        file), the rest of that group cannot be found: each of its rows from there is a str
+        saying so, and reading goes on with the next group."""
         index = start
         while index < stop:
-            first, rows = self._slice_containing(index)
+            try:
+                first, rows = self._slice_containing(index)
+            except Exception as exc:  # pyarrow raises OSError, ArrowInvalid, ... for damaged data
+                self._cursor = None
+                group = bisect.bisect_right(self._starts, index) - 1
+                group_stop = self._starts[group + 1] if group + 1 < len(self._starts) else self._num_rows
+                file_number, group_number = self._groups[group]
+                reason = (f"{self.input_files[file_number]}: row group {group_number} cannot be read from row "
+                          f"{index} on ({_one_line(exc)})")
+                end = min(stop, group_stop)
+                yield from [reason] * (end - index)
+                index = end
+                continue
             take = min(stop, first + len(rows)) - index
             yield from rows[index - first:index - first + take]
             index += take
 
-    def column(self, name: str) -> list[Any]:
-        values: list[Any] = []
-        for parquet in self._files:
-            values.extend(parquet.read(columns=[name]).column(name).to_pylist())
+    def column(self, name: str) -> list[Any | Unreadable]:
+        """The column's values; an `Unreadable` for each row of a row group whose data is damaged."""
+        values: list[Any | Unreadable] = []
+        for file, parquet in zip(self.input_files, self._files):
+            try:
+                values.extend(parquet.read(columns=[name]).column(name).to_pylist())
+            except Exception:  # damaged data, as in `rows`: read group by group to keep the rest
+                for group in range(parquet.metadata.num_row_groups):
+                    try:
+                        values.extend(parquet.read_row_group(group, columns=[name]).column(name).to_pylist())
+                    except Exception as exc:
+                        unreadable = Unreadable(f"{file}: row group {group} of column {name!r} cannot be read "
+                                                f"({_one_line(exc)})")
+                        values.extend([unreadable] * parquet.metadata.row_group(group).num_rows)
         return values
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A value the file holds but cannot give back (damaged data); `reason` says where and why."""
+
+    reason: str
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 @dataclass
@@ -443,6 +481,10 @@ class Catalogue(Sequence[ProductRecord]):
         labels: list[RecordLabels | str] = []
         for i in range(len(self)):
             row = {name: values[i] for name, values in columns.items()}
+            unreadable = next((value for value in row.values() if isinstance(value, Unreadable)), None)
+            if unreadable is not None:
+                labels.append(unreadable.reason)
+                continue
             try:
                 truth = _checked_labels(row)
                 candidates = _checked_candidates(row.get(CANDIDATES))
