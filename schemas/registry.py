@@ -17,6 +17,11 @@ from pydantic import BaseModel, ValidationError
 from schemas.product_metadata import ProductDetails, ProductMetadata
 
 
+# Objects and arrays nested in one JSON schema, at most. Deeper schemas exhaust the recursion of
+# meta-validation or grammar compilation (about 100 nested arrays did); real schemas nest a few.
+MAX_SCHEMA_DEPTH = 64
+
+
 class SchemaError(ValueError):
     """An output schema that cannot be used: unknown name or invalid JSON schema."""
 
@@ -47,12 +52,13 @@ class OutputSchema:
                 raise AnswerValidationError(str(exc)) from exc
         try:
             value = json.loads(text)
+            jsonschema.validate(value, self.json_schema)
         except json.JSONDecodeError as exc:
             raise AnswerValidationError(f"not JSON: {exc}") from exc
-        try:
-            jsonschema.validate(value, self.json_schema)
         except jsonschema.ValidationError as exc:
             raise AnswerValidationError(exc.message) from exc
+        except RecursionError:
+            raise AnswerValidationError("the answer is nested too deeply to check") from None
         return value
 
 
@@ -88,10 +94,17 @@ def resolve_schema(schema: str | type[BaseModel] | dict[str, Any] | OutputSchema
     if isinstance(schema, type) and issubclass(schema, BaseModel):
         return OutputSchema(name=schema.__name__, json_schema=schema.model_json_schema(), model=schema)
     if isinstance(schema, dict):
+        if _nesting_exceeds(schema, MAX_SCHEMA_DEPTH):
+            raise SchemaError(
+                f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} JSON objects and arrays in one another "
+                "(a nested property takes two: `properties` and its schema); flatten it, or name parts in $defs"
+            )
         try:
             jsonschema.validators.validator_for(schema).check_schema(schema)
         except jsonschema.SchemaError as exc:
             raise SchemaError(f"invalid JSON schema: {exc.message}") from exc
+        except RecursionError:  # a $ref cycle the meta-schema walks without end, say
+            raise SchemaError("the JSON schema is nested too deeply to check") from None
         try:
             json.dumps(schema)
         except (TypeError, ValueError) as exc:
@@ -101,3 +114,18 @@ def resolve_schema(schema: str | type[BaseModel] | dict[str, Any] | OutputSchema
         "schema must be a registered name, a pydantic model class or a JSON-schema dict, "
         f"got {type(schema).__name__}"
     )
+
+
+def _nesting_exceeds(value: Any, limit: int) -> bool:
+    """Whether `value` nests dicts and lists more than `limit` deep (iterative: any depth, and a
+    dict that contains itself, is answered without recursion)."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        pending.extend((child, depth + 1) for child in children)
+    return False

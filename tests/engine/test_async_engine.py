@@ -49,6 +49,43 @@ def test_concurrent_requests_and_an_error_in_between(engine):
     assert isinstance(results[8], EngineRequestError)
 
 
+def test_an_unexpected_error_adding_one_request_fails_only_that_request(engine, monkeypatch):
+    """A bug that one request meets in `add_request` (here: its stop strings) is that request's
+    EngineInternalError; the engine thread lives on, nothing of the request stays registered,
+    and the next requests are answered."""
+    import vlm_catalog.engine.llm_engine as llm_engine_module
+    from vlm_catalog.engine.async_engine import EngineInternalError
+
+    real_detokenizer = llm_engine_module.Detokenizer
+
+    def detokenizer(tokenizer, stop, *args):
+        if "boom" in stop:
+            raise RuntimeError("a bug met by this request only")
+        return real_detokenizer(tokenizer, stop, *args)
+
+    monkeypatch.setattr(llm_engine_module, "Detokenizer", detokenizer)
+
+    async def final(params, request_id):
+        result = None
+        async for output in engine.generate(conversation(1, words=3), params, request_id=request_id):
+            result = output
+        return result
+
+    async def run():
+        return await asyncio.gather(
+            final(SamplingParams(max_tokens=4, stop=["boom"]), "bad"),
+            final(SamplingParams(max_tokens=4, ignore_eos=True), "good"),
+            return_exceptions=True,
+        )
+
+    bad, good = asyncio.run(run())
+    assert isinstance(bad, EngineInternalError) and "a bug met by this request only" in str(bad)
+    assert good.finish_reason == "length" and len(good.token_ids) == 4
+    assert engine.is_running and "bad" not in engine.engine.requests and "bad" not in engine.engine.detokenizers
+    after = asyncio.run(final(SamplingParams(max_tokens=3, ignore_eos=True), "after"))
+    assert after.finish_reason == "length" and len(after.token_ids) == 3
+
+
 def test_abort_and_disconnect_free_the_request(engine):
     async def run():
         stream = engine.generate(conversation(2, words=3), SamplingParams(max_tokens=500, ignore_eos=True), request_id="long")

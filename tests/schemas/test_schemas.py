@@ -70,6 +70,29 @@ def test_registry_errors_name_the_problem():
         register_schema("bad", dict)
 
 
+def test_schemas_nested_past_the_limit_are_refused_and_deep_answers_are_errors():
+    """Past MAX_SCHEMA_DEPTH nested objects and arrays a schema is a SchemaError, not a RecursionError
+    from meta-validation or the grammar compiler; a schema at the limit resolves."""
+    from schemas.registry import MAX_SCHEMA_DEPTH
+
+    def nested_arrays(containers: int) -> dict:
+        schema: dict = {"type": "string"}
+        for _ in range(containers - 1):
+            schema = {"type": "array", "items": schema}
+        return schema
+
+    assert resolve_schema(nested_arrays(MAX_SCHEMA_DEPTH)).json_schema["type"] == "array"
+    for containers in (MAX_SCHEMA_DEPTH + 1, 150, 5000):
+        with pytest.raises(SchemaError, match=f"nests more than {MAX_SCHEMA_DEPTH} JSON objects and arrays"):
+            resolve_schema(nested_arrays(containers))
+    looped: dict = {"type": "object", "properties": {}}
+    looped["properties"]["self"] = looped  # only Python objects can do this; refused, not looped over
+    with pytest.raises(SchemaError, match="nests more than"):
+        resolve_schema(looped)
+    with pytest.raises(AnswerValidationError, match="nested too deeply"):
+        resolve_schema({"type": "array"}).validate("[" * 5000 + "]" * 5000)
+
+
 def test_product_record_validation():
     record = ProductRecord(title="t", description="d", image=b"\x89PNG", candidate_categories=["A > B"])
     assert record.id is None and record.ground_truth is None

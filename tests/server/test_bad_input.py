@@ -41,6 +41,13 @@ _JPEG = noise_image(120, 90, seed=3, fmt="JPEG")
 TRUNCATED_JPEG = _JPEG[: len(_JPEG) * 2 // 3]
 SCHEMA_OK = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
 
+
+def nested_schema_body(depth: int) -> bytes:
+    """A chat body whose json_schema nests `depth` objects, as raw JSON (json.dumps would recurse)."""
+    schema = '{"type":"object","properties":{"a":' * depth + '{"type":"string"}' + '},"required":["a"]}' * depth
+    body = json.dumps(chat_body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": 0}}))
+    return body.replace('"schema": 0', f'"schema": {schema}').encode()
+
 # (name, body or raw bytes, expected status, expected code, expected param or None)
 CHAT_CASES = [
     ("not json", b"{'model': 1", 400, "invalid_json", None),
@@ -97,6 +104,11 @@ CHAT_CASES = [
      "messages.0.content.0.image_url.url"),
     ("invalid json schema", chat_body(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "no-such-type"}}}), 400, "invalid_response_format",
+     "response_format.json_schema.schema"),
+    # deeper than MAX_SCHEMA_DEPTH: before, 40 levels compiled, 100 were a 500 (RecursionError), 1000 reset the connection
+    ("json schema nested 40 objects deep", nested_schema_body(40), 400, "invalid_response_format",
+     "response_format.json_schema.schema"),
+    ("json schema nested 300 objects deep", nested_schema_body(300), 400, "invalid_response_format",
      "response_format.json_schema.schema"),
     ("json_schema without schema", chat_body(response_format={"type": "json_schema"}), 400, "missing_field",
      "response_format.json_schema"),

@@ -197,6 +197,9 @@ class AsyncLLM:
                     self.engine.add_request(item.prompt, item.params, request_id=item.request_id)
                 except EngineRequestError as exc:
                     self._deliver(item.request_id, exc, last=True)
+                except Exception as exc:  # noqa: BLE001 - a bug one request meets must not take the service down
+                    logger.exception("adding request %s failed", item.request_id)  # registered nowhere yet
+                    self._deliver(item.request_id, EngineInternalError(f"internal engine error: {exc}"), last=True)
             elif isinstance(item, _Abort):
                 self.engine.abort(item.request_id)
             item = self._next_inbox_item()

@@ -286,7 +286,9 @@ class LLMEngine:
             except ValueError as exc:  # PromptError, ImageDecodeError, template errors
                 raise EngineRequestError(str(exc)) from None
         self._check_prompt(prompt, params)
+        # everything that can fail comes before the request is registered anywhere
         request = Request(request_id, prompt, params, self.config.max_model_len, self.eos_token_ids)
+        detokenizer = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         if params.constrained:  # queued for scheduling once its grammar is compiled (_attach_grammars)
             request.grammar_future = self._submit_grammar(params)
             self._awaiting_grammar[request_id] = request
@@ -294,7 +296,7 @@ class LLMEngine:
         else:
             self.scheduler.add(request)
         self.requests[request_id] = request
-        self.detokenizers[request_id] = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        self.detokenizers[request_id] = detokenizer
         return request_id
 
     def answer_room(self, prompt: ProcessedPrompt) -> int | None:
