@@ -269,6 +269,38 @@ def test_a_dataset_that_goes_away_mid_run_stops_it_with_one_line(small_catalogue
     assert answers(out) == reference_answers and len(read_lines(out)) == 12
 
 
+def test_a_bug_one_record_meets_fails_that_record_and_the_run_goes_on(small_catalogue, reference_answers, tmp_path,
+                                                                       monkeypatch):
+    """An unexpected exception preparing record 3 (in a read-ahead thread) or adding record 7 to
+    the engine is that record's `engine` failure; before, it stopped the job, and every resume
+    stopped at the same record."""
+    from vlm_catalog.batch.requests import RequestBuilder
+    from vlm_catalog.engine.llm_engine import LLMEngine
+
+    real_params, real_add = RequestBuilder.params, LLMEngine.add_request
+
+    def params(self, record, *args):
+        if record.id == "3":
+            raise RuntimeError("a bug in preparing")
+        return real_params(self, record, *args)
+
+    def add_request(self, prompt, params=None, request_id=None):
+        if request_id == "batch-7":
+            raise KeyError("a bug in admission")
+        return real_add(self, prompt, params, request_id=request_id)
+
+    monkeypatch.setattr(RequestBuilder, "params", params)
+    monkeypatch.setattr(LLMEngine, "add_request", add_request)
+    out = tmp_path / "p.jsonl"
+    assert extract(small_catalogue, out) == 3
+    lines = {line["id"]: line for line in read_lines(out)}
+    assert sorted(lines, key=int) == [str(i) for i in range(12)]
+    assert lines["3"]["failure"] == "engine" and lines["3"]["error"] == "internal error: RuntimeError: a bug in preparing"
+    assert lines["7"]["failure"] == "engine" and "internal engine error: KeyError" in lines["7"]["error"]
+    assert {i: line["response"] for i, line in lines.items() if i not in ("3", "7")} == {
+        i: answer for i, answer in reference_answers.items() if i not in ("3", "7")}
+
+
 def test_a_damaged_row_group_fails_its_records_and_the_run_goes_on(small_catalogue, reference_answers, tmp_path,
                                                                     capsys):
     """A parquet file with one undecodable row group (rows 4-7): those records fail alone, as

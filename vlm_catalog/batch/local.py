@@ -12,6 +12,7 @@ encoded), whatever the dataset's size. Each finished record is handed to
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from vlm_catalog.engine.llm_engine import EngineRequestError, LLMEngine
 from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.preprocess.processor import ProcessedPrompt
 from vlm_catalog.read_ahead import ReadAhead
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_READ_AHEAD = 64  # records; a step rarely finishes more, so the refill finds them ready
 
@@ -145,7 +148,19 @@ def run_items(
 
 
 def prepare_item(engine: LLMEngine, builder: RequestBuilder, item: CatalogueItem, bounded: bool = False) -> PreparedItem:
-    """The item's prompt and sampling parameters, or its failed line (runs in the read-ahead's threads)."""
+    """The item's prompt and sampling parameters, or its failed line (runs in the read-ahead's threads).
+
+    A bug that one record meets here is that record's `engine` failure (logged with its traceback),
+    so it cannot stop a long job, nor every resume of it at the same record.
+    """
+    try:
+        return _prepared(engine, builder, item, bounded)
+    except Exception as exc:  # noqa: BLE001
+        logger.exception("preparing record %s failed", item.id)
+        return PreparedItem(item, failure=ResultLine.failed(item.id, "engine", f"internal error: {_described(exc)}"))
+
+
+def _prepared(engine: LLMEngine, builder: RequestBuilder, item: CatalogueItem, bounded: bool) -> PreparedItem:
     if item.record is None:
         return PreparedItem(item, failure=ResultLine.failed(item.id, item.kind or "record", item.error or "unusable record"))
     try:
@@ -173,8 +188,15 @@ def _add(engine: LLMEngine, prepared: PreparedItem, pending: dict[str, tuple[Cat
         engine.add_request(prepared.prompt, prepared.params, request_id=request_id)
     except EngineRequestError as exc:
         return ResultLine.failed(item.id, failure_kind_of_error(str(exc)), str(exc))
+    except Exception as exc:  # noqa: BLE001 - a bug one record meets fails that record (add_request registered nothing)
+        logger.exception("adding record %s to the engine failed", item.id)
+        return ResultLine.failed(item.id, "engine", f"internal engine error: {_described(exc)}")
     pending[request_id] = (item, prepared.bounded)
     return None
+
+
+def _described(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _kind_of(exc: Exception) -> str:
