@@ -16,7 +16,6 @@ from pydantic import BaseModel, ValidationError
 
 from schemas.product_metadata import ProductDetails, ProductMetadata
 
-
 # Objects and arrays nested in one JSON schema, at most. Deeper schemas exhaust the recursion of
 # meta-validation or grammar compilation (about 100 nested arrays did); real schemas nest a few.
 MAX_SCHEMA_DEPTH = 64

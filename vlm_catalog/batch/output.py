@@ -24,8 +24,9 @@ import json
 import os
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 LOCK_SUFFIX = ".lock"
 JOB_SUFFIX = ".job.json"
@@ -184,22 +185,16 @@ def _parse_line(raw: bytes) -> tuple[int | None, str | None]:
 
 
 def _rewrite_clean(path: Path) -> None:
-    seen: set[int] = set()
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".clean")
-    try:
-        os.fchmod(fd, os.stat(path).st_mode & 0o777)
-        with os.fdopen(fd, "wb") as clean, path.open("rb") as original:
+    def copy_clean_lines(clean: BinaryIO) -> None:
+        seen: set[int] = set()
+        with path.open("rb") as original:
             for raw in original:
                 index, _ = _parse_line(raw)
                 if index is not None and index not in seen:
                     seen.add(index)
                     clean.write(raw)
-            clean.flush()
-            os.fsync(clean.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+
+    _replace_atomically(path, os.stat(path).st_mode & 0o777, copy_clean_lines, suffix=".clean")
 
 
 def _replace_with_empty(path: Path) -> None:
@@ -214,11 +209,17 @@ def _new_file_mode() -> int:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    _replace_atomically(path, _new_file_mode(), lambda handle: handle.write(text.encode("utf-8")))
+
+
+def _replace_atomically(path: Path, mode: int, fill: Callable[[BinaryIO], object], suffix: str = ".tmp") -> None:
+    """Write a temporary file next to `path` with `fill`, fsync it and rename it over `path`. If
+    anything fails (a full disk), `path` is untouched and the temporary file is removed."""
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
     try:
-        os.fchmod(fd, _new_file_mode())
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as handle:
+            fill(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
