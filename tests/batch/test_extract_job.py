@@ -241,6 +241,27 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_file_resumes(small_cata
     assert answers(out) == reference_answers and len(read_lines(out)) == 12
 
 
+def test_a_results_file_deleted_mid_run_stops_it_with_one_line(small_catalogue, reference_answers, tmp_path,
+                                                                monkeypatch, capsys):
+    from vlm_catalog.batch.output import ResultsFile
+
+    out = tmp_path / "p.jsonl"
+    real_write = ResultsFile.write
+
+    def write_then_delete(self, line):
+        real_write(self, line)
+        if len(self.done) == 3:
+            out.unlink()  # an operator's cleanup script, say
+
+    monkeypatch.setattr(ResultsFile, "write", write_then_delete)
+    assert extract(small_catalogue, out) == 1
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith(f"error: {out} was deleted, moved or replaced during the run, so the 12 lines")
+    monkeypatch.setattr(ResultsFile, "write", real_write)
+    assert extract(small_catalogue, out) == 0  # the same command redoes them
+    assert answers(out) == reference_answers and len(read_lines(out)) == 12
+
+
 def test_a_dataset_that_goes_away_mid_run_stops_it_with_one_line(small_catalogue, reference_answers, tmp_path,
                                                                    monkeypatch, capsys):
     """An OSError from reading (a lost network mount) is not blamed on the output: one line, and

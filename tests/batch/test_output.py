@@ -87,6 +87,34 @@ def test_a_full_disk_at_open_is_an_output_error_and_leaves_the_file_whole(tmp_pa
         assert set(resumed.done) == {0, 1} and out.read_bytes() == clean
 
 
+def test_a_results_file_deleted_or_replaced_during_the_run_is_reported(tmp_path):
+    """Lines written to a file no longer at its path would be lost unseen: the check at every
+    fsync (each FSYNC_EVERY_LINES lines) and at close says so, naming how many."""
+    from vlm_catalog.batch.output import FSYNC_EVERY_LINES
+
+    out = tmp_path / "p.jsonl"
+    results = ResultsFile.open(out, JOB)
+    results.write(line(0))
+    out.unlink()
+    results.write(line(1))
+    with pytest.raises(OutputError, match=r"p\.jsonl was deleted, moved or replaced during the run, so the 2 lines"):
+        results.close()
+    assert not out.exists()
+    resumed = ResultsFile.open(out, JOB)  # the lock was released; a new run starts a new file
+    resumed.write(line(0))
+    (tmp_path / "other.jsonl").write_text("")
+    os.replace(tmp_path / "other.jsonl", out)  # replaced under the writer
+    with pytest.raises(OutputError, match=f"the {FSYNC_EVERY_LINES} lines"):
+        for index in range(1, FSYNC_EVERY_LINES + 1):
+            resumed.write(line(index))
+    with pytest.raises(OutputError):
+        resumed.close()
+    intact = ResultsFile.open(tmp_path / "q.jsonl", JOB)
+    for index in range(FSYNC_EVERY_LINES + 1):
+        intact.write(line(index))
+    intact.close()  # a file left alone passes both checks
+
+
 def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path):
     out = tmp_path / "p.jsonl"
     first = ResultsFile.open(out, JOB)

@@ -281,6 +281,8 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
             summary.interrupted = True
         except ResultsWriteError as exc:  # e.g. the disk is full: lines written so far stay valid
             raise _write_error(settings, exc) from None
+        except OutputError as exc:  # the results file was deleted or replaced during the run
+            raise BatchError(str(exc)) from None
         except OSError as exc:  # e.g. the dataset's file went away (a lost network mount)
             raise BatchError(f"the run stopped: {exc}; the lines written so far are kept, "
                              "and the same command resumes") from None
@@ -296,6 +298,8 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
             results.close()
         except OSError as exc:  # the disk is still full: the bytes of a cut line stay unwritten
             raise _write_error(settings, exc) from None
+        except OutputError as exc:  # the results file was deleted or replaced during the run
+            raise BatchError(str(exc)) from None
     if settings.evaluate and not summary.interrupted:
         summary.accuracy = evaluate_results(settings, catalogue)
     return summary

@@ -15,6 +15,9 @@ Contract:
 - `write(line)` appends one line and flushes it to the kernel at once (a killed
   process loses nothing written); `close()` fsyncs. The file is never opened
   for truncation: `overwrite` renames an empty file over it.
+- At every fsync and at `close()`, the path must still name the file being
+  written; if it was deleted, moved or replaced, `OutputError` says how many
+  lines this run wrote, instead of the run reporting lines that are not there.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ class ResultsFile:
         self.repaired_bytes = 0
         self.dropped_lines = 0
         self._unsynced = 0
+        self._written = 0  # lines this run appended
+        opened = os.fstat(handle.fileno())
+        self._identity = (opened.st_dev, opened.st_ino)
 
     # ----------------------------------------------------------------- open
     @classmethod
@@ -92,19 +98,37 @@ class ResultsFile:
             self._handle.write(json.dumps(line, ensure_ascii=False) + "\n")
             self._handle.flush()
             self.done[index] = line.get("failure")
+            self._written += 1
             self._unsynced += 1
             if self._unsynced >= FSYNC_EVERY_LINES:
                 os.fsync(self._handle.fileno())
                 self._unsynced = 0
         except OSError as exc:
             raise ResultsWriteError(exc) from exc
+        if self._unsynced == 0:
+            self._check_still_at_path()
+
+    def _check_still_at_path(self) -> None:
+        """Raise `OutputError` if `path` no longer names the file being written (it was deleted,
+        moved or replaced during the run): the lines written since would be lost unseen."""
+        try:
+            current = os.stat(self.path)
+            moved = (current.st_dev, current.st_ino) != self._identity
+        except FileNotFoundError:
+            moved = True
+        if moved:
+            raise OutputError(
+                f"{self.path} was deleted, moved or replaced during the run, so the {self._written} lines "
+                "this run wrote are not in it; run the same command again to redo them"
+            )
 
     def failure_counts(self) -> Counter:
         return Counter(kind for kind in self.done.values() if kind is not None)
 
     def close(self) -> None:
         """Flush and fsync, close the file, release the lock. Raises OSError when the last bytes
-        cannot reach the disk (it is full); the file and the lock are closed all the same."""
+        cannot reach the disk (it is full), `OutputError` when the file is no longer at its path;
+        the file and the lock are closed all the same."""
         try:
             if not self._handle.closed:
                 try:
@@ -112,6 +136,7 @@ class ResultsFile:
                     os.fsync(self._handle.fileno())
                 finally:
                     self._handle.close()  # closes the descriptor even when its flush fails
+                self._check_still_at_path()
         finally:
             self._lock_handle.close()  # closing the descriptor releases the flock
 
