@@ -113,6 +113,11 @@ def test_a_results_file_deleted_or_replaced_during_the_run_is_reported(tmp_path)
     for index in range(FSYNC_EVERY_LINES + 1):
         intact.write(line(index))
     intact.close()  # a file left alone passes both checks
+    same = ResultsFile.open(tmp_path / "r.jsonl", JOB)
+    same.write(line(0))
+    (tmp_path / "copy").write_bytes((tmp_path / "r.jsonl").read_bytes())
+    os.replace(tmp_path / "copy", tmp_path / "r.jsonl")  # another inode, the same bytes: as FUSE mounts may report
+    same.close()
 
 
 def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path):

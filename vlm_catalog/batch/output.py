@@ -106,14 +106,15 @@ class ResultsFile:
         except OSError as exc:
             raise ResultsWriteError(exc) from exc
         if self._unsynced == 0:
-            self._check_still_at_path()
+            self._check_still_at_path(os.fstat(self._handle.fileno()).st_size)
 
-    def _check_still_at_path(self) -> None:
-        """Raise `OutputError` if `path` no longer names the file being written (it was deleted,
-        moved or replaced during the run): the lines written since would be lost unseen."""
+    def _check_still_at_path(self, size: int) -> None:
+        """Raise `OutputError` if `path` no longer names the file being written, `size` bytes long
+        (it was deleted, moved or replaced during the run): the lines written would be lost unseen.
+        A file of the same size counts as ours: some FUSE mounts report unstable inode numbers."""
         try:
             current = os.stat(self.path)
-            moved = (current.st_dev, current.st_ino) != self._identity
+            moved = (current.st_dev, current.st_ino) != self._identity and current.st_size != size
         except FileNotFoundError:
             moved = True
         if moved:
@@ -134,9 +135,10 @@ class ResultsFile:
                 try:
                     self._handle.flush()
                     os.fsync(self._handle.fileno())
+                    size = os.fstat(self._handle.fileno()).st_size
                 finally:
                     self._handle.close()  # closes the descriptor even when its flush fails
-                self._check_still_at_path()
+                self._check_still_at_path(size)
         finally:
             self._lock_handle.close()  # closing the descriptor releases the flock
 
