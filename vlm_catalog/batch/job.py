@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlm_catalog.batch.output import JOB_SUFFIX, OutputError, ResultsFile, ResultsWriteError
+from vlm_catalog.batch.output import JOB_SUFFIX, OutputError, ResultsFile
 from vlm_catalog.batch.progress import Progress
 from vlm_catalog.batch.requests import FAILURE_KINDS, ResultLine
 from vlm_catalog.batch.selection import WHOLE, Shard, count_selected, pending_indices
@@ -279,9 +279,7 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
                     run_on_ray(settings, list(pending), emit_then_check, progress.restart)
         except KeyboardInterrupt:
             summary.interrupted = True
-        except ResultsWriteError as exc:  # e.g. the disk is full: lines written so far stay valid
-            raise _write_error(settings, exc) from None
-        except OutputError as exc:  # the results file was deleted or replaced during the run
+        except OutputError as exc:  # a full disk, or the results file deleted during the run: its message says
             raise BatchError(str(exc)) from None
         except OSError as exc:  # e.g. the dataset's file went away (a lost network mount)
             raise BatchError(f"the run stopped: {exc}; the lines written so far are kept, "
@@ -296,19 +294,11 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
     finally:
         try:
             results.close()
-        except OSError as exc:  # the disk is still full: the bytes of a cut line stay unwritten
-            raise _write_error(settings, exc) from None
-        except OutputError as exc:  # the results file was deleted or replaced during the run
+        except OutputError as exc:  # as above; or a cut line's last bytes still cannot be written
             raise BatchError(str(exc)) from None
     if settings.evaluate and not summary.interrupted:
         summary.accuracy = evaluate_results(settings, catalogue)
     return summary
-
-
-def _write_error(settings: BatchSettings, exc: OSError | ResultsWriteError) -> BatchError:
-    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    return BatchError(f"writing {settings.out} failed: {reason}; the lines written so far are kept, "
-                      "and the same command resumes once there is room")
 
 
 def _selected_done(catalogue, settings: BatchSettings, results: ResultsFile):

@@ -41,10 +41,11 @@ class OutputError(RuntimeError):
 
 
 class ResultsWriteError(OutputError):
-    """Appending a line failed (e.g. the disk is full); what is in the file stays valid."""
+    """Writing lines failed (e.g. the disk is full); what is in the file stays valid."""
 
-    def __init__(self, cause: OSError) -> None:
-        super().__init__(cause.strerror or str(cause))
+    def __init__(self, path: Path, cause: OSError) -> None:
+        super().__init__(f"writing {path} failed: {cause.strerror or cause}; the lines written so far are kept, "
+                         "and the same command resumes once there is room")
 
 
 class ResultsFile:
@@ -104,7 +105,7 @@ class ResultsFile:
                 os.fsync(self._handle.fileno())
                 self._unsynced = 0
         except OSError as exc:
-            raise ResultsWriteError(exc) from exc
+            raise ResultsWriteError(self.path, exc) from exc
         if self._unsynced == 0:
             self._check_still_at_path(os.fstat(self._handle.fileno()).st_size)
 
@@ -127,17 +128,20 @@ class ResultsFile:
         return Counter(kind for kind in self.done.values() if kind is not None)
 
     def close(self) -> None:
-        """Flush and fsync, close the file, release the lock. Raises OSError when the last bytes
-        cannot reach the disk (it is full), `OutputError` when the file is no longer at its path;
-        the file and the lock are closed all the same."""
+        """Flush and fsync, close the file, release the lock. Raises `ResultsWriteError` when the
+        last bytes cannot reach the disk (it is full), `OutputError` when the file is no longer at
+        its path; the file and the lock are closed all the same."""
         try:
             if not self._handle.closed:
                 try:
-                    self._handle.flush()
-                    os.fsync(self._handle.fileno())
-                    size = os.fstat(self._handle.fileno()).st_size
-                finally:
-                    self._handle.close()  # closes the descriptor even when its flush fails
+                    try:
+                        self._handle.flush()
+                        os.fsync(self._handle.fileno())
+                        size = os.fstat(self._handle.fileno()).st_size
+                    finally:
+                        self._handle.close()  # closes the descriptor even when its flush fails (and raises again)
+                except OSError as exc:
+                    raise ResultsWriteError(self.path, exc) from exc
                 self._check_still_at_path(size)
         finally:
             self._lock_handle.close()  # closing the descriptor releases the flock

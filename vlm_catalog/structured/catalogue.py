@@ -113,11 +113,14 @@ def budget_is_tight(
     max_tokens: int,
     count_tokens: Callable[[str], int],
     base: type[BaseModel] | dict[str, Any] | str = ProductMetadata,
+    reserve: int | None = None,
 ) -> bool:
     """True when `max_tokens` leaves less than `TIGHT_BUDGET_MARGIN_TOKENS` beyond the
     answer's fixed parts: then the bounded schema is used from the start, not only
-    to re-run an answer the budget cut."""
-    return max_tokens < answer_reserve(candidates, count_tokens, base) + TIGHT_BUDGET_MARGIN_TOKENS
+    to re-run an answer the budget cut. `reserve`: `answer_reserve`, if the caller has it."""
+    if reserve is None:
+        reserve = answer_reserve(candidates, count_tokens, base)
+    return max_tokens < reserve + TIGHT_BUDGET_MARGIN_TOKENS
 
 
 def budgeted_catalogue_schema(
@@ -125,6 +128,7 @@ def budgeted_catalogue_schema(
     max_tokens: int,
     count_tokens: Callable[[str], int],
     base: type[BaseModel] | dict[str, Any] | str = ProductMetadata,
+    reserve: int | None = None,
 ) -> tuple[OutputSchema, int]:
     """The per-record schema whose every complete answer fits in the token budget.
 
@@ -144,7 +148,8 @@ def budgeted_catalogue_schema(
     budget at once, otherwise only to re-run an answer the budget cut
     (`vlm_catalog.batch.requests`, `LLM.extract`).
     """
-    reserve = answer_reserve(candidates, count_tokens, base)
+    if reserve is None:
+        reserve = answer_reserve(candidates, count_tokens, base)
     schema = catalogue_schema(candidates, base)
     properties = schema.json_schema.get("properties", {})
     free_fields = [
@@ -185,14 +190,16 @@ def record_schema(
     the plain schema first, since the answer the model picks may still fit; a
     re-run gets the bounded one, whose free text is empty.
     """
+    reserve = answer_reserve(candidates, count_tokens, base)  # once: it tokenises the widest answer
     if answer_room is not None:
-        if answer_room < answer_reserve(candidates, count_tokens, base):  # all the room, whatever max_tokens
+        if answer_room < reserve:  # all the room, whatever max_tokens
             if bounded:
-                return budgeted_catalogue_schema(candidates, answer_room, count_tokens, base)[0], answer_room, True
+                schema, _ = budgeted_catalogue_schema(candidates, answer_room, count_tokens, base, reserve)
+                return schema, answer_room, True
             return catalogue_schema(candidates, base), answer_room, False
         max_tokens = min(max_tokens, answer_room)
-    if bounded or budget_is_tight(candidates, max_tokens, count_tokens, base):
-        schema, budget = budgeted_catalogue_schema(candidates, max_tokens, count_tokens, base)
+    if bounded or budget_is_tight(candidates, max_tokens, count_tokens, base, reserve):
+        schema, budget = budgeted_catalogue_schema(candidates, max_tokens, count_tokens, base, reserve)
         return schema, budget, True
     return catalogue_schema(candidates, base), max_tokens, False
 
