@@ -1,11 +1,13 @@
 """The catalogue loader: our layout, real-dataset layouts, `save_to_disk`, and errors."""
 
 import json
+import tracemalloc
 
 import datasets
 import pytest
 
 from tests.conftest import CATALOGUE_FEATURES, handmade_rows, jpeg_bytes, write_catalogue
+from vlm_catalog.data.jsonl import MAX_LINE_BYTES
 from vlm_catalog.data.loader import CatalogueError, load_catalogue
 
 
@@ -129,6 +131,48 @@ def test_jsonl_blank_lines_take_no_id(tmp_path):
     assert len(catalogue) == 3
     assert [(r.id, r.title) for r in catalogue] == [("0", "first"), ("1", "second"), ("2", "third")]
     assert catalogue[2].title == "third"
+
+
+def test_jsonl_lines_end_only_at_newline_and_an_oversized_line_fails_alone(tmp_path):
+    """Raw U+0085/U+2028 (left by `ensure_ascii=False`) stay inside their line; a line
+    past MAX_LINE_BYTES is that record's failure, skipped without being read whole."""
+    (tmp_path / "a.jpg").write_bytes(jpeg_bytes((1, 2, 3)))
+    base = {"description": "d", "image": "a.jpg", "candidates": ["A > B"]}
+    title = "Tee\u2028Shirt\x85 \u2029"
+    oversized = json.dumps({**base, "title": "x" * (4 * MAX_LINE_BYTES)})
+    path = tmp_path / "records.jsonl"
+    with path.open("w", encoding="utf-8") as handle:
+        handle.write(json.dumps({**base, "title": title}, ensure_ascii=False) + "\n")
+        handle.write(oversized + "\n")
+        handle.write(json.dumps({**base, "title": "last"}) + "\n")
+    tracemalloc.start()
+    catalogue = load_catalogue(path)
+    items = list(catalogue.items())
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(catalogue) == 3
+    assert items[0].record.title == title
+    assert items[1].kind == "record"
+    assert f"{len(oversized) + 1} bytes, over the limit of {MAX_LINE_BYTES}" in items[1].error
+    assert items[2].record.title == "last" and catalogue[2].title == "last"
+    assert peak < 3 * MAX_LINE_BYTES  # the line, 4 * MAX_LINE_BYTES long, was never read whole
+
+
+def test_attribute_lines_end_only_at_newline_and_errors_name_the_line(handmade_catalogue):
+    path = handmade_catalogue / "attributes.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines()
+    first = json.loads(lines[0])
+    first["material"] = "cotton\u2028blend"
+    lines[0] = json.dumps(first, ensure_ascii=False)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    catalogue = load_catalogue(handmade_catalogue)
+    assert catalogue.labels()[0].attributes["material"] == "cotton\u2028blend"
+    path.write_text("\n".join([lines[0], "[1, 2]", lines[2]]) + "\n", encoding="utf-8")
+    with pytest.raises(CatalogueError, match="attributes.jsonl: line 2: the line is a JSON list"):
+        load_catalogue(handmade_catalogue)
+    path.write_text("\n".join([lines[0], lines[1], "{oops"]) + "\n", encoding="utf-8")
+    with pytest.raises(CatalogueError, match="attributes.jsonl: line 3: the line is not JSON"):
+        load_catalogue(handmade_catalogue)
 
 
 def test_jsonl_image_paths_stay_inside_the_dataset_folder(tmp_path):

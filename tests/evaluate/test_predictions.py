@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from vlm_catalog.data.jsonl import MAX_LINE_BYTES
 from vlm_catalog.evaluate.predictions import (
     Prediction,
     PredictionsError,
@@ -17,6 +18,31 @@ def test_jsonl_round_trip(tmp_path):
     predictions = [Prediction("0", '{"a": 1}'), Prediction(2, "not json ü")]
     write_predictions_jsonl(path, predictions)
     assert read_predictions(path) == predictions
+
+
+def test_jsonl_lines_end_only_at_newline(tmp_path):
+    """Our results file writes `ensure_ascii=False`, so a response may hold U+0085 or
+    U+2028 raw; `str.splitlines` would cut its line in two."""
+    path = tmp_path / "p.jsonl"
+    responses = ['{"brand": "Caf\u00e9\x85"}', "a\u2028b\u2029c\x1cd"]
+    path.write_text(
+        "".join(json.dumps({"id": i, "response": r}, ensure_ascii=False) + "\n" for i, r in enumerate(responses)),
+        encoding="utf-8",
+    )
+    assert read_predictions(path) == [Prediction(0, responses[0]), Prediction(1, responses[1])]
+
+
+def test_an_oversized_or_non_utf8_line_is_named(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"id": 0, "response": "a"}\n' + b"[" * (MAX_LINE_BYTES + 1) + b"\n")
+    with pytest.raises(PredictionsError, match=f"p.jsonl:2: the line has {MAX_LINE_BYTES + 2} bytes, over the limit"):
+        read_predictions(path)
+    path.write_bytes(b'{"id": 0, "response": "a"}\n{"id": 1, "response": "\xff"}\n')
+    with pytest.raises(PredictionsError, match="p.jsonl:2: not UTF-8"):
+        read_predictions(path)
+    path.write_bytes(b"  \n[" + b'{"qsl_idx": 0, "data": "\xff"}]')
+    with pytest.raises(PredictionsError, match="p.jsonl: not UTF-8"):
+        read_predictions(path)
 
 
 def test_mlperf_accuracy_log_is_hex_decoded(tmp_path):

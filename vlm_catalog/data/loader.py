@@ -65,6 +65,7 @@ from vlm_catalog.data.format import (
     TRUE_SECONDHAND,
     CatalogueError,
 )
+from vlm_catalog.data.jsonl import JsonlLine, read_lines
 from vlm_catalog.preprocess.image_decode import (
     DEFAULT_MAX_DECODE_PIXELS,
     ImageDecodeError,
@@ -307,14 +308,12 @@ class _JsonlRows:
         self._offsets = array("Q")
         first: dict[str, Any] | None = None
         with path.open("rb") as handle:
-            offset = 0
-            for line in handle:
-                if line.strip():
-                    self._offsets.append(offset)
+            for line in read_lines(handle):
+                if not line.is_blank:
+                    self._offsets.append(line.offset)
                     if first is None:  # the columns of the first line that is a JSON object
                         parsed = _parse_json_line(line)
                         first = parsed if isinstance(parsed, dict) else None
-                offset += len(line)
         self.column_names = list(first) if isinstance(first, dict) else []
 
     def __len__(self) -> int:
@@ -325,27 +324,35 @@ class _JsonlRows:
             if start < stop:
                 handle.seek(self._offsets[start])
             produced = start
-            while produced < stop:
-                line = handle.readline()
-                if not line:
+            for line in read_lines(handle):
+                if produced >= stop:
                     return
-                if not line.strip():
-                    continue
-                produced += 1
-                yield _parse_json_line(line)
+                if not line.is_blank:
+                    produced += 1
+                    yield _parse_json_line(line)
 
     def column(self, name: str) -> list[Any]:
         return [row.get(name) if isinstance(row, dict) else None for row in self.rows(0, len(self))]
 
 
-def _parse_json_line(line: bytes) -> dict[str, Any] | str:
+def _parse_json_line(line: JsonlLine) -> dict[str, Any] | str:
+    """A JSONL catalogue line as a row (short column names mapped), or why it is unusable."""
+    value = _json_object(line)
+    if isinstance(value, str):
+        return value
+    return {SHORT_COLUMN_NAMES.get(key, key): item for key, item in value.items()}
+
+
+def _json_object(line: JsonlLine) -> dict[str, Any] | str:
+    if line.raw is None:
+        return line.too_long_message()
     try:
-        value = json.loads(line)
+        value = json.loads(line.raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         return f"the line is not JSON ({exc})"
     if not isinstance(value, dict):
         return f"the line is a JSON {type(value).__name__}, not an object"
-    return {SHORT_COLUMN_NAMES.get(key, key): item for key, item in value.items()}
+    return value
 
 
 class _ConcatRows:
@@ -724,12 +731,17 @@ def _read_attributes(path: Path, num_rows: int) -> list[dict[str, Any]] | None:
     attributes_path = path / ATTRIBUTES_FILE
     if not attributes_path.is_file():
         return None
-    lines = [line for line in attributes_path.read_text(encoding="utf-8").splitlines() if line]
-    if len(lines) != num_rows:
+    attributes: list[dict[str, Any]] = []
+    with attributes_path.open("rb") as handle:
+        for line in read_lines(handle):
+            if line.is_blank:
+                continue
+            parsed = _json_object(line)
+            if isinstance(parsed, str):
+                raise CatalogueError(f"{attributes_path}: line {line.number}: {parsed}")
+            attributes.append(parsed)
+    if len(attributes) != num_rows:
         raise CatalogueError(
-            f"{attributes_path}: has {len(lines)} lines for {num_rows} records"
+            f"{attributes_path}: has {len(attributes)} lines for {num_rows} records"
         )
-    try:
-        return [json.loads(line) for line in lines]
-    except json.JSONDecodeError as exc:
-        raise CatalogueError(f"{attributes_path}: line {exc.lineno} is not JSON") from None
+    return attributes

@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
+
+from vlm_catalog.data.jsonl import read_lines
 
 
 class PredictionsError(ValueError):
@@ -31,47 +34,64 @@ def read_predictions(path: str | Path) -> list[Prediction]:
     path = Path(path)
     if not path.is_file():
         raise PredictionsError(f"predictions file not found: {path}")
-    text = path.read_text(encoding="utf-8")
-    if text.lstrip().startswith("["):
-        predictions = _parse_mlperf_log(text, path)
-    else:
-        predictions = _parse_jsonl(text, path)
+    with path.open("rb") as handle:
+        if _first_visible_byte(handle) == b"[":
+            predictions = _parse_mlperf_log(handle.read(), path)
+        else:
+            predictions = _parse_jsonl(handle, path)
     if not predictions:
         raise PredictionsError(f"{path}: holds no predictions")
     return predictions
 
 
-def _parse_jsonl(text: str, path: Path) -> list[Prediction]:
+def _first_visible_byte(handle: BinaryIO) -> bytes:
+    """The first byte that is not whitespace; the handle is left at the start."""
+    while chunk := handle.read(4096):
+        visible = chunk.lstrip()
+        if visible:
+            handle.seek(0)
+            return visible[:1]
+    handle.seek(0)
+    return b""
+
+
+def _parse_jsonl(handle: BinaryIO, path: Path) -> list[Prediction]:
+    """Lines end only at "\n": a response may hold U+2028 or U+0085 unescaped."""
     predictions: list[Prediction] = []
     seen: set[str] = set()
-    for line_number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
+    for line in read_lines(handle):
+        if line.is_blank:
             continue
+        where = f"{path}:{line.number}"
+        if line.raw is None:
+            raise PredictionsError(f"{where}: {line.too_long_message()}")
         try:
-            entry = json.loads(line)
+            entry = json.loads(line.raw)
         except json.JSONDecodeError as exc:
-            raise PredictionsError(f"{path}:{line_number}: not valid JSON ({exc.msg})") from None
+            raise PredictionsError(f"{where}: not valid JSON ({exc.msg})") from None
+        except UnicodeDecodeError as exc:
+            raise PredictionsError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
         if not isinstance(entry, dict) or "id" not in entry or "response" not in entry:
-            raise PredictionsError(
-                f'{path}:{line_number}: expected an object with "id" and "response"'
-            )
+            raise PredictionsError(f'{where}: expected an object with "id" and "response"')
         key, response = entry["id"], entry["response"]
         if not isinstance(key, (str, int)) or isinstance(key, bool):
-            raise PredictionsError(f'{path}:{line_number}: "id" must be a string or an integer')
+            raise PredictionsError(f'{where}: "id" must be a string or an integer')
         if not isinstance(response, str):
-            raise PredictionsError(f'{path}:{line_number}: "response" must be a string')
+            raise PredictionsError(f'{where}: "response" must be a string')
         if str(key) in seen:
-            raise PredictionsError(f"{path}:{line_number}: duplicate id {key!r}")
+            raise PredictionsError(f"{where}: duplicate id {key!r}")
         seen.add(str(key))
         predictions.append(Prediction(key=key, response=response))
     return predictions
 
 
-def _parse_mlperf_log(text: str, path: Path) -> list[Prediction]:
+def _parse_mlperf_log(content: bytes, path: Path) -> list[Prediction]:
     try:
-        entries = json.loads(text)
+        entries = json.loads(content)
     except json.JSONDecodeError as exc:
         raise PredictionsError(f"{path}: not a valid MLPerf accuracy log ({exc.msg})") from None
+    except UnicodeDecodeError as exc:
+        raise PredictionsError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     predictions: list[Prediction] = []
     for position, entry in enumerate(entries):
         if not isinstance(entry, dict) or "qsl_idx" not in entry or "data" not in entry:
