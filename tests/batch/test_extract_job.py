@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 from tests.batch.conftest import FAST, answers, read_lines, sample_rows, write_parquet
 from vlm_catalog.batch.output import JOB_SUFFIX
 from vlm_catalog.cli import main
+from vlm_catalog.paths import DEFAULT_MODEL_DIR
 
 
 def extract(dataset, out, *extra) -> int:
@@ -405,6 +407,48 @@ def test_fp8_runs_are_their_own_jobs(small_catalogue, tmp_path, capsys):
     plain = tmp_path / "plain.jsonl"
     assert extract(small_catalogue, plain, "--limit", "1") == 0
     assert not {"kv_cache_dtype", "quantization"} & json.loads(plain.with_name(plain.name + JOB_SUFFIX).read_text()).keys()
+
+
+def test_a_model_changed_in_place_is_another_job(small_catalogue, tmp_path, capsys):
+    """Retraining into the same folder keeps --model's path; a resume must still refuse to mix
+    two models' answers. A README edit, or a results file from before the check, resumes."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL_DIR, model)
+    out = tmp_path / "p.jsonl"
+    assert extract(small_catalogue, out, "--model", str(model), "--limit", "2") == 0
+    (model / "README.md").write_text("retrained? no, only notes\n")
+    assert extract(small_catalogue, out, "--model", str(model), "--limit", "3") == 0
+    job_path = out.with_name(out.name + JOB_SUFFIX)
+    job = json.loads(job_path.read_text())
+    job.pop("model_files")  # a results file of an earlier version
+    job_path.write_text(json.dumps(job))
+    assert extract(small_catalogue, out, "--model", str(model), "--limit", "4") == 0
+    assert "model_files" in json.loads(job_path.read_text()) and len(read_lines(out)) == 4
+
+    tensors = load_file(model / "model.safetensors")
+    name = sorted(tensors)[len(tensors) // 2]
+    tensors[name] = tensors[name] * 0.5 + 0.25  # one tensor retrained
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert extract(small_catalogue, out, "--model", str(model), "--limit", "5") == 1
+    error = capsys.readouterr().err
+    assert "holds results of a different job (the model's files changed in place since then)" in error
+    assert len(read_lines(out)) == 4
+
+
+def test_an_unreadable_model_file_is_one_line(small_catalogue, tmp_path, capsys, monkeypatch):
+    from vlm_catalog.batch import job
+
+    def refused(model_dir):  # root reads any file, so the refusal is simulated
+        raise PermissionError(13, "Permission denied", str(model_dir / "model.safetensors"))
+
+    monkeypatch.setattr(job, "model_fingerprint", refused)
+    assert extract(small_catalogue, tmp_path / "p.jsonl") == 1
+    error = capsys.readouterr().err
+    assert "cannot read" in error and "model.safetensors (Permission denied)" in error
+    assert error.count("\n") == 1 and not (tmp_path / "p.jsonl").exists()
 
 
 def test_async_scheduling_reaches_the_engine_and_changes_no_answer(small_catalogue, tmp_path, monkeypatch):

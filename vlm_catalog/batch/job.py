@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlm_catalog.batch.fingerprint import model_fingerprint
 from vlm_catalog.batch.output import JOB_SUFFIX, OutputError, ResultsFile
 from vlm_catalog.batch.progress import Progress
 from vlm_catalog.batch.requests import FAILURE_KINDS, ResultLine
@@ -73,6 +74,7 @@ class BatchSettings:
             "num_records": num_records,
             "shard": str(self.shard),
             "model": str(Path(self.model).resolve()),
+            "model_files": model_fingerprint(Path(self.model)),  # a model changed in place is another job
             "schema": self.schema,
             "prompt_style": self.prompt_style,
             "max_tokens": self.max_tokens,
@@ -242,7 +244,11 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
 
     selected = count_selected(len(catalogue), settings.shard, settings.limit)
     try:
-        results = ResultsFile.open(settings.out, settings.job_identity(len(catalogue)), settings.overwrite)
+        job = settings.job_identity(len(catalogue))
+    except OSError as exc:
+        raise BatchError(f"--model {settings.model}: cannot read {exc.filename} ({exc.strerror})") from None
+    try:
+        results = ResultsFile.open(settings.out, job, settings.overwrite)
     except OutputError as exc:
         raise BatchError(str(exc)) from None
     summary = BatchSummary(out=settings.out, selected=selected, repaired_bytes=results.repaired_bytes)

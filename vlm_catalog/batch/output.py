@@ -34,6 +34,8 @@ from typing import Any, BinaryIO
 LOCK_SUFFIX = ".lock"
 JOB_SUFFIX = ".job.json"
 FSYNC_EVERY_LINES = 256
+# Job keys that results files of earlier versions lack: such a file resumes, and gains the key.
+KEYS_ADDED_LATER = ("model_files",)
 
 
 class OutputError(RuntimeError):
@@ -175,9 +177,16 @@ def _check_same_job(job_path: Path, job: dict[str, Any], path: Path) -> None:
         previous = json.loads(job_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise OutputError(f"{job_path}: unreadable ({exc}); use --overwrite to start afresh") from None
-    changed = sorted(key for key in set(job) | set(previous) if job.get(key) != previous.get(key))
+    changed = sorted(
+        key for key in set(job) | set(previous)
+        if job.get(key) != previous.get(key) and not (key in KEYS_ADDED_LATER and key not in previous)
+    )
     if changed:
-        detail = ", ".join(f"{key}: {previous.get(key)!r} then, {job.get(key)!r} now" for key in changed)
+        detail = ", ".join(
+            "the model's files changed in place since then" if key == "model_files"
+            else f"{key}: {previous.get(key)!r} then, {job.get(key)!r} now"
+            for key in changed
+        )
         raise OutputError(
             f"{path} holds results of a different job ({detail}); "
             "resume with the same settings, or use --overwrite or another --out"
