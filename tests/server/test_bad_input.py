@@ -110,6 +110,10 @@ CHAT_CASES = [
      "response_format.json_schema.schema"),
     ("json schema nested 300 objects deep", nested_schema_body(300), 400, "invalid_response_format",
      "response_format.json_schema.schema"),
+    # Python's json reads NaN: before, the grammar compiler's "Check failed: ... syntax error near: NaN"
+    ("json schema holding NaN", chat_body(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "number", "maximum": float("nan")}}}), 400, "invalid_response_format",
+     "response_format.json_schema.schema"),
     ("json_schema without schema", chat_body(response_format={"type": "json_schema"}), 400, "missing_field",
      "response_format.json_schema"),
     ("unknown response format", chat_body(response_format={"type": "yaml"}), 400, "invalid_value",
@@ -146,6 +150,8 @@ def test_bad_chat_request(strict_app, name, body, status, code, param):
         assert error["code"] in ("image_too_large", "image_decompression_bomb")
     if name.startswith("truncated"):
         assert "truncated" in error["message"] or "corrupt" in error["message"]
+    if name == "json schema holding NaN":
+        assert error["message"] == "json_schema: holds NaN or Infinity, which JSON does not allow"
     if name == "lone surrogate":
         assert "unpaired surrogate" in error["message"]
 

@@ -56,6 +56,9 @@ def test_regex_and_choice_specs():
         ({"json_schema": "no_such_schema"}, "unknown schema name 'no_such_schema'"),
         ({"json_schema": {"type": 5}}, "invalid JSON schema"),
         ({"json_schema": 3.5}, "got float"),
+        # Python's json.loads reads NaN/Infinity, so a request body can carry them
+        ({"json_schema": {"type": "number", "maximum": float("nan")}}, "holds NaN or Infinity"),
+        ({"json_schema": {"enum": [float("inf"), 1]}}, "holds NaN or Infinity"),
     ],
 )
 def test_invalid_requests_name_the_problem(arguments, message):

@@ -107,7 +107,10 @@ class GrammarSpec:
             resolved = resolve_schema(schema)
         except SchemaError as exc:
             raise GrammarError(f"json_schema: {exc}") from exc
-        text = json.dumps(resolved.json_schema, separators=(",", ":"), ensure_ascii=False)
+        try:
+            text = json.dumps(resolved.json_schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except ValueError:  # Python's json reads NaN and Infinity; JSON (and the grammar compiler) has neither
+            raise GrammarError("json_schema: holds NaN or Infinity, which JSON does not allow") from None
         return cls(json_schema=text, output_schema=resolved)
 
 
