@@ -24,7 +24,7 @@ MAX_LINE_BYTES = 16 * 2**20
 _SKIP_CHUNK_BYTES = 2**20
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class JsonlLine:
     """One line: its 1-based number, its byte offset, and its bytes (None when too long)."""
 
@@ -35,7 +35,7 @@ class JsonlLine:
 
     @property
     def is_blank(self) -> bool:
-        return self.raw is not None and not self.raw.strip()
+        return self.raw is not None and self.raw.isspace()  # readline never gives b""
 
     def too_long_message(self) -> str:
         return f"the line has {self.size} bytes, over the limit of {MAX_LINE_BYTES}"
