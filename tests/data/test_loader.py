@@ -158,6 +158,23 @@ def test_jsonl_lines_end_only_at_newline_and_an_oversized_line_fails_alone(tmp_p
     assert peak < 3 * MAX_LINE_BYTES  # the line, 4 * MAX_LINE_BYTES long, was never read whole
 
 
+def test_an_unpaired_surrogate_is_the_record_s_failure(tmp_path):
+    """JSON's "\\ud800" escape reads as a lone surrogate, which has no UTF-8 form: before, the
+    prompt builder refused it and the batch job counted it an `engine` failure."""
+    (tmp_path / "a.jpg").write_bytes(jpeg_bytes((1, 2, 3)))
+    base = {"title": "t", "description": "d", "image": "a.jpg", "candidates": ["A > B", "C"]}
+    rows = [{**base, "title": "Tee \ud800"}, {**base, "description": "x\udfff"},
+            {**base, "candidates": ["A > B", "C \ud83d"]}, {**base, "title": "Tee \U0001f455"}]
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))  # ASCII escapes, as JSON allows
+    items = list(load_catalogue(path).items())
+    assert [item.kind for item in items[:3]] == ["record"] * 3
+    assert "product_title: has an unpaired surrogate '\\ud800' at character 4" in items[0].error
+    assert "product_description: has an unpaired surrogate" in items[1].error
+    assert "potential_product_categories: position 1: has an unpaired surrogate" in items[2].error
+    assert items[3].record.title == "Tee \U0001f455"  # a surrogate pair is one valid character
+
+
 def test_attribute_lines_end_only_at_newline_and_errors_name_the_line(handmade_catalogue):
     path = handmade_catalogue / "attributes.jsonl"
     lines = path.read_text(encoding="utf-8").splitlines()

@@ -561,7 +561,20 @@ def _checked_text(value: Any, column: str) -> str:
         return ""
     if not isinstance(value, str):
         raise _RecordProblem("record", f"{column}: expected a string, got {_describe(value)}")
-    return value
+    return _valid_unicode(value, column)
+
+
+def _valid_unicode(text: str, where: str) -> str:
+    """`text` unless it holds an unpaired surrogate: JSON's "\\ud800" escape reads as one, and it
+    has no UTF-8 form, so no tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _RecordProblem(
+            "record", f"{where}: has an unpaired surrogate {text[exc.start]!r} at character {exc.start} "
+            "(not valid Unicode)"
+        ) from None
+    return text
 
 
 def _checked_candidates(value: Any) -> list[str]:
@@ -580,6 +593,7 @@ def _checked_candidates(value: Any) -> list[str]:
             )
         if not candidate.strip():
             raise _RecordProblem("record", f"{CANDIDATES}: position {position} is blank")
+        _valid_unicode(candidate, f"{CANDIDATES}: position {position}")
     return list(value)
 
 
