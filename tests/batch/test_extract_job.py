@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -449,6 +450,20 @@ def test_an_unreadable_model_file_is_one_line(small_catalogue, tmp_path, capsys,
     error = capsys.readouterr().err
     assert "cannot read" in error and "model.safetensors (Permission denied)" in error
     assert error.count("\n") == 1 and not (tmp_path / "p.jsonl").exists()
+
+
+def test_a_file_system_without_locks_runs_with_a_warning(small_catalogue, tmp_path, capsys, monkeypatch):
+    from vlm_catalog.batch import output
+
+    def no_locks(fd, operation):  # what flock gives on an NFS mount without a lock daemon
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(output.fcntl, "flock", no_locks)
+    out = tmp_path / "p.jsonl"
+    assert extract(small_catalogue, out, "--limit", "2") == 0
+    error = capsys.readouterr().err
+    assert f"warning: {tmp_path} does not support file locks (No locks available), so this run is not locked" in error
+    assert len(read_lines(out)) == 2
 
 
 def test_async_scheduling_reaches_the_engine_and_changes_no_answer(small_catalogue, tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """The results file: lock, resume scan, torn last line, damaged lines, job identity, overwrite."""
 
+import errno
 import json
 import os
 import subprocess
@@ -134,6 +135,38 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path):
     first.close()
     assert subprocess.run([sys.executable, "-c", probe]).returncode == 0
     ResultsFile.open(out, JOB).close()  # released
+
+
+def test_a_file_system_without_locks_runs_unlocked_with_a_warning(tmp_path, monkeypatch):
+    """An NFS mount without a lock daemon answers flock with ENOLCK: before, a traceback, so the
+    job could not run there at all. Other lock errors stay one-line refusals."""
+    from vlm_catalog.batch import output
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(output.fcntl, "flock", no_locks)
+    out = tmp_path / "p.jsonl"
+    results = ResultsFile.open(out, JOB)
+    assert "does not support file locks (No locks available), so this run is not locked" in results.lock_warning
+    results.write(line(0))
+    results.close()
+    again = ResultsFile.open(out, JOB)
+    assert again.done == {0: None}
+    again.close()
+
+    def io_error(fd, operation):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(output.fcntl, "flock", io_error)
+    with pytest.raises(OutputError, match=r"cannot lock .*p.jsonl.lock: Input/output error"):
+        ResultsFile.open(out, JOB)
+
+
+def test_a_locked_file_has_no_warning(tmp_path):
+    results = ResultsFile.open(tmp_path / "p.jsonl", JOB)
+    assert results.lock_warning is None
+    results.close()
 
 
 def test_resuming_with_other_settings_or_over_a_foreign_file_is_refused(tmp_path):

@@ -260,6 +260,8 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
         print(f"extract: {selected - summary.skipped} of {selected} records to do {where}"
               + (f" ({summary.skipped} already in {settings.out})" if summary.skipped else ""),
               file=progress.stream, flush=True)
+        if results.lock_warning:
+            print(f"warning: {results.lock_warning}", file=progress.stream, flush=True)
 
         interrupt = StopRequest(second_signal_interrupts=True)  # stops between engine steps
 

@@ -22,6 +22,7 @@ Contract:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -58,6 +59,7 @@ class ResultsFile:
         self.done = done  # record index -> failure kind (None: answered)
         self.repaired_bytes = 0
         self.dropped_lines = 0
+        self.lock_warning: str | None = None  # the file system has no locks: the run is not locked
         self._unsynced = 0
         self._written = 0  # lines this run appended
         opened = os.fstat(handle.fileno())
@@ -67,7 +69,7 @@ class ResultsFile:
     @classmethod
     def open(cls, path: Path, job: dict[str, Any], overwrite: bool = False) -> ResultsFile:
         path = Path(path)
-        lock_handle = _acquire_lock(path)
+        lock_handle, lock_warning = _acquire_lock(path)
         try:
             job_path = path.with_name(path.name + JOB_SUFFIX)
             if overwrite or not path.exists():
@@ -90,6 +92,7 @@ class ResultsFile:
             raise
         results = cls(path, lock_handle, handle, done)
         results.repaired_bytes, results.dropped_lines = repaired, dropped
+        results.lock_warning = lock_warning
         return results
 
     # ---------------------------------------------------------------- write
@@ -150,6 +153,8 @@ class ResultsFile:
 
 
 def _acquire_lock(path: Path):
+    """The open lock file, holding an exclusive flock. Where the file system has no locks (an
+    NFS mount without a lock daemon: ENOLCK), the run goes on unlocked and `lock_warning` says so."""
     lock_path = path.with_name(path.name + LOCK_SUFFIX)
     try:
         handle = lock_path.open("a")
@@ -162,7 +167,15 @@ def _acquire_lock(path: Path):
         raise OutputError(
             f"another process is writing {path} (it holds {lock_path}); wait for it or use another --out"
         ) from None
-    return handle
+    except OSError as exc:
+        if exc.errno not in (errno.ENOLCK, errno.ENOTSUP, errno.EOPNOTSUPP):
+            handle.close()
+            raise OutputError(f"cannot lock {lock_path}: {exc.strerror}") from None
+        return handle, (
+            f"{lock_path.parent} does not support file locks ({exc.strerror}), so this run is not locked: "
+            f"make sure no other process writes {path.name}"
+        )
+    return handle, None
 
 
 def _check_same_job(job_path: Path, job: dict[str, Any], path: Path) -> None:
