@@ -31,6 +31,8 @@ def test_argument_and_output_problems_are_found_before_any_work(small_catalogue,
     not_parquet = tmp_path / "records.csv"
     not_parquet.write_text("a,b\n")
     empty = write_parquet(tmp_path / "empty", [])
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
     locked_dir = tmp_path / "locked"
     locked_dir.mkdir()
     locked_dir.chmod(0o500)
@@ -40,6 +42,9 @@ def test_argument_and_output_problems_are_found_before_any_work(small_catalogue,
         "--shard must look like I/N": [small_catalogue, out, "--shard", "2"],
         "--read-ahead must be 0 or more, got -1": [small_catalogue, out, "--read-ahead", "-1"],
         "is a directory": [small_catalogue, tmp_path],
+        # before, a pipe (as /dev/stdout often is) was read to resume from it: a hang
+        "results go to a regular file": [small_catalogue, fifo],
+        "not to stdout, a pipe or a device": [small_catalogue, "-"],
         "is a file of the dataset": [small_catalogue.parent / "x" / "..", small_catalogue / "data" / "test-00000-of-00001.parquet"],
         "inside the dataset directory": [small_catalogue, small_catalogue / "p.jsonl"],
         "expected a .parquet or .jsonl": [not_parquet, out],

@@ -197,6 +197,11 @@ def engine_config(settings: BatchSettings):
 def check_output_path(out: Path, catalogue) -> None:
     """Refuse an output that cannot be written or that would touch the dataset."""
     out = Path(out)
+    if str(out) == "-" or (out.exists() and not out.is_dir() and not out.is_file()):
+        raise BatchError(
+            f"--out {out}: results go to a regular file, which a later run resumes from; not to stdout, "
+            "a pipe or a device. Give a file name such as predictions.jsonl"
+        )
     if out.is_dir():
         raise BatchError(f"--out {out} is a directory; give a file name such as {out / 'predictions.jsonl'}")
     resolved = out.resolve()
