@@ -1,6 +1,7 @@
 """The catalogue loader: our layout, real-dataset layouts, `save_to_disk`, and errors."""
 
 import json
+import os
 import tracemalloc
 
 import datasets
@@ -233,6 +234,9 @@ def test_unreadable_image_is_named_on_access(tmp_path):
 def test_missing_path_and_attribute_mismatch(tmp_path, handmade_catalogue):
     with pytest.raises(CatalogueError, match="not found"):
         load_catalogue(tmp_path / "nowhere")
+    os.mkfifo(tmp_path / "piped.jsonl")  # as `--dataset <(cat records.jsonl)` gives; before, "holds no parquet files"
+    with pytest.raises(CatalogueError, match="piped.jsonl: is a pipe or a device; .* write it to a file first"):
+        load_catalogue(tmp_path / "piped.jsonl")
     (handmade_catalogue / "attributes.jsonl").write_text('{"colour": "red"}\n')
     with pytest.raises(CatalogueError, match="1 lines for 3 records"):
         load_catalogue(handmade_catalogue)

@@ -1,6 +1,8 @@
 """Reading JSONL predictions and MLPerf accuracy logs, and their errors."""
 
 import json
+import os
+import threading
 
 import pytest
 
@@ -43,6 +45,33 @@ def test_an_oversized_or_non_utf8_line_is_named(tmp_path):
     path.write_bytes(b"  \n[" + b'{"qsl_idx": 0, "data": "\xff"}]')
     with pytest.raises(PredictionsError, match="p.jsonl: not UTF-8"):
         read_predictions(path)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "mlperf"])
+def test_a_pipe_is_read_once_from_start_to_end(tmp_path, kind):
+    """`--predictions <(cat part*.jsonl)` passes /dev/fd/N, a pipe: before, "not found"."""
+    predictions = [Prediction(0, '{"a": 1}'), Prediction(1, "b")]
+    if kind == "jsonl":
+        content = b"\n \n" + "".join(
+            json.dumps({"id": p.key, "response": p.response}) + "\n" for p in predictions).encode()
+    else:
+        content = b"  " + json.dumps(
+            [{"qsl_idx": p.key, "data": p.response.encode().hex()} for p in predictions]).encode()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_bytes, args=(content,), daemon=True)  # no hang if the read fails
+    writer.start()
+    assert read_predictions(fifo) == predictions
+    writer.join()
+
+
+def test_line_numbers_count_the_blank_lines_the_file_starts_with(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('\n  \n {"id": 0, "response": "a"}\n{oops\n')
+    with pytest.raises(PredictionsError, match="p.jsonl:4: not valid JSON"):
+        read_predictions(path)
+    with pytest.raises(PredictionsError, match="is a directory"):
+        read_predictions(tmp_path)
 
 
 def test_mlperf_accuracy_log_is_hex_decoded(tmp_path):

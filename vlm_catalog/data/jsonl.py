@@ -42,8 +42,9 @@ class JsonlLine:
 
 
 def read_lines(handle: BinaryIO) -> Iterator[JsonlLine]:
-    """The lines of a binary file from its current position, numbered from 1 there."""
-    offset = handle.tell()
+    """The lines of a binary file from its current position, numbered from 1 there (a pipe's
+    offsets count from there too)."""
+    offset = handle.tell() if handle.seekable() else 0
     number = 0
     while True:
         raw = handle.readline(MAX_LINE_BYTES + 1)

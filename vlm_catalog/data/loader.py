@@ -666,6 +666,11 @@ def load_catalogue(path: str | Path, split: str | None = None) -> Catalogue:
     path = Path(path)
     if not path.exists():
         raise CatalogueError(f"catalogue not found: {path}")
+    if not path.is_file() and not path.is_dir():
+        raise CatalogueError(
+            f"{path}: is a pipe or a device; a catalogue is read more than once (indexed, then read "
+            "by record), so write it to a file first"
+        )
     if path.is_file() and path.suffix == ".jsonl":
         rows: _Rows = _JsonlRows(path)
         image_root = path.parent

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from io import BufferedReader
 from pathlib import Path
 from typing import BinaryIO
 
@@ -30,39 +31,46 @@ class Prediction:
 
 
 def read_predictions(path: str | Path) -> list[Prediction]:
-    """Read a JSONL predictions file or an MLPerf accuracy log (detected from the content)."""
+    """Read a JSONL predictions file or an MLPerf accuracy log (detected from the content).
+
+    The file is read once, from start to end, so a pipe works too
+    (`--predictions <(cat part*.jsonl)`).
+    """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise PredictionsError(f"predictions file not found: {path}")
+    if path.is_dir():
+        raise PredictionsError(f"{path} is a directory; give the predictions file")
     with path.open("rb") as handle:
-        if _first_visible_byte(handle) == b"[":
+        blank_lines, first = _skip_leading_whitespace(handle)
+        if first == b"[":
             predictions = _parse_mlperf_log(handle.read(), path)
         else:
-            predictions = _parse_jsonl(handle, path)
+            predictions = _parse_jsonl(handle, path, first_line_number=blank_lines + 1)
     if not predictions:
         raise PredictionsError(f"{path}: holds no predictions")
     return predictions
 
 
-def _first_visible_byte(handle: BinaryIO) -> bytes:
-    """The first byte that is not whitespace; the handle is left at the start."""
-    while chunk := handle.read(4096):
-        visible = chunk.lstrip()
-        if visible:
-            handle.seek(0)
-            return visible[:1]
-    handle.seek(0)
-    return b""
+def _skip_leading_whitespace(handle: BufferedReader) -> tuple[int, bytes]:
+    """Consume the whitespace the file starts with: (the newlines in it, the first other byte, unread)."""
+    newlines = 0
+    while True:
+        byte = handle.peek(1)[:1]
+        if not byte or not byte.isspace():
+            return newlines, byte
+        newlines += byte == b"\n"
+        handle.read(1)
 
 
-def _parse_jsonl(handle: BinaryIO, path: Path) -> list[Prediction]:
-    """Lines end only at "\n": a response may hold U+2028 or U+0085 unescaped."""
+def _parse_jsonl(handle: BinaryIO, path: Path, first_line_number: int) -> list[Prediction]:
+    """Lines end only at b"\\n": a response may hold U+2028 or U+0085 unescaped."""
     predictions: list[Prediction] = []
     seen: set[str] = set()
     for line in read_lines(handle):
         if line.is_blank:
             continue
-        where = f"{path}:{line.number}"
+        where = f"{path}:{line.number + first_line_number - 1}"
         if line.raw is None:
             raise PredictionsError(f"{where}: {line.too_long_message()}")
         try:
