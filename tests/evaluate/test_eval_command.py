@@ -41,3 +41,25 @@ def test_eval_unknown_ids_fail_clearly(handmade_catalogue, tmp_path, capsys):
     assert main(["eval", "--predictions", str(predictions), "--dataset", str(handmade_catalogue)]) == 2
     err = capsys.readouterr().err
     assert "2 prediction id(s) match no record" in err and "'7'" in err and "'abc'" in err
+
+
+def test_a_report_path_that_cannot_be_written_is_one_line(handmade_catalogue, tmp_path, capsys):
+    """Checked before scoring (a folder; a folder that cannot be made), or named when the write
+    fails (/dev/full: a full disk). Before, each was a traceback after the scores."""
+    predictions = tmp_path / "p.jsonl"
+    predictions.write_text('{"id": "0", "response": "{}"}\n')
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    cases = {
+        str(tmp_path): "is a folder; give a file name such as",
+        str(a_file / "r.json"): "cannot create its folder",
+        "/dev/full": "--json /dev/full: cannot write it (No space left on device)",
+    }
+    for target, message in cases.items():
+        code = main(["eval", "--predictions", str(predictions), "--dataset", str(handmade_catalogue), "--json", target])
+        captured = capsys.readouterr()
+        assert code == 2 and message in captured.err and captured.err.count("\n") == 1, captured.err
+        assert ("hF1" in captured.out) == (target == "/dev/full")  # the scores print before the write
+    nested = tmp_path / "new" / "folder" / "r.json"
+    assert main(["eval", "--predictions", str(predictions), "--dataset", str(handmade_catalogue), "--json", str(nested)]) == 0
+    assert json.loads(nested.read_text())["num_unparsable"] == 1

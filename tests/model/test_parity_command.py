@@ -17,6 +17,9 @@ def test_check_parity_command(tmp_path, tiny_tokenizer, capsys, monkeypatch):
     report = json.loads(report_path.read_text())
     assert report["passed"] and report["tokens_match"] and report["max_abs_logit_diff"] <= 1e-4
     assert "PASS" in capsys.readouterr().out
+    assert main([*args[:-1], "/dev/full"]) == 2  # the report cannot be written: one line, after the verdict
+    captured = capsys.readouterr()
+    assert "PASS" in captured.out and captured.err.endswith("\nerror: --json /dev/full: cannot write it (No space left on device)\n")
 
     # a 1% error in our RMSNorm weights must be caught
     real_rms_norm = kernels.rms_norm
@@ -29,6 +32,8 @@ def test_check_parity_command(tmp_path, tiny_tokenizer, capsys, monkeypatch):
 def test_check_parity_errors(tmp_path, capsys):
     assert main(["check-parity", str(tmp_path / "missing")]) == 2
     assert "error:" in capsys.readouterr().err
+    assert main(["check-parity", str(tmp_path / "missing"), "--json", str(tmp_path)]) == 2  # before any work
+    assert "is a folder; give a file name" in capsys.readouterr().err
 
 
 def test_check_parity_on_an_fp8_checkpoint_transformers_cannot_load_is_a_clear_error(tmp_path, tiny_tokenizer, capsys):

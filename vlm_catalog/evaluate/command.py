@@ -38,8 +38,11 @@ def run(args: argparse.Namespace) -> int:
     from vlm_catalog.data.loader import CatalogueError, load_catalogue
     from vlm_catalog.evaluate.predictions import PredictionsError, read_predictions
     from vlm_catalog.evaluate.scoring import score
+    from vlm_catalog.report_file import ReportFileError, check_report_path, write_report
 
     try:
+        if args.json_out:
+            check_report_path(args.json_out)
         answer_schema = resolve_schema(args.schema).model
         if answer_schema is None or not {"category", "brand", "is_secondhand"} <= set(
             answer_schema.model_fields
@@ -49,13 +52,17 @@ def run(args: argparse.Namespace) -> int:
         catalogue = load_catalogue(args.dataset, split=args.split)
         responses = resolve_indices(predictions, catalogue)
         report = score(responses, catalogue.labels(), seed=args.seed, answer_schema=answer_schema)
-    except (PredictionsError, CatalogueError, SchemaError, KeyError, ValueError) as exc:
+    except (PredictionsError, CatalogueError, SchemaError, ReportFileError, KeyError, ValueError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) else str(exc)
         print(f"error: {message}", file=sys.stderr)
         return 2
     print(report.format_table())
     if args.json_out:
-        args.json_out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        try:
+            write_report(args.json_out, json.dumps(report.to_dict(), indent=2) + "\n")
+        except ReportFileError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         print(f"wrote {args.json_out}")
     return 0
 

@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from vlm_catalog.model.parity import ReferenceUnavailable, check_parity
     from vlm_catalog.preprocess.image_decode import ImageDecodeError
     from vlm_catalog.preprocess.processor import PromptError
+    from vlm_catalog.report_file import ReportFileError, check_report_path, write_report
 
     dtype = getattr(torch, args.dtype)
     atol = args.atol
@@ -46,12 +47,15 @@ def run(args: argparse.Namespace) -> int:
         print("error: --tokens must be at least 1", file=sys.stderr)
         return 2
     try:
+        if args.json_out:
+            check_report_path(args.json_out)
         images = [path.read_bytes() for path in args.image]
         report = check_parity(args.model_dir, args.prompt, images, args.tokens, dtype, args.device)
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except (CheckpointError, ModelConfigError, PromptError, ImageDecodeError, ReferenceUnavailable) as exc:
+    except (CheckpointError, ModelConfigError, PromptError, ImageDecodeError, ReferenceUnavailable,
+            ReportFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     verdict = "PASS" if report.passed(atol) else "FAIL"
@@ -71,12 +75,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"  first difference at step {first}: ours {report.ours[first]}, transformers {report.reference[first]}")
     print(verdict)
     if args.json_out:
-        args.json_out.write_text(json.dumps({
+        numbers = {
             "passed": report.passed(atol), "atol": atol, "dtype": args.dtype,
             "prompt_tokens": report.prompt_tokens, "num_images": report.num_images,
             "max_abs_logit_diff": report.max_abs_logit_diff, "tokens_match": report.tokens_match,
             "our_error_vs_float32": report.our_error_vs_float32,
             "reference_error_vs_float32": report.reference_error_vs_float32,
             "ours": report.ours, "reference": report.reference,
-        }, indent=2) + "\n")
+        }
+        try:
+            write_report(args.json_out, json.dumps(numbers, indent=2) + "\n")
+        except ReportFileError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     return 0 if report.passed(atol) else 1
