@@ -471,6 +471,40 @@ def test_a_file_system_without_locks_runs_with_a_warning(small_catalogue, tmp_pa
     assert len(read_lines(out)) == 2
 
 
+def test_retry_failed_runs_the_failed_records_again_once_the_data_is_fixed(reference_answers, tmp_path, capsys):
+    """The day after a run: two records had no candidates (`record` failures). Their rows are
+    fixed in place; `--retry-failed record` removes their lines and runs them again, within the
+    run's selection (--limit), each id still once, with the answers of a clean run."""
+    rows = sample_rows(6)
+    broken = [dict(row) for row in rows]
+    for index in (1, 4):
+        broken[index]["potential_product_categories"] = []
+    dataset = write_parquet(tmp_path / "catalogue", broken)
+    out = tmp_path / "p.jsonl"
+    assert extract(dataset, out) == 3
+    assert {line["id"]: line["failure"] for line in read_lines(out)} == {
+        "0": None, "1": "record", "2": None, "3": None, "4": "record", "5": None}
+    write_parquet(dataset, rows)  # the data fixed in place
+    assert extract(dataset, out) == 3  # a plain resume keeps the failures
+    assert extract(dataset, out, "--retry-failed", "engine,length") == 3  # no failure of those kinds
+    capsys.readouterr()
+
+    assert extract(dataset, out, "--retry-failed", "record", "--limit", "3") == 0  # the first 3 are all answered
+    captured = capsys.readouterr()
+    assert "1 of them failed before and run again (record: 1)" in captured.err
+    assert "retried 1 failed records (record: 1)" in captured.out
+    lines = read_lines(out)
+    assert sorted(line["id"] for line in lines) == [str(i) for i in range(6)]
+    assert {line["id"]: line["failure"] for line in lines}["4"] == "record"  # outside --limit 3: kept
+
+    assert extract(dataset, out, "--retry-failed") == 0
+    assert answers(out) == {key: value for key, value in reference_answers.items() if int(key) < 6}
+    assert len(read_lines(out)) == 6
+
+    assert extract(dataset, out, "--retry-failed", "bogus") == 1
+    assert "--retry-failed: unknown failure kind 'bogus'; the kinds are image, record" in capsys.readouterr().err
+
+
 def test_async_scheduling_reaches_the_engine_and_changes_no_answer(small_catalogue, tmp_path, monkeypatch):
     """--async-scheduling: the engine schedules ahead of reading tokens; the answers are the same,
     so a results file written either way resumes either way (it is not part of the job's identity)."""

@@ -121,6 +121,22 @@ def test_a_results_file_deleted_or_replaced_during_the_run_is_reported(tmp_path)
     same.close()
 
 
+def test_forgotten_lines_are_removed_and_their_records_can_be_written_again(tmp_path):
+    out = tmp_path / "p.jsonl"
+    results = ResultsFile.open(out, JOB)
+    for index, failure in ((0, None), (1, "engine"), (2, "record"), (3, None)):
+        results.write(line(index, failure))
+    results.close()
+    again = ResultsFile.open(out, JOB)
+    again.forget({1, 2})
+    assert again.done == {0: None, 3: None}
+    assert [json.loads(raw)["id"] for raw in out.read_text().splitlines()] == ["0", "3"]
+    again.write(line(2))  # the file was replaced by its copy: the writer follows it
+    again.close()  # and does not take the copy for a file replaced behind its back
+    assert [json.loads(raw)["id"] for raw in out.read_text().splitlines()] == ["0", "3", "2"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["p.jsonl", "p.jsonl.job.json", "p.jsonl.lock"]
+
+
 def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path):
     out = tmp_path / "p.jsonl"
     first = ResultsFile.open(out, JOB)

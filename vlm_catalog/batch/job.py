@@ -58,6 +58,7 @@ class BatchSettings:
     warmup: bool | None = None  # EngineConfig.warmup (None: on CUDA only)
     shard: Shard = WHOLE
     overwrite: bool = False
+    retry_failed: tuple[str, ...] = ()  # failure kinds whose records run again (their lines are removed first)
     ray_address: str | None = None  # None: this process; "": Ray (running cluster or local); else its address
     replicas: int | None = None  # Ray engine replicas (default: one per GPU, or per node on CPU)
     window: int | None = None  # requests in the engine at once (None: 64 on CPU, 512 on GPUs)
@@ -98,6 +99,7 @@ class BatchSummary:
     tokens: int = 0
     interrupted: bool = False
     repaired_bytes: int = 0
+    retried: Counter = field(default_factory=Counter)  # failed records whose lines --retry-failed removed, by kind
     engine_stats: dict[str, Any] = field(default_factory=dict)
     accuracy: Any = None  # AccuracyReport with --eval
 
@@ -119,7 +121,7 @@ class BatchSummary:
 
     def format(self) -> str:
         failed = sum(self.file_failures.values())
-        kinds = ", ".join(f"{kind}: {self.file_failures[kind]}" for kind in FAILURE_KINDS if self.file_failures[kind])
+        kinds = _by_kind(self.file_failures)
         head = "interrupted after" if self.interrupted else "extracted"
         lines = [
             f"{head} {self.processed} records in {self.seconds:.1f} s "
@@ -130,6 +132,8 @@ class BatchSummary:
         ]
         if self.repaired_bytes:
             lines.append(f"repaired a torn last line ({self.repaired_bytes} bytes cut)")
+        if self.retried:
+            lines.append(f"retried {sum(self.retried.values())} failed records ({_by_kind(self.retried)})")
         if self.interrupted:
             lines.append("run the same command again to resume")
         return "\n".join(lines)
@@ -144,6 +148,10 @@ class BatchSummary:
             "prompt_tokens_computed": self.engine_stats.get("num_prompt_tokens_computed", 0),
             "seconds_waiting_for_records": self.engine_stats.get("seconds_waiting_for_records", 0.0),
         }
+
+
+def _by_kind(counts: Counter) -> str:
+    return ", ".join(f"{kind}: {counts[kind]}" for kind in FAILURE_KINDS if counts[kind])
 
 
 # ------------------------------------------------------------------- checks
@@ -161,6 +169,9 @@ def check_settings(settings: BatchSettings) -> None:
         raise BatchError(f"--window must be at least 1, got {settings.window}")
     if settings.read_ahead < 0:
         raise BatchError(f"--read-ahead must be 0 or more, got {settings.read_ahead}")
+    unknown = [kind for kind in settings.retry_failed if kind not in FAILURE_KINDS]
+    if unknown:
+        raise BatchError(f"--retry-failed: unknown failure kind {unknown[0]!r}; the kinds are {', '.join(FAILURE_KINDS)}")
     if settings.replicas is not None and settings.replicas < 1:
         raise BatchError(f"--replicas must be at least 1, got {settings.replicas}")
     if settings.prompt_style not in PROMPT_STYLES:
@@ -258,12 +269,16 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
         raise BatchError(str(exc)) from None
     summary = BatchSummary(out=settings.out, selected=selected, repaired_bytes=results.repaired_bytes)
     try:
+        if settings.retry_failed:
+            summary.retried = _forget_failures(catalogue, settings, results)
         summary.skipped = sum(1 for _ in _selected_done(catalogue, settings, results))
         pending = pending_indices(len(catalogue), results.done, settings.shard, settings.limit)
         progress = Progress(selected - summary.skipped, terminal=settings.terminal, log_every_s=settings.log_every_s)
         where = "on Ray" if settings.ray_address is not None else f"on {settings.device}"
         print(f"extract: {selected - summary.skipped} of {selected} records to do {where}"
-              + (f" ({summary.skipped} already in {settings.out})" if summary.skipped else ""),
+              + (f" ({summary.skipped} already in {settings.out})" if summary.skipped else "")
+              + (f"; {sum(summary.retried.values())} of them failed before and run again "
+                 f"({_by_kind(summary.retried)})" if summary.retried else ""),
               file=progress.stream, flush=True)
         if results.lock_warning:
             print(f"warning: {results.lock_warning}", file=progress.stream, flush=True)
@@ -312,6 +327,24 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
     if settings.evaluate and not summary.interrupted:
         summary.accuracy = evaluate_results(settings, catalogue)
     return summary
+
+
+def _forget_failures(catalogue, settings: BatchSettings, results: ResultsFile) -> Counter:
+    """Remove the lines of the selected records that failed with a `--retry-failed` kind, so this
+    run does them again; the count of each kind removed."""
+    from vlm_catalog.batch.selection import selected_indices
+
+    kinds = set(settings.retry_failed)
+    retry = {
+        index for index in selected_indices(len(catalogue), settings.shard, settings.limit)
+        if results.done.get(index) in kinds
+    }
+    removed = Counter(results.done[index] for index in retry)
+    try:
+        results.forget(retry)
+    except OutputError as exc:
+        raise BatchError(str(exc)) from None
+    return removed
 
 
 def _selected_done(catalogue, settings: BatchSettings, results: ResultsFile):

@@ -129,6 +129,33 @@ class ResultsFile:
                 "this run wrote are not in it; run the same command again to redo them"
             )
 
+    def forget(self, indices: set[int]) -> None:
+        """Remove the lines of these finished records, so the run does them again (`--retry-failed`).
+
+        Called before this run writes: the file is copied without those lines and the copy
+        renamed over it, so a crash leaves either every old line or the copy, never a mix.
+        """
+        if not indices:
+            return
+
+        def copy_other_lines(copy: BinaryIO) -> None:
+            with self.path.open("rb") as original:
+                for raw in original:
+                    if _parse_line(raw)[0] not in indices:
+                        copy.write(raw)
+
+        try:
+            self._handle.flush()
+            _replace_atomically(self.path, os.stat(self.path).st_mode & 0o777, copy_other_lines, suffix=".retry")
+            self._handle.close()
+            self._handle = self.path.open("a", encoding="utf-8")
+        except OSError as exc:
+            raise ResultsWriteError(self.path, exc) from exc
+        opened = os.fstat(self._handle.fileno())
+        self._identity = (opened.st_dev, opened.st_ino)
+        for index in indices:
+            del self.done[index]
+
     def failure_counts(self) -> Counter:
         return Counter(kind for kind in self.done.values() if kind is not None)
 

@@ -31,6 +31,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="catalogue: parquet file or folder, `datasets` save_to_disk folder, or JSONL")
     parser.add_argument("--out", type=Path, required=True, help="predictions JSONL (resumed if it exists)")
     parser.add_argument("--overwrite", action="store_true", help="start afresh instead of resuming --out")
+    parser.add_argument("--retry-failed", nargs="?", const="all", default=None, metavar="KINDS",
+                        help="resuming, run the records that failed again: all of them, or those of the "
+                             "comma-separated failure KINDS (image, record, engine, length, answer); their "
+                             "old lines are removed first")
     parser.add_argument("--shard", default="0/1", metavar="I/N",
                         help="process shard I of N (records split by a stable hash of their id)")
     parser.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
@@ -67,17 +71,26 @@ def add_extraction_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace, out: Path, **overrides):
     from vlm_catalog.batch import BatchError, BatchSettings
+    from vlm_catalog.batch.requests import FAILURE_KINDS
     from vlm_catalog.batch.selection import Shard
 
     try:
         shard = Shard.parse(getattr(args, "shard", "0/1"))
     except ValueError as exc:
         raise BatchError(str(exc)) from None
+    retry_failed = getattr(args, "retry_failed", None)
+    retry_kinds = () if retry_failed is None else (
+        FAILURE_KINDS if retry_failed.strip() == "all"
+        else tuple(kind.strip() for kind in retry_failed.split(",") if kind.strip())
+    )
+    if retry_failed is not None and not retry_kinds:
+        raise BatchError(f"--retry-failed {retry_failed!r}: name failure kinds ({', '.join(FAILURE_KINDS)}) or all")
     values = dict(
         dataset=args.dataset, out=out, model=args.model, split=args.split, limit=args.limit,
         schema=args.schema, prompt_style=args.prompt_style, device=args.device, dtype=args.dtype,
         max_tokens=args.max_tokens, enable_prefix_caching=not args.no_prefix_caching,
         scheduling_policy=args.policy, **device_options(args), shard=shard, overwrite=getattr(args, "overwrite", False),
+        retry_failed=retry_kinds,
         ray_address=getattr(args, "ray", None), replicas=getattr(args, "replicas", None),
         window=getattr(args, "window", None), read_ahead=getattr(args, "read_ahead", 64), evaluate=getattr(args, "eval", False),
         log_every_s=getattr(args, "log_every", 30.0),
