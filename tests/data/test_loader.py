@@ -382,3 +382,7 @@ def test_a_damaged_label_column_loses_only_that_row_groups_labels(tmp_path):
     assert [label.category for label in labels[:8]] == [row["ground_truth_category"] for row in sample_rows(8)]
     with pytest.raises(CatalogueError, match=r"record 8: .*row group 2 of column 'ground_truth_category' cannot be read"):
         catalogue.labels()
+    scored_ones = catalogue.labels(scored=range(8))  # strict only where it scores
+    assert scored_ones[:8] == labels[:8] and scored_ones[8:] == [None] * 4
+    with pytest.raises(CatalogueError, match=r"record 9: "):
+        catalogue.labels(scored=[9, 3])

@@ -63,3 +63,23 @@ def test_a_report_path_that_cannot_be_written_is_one_line(handmade_catalogue, tm
     nested = tmp_path / "new" / "folder" / "r.json"
     assert main(["eval", "--predictions", str(predictions), "--dataset", str(handmade_catalogue), "--json", str(nested)]) == 0
     assert json.loads(nested.read_text())["num_unparsable"] == 1
+
+
+def test_eval_is_strict_only_about_the_records_it_scores(tmp_path, capsys):
+    """A shard's predictions, scored on a catalogue whose damaged labels lie in another shard: before,
+    exit 2 naming a record the predictions never mention."""
+    from tests.batch.conftest import sample_rows, write_parquet
+    from tests.data.test_loader import _damage_row_group
+
+    rows = sample_rows(12)
+    directory = write_parquet(tmp_path / "catalogue", rows, row_group_size=4)
+    _damage_row_group(directory / "data" / "test-00000-of-00001.parquet", 2, column="ground_truth_category")
+    predictions = tmp_path / "p.jsonl"
+    answer = {"category": rows[0]["ground_truth_category"], "brand": rows[0]["ground_truth_brand"], "is_secondhand": False}
+    predictions.write_text(json.dumps({"id": 0, "response": json.dumps(answer)}) + "\n")
+    assert main(["eval", "--predictions", str(predictions), "--dataset", str(directory)]) == 0
+    assert "samples: 1" in capsys.readouterr().out
+    with predictions.open("a") as handle:
+        handle.write(json.dumps({"id": 10, "response": "{}"}) + "\n")
+    assert main(["eval", "--predictions", str(predictions), "--dataset", str(directory)]) == 2
+    assert "record 10: " in capsys.readouterr().err

@@ -463,17 +463,18 @@ class Catalogue(Sequence[ProductRecord]):
             raise KeyError(f"unknown record id {key!r}: the catalogue has ids 0..{len(self) - 1}")
         return index
 
-    def labels(self) -> list[RecordLabels]:
+    def labels(self, scored: Iterable[int] | None = None) -> list[RecordLabels]:
         """Ground truth of every record, in order (no image is read).
 
         Raises `CatalogueError` naming the first record whose labels are missing
-        or wrongly typed.
+        or wrongly typed, among `scored` (default: every record). A record
+        outside `scored` with unusable labels is None in the list.
         """
         labels = self._labels()
-        for index, label in enumerate(labels):
-            if isinstance(label, str):
-                raise CatalogueError(f"{self.source}: record {index}: {label}")
-        return labels  # type: ignore[return-value]
+        for index in range(len(labels)) if scored is None else sorted(scored):
+            if isinstance(labels[index], str):
+                raise CatalogueError(f"{self.source}: record {index}: {labels[index]}")
+        return [None if isinstance(label, str) else label for label in labels]  # type: ignore[misc]
 
     def labels_or_none(self) -> list[RecordLabels | None]:
         """Like `labels`, with None for a record whose labels are unusable (to score the others)."""

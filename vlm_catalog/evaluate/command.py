@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         predictions = read_predictions(args.predictions)
         catalogue = load_catalogue(args.dataset, split=args.split)
         responses = resolve_indices(predictions, catalogue)
-        report = score(responses, catalogue.labels(), seed=args.seed, answer_schema=answer_schema)
+        labels = catalogue.labels(scored=(index for index, _ in responses))  # only the scored must be whole
+        report = score(responses, labels, seed=args.seed, answer_schema=answer_schema)
     except (PredictionsError, CatalogueError, SchemaError, ReportFileError, KeyError, ValueError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) else str(exc)
         print(f"error: {message}", file=sys.stderr)

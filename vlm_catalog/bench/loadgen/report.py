@@ -96,7 +96,8 @@ def write_accuracy(out_dir: Path, catalogue, seed: int = 12345):
     from vlm_catalog.evaluate.scoring import score
 
     predictions = read_predictions(out_dir / ACCURACY_LOG_FILE)
-    report = score(resolve_indices(predictions, catalogue), catalogue.labels(), seed=seed)
+    responses = resolve_indices(predictions, catalogue)
+    report = score(responses, catalogue.labels(scored=(index for index, _ in responses)), seed=seed)
     (out_dir / ACCURACY_FILE).write_text(accuracy_txt(report.category_hf1), encoding="utf-8")
     (out_dir / ACCURACY_JSON_FILE).write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
     return report
