@@ -56,7 +56,7 @@ from vlm_catalog.engine.sampler import sample, sample_tokens
 from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.engine.scheduler import Scheduler, SchedulerOutput
 from vlm_catalog.engine.warmup import WarmupReport, warm_up
-from vlm_catalog.model.config import ModelConfig
+from vlm_catalog.model.config import ModelConfig, ModelConfigError
 from vlm_catalog.model.loader import load_model
 from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel
 from vlm_catalog.preprocess.processor import ProcessedPrompt, PromptProcessor
@@ -677,7 +677,10 @@ def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
     ids = set()
     generation_config = Path(model_dir) / "generation_config.json"
     if generation_config.is_file():
-        eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        try:
+            eos = json.loads(generation_config.read_bytes()).get("eos_token_id")
+        except (ValueError, AttributeError) as exc:  # not JSON (a download cut short), or not an object
+            raise ModelConfigError(f"{generation_config}: not a JSON object ({exc})") from None
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)

@@ -97,9 +97,9 @@ class ModelConfig:
         if not path.is_file():
             raise ModelConfigError(f"{path} not found: a checkpoint directory needs config.json")
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelConfigError(f"{path}: not valid JSON ({exc.msg})") from None
+            raw = json.loads(path.read_bytes())  # JSON is UTF-8 whatever the locale
+        except ValueError as exc:  # not JSON, or not UTF-8
+            raise ModelConfigError(f"{path}: not valid JSON ({getattr(exc, 'msg', exc)})") from None
         return cls.from_dict(raw)
 
     @classmethod

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from kernels.fp8 import FP8_DTYPE, dequantize, per_channel_block, quantize, requantize
@@ -86,6 +86,16 @@ FP8_SAFETENSORS_DTYPE = "F8_E4M3"
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file or tensor."""
+
+
+def _open_shard(shard: Path):
+    """`safe_open` on CPU; a damaged file (a download cut short) is a `CheckpointError` naming it."""
+    try:
+        return safe_open(str(shard), framework="pt", device="cpu")
+    except SafetensorError as exc:
+        raise CheckpointError(
+            f"{shard}: not a readable safetensors file ({exc}); was it cut short while downloading?"
+        ) from None
 
 
 def load_model(
@@ -135,7 +145,7 @@ def load_model(
                       locations=locations)
     for shard, names in shards.items():
         for group in _groups_by_size(shard, names, group_bytes):
-            with safe_open(str(shard), framework="pt", device="cpu") as handle:
+            with _open_shard(shard) as handle:
                 for name in group:
                     plan.copy(name, handle, shard)
     plan.check_complete()
@@ -178,8 +188,8 @@ def checkpoint_shards(checkpoint_dir: Path) -> dict[Path, list[str]]:
     index_path = checkpoint_dir / INDEX_FILE
     if index_path.is_file():
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
+            weight_map = json.loads(index_path.read_bytes())["weight_map"]
+        except (ValueError, KeyError) as exc:  # not JSON (or not UTF-8), or no weight_map
             raise CheckpointError(f"{index_path}: not a safetensors index ({exc})") from None
         shards: dict[Path, list[str]] = {}
         for name, filename in weight_map.items():
@@ -190,7 +200,7 @@ def checkpoint_shards(checkpoint_dir: Path) -> dict[Path, list[str]]:
         return shards
     single = checkpoint_dir / SINGLE_FILE
     if single.is_file():
-        with safe_open(str(single), framework="pt") as handle:
+        with _open_shard(single) as handle:
             return {single: list(handle.keys())}
     raise CheckpointError(f"{checkpoint_dir}: no {SINGLE_FILE} and no {INDEX_FILE}")
 
@@ -331,7 +341,7 @@ class WeightPlan:
             raise CheckpointError(f"{source_name} is float8 but the checkpoint has no {scale_name}")
         if shard not in self._shard_scales:
             names = [name for name, where in self.locations.items() if where == shard and name.endswith(SCALE_SUFFIX)]
-            with safe_open(str(shard), framework="pt", device="cpu") as handle:
+            with _open_shard(shard) as handle:
                 self._shard_scales[shard] = {name: handle.get_tensor(name).float() for name in names}
         return self._shard_scales[shard][scale_name]
 
@@ -474,7 +484,7 @@ def _row_chunks(tensor: torch.Tensor, chunk_bytes: int) -> Iterator[tuple[int, i
 
 def _groups_by_size(shard: Path, names: list[str], group_bytes: int) -> Iterator[list[str]]:
     """Split a shard's tensors into groups of about `group_bytes`, in file order."""
-    with safe_open(str(shard), framework="pt") as handle:
+    with _open_shard(shard) as handle:
         present = set(handle.keys())
         missing = [name for name in names if name not in present]
         if missing:
@@ -504,6 +514,6 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8
 
 def _legacy_expert_layout(checkpoint_dir: Path) -> bool:
     """True when config.json says transformers < 5 wrote the checkpoint (transposed experts)."""
-    version = json.loads((checkpoint_dir / "config.json").read_text()).get("transformers_version", "")
+    version = json.loads((checkpoint_dir / "config.json").read_bytes()).get("transformers_version", "")
     major = version.split(".")[0]
     return major.isdigit() and int(major) < 5

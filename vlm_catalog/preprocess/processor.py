@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from vlm_catalog.model.config import ModelConfigError
 from vlm_catalog.preprocess.chat_template import load_chat_template, render_chat
 from vlm_catalog.preprocess.image import ImageProbe, ImageProcessor
 from vlm_catalog.preprocess.mrope import mrope_delta, mrope_positions
@@ -39,6 +40,10 @@ ROLES = ("system", "user", "assistant")  # the roles the chat templates render
 
 class PromptError(ValueError):
     """Messages that cannot be turned into a prompt; the message says why."""
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 @dataclass
@@ -106,13 +111,38 @@ class PromptProcessor:
         from transformers import AutoTokenizer
 
         checkpoint_dir = Path(checkpoint_dir)
-        tokenizer = AutoTokenizer.from_pretrained(str(checkpoint_dir))
-        image_processor = (
-            ImageProcessor.from_pretrained(checkpoint_dir, **image_overrides)
-            if (checkpoint_dir / "preprocessor_config.json").is_file()
-            else ImageProcessor(**image_overrides)
-        )
-        return cls(tokenizer, image_processor, load_chat_template(checkpoint_dir), image_token_id)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(checkpoint_dir))
+        except Exception as exc:  # noqa: BLE001 - tokenizers, transformers and json raise many kinds for a damaged file
+            raise ModelConfigError(f"{checkpoint_dir}: the tokenizer cannot be loaded ({_one_line(exc)})") from None
+        try:
+            image_processor = (
+                ImageProcessor.from_pretrained(checkpoint_dir, **image_overrides)
+                if (checkpoint_dir / "preprocessor_config.json").is_file()
+                else ImageProcessor(**image_overrides)
+            )
+            chat_template = load_chat_template(checkpoint_dir)
+        except (OSError, ValueError) as exc:
+            message = _one_line(exc)
+            raise ModelConfigError(message if str(checkpoint_dir) in message else f"{checkpoint_dir}: {message}") from None
+        processor = cls(tokenizer, image_processor, chat_template, image_token_id)
+        try:
+            processor.check_template()
+        except PromptError as exc:
+            raise ModelConfigError(f"{checkpoint_dir}: the chat template cannot make a prompt: {exc}") from None
+        return processor
+
+    def check_template(self) -> None:
+        """Render a user turn with one image and a text; `PromptError` unless the template renders
+        it with exactly one image placeholder. Run at load, so a broken template stops the start,
+        not every request after it."""
+        probe = [{"role": "user", "content": [{"type": "image", "image": b""}, {"type": "text", "text": "a"}]}]
+        text, _ = self.render(probe)
+        placeholders = self.tokenizer(text, add_special_tokens=False)["input_ids"].count(self.image_token_id)
+        if placeholders != 1:
+            raise PromptError(
+                f"it renders {placeholders} image placeholders ({self.image_token!r}) for one image"
+            )
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> tuple[str, list[Any]]:
         """The prompt text (one placeholder per image) and the image inputs in order."""

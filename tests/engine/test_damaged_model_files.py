@@ -1,0 +1,49 @@
+"""A checkpoint folder with a damaged file (a download cut short, a bad edit) fails at start-up
+with one error naming the file: never a traceback, and never a template that fails every request."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+
+from vlm_catalog.engine.llm_engine import LLMEngine
+from vlm_catalog.model.config import ModelConfigError
+from vlm_catalog.model.loader import CheckpointError
+
+
+def cut_short(path):
+    path.write_bytes(path.read_bytes()[:30])
+
+
+DAMAGE = {
+    # file: (how it is damaged, the error type, what the message says)
+    "config.json": (cut_short, ModelConfigError, "config.json: not valid JSON"),
+    "model.safetensors": (cut_short, CheckpointError, "model.safetensors: not a readable safetensors file"),
+    "tokenizer.json": (cut_short, ModelConfigError, "the tokenizer cannot be loaded"),
+    "tokenizer_config.json": (cut_short, ModelConfigError, "the tokenizer cannot be loaded"),
+    "preprocessor_config.json": (cut_short, ModelConfigError, "preprocessor_config.json is not valid JSON"),
+    "generation_config.json": (cut_short, ModelConfigError, "generation_config.json: not a JSON object"),
+    "chat_template.jinja": (lambda path: path.write_text("{% for m in %}"), ModelConfigError,
+                            "the chat template cannot make a prompt: the chat template rejected the messages"),
+    "chat_template.jinja ": (lambda path: path.write_text("{% for m in messages %}{{ m.role }}{% endfor %}"),
+                             ModelConfigError, "it renders 0 image placeholders ('<|image_pad|>') for one image"),
+}
+
+
+@pytest.mark.parametrize("name", list(DAMAGE), ids=[name.strip() + ("-no-image" if name.endswith(" ") else "")
+                                                    for name in DAMAGE])
+def test_a_damaged_file_is_named_at_start_up(engine_checkpoint, tmp_path, name):
+    damage, error, message = DAMAGE[name]
+    model = tmp_path / "model"
+    shutil.copytree(engine_checkpoint, model)
+    damage(model / name.strip())  # a chat_template.jinja written takes precedence over any other template
+    with pytest.raises(error, match=re.escape(message)):
+        LLMEngine(model=model)
+
+
+def test_the_undamaged_copy_starts(engine_checkpoint, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(engine_checkpoint, model)
+    assert LLMEngine(model=model).processor.image_token == "<|image_pad|>"
