@@ -63,6 +63,12 @@ def jpeg_bytes(colour: tuple[int, int, int], size: tuple[int, int] = (48, 40)) -
     return buffer.getvalue()
 
 
+def write_lfs_pointer(path: Path) -> None:
+    """What `git clone` without git-lfs leaves in place of a large file."""
+    path.write_text("version https://git-lfs.github.com/spec/v1\n"
+                    "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 6615504\n")
+
+
 def png_bomb() -> bytes:
     """A 69-byte PNG whose header claims 100000 x 100000 pixels (a decompression bomb)."""
     def chunk(kind: bytes, data: bytes) -> bytes:

@@ -7,7 +7,13 @@ import tracemalloc
 import datasets
 import pytest
 
-from tests.conftest import CATALOGUE_FEATURES, handmade_rows, jpeg_bytes, write_catalogue
+from tests.conftest import (
+    CATALOGUE_FEATURES,
+    handmade_rows,
+    jpeg_bytes,
+    write_catalogue,
+    write_lfs_pointer,
+)
 from vlm_catalog.data.jsonl import MAX_LINE_BYTES
 from vlm_catalog.data.loader import CatalogueError, load_catalogue
 
@@ -174,6 +180,23 @@ def test_an_unpaired_surrogate_is_the_record_s_failure(tmp_path):
     assert "product_description: has an unpaired surrogate" in items[1].error
     assert "potential_product_categories: position 1: has an unpaired surrogate" in items[2].error
     assert items[3].record.title == "Tee \U0001f455"  # a surrogate pair is one valid character
+
+
+def test_git_lfs_pointers_are_named_with_the_fix(tmp_path):
+    """A dataset repository cloned without git-lfs: its parquet files and images are pointers."""
+    write_catalogue(tmp_path / "shop", handmade_rows())
+    for parquet in (tmp_path / "shop").rglob("*.parquet"):
+        write_lfs_pointer(parquet)
+    with pytest.raises(CatalogueError, match="is a Git LFS pointer, not the file itself .* run `git lfs pull`"):
+        load_catalogue(tmp_path / "shop")
+    (tmp_path / "a.jpg").write_bytes(jpeg_bytes((1, 2, 3)))
+    write_lfs_pointer(tmp_path / "b.jpg")
+    base = {"title": "t", "description": "d", "candidates": ["A > B"]}
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps({**base, "image": name}) + "\n" for name in ("a.jpg", "b.jpg")))
+    items = list(load_catalogue(path).items())
+    assert items[0].record is not None
+    assert items[1].kind == "image" and "b.jpg is a Git LFS pointer" in items[1].error
 
 
 def test_attribute_lines_end_only_at_newline_and_errors_name_the_line(handmade_catalogue):

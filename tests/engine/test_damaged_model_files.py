@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from tests.conftest import write_lfs_pointer
 from vlm_catalog.engine.llm_engine import LLMEngine
 from vlm_catalog.model.config import ModelConfigError
 from vlm_catalog.model.loader import CheckpointError
@@ -27,13 +28,18 @@ DAMAGE = {
     "generation_config.json": (cut_short, ModelConfigError, "generation_config.json: not a JSON object"),
     "chat_template.jinja": (lambda path: path.write_text("{% for m in %}"), ModelConfigError,
                             "the chat template cannot make a prompt: the chat template rejected the messages"),
+    "model.safetensors  ": (write_lfs_pointer, ModelConfigError, "model.safetensors is a Git LFS pointer, not the file"),
+    "tokenizer.json  ": (write_lfs_pointer, ModelConfigError, "tokenizer.json is a Git LFS pointer, not the file"),
     "chat_template.jinja ": (lambda path: path.write_text("{% for m in messages %}{{ m.role }}{% endfor %}"),
                              ModelConfigError, "it renders 0 image placeholders ('<|image_pad|>') for one image"),
 }
 
 
-@pytest.mark.parametrize("name", list(DAMAGE), ids=[name.strip() + ("-no-image" if name.endswith(" ") else "")
-                                                    for name in DAMAGE])
+def case_id(name: str) -> str:
+    return name.strip() + {0: "", 1: "-no-image", 2: "-lfs-pointer"}[len(name) - len(name.rstrip())]
+
+
+@pytest.mark.parametrize("name", list(DAMAGE), ids=[case_id(name) for name in DAMAGE])
 def test_a_damaged_file_is_named_at_start_up(engine_checkpoint, tmp_path, name):
     damage, error, message = DAMAGE[name]
     model = tmp_path / "model"

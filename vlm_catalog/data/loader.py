@@ -66,6 +66,7 @@ from vlm_catalog.data.format import (
     CatalogueError,
 )
 from vlm_catalog.data.jsonl import JsonlLine, read_lines
+from vlm_catalog.lfs_pointer import first_lfs_pointer, is_lfs_pointer, pointer_message
 from vlm_catalog.preprocess.image_decode import (
     DEFAULT_MAX_DECODE_PIXELS,
     ImageDecodeError,
@@ -172,6 +173,8 @@ class _ParquetRows:
                 # buffered: pages are read as they are decoded, not whole column chunks at once
                 parquet = pq.ParquetFile(file, buffer_size=PARQUET_READ_BUFFER_BYTES, pre_buffer=False)
             except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
+                if first_lfs_pointer([file]) is not None:
+                    raise CatalogueError(pointer_message(file)) from None
                 raise CatalogueError(f"{file}: is not a readable parquet file ({exc})") from None
             self._files.append(parquet)
             file_names = parquet.schema_arrow.names
@@ -653,7 +656,10 @@ def _read_image_file(name: Any, image_root: Path | None) -> bytes:
     size = target.stat().st_size
     if size > MAX_IMAGE_FILE_BYTES:
         raise _RecordProblem("image", f"{IMAGE}: image file {name!r} has {size} bytes, over the limit of {MAX_IMAGE_FILE_BYTES}")
-    return target.read_bytes()
+    data = target.read_bytes()
+    if is_lfs_pointer(data):
+        raise _RecordProblem("image", f"{IMAGE}: {pointer_message(Path(name))}")
+    return data
 
 
 # ---------------------------------------------------------------------- loading

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlm_catalog.lfs_pointer import first_lfs_pointer, pointer_message
 from vlm_catalog.model.fp8 import Fp8BlockQuantization
 
 SUPPORTED_MODEL_TYPES = ("qwen3_vl_moe",)
@@ -96,6 +97,9 @@ class ModelConfig:
         path = Path(checkpoint_dir) / "config.json"
         if not path.is_file():
             raise ModelConfigError(f"{path} not found: a checkpoint directory needs config.json")
+        pointer = first_lfs_pointer(sorted(Path(checkpoint_dir).iterdir()))  # every front door reads this first
+        if pointer is not None:
+            raise ModelConfigError(pointer_message(pointer))
         try:
             raw = json.loads(path.read_bytes())  # JSON is UTF-8 whatever the locale
         except ValueError as exc:  # not JSON, or not UTF-8
