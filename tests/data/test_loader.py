@@ -189,6 +189,13 @@ def test_git_lfs_pointers_are_named_with_the_fix(tmp_path):
         write_lfs_pointer(parquet)
     with pytest.raises(CatalogueError, match="is a Git LFS pointer, not the file itself .* run `git lfs pull`"):
         load_catalogue(tmp_path / "shop")
+    rows = handmade_rows()
+    columns = {name: [row[name] for row in rows] for name in CATALOGUE_FEATURES}
+    datasets.Dataset.from_dict(columns, features=CATALOGUE_FEATURES).save_to_disk(str(tmp_path / "saved"))
+    for arrow in (tmp_path / "saved").rglob("*.arrow"):
+        write_lfs_pointer(arrow)
+    with pytest.raises(CatalogueError, match=r"data-00000-of-00001.arrow is a Git LFS pointer"):
+        load_catalogue(tmp_path / "saved")
     (tmp_path / "a.jpg").write_bytes(jpeg_bytes((1, 2, 3)))
     write_lfs_pointer(tmp_path / "b.jpg")
     base = {"title": "t", "description": "d", "candidates": ["A > B"]}

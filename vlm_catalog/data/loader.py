@@ -712,6 +712,9 @@ def _read_splits(path: Path) -> tuple[dict[str, _Rows], Path]:
         try:
             loaded = datasets.load_from_disk(str(path))
         except Exception as exc:  # datasets raises many kinds for a damaged directory
+            pointer = first_lfs_pointer(files)
+            if pointer is not None:
+                raise CatalogueError(pointer_message(pointer)) from None
             raise CatalogueError(f"{path}: cannot be read as a `datasets` directory ({exc})") from None
         if isinstance(loaded, datasets.DatasetDict):
             return {name: _DatasetRows(split, files) for name, split in loaded.items()}, path
