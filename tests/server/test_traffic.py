@@ -18,6 +18,7 @@ from tests.server.conftest import (
     call_many,
     chat_body,
     load_is_zero,
+    product_json,
     wait_until,
 )
 from vlm_catalog.engine.async_engine import AsyncLLM
@@ -50,6 +51,20 @@ def test_past_capacity_requests_get_429_with_retry_after(small_engine):
     assert wait_until(lambda: load_is_zero(small_engine), timeout=5)
     # once the burst is over, the service takes requests again
     assert call(app, "POST", "/v1/chat/completions", json=chat_body()).status_code == 200
+
+
+def test_a_batch_larger_than_the_service_can_ever_hold_is_400_not_429(small_engine, records):
+    """max_batch_products (64) above the capacity (2 running + 1 waiting): before, a 429 saying
+    "0 requests in flight, at most 3; retry in 1 s", which no retry could pass."""
+    app = create_app(small_engine, ServerSettings(max_waiting_requests=1))
+    products = [product_json(records[index % len(records)]) for index in range(4)]
+    response = call(app, "POST", "/v1/extract/batch", json={"products": products})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "batch_too_large" and error["param"] == "products"
+    assert "holds at most 3 requests at once" in error["message"]
+    answered = call(app, "POST", "/v1/extract/batch", json={"products": products[:3]})
+    assert answered.status_code == 200 and len(answered.json()["results"]) == 3
 
 
 def test_a_request_past_its_timeout_is_answered_408_and_aborted(small_engine):

@@ -72,6 +72,12 @@ async def extract_batch(body: ExtractBatchRequest, request: Request):
     if len(body.products) > limit:
         raise bad_request(f"the batch has {len(body.products)} products; at most {limit} are allowed",
                           param="products", code="batch_too_large")
+    if len(body.products) > state.gateway.capacity:  # a 429 would never turn into a 200 on retry
+        raise bad_request(
+            f"the batch has {len(body.products)} products; this service holds at most {state.gateway.capacity} "
+            "requests at once (max_num_seqs + max_waiting_requests), so send at most that many per call",
+            param="products", code="batch_too_large",
+        )
     with state.gateway.admit(len(body.products)):
         results = await until_disconnected(
             request, lambda: asyncio.gather(*(_one_of_batch(state, i, p) for i, p in enumerate(body.products)))
