@@ -45,6 +45,8 @@ def test_argument_and_output_problems_are_found_before_any_work(small_catalogue,
         # before, a pipe (as /dev/stdout often is) was read to resume from it: a hang
         "results go to a regular file": [small_catalogue, fifo],
         "not to stdout, a pipe or a device": [small_catalogue, "-"],
+        # even where stdout is a file: the lock, the job file and the atomic renames would land in /dev
+        "results go to a regular file, which": [small_catalogue, "/dev/stdout"],
         "is a file of the dataset": [small_catalogue.parent / "x" / "..", small_catalogue / "data" / "test-00000-of-00001.parquet"],
         "inside the dataset directory": [small_catalogue, small_catalogue / "p.jsonl"],
         "expected a .parquet or .jsonl": [not_parquet, out],

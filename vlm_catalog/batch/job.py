@@ -208,7 +208,8 @@ def engine_config(settings: BatchSettings):
 def check_output_path(out: Path, catalogue) -> None:
     """Refuse an output that cannot be written or that would touch the dataset."""
     out = Path(out)
-    if str(out) == "-" or (out.exists() and not out.is_dir() and not out.is_file()):
+    special = str(out) == "-" or out.absolute().parts[1:2] in (("dev",), ("proc",))  # /dev/stdout, /proc/self/fd/1
+    if special or (out.exists() and not out.is_dir() and not out.is_file()):
         raise BatchError(
             f"--out {out}: results go to a regular file, which a later run resumes from; not to stdout, "
             "a pipe or a device. Give a file name such as predictions.jsonl"
