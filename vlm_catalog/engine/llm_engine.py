@@ -126,6 +126,7 @@ class LLMEngine:
         weights); otherwise the weights are loaded from `config.model`, which always
         provides the config, tokenizer, chat template and preprocessor settings."""
         config = config or EngineConfig(**overrides)
+        check_device_present(config.torch_device)
         self.config = config
         self.tuned_tables = self._tuned_tables()  # read first: a broken table fails here, not mid-step
         if config.tune_cpu_allocator and config.torch_device.type == "cpu":
@@ -670,6 +671,23 @@ class LLMEngine:
             # the start-up warm-up (engine/warmup.py); None when it did not run
             "warmup": asdict(self.warmup_report) if self.warmup_report is not None else None,
         }
+
+
+def check_device_present(device: torch.device) -> None:
+    """`EngineConfigError` for a CUDA device this process cannot use (a CPU-only torch build, no GPU
+    visible, an index past the last GPU), before anything touches it."""
+    if device.type != "cuda":
+        return
+    if torch.version.cuda is None:
+        raise EngineConfigError(
+            f"device {device}: this torch {torch.__version__} is a CPU-only build; install a CUDA build "
+            "of torch (README: on a GPU machine) or use the cpu device"
+        )
+    if not torch.cuda.is_available():
+        raise EngineConfigError(f"device {device}: no CUDA GPU is visible (check the driver and CUDA_VISIBLE_DEVICES)")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise EngineConfigError(f"device {device}: this machine shows {count} GPU(s), cuda:0 to cuda:{count - 1}")
 
 
 def eos_token_ids(model_dir: Path, tokenizer) -> frozenset[int]:
