@@ -21,6 +21,7 @@ def cut_short(path):
 DAMAGE = {
     # file: (how it is damaged, the error type, what the message says)
     "config.json": (cut_short, ModelConfigError, "config.json: not valid JSON"),
+    "config.json ": (lambda path: path.write_text("[]"), ModelConfigError, "config.json: holds a JSON list, not an object"),
     "model.safetensors": (cut_short, CheckpointError, "model.safetensors: not a readable safetensors file"),
     "tokenizer.json": (cut_short, ModelConfigError, "the tokenizer cannot be loaded"),
     "tokenizer_config.json": (cut_short, ModelConfigError, "the tokenizer cannot be loaded"),
@@ -36,7 +37,8 @@ DAMAGE = {
 
 
 def case_id(name: str) -> str:
-    return name.strip() + {0: "", 1: "-no-image", 2: "-lfs-pointer"}[len(name) - len(name.rstrip())]
+    kind = {0: "", 1: "-not-an-object" if name.startswith("config") else "-no-image", 2: "-lfs-pointer"}
+    return name.strip() + kind[len(name) - len(name.rstrip())]
 
 
 @pytest.mark.parametrize("name", list(DAMAGE), ids=[case_id(name) for name in DAMAGE])

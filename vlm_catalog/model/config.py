@@ -104,6 +104,8 @@ class ModelConfig:
             raw = json.loads(path.read_bytes())  # JSON is UTF-8 whatever the locale
         except ValueError as exc:  # not JSON, or not UTF-8
             raise ModelConfigError(f"{path}: not valid JSON ({getattr(exc, 'msg', exc)})") from None
+        if not isinstance(raw, dict):
+            raise ModelConfigError(f"{path}: holds a JSON {type(raw).__name__}, not an object")
         return cls.from_dict(raw)
 
     @classmethod

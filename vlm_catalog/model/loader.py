@@ -189,7 +189,7 @@ def checkpoint_shards(checkpoint_dir: Path) -> dict[Path, list[str]]:
     if index_path.is_file():
         try:
             weight_map = json.loads(index_path.read_bytes())["weight_map"]
-        except (ValueError, KeyError) as exc:  # not JSON (or not UTF-8), or no weight_map
+        except (ValueError, KeyError, TypeError) as exc:  # not JSON (or not UTF-8), or no weight_map
             raise CheckpointError(f"{index_path}: not a safetensors index ({exc})") from None
         shards: dict[Path, list[str]] = {}
         for name, filename in weight_map.items():
