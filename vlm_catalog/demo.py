@@ -32,12 +32,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from vlm_catalog.batch import BatchError, run_batch
     from vlm_catalog.extract.command import settings_from_args
+    from vlm_catalog.report_file import ReportFileError, check_report_path, write_report
 
     predictions = args.out_dir / "predictions.jsonl"
+    report_path = args.out_dir / "report.json"
     print(f"model: {args.model}\ncatalogue: {args.dataset}")
     try:
+        if args.out_dir.exists() and not args.out_dir.is_dir():
+            raise BatchError(f"--out-dir {args.out_dir} is a file; give a folder for the predictions and report")
+        check_report_path(report_path, option="--out-dir")
         summary = run_batch(settings_from_args(args, predictions, overwrite=True, evaluate=True))
-    except BatchError as exc:
+    except (BatchError, ReportFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if summary.interrupted:
@@ -54,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(summary.accuracy.format_table())
     report = {"extraction": stats, "accuracy": summary.accuracy.to_dict()}
-    (args.out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {predictions} and {args.out_dir / 'report.json'}")
+    try:
+        write_report(report_path, json.dumps(report, indent=2) + "\n", option="--out-dir")
+    except ReportFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"\nwrote {predictions} and {report_path}")
     return 0

@@ -15,18 +15,18 @@ class ReportFileError(ValueError):
     """The report file cannot be written; the message names it and says why."""
 
 
-def check_report_path(path: Path) -> None:
-    """Refuse a folder; create the report's folder if it is missing."""
+def check_report_path(path: Path, option: str = "--json") -> None:
+    """Refuse a folder; create the report's folder if it is missing (`option`: the argument named)."""
     if path.is_dir():
-        raise ReportFileError(f"--json {path} is a folder; give a file name such as {path / 'report.json'}")
+        raise ReportFileError(f"{option} {path} is a folder; give a file name such as {path / 'report.json'}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ReportFileError(f"--json {path}: cannot create its folder {path.parent} ({exc.strerror})") from None
+        raise ReportFileError(f"{option} {path}: cannot create its folder {path.parent} ({exc.strerror})") from None
 
 
-def write_report(path: Path, text: str) -> None:
+def write_report(path: Path, text: str, option: str = "--json") -> None:
     try:
         path.write_text(text, encoding="utf-8")
     except OSError as exc:
-        raise ReportFileError(f"--json {path}: cannot write it ({exc.strerror or exc})") from None
+        raise ReportFileError(f"{option} {path}: cannot write it ({exc.strerror or exc})") from None

@@ -28,6 +28,18 @@ def test_demo_scores_against_the_random_baseline(tmp_path, capsys):
     assert report["extraction"]["records"] == 4 and report["accuracy"]["num_samples"] == 4
 
 
+def test_demo_refuses_an_out_dir_it_cannot_write_before_any_work(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert main(["demo", "--limit", "1", "--out-dir", str(a_file)]) == 1
+    assert capsys.readouterr().err == f"error: --out-dir {a_file} is a file; give a folder for the predictions and report\n"
+    (tmp_path / "out" / "report.json").mkdir(parents=True)  # the report's name taken by a folder
+    assert main(["demo", "--limit", "1", "--out-dir", str(tmp_path / "out")]) == 1
+    captured = capsys.readouterr()
+    assert "--out-dir " in captured.err and "report.json is a folder" in captured.err and "records in" not in captured.out
+    assert not (tmp_path / "out" / "predictions.jsonl").exists()
+
+
 def test_extract_reports_a_missing_dataset(tmp_path, capsys):
     assert main(["extract", "--dataset", str(tmp_path / "none"), "--out", str(tmp_path / "p.jsonl")]) == 1
     err = capsys.readouterr().err
