@@ -83,3 +83,31 @@ def test_eval_is_strict_only_about_the_records_it_scores(tmp_path, capsys):
         handle.write(json.dumps({"id": 10, "response": "{}"}) + "\n")
     assert main(["eval", "--predictions", str(predictions), "--dataset", str(directory)]) == 2
     assert "record 10: " in capsys.readouterr().err
+
+
+def test_predictions_of_one_split_are_not_scored_against_another(tmp_path, capsys):
+    """`extract --split test` writes ids that are rows of the test split; `eval` without `--split`
+    would meet the train split's labels at those ids and score silently wrong. The job file beside
+    the predictions says which rows they are."""
+    from tests.conftest import handmade_rows, write_catalogue
+
+    rows = handmade_rows()
+    write_catalogue(tmp_path / "shop", rows[:2], split="train")
+    write_catalogue(tmp_path / "shop", rows[2:], split="test")
+    out = tmp_path / "p.jsonl"
+    dataset = str(tmp_path / "shop")
+    assert main(["extract", "--dataset", dataset, "--split", "test", "--out", str(out), "--max-tokens", "60"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--predictions", str(out), "--dataset", dataset]) == 2
+    error = capsys.readouterr().err
+    assert "was made with --split test (p.jsonl.job.json)" in error and "not all splits" in error
+    assert main(["eval", "--predictions", str(out), "--dataset", dataset, "--split", "test"]) == 0
+    assert "samples: 1" in capsys.readouterr().out
+
+    job_file = tmp_path / "p.jsonl.job.json"
+    job = json.loads(job_file.read_text())
+    job_file.write_text(json.dumps({**job, "num_records": 5}))  # as if the catalogue had changed since
+    assert main(["eval", "--predictions", str(out), "--dataset", dataset, "--split", "test"]) == 2
+    assert "made on a catalogue of 5 records (p.jsonl.job.json); this one has 1" in capsys.readouterr().err
+    job_file.write_text("not json")  # a job file that cannot be read checks nothing
+    assert main(["eval", "--predictions", str(out), "--dataset", dataset, "--split", "test"]) == 0

@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
             raise SchemaError(f"schema {args.schema!r} lacks category/brand/is_secondhand")
         predictions = read_predictions(args.predictions)
         catalogue = load_catalogue(args.dataset, split=args.split)
+        check_extract_job(args.predictions, args.split, len(catalogue))
         responses = resolve_indices(predictions, catalogue)
         labels = catalogue.labels(scored=(index for index, _ in responses))  # only the scored must be whole
         report = score(responses, labels, seed=args.seed, answer_schema=answer_schema)
@@ -66,6 +67,39 @@ def run(args: argparse.Namespace) -> int:
             return 2
         print(f"wrote {args.json_out}")
     return 0
+
+
+def check_extract_job(predictions: Path, split: str | None, num_records: int) -> None:
+    """`PredictionsError` if the `vlm-catalog extract` job that wrote `predictions` (its
+    `.job.json` beside it) selected other rows than this catalogue and `--split` hold.
+
+    A record id is a row index of the splits chosen, so predictions made with `--split test`
+    and scored without it would each meet another record's labels, and score silently wrong.
+    """
+    from vlm_catalog.batch.output import JOB_SUFFIX
+    from vlm_catalog.evaluate.predictions import PredictionsError
+
+    job_file = predictions.with_name(predictions.name + JOB_SUFFIX)
+    try:
+        job = json.loads(job_file.read_bytes())
+    except (OSError, ValueError):
+        return  # not written by extract (a concatenation of shards, a LoadGen log, a pipe)
+    if not isinstance(job, dict) or "split" not in job or "num_records" not in job:
+        return
+
+    def splits(value: str | None) -> str:
+        return "all splits" if value is None else f"--split {value}"
+
+    if job["split"] != split:
+        raise PredictionsError(
+            f"{predictions} was made with {splits(job['split'])} ({job_file.name}), and its ids are rows of "
+            f"that selection; score it with the same, not {splits(split)}"
+        )
+    if job["num_records"] != num_records:
+        raise PredictionsError(
+            f"{predictions} was made on a catalogue of {job['num_records']} records ({job_file.name}); this "
+            f"one has {num_records}, so its ids would meet other records' labels"
+        )
 
 
 def resolve_indices(predictions, catalogue) -> list[tuple[int, str]]:
