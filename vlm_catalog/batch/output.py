@@ -55,15 +55,13 @@ class ResultsFile:
     def __init__(self, path: Path, lock_handle, handle, done: dict[int, str | None]) -> None:
         self.path = path
         self._lock_handle = lock_handle
-        self._handle = handle
         self.done = done  # record index -> failure kind (None: answered)
         self.repaired_bytes = 0
         self.dropped_lines = 0
         self.lock_warning: str | None = None  # the file system has no locks: the run is not locked
         self._unsynced = 0
         self._written = 0  # lines this run appended
-        opened = os.fstat(handle.fileno())
-        self._identity = (opened.st_dev, opened.st_ino)
+        self._follow(handle)
 
     # ----------------------------------------------------------------- open
     @classmethod
@@ -114,6 +112,12 @@ class ResultsFile:
         if self._unsynced == 0:
             self._check_still_at_path(os.fstat(self._handle.fileno()).st_size)
 
+    def _follow(self, handle) -> None:
+        """Append through `handle` from now on, and remember which file it is (`_check_still_at_path`)."""
+        self._handle = handle
+        opened = os.fstat(handle.fileno())
+        self._identity = (opened.st_dev, opened.st_ino)
+
     def _check_still_at_path(self, size: int) -> None:
         """Raise `OutputError` if `path` no longer names the file being written, `size` bytes long
         (it was deleted, moved or replaced during the run): the lines written would be lost unseen.
@@ -148,11 +152,9 @@ class ResultsFile:
             self._handle.flush()
             _replace_atomically(self.path, os.stat(self.path).st_mode & 0o777, copy_other_lines, suffix=".retry")
             self._handle.close()
-            self._handle = self.path.open("a", encoding="utf-8")
+            self._follow(self.path.open("a", encoding="utf-8"))
         except OSError as exc:
             raise ResultsWriteError(self.path, exc) from exc
-        opened = os.fstat(self._handle.fileno())
-        self._identity = (opened.st_dev, opened.st_ino)
         for index in indices:
             del self.done[index]
 

@@ -66,6 +66,7 @@ from vlm_catalog.data.format import (
     CatalogueError,
 )
 from vlm_catalog.data.jsonl import JsonlLine, read_lines
+from vlm_catalog.error_text import one_line
 from vlm_catalog.lfs_pointer import first_lfs_pointer, is_lfs_pointer, pointer_message
 from vlm_catalog.preprocess.image_decode import (
     DEFAULT_MAX_DECODE_PIXELS,
@@ -228,7 +229,7 @@ class _ParquetRows:
                 group_stop = self._starts[group + 1] if group + 1 < len(self._starts) else self._num_rows
                 file_number, group_number = self._groups[group]
                 reason = (f"{self.input_files[file_number]}: row group {group_number} cannot be read from row "
-                          f"{index} on ({_one_line(exc)})")
+                          f"{index} on ({one_line(exc)})")
                 end = min(stop, group_stop)
                 yield from [reason] * (end - index)
                 index = end
@@ -249,7 +250,7 @@ class _ParquetRows:
                         values.extend(parquet.read_row_group(group, columns=[name]).column(name).to_pylist())
                     except Exception as exc:
                         unreadable = Unreadable(f"{file}: row group {group} of column {name!r} cannot be read "
-                                                f"({_one_line(exc)})")
+                                                f"({one_line(exc)})")
                         values.extend([unreadable] * parquet.metadata.row_group(group).num_rows)
         return values
 
@@ -259,10 +260,6 @@ class Unreadable:
     """A value the file holds but cannot give back (damaged data); `reason` says where and why."""
 
     reason: str
-
-
-def _one_line(exc: Exception) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 @dataclass
@@ -466,7 +463,7 @@ class Catalogue(Sequence[ProductRecord]):
             raise KeyError(f"unknown record id {key!r}: the catalogue has ids 0..{len(self) - 1}")
         return index
 
-    def labels(self, scored: Iterable[int] | None = None) -> list[RecordLabels]:
+    def labels(self, scored: Iterable[int] | None = None) -> list[RecordLabels | None]:
         """Ground truth of every record, in order (no image is read).
 
         Raises `CatalogueError` naming the first record whose labels are missing
@@ -477,11 +474,11 @@ class Catalogue(Sequence[ProductRecord]):
         for index in range(len(labels)) if scored is None else sorted(scored):
             if isinstance(labels[index], str):
                 raise CatalogueError(f"{self.source}: record {index}: {labels[index]}")
-        return [None if isinstance(label, str) else label for label in labels]  # type: ignore[misc]
+        return [None if isinstance(label, str) else label for label in labels]
 
     def labels_or_none(self) -> list[RecordLabels | None]:
         """Like `labels`, with None for a record whose labels are unusable (to score the others)."""
-        return [None if isinstance(label, str) else label for label in self._labels()]
+        return self.labels(scored=())
 
     def _labels(self) -> list[RecordLabels | str]:
         if not self.has_labels:

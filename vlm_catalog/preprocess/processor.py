@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from vlm_catalog.error_text import one_line
 from vlm_catalog.model.config import ModelConfigError
 from vlm_catalog.preprocess.chat_template import load_chat_template, render_chat
 from vlm_catalog.preprocess.image import ImageProbe, ImageProcessor
@@ -40,10 +41,6 @@ ROLES = ("system", "user", "assistant")  # the roles the chat templates render
 
 class PromptError(ValueError):
     """Messages that cannot be turned into a prompt; the message says why."""
-
-
-def _one_line(exc: Exception) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 @dataclass
@@ -114,7 +111,7 @@ class PromptProcessor:
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(checkpoint_dir))
         except Exception as exc:  # noqa: BLE001 - tokenizers, transformers and json raise many kinds for a damaged file
-            raise ModelConfigError(f"{checkpoint_dir}: the tokenizer cannot be loaded ({_one_line(exc)})") from None
+            raise ModelConfigError(f"{checkpoint_dir}: the tokenizer cannot be loaded ({one_line(exc)})") from None
         try:
             image_processor = (
                 ImageProcessor.from_pretrained(checkpoint_dir, **image_overrides)
@@ -123,7 +120,7 @@ class PromptProcessor:
             )
             chat_template = load_chat_template(checkpoint_dir)
         except (OSError, ValueError) as exc:
-            message = _one_line(exc)
+            message = one_line(exc)
             raise ModelConfigError(message if str(checkpoint_dir) in message else f"{checkpoint_dir}: {message}") from None
         processor = cls(tokenizer, image_processor, chat_template, image_token_id)
         try:
