@@ -74,11 +74,23 @@ def test_logprobs_report_the_sampled_token_and_top_alternatives():
     ("kwargs", "message"),
     [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
      ({"top_k": -5}, "top_k"), ({"min_p": 2}, "min_p"), ({"stop": [""]}, "stop"),
-     ({"regex": "a", "choice": ["b"]}, "at most one"), ({"choice": []}, "choice"), ({"logprobs": 99}, "logprobs")],
+     ({"regex": "a", "choice": ["b"]}, "at most one"), ({"choice": []}, "choice"), ({"logprobs": 99}, "logprobs"),
+     # wrong types and seeds torch cannot take: refused here, not as a TypeError inside a step
+     ({"seed": 2**64}, "seed"), ({"seed": -1}, "seed"), ({"seed": "abc"}, "seed must be an integer"),
+     ({"seed": 1.5}, "seed must be an integer"), ({"max_tokens": True}, "max_tokens must be an integer"),
+     ({"temperature": "0.5"}, "temperature must be a number"), ({"top_p": None}, "top_p must be a number"),
+     ({"top_k": 2.0}, "top_k must be an integer"), ({"stop_token_ids": [1.0]}, "stop_token_ids"),
+     ({"stop": 5}, "stop and stop_token_ids must be lists")],
 )
 def test_invalid_settings_are_named(kwargs, message):
     with pytest.raises(SamplingParamsError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_none_stop_lists_mean_no_stops_as_in_vllm():
+    params = SamplingParams(stop=None, stop_token_ids=None, seed=2**63 - 1)
+    assert params.stop == [] and params.stop_token_ids == []
+    torch.Generator().manual_seed(params.seed)  # the largest seed allowed is one torch takes
 
 
 def reference_probabilities(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:

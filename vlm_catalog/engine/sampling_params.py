@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 OUTPUT_KINDS = ("cumulative", "final_only")
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 
 
 class SamplingParamsError(ValueError):
@@ -48,13 +49,27 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise SamplingParamsError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        self.stop = [] if self.stop is None else self.stop  # None as vLLM takes it: no stops
+        self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        for name in ("max_tokens", "top_k", "seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_integer(value):
+                raise SamplingParamsError(f"{name} must be an integer, got {value!r}")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if not _is_number(value):
+                raise SamplingParamsError(f"{name} must be a number, got {value!r}")
+        if not isinstance(self.stop, (list, tuple)) or not isinstance(self.stop_token_ids, (list, tuple)):
+            raise SamplingParamsError("stop and stop_token_ids must be lists")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise SamplingParamsError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
+        if self.max_tokens < 1:
+            raise SamplingParamsError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
             raise SamplingParamsError(f"temperature must be in [0, 100], got {self.temperature}")
         if self.top_k == -1:
             self.top_k = 0
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if self.top_k < 0:
             raise SamplingParamsError(f"top_k must be 0 (off), -1 (off) or a positive integer, got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -64,7 +79,7 @@ class SamplingParams:
             raise SamplingParamsError(f"logprobs must be between 0 and 20, got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_integer(t) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError("stop_token_ids must be non-negative integers")
         if self.output_kind not in OUTPUT_KINDS:
             raise SamplingParamsError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
@@ -81,3 +96,11 @@ class SamplingParams:
     @property
     def constrained(self) -> bool:
         return self.json_schema is not None or self.regex is not None or self.choice is not None
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not a count
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

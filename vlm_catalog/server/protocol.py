@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_SEED = 2**63 - 1
+from vlm_catalog.engine.sampling_params import MAX_SEED
+
 MAX_TOKENS_LIMIT = 2**31 - 1
 
 
