@@ -8,6 +8,7 @@ import io
 import struct
 import warnings
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from vlm_catalog.preprocess.image_decode import (
     decode_image,
     decode_image_bytes,
     probe_image_bytes,
+    to_rgb,
 )
 
 LIMIT = 10_000_000
@@ -296,9 +298,24 @@ def test_our_limit_applies_before_pil_limits() -> None:
     assert_reason(png_with_header_only(3000, 3000), DecodeFailure.TOO_LARGE, max_pixels=1_000_000)
 
 
-def test_wrong_input_type() -> None:
-    with pytest.raises(TypeError, match="bytes or a data:image"):
+def test_wrong_input_type_is_a_decode_error_naming_the_type() -> None:
+    # a ValueError like every other bad image, so the offline API fails only that prompt
+    with pytest.raises(ImageDecodeError, match="got int") as caught:
         decode_image(12345, max_pixels=LIMIT)  # type: ignore[arg-type]
+    assert caught.value.reason is DecodeFailure.UNSUPPORTED_INPUT
+    with pytest.raises(ImageDecodeError, match="got PosixPath .files are not read") as caught:
+        decode_image(Path("photo.jpg"), max_pixels=LIMIT)  # type: ignore[arg-type]
+    assert caught.value.reason is DecodeFailure.UNSUPPORTED_INPUT
+
+
+def test_a_pil_image_whose_file_closed_is_a_decode_error(tmp_path) -> None:
+    path = tmp_path / "photo.png"
+    path.write_bytes(CASES["png_rgb"]())
+    with Image.open(path) as lazy:  # opened lazily: the pixels are read on first use, after the close
+        pass
+    with pytest.raises(ImageDecodeError, match="cannot be loaded") as caught:
+        to_rgb(lazy)
+    assert caught.value.reason is DecodeFailure.UNREADABLE_PIXELS
 
 
 def test_non_positive_limit() -> None:

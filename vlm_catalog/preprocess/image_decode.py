@@ -39,6 +39,7 @@ import base64
 import binascii
 import enum
 import io
+import os
 import struct
 import threading
 import warnings
@@ -76,6 +77,8 @@ class DecodeFailure(enum.StrEnum):
     TOO_LARGE = "too_large"  # header's pixel count over the configured limit
     DECOMPRESSION_BOMB = "decompression_bomb"  # PIL's own bomb guard fired
     UNSUPPORTED_MODE = "unsupported_mode"  # PIL cannot convert this pixel mode to RGB
+    UNSUPPORTED_INPUT = "unsupported_input"  # neither bytes, a data URI nor a PIL image (e.g. a path)
+    UNREADABLE_PIXELS = "unreadable_pixels"  # a PIL image whose pixels cannot be loaded (its file closed)
 
 
 class ImageDecodeError(ValueError):
@@ -135,8 +138,10 @@ def image_bytes_from_input(data: bytes | bytearray | memoryview | str) -> bytes:
         if not raw:
             raise ImageDecodeError(DecodeFailure.EMPTY, "image data is empty (0 bytes)")
         return raw
-    raise TypeError(
-        f"image must be bytes or a data:image/...;base64 URI string, got {type(data).__name__}"
+    raise ImageDecodeError(
+        DecodeFailure.UNSUPPORTED_INPUT,
+        f"image must be bytes, a PIL image or a data:image/...;base64 URI string, got {type(data).__name__}"
+        + (" (files are not read: pass the file's bytes)" if isinstance(data, os.PathLike) else ""),
     )
 
 
@@ -306,6 +311,14 @@ def _apply_exif_orientation(image: Image.Image) -> Image.Image:
 
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB version of ``image`` by transformers' ``convert_to_rgb`` rule (module doc)."""
+    try:  # a lazily opened image whose file was closed fails here, not later inside a step
+        image.load()
+    except Exception as exc:  # PIL raises OSError, ValueError, or an AssertionError on a closed file
+        raise ImageDecodeError(
+            DecodeFailure.UNREADABLE_PIXELS,
+            f"the PIL image's pixels cannot be loaded ({type(exc).__name__}{': ' if str(exc) else ''}{exc}); "
+            "was its file closed before they were read? Call image.load() while it is open",
+        ) from None
     has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
     try:
         if has_alpha:
