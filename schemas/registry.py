@@ -86,6 +86,10 @@ def resolve_schema(schema: str | type[BaseModel] | dict[str, Any] | OutputSchema
         try:
             model = _REGISTRY[schema]
         except KeyError:
+            if schema.lstrip().startswith("{"):  # JSON text where the schema itself was meant
+                raise SchemaError(
+                    "a string names a registered schema; give a JSON schema as a dict (json.loads the text)"
+                ) from None
             raise SchemaError(
                 f"unknown schema name {schema!r}; registered: {', '.join(schema_names())}"
             ) from None

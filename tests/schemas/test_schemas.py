@@ -62,6 +62,8 @@ def test_registry_resolves_names_models_and_dicts():
 def test_registry_errors_name_the_problem():
     with pytest.raises(SchemaError, match="unknown schema name 'nope'"):
         resolve_schema("nope")
+    with pytest.raises(SchemaError, match="give a JSON schema as a dict"):
+        resolve_schema(' {"type": "object"}')
     with pytest.raises(SchemaError, match="invalid JSON schema"):
         resolve_schema({"type": "no-such-type"})
     with pytest.raises(SchemaError, match="must be a registered name"):
