@@ -8,12 +8,15 @@
 
 A request that cannot run (unreadable image, prompt too long, invalid schema)
 comes back as an output with `finish_reason == "error"` and an `error` message;
-the others are unaffected.
+the others are unaffected. Calls from several threads on one `LLM` run one after
+another (the engine steps one batch at a time); for concurrent callers, use
+`AsyncLLM`.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -54,6 +57,7 @@ class LLM:
     def __init__(self, model: str | Path = DEFAULT_MODEL_DIR, device: str = "cpu", dtype: str = "auto", **engine_options: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, **engine_options))
         self._request_counter = itertools.count()
+        self._running = threading.Lock()  # one call drives the engine at a time (see the module doc)
 
     @property
     def tokenizer(self):
@@ -66,6 +70,11 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for one conversation or a list of them; outputs in input order."""
+        if isinstance(messages, (str, bytes, dict)):
+            raise TypeError(
+                f"chat() takes a conversation (a list of message dicts with 'role' and 'content') "
+                f"or a list of conversations, got a {type(messages).__name__}"
+            )
         if messages and isinstance(messages[0], dict):
             messages = [messages]  # a single conversation
         return self._run_prompts(list(messages), sampling_params, use_tqdm)
@@ -77,6 +86,11 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for already processed prompts (see `PromptProcessor`)."""
+        if isinstance(prompts, (str, bytes, ProcessedPrompt)):
+            raise TypeError(
+                f"generate() takes a list of ProcessedPrompt (see PromptProcessor; chat() takes messages), "
+                f"got a {type(prompts).__name__}"
+            )
         return self._run_prompts(list(prompts), sampling_params, use_tqdm)
 
     def extract(
@@ -95,12 +109,17 @@ class LLM:
         every answer is complete and valid within `sampling_params.max_tokens`
         (or within what the context leaves after the prompt, when that is less):
         a tight budget gets the bounded schema at once, and an answer the budget
-        cuts is run again with it (see `budgeted_catalogue_schema`).
+        cuts is run again with it (see `budgeted_catalogue_schema`). A budget
+        below an answer's fixed parts (keys, the longest candidate, the longest
+        value of each closed field) is raised to them, with an empty `brand`
+        (docs/batch-job.md, "Token budget").
         A record that cannot run (an unreadable or oversized image, bad
         candidates, a prompt longer than the model's context) comes back with
         its error; the others are unaffected. Where the context leaves less
         than an answer's fixed parts, an answer it cuts says so.
         """
+        if sampling_params is not None:
+            _check_params_type(sampling_params)
         records = list(records)
         base = sampling_params or SamplingParams(max_tokens=150, temperature=0.0)
         outputs, bounded = self._extract_pass(
@@ -151,7 +170,14 @@ class LLM:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
+            if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, str):
+                raise TypeError(
+                    "sampling_params must be a SamplingParams or a list of them, "
+                    f"got a {type(sampling_params).__name__}"
+                )
             params = list(sampling_params)
+            for p in params:
+                _check_params_type(p)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         # only finished outputs are returned, so the engine need not build one per step
@@ -179,6 +205,10 @@ class LLM:
         preparations), and a step can still fill every free sequence slot once
         the queue has grown. Which requests share a step does not depend on timing.
         """
+        with self._running:
+            return self._run_alone(count, prepare, use_tqdm)
+
+    def _run_alone(self, count: int, prepare: Callable[[int], _Prepared], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         ahead = max(JOIN_PER_STEP, engine.config.max_num_seqs)
         request_ids = [f"llm-{next(self._request_counter)}" for _ in range(count)]
@@ -230,6 +260,11 @@ class _Prepared:
     prompt: ProcessedPrompt | None
     params: SamplingParams
     error: str | None = None
+
+
+def _check_params_type(params: Any) -> None:
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling_params must be SamplingParams, got a {type(params).__name__}")
 
 
 def _with_schema(params: SamplingParams, json_schema: Any, max_tokens: int) -> SamplingParams:

@@ -1,9 +1,12 @@
 """Engine behaviour: batch invariance, constrained decoding, jump-forward, errors, stops, leaks."""
 
 import random
+import threading
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+from PIL import Image
 
 from schemas import ProductMetadata
 from tests.engine.conftest import conversation, mixed_conversations, run_waves_with_aborts
@@ -152,9 +155,12 @@ def test_an_engine_with_decode_graphs_leaves_jump_forward_off_and_answers_the_sa
     assert eager.engine.stats.num_jump_forward_tokens > 0 and with_graphs.engine.stats.num_jump_forward_tokens == 0
 
 
-def test_bad_requests_fail_alone(engine_checkpoint):
+def test_bad_requests_fail_alone(engine_checkpoint, tmp_path):
     llm = LLM(engine_checkpoint, max_model_len=200, max_images_per_prompt=2)
     whole = noise_image(64, 64, seed=9, fmt="JPEG")
+    (tmp_path / "photo.png").write_bytes(noise_image(40, 40, seed=3, fmt="PNG"))
+    with Image.open(tmp_path / "photo.png") as closed:  # lazy: its pixels were never read while open
+        pass
     bad = [
         [{"role": "user", "content": "word " * 300}],  # longer than max_model_len
         [{"role": "user", "content": [{"type": "image", "image": noise_image(40, 40, seed=i)} for i in range(3)]}],
@@ -162,20 +168,61 @@ def test_bad_requests_fail_alone(engine_checkpoint):
         [{"role": "user", "content": [{"type": "image", "image": whole[: len(whole) * 2 // 3]}]}],  # fails at decode
         [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.jpg"}}]}],
         [{"role": "user", "content": "fine"}],  # bad schema below
+        [{"role": "user", "content": [{"type": "image", "image": tmp_path / "photo.png"}]}],  # a path: not read
+        [{"role": "user", "content": [{"type": "image", "image": closed}]}],
     ]
     good = mixed_conversations(3)
     params = [SamplingParams(max_tokens=4)] * 5 + [SamplingParams(max_tokens=4, json_schema={"type": "nonsense"})]
+    params += [SamplingParams(max_tokens=4)] * 2
     outputs = llm.chat(bad + good, params + [SamplingParams(max_tokens=4, ignore_eos=True)] * 3)
-    errors = [o.error for o in outputs[:6]]
-    assert all(o.finish_reason == "error" for o in outputs[:6]), errors
+    errors = [o.error for o in outputs[: len(bad)]]
+    assert all(o.finish_reason == "error" for o in outputs[: len(bad)]), errors
     assert "max_model_len is 200" in errors[0]
     assert "at most 2 are allowed" in errors[1]
     assert "could not be decoded" in errors[3]
     assert "remote image URLs" in errors[4]
     assert "schema" in errors[5].lower()
-    assert [o.finish_reason for o in outputs[6:]] == ["length"] * 3
-    assert all(len(o.token_ids) == 4 for o in outputs[6:])
+    assert "got PosixPath (files are not read" in errors[6]
+    assert "pixels cannot be loaded" in errors[7]
+    assert [o.finish_reason for o in outputs[len(bad):]] == ["length"] * 3
+    assert all(len(o.token_ids) == 4 for o in outputs[len(bad):])
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_a_prompt_with_token_ids_outside_the_vocabulary_fails_alone(llm):
+    good = llm.engine.processor.process(conversation(4, words=3))
+    bad = replace(good, token_ids=list(good.token_ids) + [llm.engine.model_config.text.vocab_size])
+    outputs = llm.generate([good, bad, good], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [o.finish_reason for o in outputs] == ["length", "error", "length"]
+    assert "outside the vocabulary" in outputs[1].error
+
+
+def test_calls_from_two_threads_run_one_after_another_with_the_serial_answers(llm):
+    prompts = [mixed_conversations(6), [conversation(20 + i, words=4 + i) for i in range(6)]]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    serial = [[o.token_ids for o in llm.chat(p, params)] for p in prompts]
+    answers: list = [None, None]
+
+    def call(index: int) -> None:
+        answers[index] = [o.token_ids for o in llm.chat(prompts[index], params)]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers == serial  # before the lock: a KeyError in one thread, other tokens in the other
+
+
+def test_the_wrong_kind_of_argument_is_refused_before_any_work(llm):
+    with pytest.raises(TypeError, match="chat.. takes a conversation .* got a str"):
+        llm.chat("hello")  # would have been five one-character conversations
+    with pytest.raises(TypeError, match="generate.. takes a list of ProcessedPrompt .* got a str"):
+        llm.generate("hi")
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them, got a dict"):
+        llm.chat([conversation(1)], {"max_tokens": 4})
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams, got a dict"):
+        llm.extract([], sampling_params={"max_tokens": 4})
 
 
 def test_stop_strings_stop_tokens_and_logprobs(llm):
@@ -331,3 +378,15 @@ def test_the_engine_reads_the_tuned_tables_at_start_and_refuses_a_broken_one(eng
     with pytest.raises(EngineConfigError, match=f"tuned table {broken}: paged_decode entry 0: batch=3"):
         LLMEngine(model=engine_checkpoint)
     tuned_configs.clear_cache()
+
+
+def test_a_context_longer_than_the_model_was_made_for_is_refused_at_start(engine_checkpoint):
+    from vlm_catalog.engine.config import EngineConfigError
+    from vlm_catalog.model.config import ModelConfig
+
+    longest = ModelConfig.from_pretrained(engine_checkpoint).text.max_position_embeddings
+    assert longest == 128000  # transformers' default for Qwen3-VL-MoE, which the test checkpoint keeps
+    # 10**9 used to fail allocating a 74.5 GiB block table, after the weights had loaded
+    for too_long in (longest + 1, 10**9):
+        with pytest.raises(EngineConfigError, match=f"max_model_len {too_long} is more than .*\\({longest}\\)"):
+            LLMEngine(EngineConfig(model=engine_checkpoint, max_model_len=too_long))

@@ -132,6 +132,12 @@ class LLMEngine:
         if config.tune_cpu_allocator and config.torch_device.type == "cpu":
             keep_freed_memory()
         self.model_config = ModelConfig.from_pretrained(config.model)
+        longest = self.model_config.text.max_position_embeddings
+        if longest is not None and config.max_model_len > longest:  # as vLLM: the model never saw such positions
+            raise EngineConfigError(
+                f"max_model_len {config.max_model_len} is more than the model's max_position_embeddings "
+                f"({longest}); set max_model_len to at most {longest}"
+            )
         if prebuilt_model is None:
             prebuilt_model = load_model(config.model, dtype=config.torch_dtype, device=config.torch_device,
                                         quantization=config.quantization)
@@ -326,7 +332,10 @@ class LLMEngine:
             raise EngineRequestError(
                 f"prompt and output need up to {total} tokens of KV cache; the pool holds {capacity}"
             )
-        bad_stop = [t for t in params.stop_token_ids if t >= self.model_config.text.vocab_size]
+        vocab_size = self.model_config.text.vocab_size
+        if min(prompt.token_ids) < 0 or max(prompt.token_ids) >= vocab_size:
+            raise EngineRequestError(f"the prompt holds token ids outside the vocabulary [0, {vocab_size})")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab_size]
         if bad_stop:
             raise EngineRequestError(f"stop_token_ids {bad_stop} are outside the vocabulary")
 

@@ -70,6 +70,7 @@ class TextConfig:
     mrope_section: tuple[int, int, int]
     attention_bias: bool
     hidden_act: str
+    max_position_embeddings: int | None = None  # the longest context the checkpoint was made for
 
     def is_moe_layer(self, layer_index: int) -> bool:
         """Same rule as transformers' decoder layer: sparse unless listed as MLP-only."""
@@ -179,6 +180,7 @@ class ModelConfig:
                 mrope_section=mrope_section,  # type: ignore[arg-type]
                 attention_bias=bool(text.attention_bias),
                 hidden_act=text.hidden_act,
+                max_position_embeddings=getattr(text, "max_position_embeddings", None),
             ),
             vision=VisionConfig(
                 depth=vision.depth,
