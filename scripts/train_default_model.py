@@ -22,79 +22,158 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from vlm_catalog.engine.config import EngineConfigError
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
+from vlm_catalog.training.checkpoint import STATE_FILE, load_state
 from vlm_catalog.training.data import TrainingMix
 from vlm_catalog.training.trainer import TrainConfig, Trainer
 
+# flags that set the run (saved with it): the TrainConfig field, or the TrainingMix field under "mix."
+RUN_SETTINGS = {
+    "base": "base", "batch_size": "batch_size", "lr": "lr", "min_lr": "min_lr", "warmup": "warmup",
+    "seed": "seed", "device": "device", "save_every": "save_every", "log_every": "log_every",
+    "eval_every": "eval_every", "eval_seed": "eval_seed", "eval_records": "eval_records",
+    "data_seed": "mix.seed", "fresh_brand_rate": "mix.fresh_brand_rate",
+    "realistic_image_rate": "mix.realistic_image_rate", "photo_only_condition_rate": "mix.photo_only_condition_rate",
+    "brand_weight": "mix.brand_weight", "flag_weight": "mix.flag_weight", "category_weight": "mix.category_weight",
+    "prompt_lm_weight": "mix.prompt_lm_weight",
+}
+DEFAULT_STEPS = 1000
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The options; a run setting not given is None here (its default comes from TrainConfig/TrainingMix),
+    so that `--resume` can tell a setting given again from one left out."""
+    config, mix = TrainConfig(base=DEFAULT_MODEL_DIR, run_dir=Path(".")), TrainingMix()
+
+    def default(field: str) -> str:
+        return f"(default {getattr(mix, field[4:]) if field.startswith('mix.') else getattr(config, field)})"
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", type=Path, required=True, help="checkpoint, exported model and log")
-    parser.add_argument("--resume", action="store_true", help="continue the run saved in --run-dir")
-    parser.add_argument("--base", type=Path, default=DEFAULT_MODEL_DIR, help="starting checkpoint (new runs)")
-    parser.add_argument("--steps", type=int, help="total steps of the run (default 1000; on --resume: as saved)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--min-lr", type=float, default=1e-4)
-    parser.add_argument("--warmup", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0, help="torch/python/numpy seed of the run")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run saved in --run-dir, with its saved settings")
+    parser.add_argument("--base", type=Path, help=f"starting checkpoint {default('base')}")
+    parser.add_argument("--steps", type=int,
+                        help=f"total steps of the run (default {DEFAULT_STEPS}; on --resume: as saved)")
+    parser.add_argument("--batch-size", type=int, help=default("batch_size"))
+    parser.add_argument("--lr", type=float, help=default("lr"))
+    parser.add_argument("--min-lr", type=float, help=default("min_lr"))
+    parser.add_argument("--warmup", type=int, help=default("warmup"))
+    parser.add_argument("--seed", type=int, help=f"torch/python/numpy seed of the run {default('seed')}")
+    parser.add_argument("--device", help=f"cpu, cuda, cuda:1, ... {default('device')}")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--save-every", type=int, default=100)
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--eval-every", type=int, default=0, help="held-out evaluation every N steps (0: off)")
-    parser.add_argument("--eval-seed", type=int, default=9001)
-    parser.add_argument("--eval-records", type=int, default=64)
-    parser.add_argument("--data-seed", type=int, default=TrainingMix.seed, help="generator seed of the training data")
-    parser.add_argument("--fresh-brand-rate", type=float, default=TrainingMix.fresh_brand_rate)
-    parser.add_argument("--realistic-image-rate", type=float, default=TrainingMix.realistic_image_rate)
-    parser.add_argument("--photo-only-condition-rate", type=float, default=TrainingMix.photo_only_condition_rate,
-                        help="share of second-hand records whose only condition cue is the photo's sticker")
-    parser.add_argument("--brand-weight", type=float, default=TrainingMix.brand_weight)
-    parser.add_argument("--flag-weight", type=float, default=TrainingMix.flag_weight)
-    parser.add_argument("--category-weight", type=float, default=TrainingMix.category_weight,
-                        help="loss weight of the category tokens that tell it from the other candidates")
-    parser.add_argument("--prompt-lm-weight", type=float, default=TrainingMix.prompt_lm_weight,
-                        help="weight of next-token prediction on the listing's text (0: answer only)")
+    parser.add_argument("--save-every", type=int, help=default("save_every"))
+    parser.add_argument("--log-every", type=int, help=default("log_every"))
+    parser.add_argument("--eval-every", type=int, help="held-out evaluation every N steps (0: off, the default)")
+    parser.add_argument("--eval-seed", type=int, help=default("eval_seed"))
+    parser.add_argument("--eval-records", type=int, help=default("eval_records"))
+    parser.add_argument("--data-seed", type=int, help=f"generator seed of the training data {default('mix.seed')}")
+    parser.add_argument("--fresh-brand-rate", type=float, help=default("mix.fresh_brand_rate"))
+    parser.add_argument("--realistic-image-rate", type=float, help=default("mix.realistic_image_rate"))
+    parser.add_argument("--photo-only-condition-rate", type=float,
+                        help="share of second-hand records whose only condition cue is the photo's sticker "
+                             + default("mix.photo_only_condition_rate"))
+    parser.add_argument("--brand-weight", type=float, help=default("mix.brand_weight"))
+    parser.add_argument("--flag-weight", type=float, help=default("mix.flag_weight"))
+    parser.add_argument("--category-weight", type=float,
+                        help="loss weight of the category tokens that tell it from the other candidates "
+                             + default("mix.category_weight"))
+    parser.add_argument("--prompt-lm-weight", type=float,
+                        help="weight of next-token prediction on the listing's text (0: answer only) "
+                             + default("mix.prompt_lm_weight"))
     parser.add_argument("--until-step", type=int, default=None, help="stop (and save) at this step")
     parser.add_argument("--max-minutes", type=float, default=None, help="stop (and save) after this long")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name, least in (("steps", 1), ("until_step", 1), ("threads", 1)):
+        value = getattr(args, name)
+        if value is not None and value < least:
+            parser.error(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+    if args.max_minutes is not None and not args.max_minutes > 0:  # NaN fails too
+        parser.error(f"--max-minutes must be more than 0, got {args.max_minutes}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        trainer = _resumed(args) if args.resume else _new_run(args)
+    except RunDirError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.resume:
-        overrides = {"steps": args.steps} if args.steps else {}
-        trainer = Trainer.resume(args.run_dir, **overrides)
-        print(f"resumed {args.run_dir} at step {trainer.step} of {trainer.config.steps}", flush=True)
-    else:
-        if (args.run_dir / "state.pt").exists():
-            print(f"error: {args.run_dir} already holds a run; pass --resume or choose another --run-dir", file=sys.stderr)
-            return 2
-        mix = TrainingMix(
-            seed=args.data_seed, fresh_brand_rate=args.fresh_brand_rate,
-            realistic_image_rate=args.realistic_image_rate,
-            photo_only_condition_rate=args.photo_only_condition_rate,
-            brand_weight=args.brand_weight, flag_weight=args.flag_weight, category_weight=args.category_weight,
-            prompt_lm_weight=args.prompt_lm_weight,
-        )
-        config = TrainConfig(
-            base=args.base, run_dir=args.run_dir, steps=args.steps or 1000, batch_size=args.batch_size,
-            lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, seed=args.seed, device=args.device,
-            save_every=args.save_every, log_every=args.log_every, eval_every=args.eval_every,
-            eval_seed=args.eval_seed, eval_records=args.eval_records, mix=mix,
-        )
-        trainer = Trainer(config)
-    deadline = time.time() + 60 * args.max_minutes if args.max_minutes else None
+    deadline = time.time() + 60 * args.max_minutes if args.max_minutes is not None else None
     trainer.train(until_step=args.until_step, deadline=deadline)
     print(f"saved {args.run_dir} at step {trainer.step}", flush=True)
     return 0
+
+
+class RunDirError(Exception):
+    """A run that cannot start or resume as asked; the message says why."""
+
+
+def _given_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The run settings given on the command line, by their TrainConfig name ("mix.x" for the mix)."""
+    return {field: getattr(args, dest) for dest, field in RUN_SETTINGS.items() if getattr(args, dest) is not None}
+
+
+def _resumed(args: argparse.Namespace) -> Trainer:
+    if not (args.run_dir / STATE_FILE).is_file():
+        raise RunDirError(f"--resume: {args.run_dir / STATE_FILE} does not exist, so there is no run to continue")
+    saved = load_state(args.run_dir)
+    config = saved["config"]
+    changed = [
+        f"--{dest.replace('_', '-')} {given} (saved: {saved_value})"
+        for dest, field in RUN_SETTINGS.items()
+        if (given := getattr(args, dest)) is not None
+        and str(given) != str(saved_value := (config["mix"][field[4:]] if field.startswith("mix.") else config[field]))
+    ]
+    if changed:
+        raise RunDirError(
+            "a resumed run keeps the settings it started with; only --steps, --until-step, --max-minutes "
+            f"and --threads apply on --resume. These differ: {'; '.join(changed)}"
+        )
+    if args.steps is not None and args.steps < saved["step"]:
+        raise RunDirError(f"--steps {args.steps} is below the step the run is at ({saved['step']})")
+    overrides = {"steps": args.steps} if args.steps is not None else {}
+    trainer = _trainer(lambda: Trainer.resume(args.run_dir, **overrides))
+    print(f"resumed {args.run_dir} at step {trainer.step} of {trainer.config.steps}", flush=True)
+    return trainer
+
+
+def _new_run(args: argparse.Namespace) -> Trainer:
+    run_dir = args.run_dir
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"--run-dir {run_dir} is a file; a run needs a folder")
+    if (run_dir / STATE_FILE).exists():
+        raise RunDirError(f"{run_dir} already holds a run; pass --resume or choose another --run-dir")
+    if run_dir.is_dir() and any(run_dir.iterdir()):  # another run's log or model, which a new run would mix in
+        raise RunDirError(f"{run_dir} is not empty and holds no {STATE_FILE} to resume; choose a new or empty --run-dir")
+    given = _given_settings(args)
+    mix = TrainingMix(**{field[4:]: value for field, value in given.items() if field.startswith("mix.")})
+    settings = {field: value for field, value in given.items() if not field.startswith("mix.")}
+    settings.setdefault("base", DEFAULT_MODEL_DIR)
+    if not (Path(settings["base"]) / "config.json").is_file():
+        raise RunDirError(f"--base {settings['base']} is not a checkpoint folder (it has no config.json)")
+    try:
+        config = TrainConfig(run_dir=run_dir, steps=args.steps if args.steps is not None else DEFAULT_STEPS,
+                             mix=mix, **settings)
+    except ValueError as exc:  # a setting out of range
+        raise RunDirError(str(exc)) from None
+    return _trainer(lambda: Trainer(config))
+
+
+def _trainer(make: Callable[[], Trainer]) -> Trainer:
+    try:
+        return make()
+    except EngineConfigError as exc:  # a device this machine lacks (a CPU-only torch, no such GPU)
+        raise RunDirError(str(exc)) from None
 
 
 if __name__ == "__main__":

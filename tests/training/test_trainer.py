@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -52,22 +53,28 @@ def test_learning_rate_schedule(tiny_base: Path, tmp_path: Path) -> None:
 
 def test_deterministic_and_resume_continues_exactly(tiny_base: Path, tmp_path: Path) -> None:
     """Two runs of one seed, one of them stopped after 2 steps and resumed: the same 4 losses, bitwise."""
-    straight = Trainer(tiny_config(tiny_base, tmp_path / "straight"))
+    straight = Trainer(tiny_config(tiny_base, tmp_path / "straight", log_every=2))
     straight_losses = straight.train(until_step=4)
 
-    interrupted = Trainer(tiny_config(tiny_base, tmp_path / "resumed"))
-    losses = interrupted.train(until_step=2)
+    interrupted = Trainer(tiny_config(tiny_base, tmp_path / "resumed", log_every=2))
+    losses = interrupted.train(until_step=3)
     del interrupted
     resumed = Trainer.resume(tmp_path / "resumed")
-    assert resumed.step == 2
+    assert resumed.step == 3
     losses += resumed.train(until_step=4)
 
     assert losses == straight_losses
     assert straight_losses[0] != straight_losses[3]  # it trains
     for name, tensor in _weights(straight).items():
         assert torch.equal(tensor, _weights(resumed)[name]), name
-    log = [json.loads(line) for line in (tmp_path / "resumed" / "log.jsonl").read_text().splitlines()]
-    assert [entry["step"] for entry in log if "loss" in entry] == [1, 2, 3, 4]
+
+    def logged(run: str) -> dict[int, float]:
+        lines = [json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()]
+        return {entry["step"]: entry["loss"] for entry in lines if "loss" in entry}
+
+    # every log_every steps, and where a run stops; the mean over the same steps after a resume
+    assert logged("straight").keys() == {2, 4} and logged("resumed").keys() == {2, 3, 4}
+    assert logged("resumed")[4] == logged("straight")[4] == sum(straight_losses[2:4]) / 2
 
 
 def test_sigterm_saves_and_stops(tiny_base: Path, tmp_path: Path) -> None:
@@ -90,6 +97,49 @@ def test_sigterm_saves_and_stops(tiny_base: Path, tmp_path: Path) -> None:
     assert '"stopped": "SIGTERM"' in log
 
 
+def test_a_signal_during_the_final_save_is_noted_not_fatal(tiny_base: Path, tmp_path: Path) -> None:
+    trainer = Trainer(tiny_config(tiny_base, tmp_path / "run"))
+    handlers = []
+    save_once = trainer.save
+
+    def save_noting_the_handler() -> Path:
+        handlers.append(signal.getsignal(signal.SIGTERM))
+        return save_once()
+
+    trainer.save = save_noting_the_handler
+    previous = signal.getsignal(signal.SIGTERM)
+    trainer.train(until_step=1)
+    # before: the final save ran after the handler was put back, so a SIGTERM then killed the run unsaved
+    assert handlers and all(handler is not previous for handler in handlers)
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_a_failed_save_keeps_the_previous_state_and_leaves_no_temporary(tmp_path: Path, monkeypatch) -> None:
+    from vlm_catalog.training import checkpoint
+
+    checkpoint.save_state(tmp_path, {"step": 1})
+
+    def disk_full(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        checkpoint.save_state(tmp_path, {"step": 2})
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["state.pt"]
+    assert checkpoint.load_state(tmp_path)["step"] == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [({"steps": 0}, "steps must be an integer of at least 1"), ({"log_every": 0}, "log_every"),
+     ({"save_every": 0}, "save_every"), ({"batch_size": 0}, "batch_size"), ({"eval_every": -1}, "eval_every"),
+     ({"lr": 0.0}, "lr must be more than 0"), ({"lr": float("nan")}, "lr must be more than 0")],
+)
+def test_settings_that_would_fail_mid_run_are_refused_up_front(tmp_path: Path, change, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        tiny_config(tmp_path, tmp_path / "run", **change)
+
+
 def test_export_and_heldout_evaluation_through_the_engine(tiny_base: Path, tmp_path: Path) -> None:
     trainer = Trainer(tiny_config(tiny_base, tmp_path / "run", eval_records=4, eval_seed=123))
     trainer.train(until_step=1)
@@ -108,11 +158,7 @@ def test_export_and_heldout_evaluation_through_the_engine(tiny_base: Path, tmp_p
 
 
 def test_script_refuses_to_overwrite_a_run_and_resumes(tiny_base: Path, tmp_path: Path, capsys) -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_script", Path("scripts/train_default_model.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _train_script()
     run = tmp_path / "run"
     common = ["--run-dir", str(run), "--batch-size", "1", "--log-every", "1"]
     assert script.main([*common, "--base", str(tiny_base), "--steps", "3", "--until-step", "1"]) == 0
@@ -120,5 +166,48 @@ def test_script_refuses_to_overwrite_a_run_and_resumes(tiny_base: Path, tmp_path
     assert "already holds a run" in capsys.readouterr().err
     assert script.main([*common, "--resume"]) == 0
     assert Trainer.resume(run).step == 3
-    with pytest.raises(FileNotFoundError, match="no training state"):
-        script.main(["--run-dir", str(tmp_path / "none"), "--resume"])
+    capsys.readouterr()
+
+
+def _train_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_script", Path("scripts/train_default_model.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_script_refuses_what_it_cannot_do_before_training(tiny_base: Path, tmp_path: Path, capsys) -> None:
+    """Each case is one `error:` line and exit 2, before a step runs (some used to fail after training)."""
+    script = _train_script()
+    run = tmp_path / "run"
+    base = ["--base", str(tiny_base)]
+    assert script.main(["--run-dir", str(run), *base, "--batch-size", "1", "--lr", "0.01", "--steps", "4",
+                        "--until-step", "2"]) == 0
+    capsys.readouterr()
+    a_file = tmp_path / "afile"
+    a_file.write_text("precious")
+    leftovers = tmp_path / "leftovers"
+    leftovers.mkdir()
+    (leftovers / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n')  # a run killed before its first save
+    cases = [
+        (["--run-dir", str(a_file), *base], "is a file"),
+        (["--run-dir", str(leftovers), *base], "not empty and holds no state.pt"),
+        (["--run-dir", str(tmp_path / "new"), "--base", str(tmp_path / "nowhere")], "not a checkpoint folder"),
+        (["--run-dir", str(tmp_path / "new"), *base, "--log-every", "0"], "log_every must be"),
+        (["--run-dir", str(tmp_path / "none"), "--resume"], "there is no run to continue"),
+        (["--run-dir", str(run), "--resume", "--lr", "100", "--batch-size", "4"],
+         r"only --steps, .* These differ: --batch-size 4 \(saved: 1\); --lr 100.0 \(saved: 0.01\)"),
+        (["--run-dir", str(run), "--resume", "--steps", "1"], r"--steps 1 is below the step the run is at \(2\)"),
+    ]
+    for argv, message in cases:
+        assert script.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and re.search(message, err), (argv, err)
+    assert a_file.read_text() == "precious" and Trainer.resume(run).step == 2
+    assert script.main(["--run-dir", str(run), "--resume", "--lr", "0.01", "--batch-size", "1"]) == 0  # as saved
+    for argv in (["--max-minutes", "0"], ["--steps", "0"], ["--until-step", "0"]):
+        with pytest.raises(SystemExit) as stopped:  # argparse's usage error
+            script.main(["--run-dir", str(tmp_path / "new"), *argv])
+        assert stopped.value.code == 2

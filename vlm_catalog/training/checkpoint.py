@@ -47,8 +47,12 @@ def save_state(run_dir: Path, state: dict[str, Any]) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=run_dir, prefix=".state-", suffix=".pt")
     os.close(handle)
-    torch.save(state, temporary)
-    os.replace(temporary, run_dir / STATE_FILE)
+    try:
+        torch.save(state, temporary)
+        os.replace(temporary, run_dir / STATE_FILE)
+    except BaseException:  # a full disk, or an interrupt: the previous state.pt stays, with no stray temporary
+        Path(temporary).unlink(missing_ok=True)
+        raise
     return run_dir / STATE_FILE
 
 

@@ -61,6 +61,16 @@ class TrainConfig:
     eval_records: int = 64
     mix: TrainingMix = field(default_factory=TrainingMix)
 
+    def __post_init__(self) -> None:
+        """Refuse settings that would fail only after a step has run (a modulo by zero, say)."""
+        for name, least in (("steps", 1), ("batch_size", 1), ("save_every", 1), ("log_every", 1),
+                            ("eval_every", 0), ("eval_records", 1), ("warmup", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer of at least {least}, got {value!r}")
+        if not (self.lr > 0 and self.min_lr >= 0):  # NaN fails too
+            raise ValueError(f"lr must be more than 0 and min_lr at least 0, got {self.lr} and {self.min_lr}")
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["base"], data["run_dir"] = str(self.base), str(self.run_dir)
@@ -154,8 +164,11 @@ class Trainer:
     def __init__(self, config: TrainConfig, state: dict[str, Any] | None = None) -> None:
         from transformers import Qwen3VLMoeForConditionalGeneration
 
+        from vlm_catalog.engine.llm_engine import check_device_present
+
         self.config = config
         self.device = torch.device(config.device)
+        check_device_present(self.device)  # a CPU-only torch, or no such GPU: one clear error, before any work
         torch.manual_seed(config.seed)
         random.seed(config.seed)
         np.random.seed(config.seed)
@@ -218,7 +231,8 @@ class Trainer:
                 losses.append(loss)
                 self.history.append({"step": self.step, "loss": loss})
                 if self.step % config.log_every == 0 or self.step == target:
-                    recent = losses[-config.log_every:]
+                    # from the history, which a resumed run keeps: the same line as an uninterrupted run
+                    recent = [entry["loss"] for entry in self.history[-config.log_every:]]
                     self._log({"step": self.step, "loss": sum(recent) / len(recent),
                                "lr": learning_rate(self.step - 1, config),
                                "seconds": round(time.time() - started, 1)})
@@ -230,7 +244,7 @@ class Trainer:
                 if stop.requested or (deadline is not None and time.time() >= deadline):
                     self._log({"step": self.step, "stopped": stop.requested or "deadline"})
                     break
-        self.save()
+            self.save()  # still under StopRequest: a signal now is noted, not a kill mid-save
         return losses
 
     def save(self) -> Path:
