@@ -109,17 +109,15 @@ def test_server_performance_over_http_streams_and_reports_ttft(served, tmp_path,
     assert "No errors encountered during test." in summary
 
 
-def test_a_model_the_server_does_not_serve_fails_every_sample_but_the_run_ends(served, tmp_path, capsys):
-    url, _ = served
+def test_a_model_the_server_does_not_serve_is_refused_before_the_run(served, tmp_path, capsys):
+    """Before, every request got a 404 and the run ended VALID with exit 0."""
+    url, model = served
     code, out, err = bench(
         capsys, url, "--scenario", "offline", "--mode", "accuracy", "--out-dir", str(tmp_path / "wrong"),
         "--count", "2", "--server-model", "no-such-model",
     )
-    assert code == 0, err
-    assert re.search(r"\(2 failed\)", out), out
-    entries = json.loads((tmp_path / "wrong" / ACCURACY_LOG_FILE).read_text())
-    assert sorted(entry["qsl_idx"] for entry in entries) == [0, 1]
-    assert all(entry["data"] == "" for entry in entries)
+    assert code == 2 and err == f"error: --server-model 'no-such-model': {url}/v1 serves '{model}'\n"
+    assert not (tmp_path / "wrong" / ACCURACY_LOG_FILE).exists()
 
 
 def test_max_in_flight_keeps_the_offline_burst_within_the_servers_capacity(served, tmp_path, capsys):

@@ -50,6 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-tokens", type=int, default=150, help="answer cap (the submitters' 150)")
     parser.add_argument("--server-url", default=None, help="a running `vlm-catalog serve`, e.g. http://127.0.0.1:8000")
     parser.add_argument("--server-model", default=None, help="model name to request (default: the first the server lists)")
+    parser.add_argument("--api-key", default=None,
+                        help="with --server-url: the key of a `serve --api-key` server (default: $VLM_CATALOG_API_KEY)")
     parser.add_argument("--max-in-flight", type=int, default=512,
                         help="with --server-url: requests sent at once (the rest wait in the client)")
     parser.add_argument("--token-latencies", action="store_true",
@@ -84,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         config = BenchConfig(
             options=options, dataset=args.dataset, out_dir=args.out_dir, model=args.model, split=args.split,
             request_style=args.request_style, max_tokens=args.max_tokens, server_url=args.server_url,
-            server_model=args.server_model, max_in_flight=args.max_in_flight, device=args.device, dtype=args.dtype,
+            server_model=args.server_model, server_api_key=args.api_key or os.environ.get("VLM_CATALOG_API_KEY"),
+            max_in_flight=args.max_in_flight, device=args.device, dtype=args.dtype,
             enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.policy,
             **device_options(args),
         )
@@ -104,9 +107,16 @@ def run(args: argparse.Namespace) -> int:
         print(result.accuracy.format_table())
         print(f"wrote {args.out_dir / 'accuracy.txt'} (category hF1 {result.accuracy.category_hf1:.4f})")
     print(format_result(result, args.scenario, args.mode))
-    for error in result.tally.errors:  # the first few; each failed sample was answered with ""
+    tally = result.tally
+    for error in tally.errors:  # the first few; each failed sample was answered with ""
         print(f"failed: {error}", file=sys.stderr)
+    if tally.failed and args.token_latencies:
+        print(f"warning: LoadGen's TTFT and TPOT count the {tally.failed} failed samples as empty answers, "
+              "so its token latencies do not describe this run", file=sys.stderr)
     print(f"LoadGen logs in {args.out_dir}")
+    if tally.samples and tally.failed == tally.samples:  # LoadGen's verdict is about timing; nothing was answered
+        print(f"error: every one of the {tally.samples} samples failed (reasons above)", file=sys.stderr)
+        return 1
     return 0
 
 

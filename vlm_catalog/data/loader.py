@@ -463,6 +463,13 @@ class Catalogue(Sequence[ProductRecord]):
             raise KeyError(f"unknown record id {key!r}: the catalogue has ids 0..{len(self) - 1}")
         return index
 
+    def inputs_only(self) -> Catalogue:
+        """The same records without their labels (no ground truth, no attributes), so a damaged
+        label fails no record: for runs that only time the model (`bench`'s performance mode)."""
+        view = Catalogue(self._rows, self.source, None, self._image_root)
+        view.has_labels = False
+        return view
+
     def labels(self, scored: Iterable[int] | None = None) -> list[RecordLabels | None]:
         """Ground truth of every record, in order (no image is read).
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlperf_loadgen as lg
@@ -22,6 +22,7 @@ from vlm_catalog.bench.loadgen.qsl import CatalogueQSL
 from vlm_catalog.bench.loadgen.report import (
     ACCURACY_FILE,
     ACCURACY_JSON_FILE,
+    OUTPUT_FILES,
     SUMMARY_FILE,
     LoadGenSummary,
     parse_summary,
@@ -53,6 +54,7 @@ class BenchConfig:
     max_tokens: int = 150
     server_url: str | None = None
     server_model: str | None = None  # default: the first model the server lists
+    server_api_key: str | None = field(default=None, repr=False)  # a `serve --api-key` server's key
     max_in_flight: int = 512  # HTTP requests sent at once
     device: str = "cpu"
     dtype: str = "auto"
@@ -86,14 +88,20 @@ def run_benchmark(config: BenchConfig) -> BenchResult:
     catalogue = load_catalogue(config.dataset, split=config.split)
     if len(catalogue) == 0:
         raise BenchError(f"{config.dataset}: holds no records")
+    if config.max_tokens < 2 and options.token_latencies:
+        raise BenchError("--token-latencies needs --max-tokens of at least 2 (LoadGen's TPOT divides by tokens - 1)")
     if options.mode == "accuracy" and not catalogue.has_labels:
         raise BenchError(f"{config.dataset}: accuracy mode needs ground truth columns, and this catalogue has none")
     num_samples = min(len(catalogue), options.count) if options.count is not None else len(catalogue)
+    if options.mode == "accuracy":
+        catalogue.labels(scored=range(num_samples))  # a damaged label fails now, not after the timed run
+    else:  # labels play no part in a timed run: a damaged one must not fail its record's request
+        catalogue = catalogue.inputs_only()
     try:
         sampling = style_sampling(config.request_style, config.model)
     except RequestStyleError as exc:
         raise BenchError(str(exc)) from None
-    _prepare_out_dir(config.out_dir)
+    _check_out_dir(config.out_dir)
     settings = build_test_settings(options, num_samples)
     sink = ResponseSink(report_first_tokens=options.scenario == "server")
 
@@ -108,6 +116,7 @@ def run_benchmark(config: BenchConfig) -> BenchResult:
         if engine is not None:
             stack.callback(engine.close)
         stack.enter_context(sut)
+        _remove_stale_results(config.out_dir)  # only once the run can start: a failed start keeps the last score
         start = time.perf_counter()
         try:
             _start_test(sut.handle, qsl.handle, settings, build_log_settings(config.out_dir))
@@ -155,7 +164,9 @@ def _start_test(sut, qsl, settings, log_settings) -> None:
         raise errors[0]
 
 
-def _prepare_out_dir(out_dir: Path) -> None:
+def _check_out_dir(out_dir: Path) -> None:
+    """The output folder exists (made if needed), is writable, and no file the run writes is taken
+    by a folder (LoadGen aborts the process on a log it cannot open)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise BenchError(f"--out-dir {out_dir} exists and is not a folder")
     try:
@@ -165,6 +176,12 @@ def _prepare_out_dir(out_dir: Path) -> None:
         probe.unlink()
     except OSError as exc:
         raise BenchError(f"--out-dir {out_dir} is not writable: {exc.strerror or exc}") from None
+    for name in OUTPUT_FILES:
+        if (out_dir / name).is_dir():
+            raise BenchError(f"--out-dir {out_dir}: {name} is a folder, where the run writes a file")
+
+
+def _remove_stale_results(out_dir: Path) -> None:
     for stale in (ACCURACY_FILE, ACCURACY_JSON_FILE):  # from an earlier accuracy run
         (out_dir / stale).unlink(missing_ok=True)
 
@@ -181,6 +198,7 @@ def _make_sut(config: BenchConfig, qsl: CatalogueQSL, sampling, sink: ResponseSi
             sut = HttpSUT(
                 config.server_url, config.server_model, qsl, sampling, config.max_tokens, sink,
                 stream=config.options.scenario == "server", max_in_flight=config.max_in_flight,
+                api_key=config.server_api_key,
             )
         except ValueError as exc:
             raise BenchError(str(exc)) from None

@@ -24,6 +24,8 @@ DETAIL_FILE = "mlperf_log_detail.txt"
 ACCURACY_LOG_FILE = "mlperf_log_accuracy.json"
 ACCURACY_FILE = "accuracy.txt"
 ACCURACY_JSON_FILE = "accuracy.json"
+# every file a run writes in --out-dir: LoadGen's logs (prefix "mlperf_log_"), then our scores
+OUTPUT_FILES = (SUMMARY_FILE, DETAIL_FILE, ACCURACY_LOG_FILE, "mlperf_log_trace.json", ACCURACY_FILE, ACCURACY_JSON_FILE)
 
 _FIELD = re.compile(r"^\s*(?P<key>[^:]+?)\s*:\s*(?P<value>\S.*?)\s*$")
 _PERCENTILE = re.compile(r"^(?P<p>[\d.]+) percentile (?P<first>first token )?latency \(ns\)$")

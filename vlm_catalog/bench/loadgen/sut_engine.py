@@ -78,7 +78,7 @@ class EngineSUT:
         self._inbox: queue.Queue = queue.Queue()
         self._prepare = ThreadPoolExecutor(prepare_workers, thread_name_prefix="bench-prepare")
         self._num_preparing = 0  # handed to the pool and not yet added (engine thread only)
-        self._in_flight: dict[str, int] = {}  # engine request id -> LoadGen response id
+        self._in_flight: dict[str, tuple[int, int]] = {}  # engine request id -> (LoadGen response id, sample index)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-engine", daemon=True)
         self.handle = None
@@ -125,15 +125,16 @@ class EngineSUT:
             finally:
                 self.sink.tally.engine_busy_s += time.perf_counter() - started
             for output in outputs:
-                response_id = self._in_flight.get(output.request_id)
-                if response_id is None:
+                in_flight = self._in_flight.get(output.request_id)
+                if in_flight is None:
                     continue
+                response_id, index = in_flight
                 if output.token_ids:
                     self.sink.first_token(response_id, output.text)
                 if output.finished:
                     del self._in_flight[output.request_id]
                     if output.finish_reason == "error":
-                        self.sink.fail(response_id, output.error or "engine error")
+                        self.sink.fail(response_id, f"sample {index}: {output.error or 'engine error'}")
                     else:
                         self.sink.complete(response_id, output.text, len(output.token_ids))
 
@@ -187,13 +188,13 @@ class EngineSUT:
             return
         finally:
             self.sink.tally.engine_busy_s += time.perf_counter() - started
-        self._in_flight[request_id] = response_id
+        self._in_flight[request_id] = (response_id, index)
 
     def _fail_in_flight(self, reason: str) -> None:
-        for request_id, response_id in list(self._in_flight.items()):
+        for request_id, (response_id, index) in list(self._in_flight.items()):
             try:
                 self.engine.abort(request_id)
             except Exception:  # noqa: BLE001 - the engine is already in trouble
                 logger.exception("abort of %s failed", request_id)
-            self.sink.fail(response_id, reason)
+            self.sink.fail(response_id, f"sample {index}: {reason}")
         self._in_flight.clear()

@@ -16,28 +16,30 @@ an empty response and is counted, so LoadGen never waits on it.
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from typing import Any
 
 import httpx
 import mlperf_loadgen as lg
-from openai import AsyncOpenAI, OpenAIError
+from openai import APITimeoutError, AsyncOpenAI, AuthenticationError, OpenAIError
 
 from vlm_catalog.bench.loadgen.harness import BenchError
 from vlm_catalog.bench.loadgen.qsl import CatalogueQSL
 from vlm_catalog.bench.loadgen.requests import Sampling
 from vlm_catalog.bench.loadgen.responses import ResponseSink
 
-logger = logging.getLogger(__name__)
-
 DEFAULT_TIMEOUT_S = 3600.0
 DEFAULT_MAX_IN_FLIGHT = 512
 _CONNECT_TIMEOUT_S = 5.0
+_PROBE_TIMEOUT_S = 10.0  # the start-up /models request (the samples' own requests wait up to timeout_s)
 
 
 class ServerUnreachableError(BenchError):
-    """The server at --server-url does not answer; the message names the URL."""
+    """The server at --server-url does not answer (or not as asked); the message names the URL."""
+
+
+class IncompleteStreamError(Exception):
+    """A streamed answer whose connection closed before the server said it finished."""
 
 
 def openai_base_url(server_url: str) -> str:
@@ -62,6 +64,7 @@ class HttpSUT:
         stream: bool,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        api_key: str | None = None,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError(f"--max-in-flight must be at least 1, got {max_in_flight}")
@@ -74,6 +77,7 @@ class HttpSUT:
         self.sink = sink
         self.stream = stream
         self.timeout_s = timeout_s
+        self._api_key = api_key
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="bench-http", daemon=True)
         self.client: AsyncOpenAI | None = None
@@ -112,19 +116,41 @@ class HttpSUT:
         self._slots = asyncio.Semaphore(self.max_in_flight)
         self.client = AsyncOpenAI(
             base_url=self.base_url,
-            api_key="not-needed",
+            api_key=self._api_key or "not-needed",
             timeout=httpx.Timeout(self.timeout_s, connect=_CONNECT_TIMEOUT_S),
             max_retries=0,
         )
+        served = await self._served_models()
+        if not served:
+            raise ServerUnreachableError(f"{self.base_url}/models lists no model")
+        if self.model is None:
+            self.model = served[0]
+        elif self.model not in served:  # else every request would fail with a 404, and the run look fine
+            raise ServerUnreachableError(
+                f"--server-model {self.model!r}: {self.base_url} serves {', '.join(map(repr, served))}"
+            )
+
+    async def _served_models(self) -> list[str]:
+        """The ids at /v1/models, asked with a short timeout (a stalled server fails the start in seconds)."""
         try:
-            models = await self.client.models.list()
+            models = await self.client.with_options(timeout=_PROBE_TIMEOUT_S).models.list()
+            return [str(model.id) for model in models.data]
+        except AuthenticationError:
+            raise ServerUnreachableError(
+                f"{self.base_url} wants an API key" + (" and refused the one given" if self._api_key else "")
+                + ": pass --api-key or set VLM_CATALOG_API_KEY"
+            ) from None
+        except APITimeoutError:
+            raise ServerUnreachableError(
+                f"{self.base_url} did not answer /models within {_PROBE_TIMEOUT_S:.0f} s"
+            ) from None
         except OpenAIError as exc:
             raise ServerUnreachableError(f"no OpenAI-compatible server at {self.base_url}: {exc}") from None
-        if self.model is None:
-            served = [model.id for model in models.data]
-            if not served:
-                raise ServerUnreachableError(f"{self.base_url}/models lists no model")
-            self.model = served[0]
+        except Exception as exc:  # noqa: BLE001 - an answer the client cannot read (HTML, another API)
+            raise ServerUnreachableError(
+                f"{self.base_url} does not answer like an OpenAI-compatible server: /models gave something "
+                f"the client cannot read ({type(exc).__name__}: {exc})"
+            ) from None
 
     # ------------------------------------------------------- LoadGen thread
     def issue_queries(self, query_samples: list) -> None:
@@ -149,7 +175,7 @@ class HttpSUT:
                 else:
                     text, tokens = await self._whole(arguments)
         except Exception as exc:  # noqa: BLE001 - one failed request must not hang LoadGen
-            logger.warning("sample %d (response %d) failed: %s", index, response_id, exc)
+            # counted, with the first reasons kept (not one log line per sample: a run has 48k)
             self.sink.fail(response_id, f"sample {index}: {type(exc).__name__}: {exc}")
             return
         self.sink.complete(response_id, text, tokens)
@@ -166,14 +192,18 @@ class HttpSUT:
         )
         pieces: list[str] = []
         tokens = 0
+        finished = False
         async for chunk in stream:
             if chunk.usage is not None:
                 tokens = int(chunk.usage.completion_tokens)
             if not chunk.choices:
                 continue
+            finished = finished or chunk.choices[0].finish_reason is not None
             text = chunk.choices[0].delta.content
             if text:
                 if not pieces:
                     self.sink.first_token(response_id, text)
                 pieces.append(text)
+        if not finished:  # the connection closed mid-answer: a cut answer is no answer
+            raise IncompleteStreamError(f"the stream ended before a finish_reason, after {len(pieces)} pieces")
         return "".join(pieces), tokens
