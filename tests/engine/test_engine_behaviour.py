@@ -390,3 +390,16 @@ def test_a_context_longer_than_the_model_was_made_for_is_refused_at_start(engine
     for too_long in (longest + 1, 10**9):
         with pytest.raises(EngineConfigError, match=f"max_model_len {too_long} is more than .*\\({longest}\\)"):
             LLMEngine(EngineConfig(model=engine_checkpoint, max_model_len=too_long))
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("max_num_seqs", "4", "max_num_seqs must be an integer, got '4'"),
+    ("block_size", 16.0, "block_size must be an integer, got 16.0"),
+    ("max_model_len", True, "max_model_len must be an integer, got True"),
+    ("max_num_batched_tokens", 0, "max_num_batched_tokens must be at least 1, got 0"),
+])
+def test_engine_sizes_must_be_integers(name, value, message):
+    from vlm_catalog.engine.config import EngineConfigError
+
+    with pytest.raises(EngineConfigError, match=message):  # before: "4" passed, to fail inside a step
+        EngineConfig(**{name: value})

@@ -108,8 +108,11 @@ class EngineConfig:
             )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                      "encoder_cache_tokens", "max_images_per_prompt", "grammar_cache_size"):
-            if int(getattr(self, name)) < 1:
-                raise EngineConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):  # "4" would fail later, deep in a step
+                raise EngineConfigError(f"{name} must be an integer, got {value!r}")
+            if value < 1:
+                raise EngineConfigError(f"{name} must be at least 1, got {value}")
         if self.grammar_compile_workers is not None and int(self.grammar_compile_workers) < 1:
             raise EngineConfigError(
                 f"grammar_compile_workers must be at least 1 (None: half the CPUs), got {self.grammar_compile_workers}"
