@@ -416,3 +416,85 @@ def test_a_damaged_label_column_loses_only_that_row_groups_labels(tmp_path):
     assert scored_ones[:8] == labels[:8] and scored_ones[8:] == [None] * 4
     with pytest.raises(CatalogueError, match=r"record 9: "):
         catalogue.labels(scored=[9, 3])
+
+
+# ----------------------------------------------------- the split of each file, on real download layouts
+def dataset_of(rows: list[dict]) -> datasets.Dataset:
+    columns = {name: [row[name] for row in rows] for name in CATALOGUE_FEATURES}
+    return datasets.Dataset.from_dict(columns, features=CATALOGUE_FEATURES)
+
+
+def titles(catalogue) -> list[str]:
+    return [record.title for record in catalogue]
+
+
+@pytest.mark.parametrize("layout", [
+    # older push_to_hub names carry a fingerprint after the shard count
+    {"train": "data/train-00000-of-00001-a1b2c3d4e5f60718.parquet", "test": "data/test-00000-of-00001-0f1e2d3c4b5a6978.parquet"},
+    # the Hub's converted parquet branch: <config>/<split>/NNNN.parquet
+    {"train": "default/train/0000.parquet", "test": "default/test/0000.parquet"},
+])
+def test_each_files_split_is_read_from_its_name_or_folder(tmp_path, layout):
+    rows = handmade_rows()
+    for split, name in layout.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        dataset_of(rows[2:] if split == "test" else rows[:2]).to_parquet(str(tmp_path / name))
+    # before: both files were "train", read test first ("data/test..." sorts before "data/train..."), and
+    # --split test was refused
+    assert titles(load_catalogue(tmp_path)) == [row["product_title"] for row in rows]
+    assert titles(load_catalogue(tmp_path, split="test")) == ["Lamp"]
+
+
+def test_a_file_without_a_split_among_files_with_one_is_refused(tmp_path):
+    write_catalogue(tmp_path, handmade_rows()[:2], split="train")
+    dataset_of(handmade_rows()[2:]).to_parquet(str(tmp_path / "data" / "extra.parquet"))
+    with pytest.raises(CatalogueError, match="cannot tell the split of data/extra.parquet"):
+        load_catalogue(tmp_path)
+
+
+def test_a_single_file_or_saved_dataset_keeps_its_split_name(tmp_path):
+    write_catalogue(tmp_path / "parquet", handmade_rows(), split="test")
+    single = tmp_path / "parquet" / "data" / "test-00000-of-00001.parquet"
+    assert len(load_catalogue(single, split="test")) == 3  # before: "no split test; available: train"
+    with pytest.raises(CatalogueError, match="no split train; available: test"):
+        load_catalogue(single, split="train")
+    rows = handmade_rows()[2:]
+    test_split = datasets.Dataset.from_dict(  # as load_dataset(...)["test"] is: it knows its split
+        {name: [row[name] for row in rows] for name in CATALOGUE_FEATURES}, features=CATALOGUE_FEATURES, split="test"
+    )
+    test_split.save_to_disk(str(tmp_path / "saved_test"))
+    assert titles(load_catalogue(tmp_path / "saved_test", split="test")) == ["Lamp"]
+
+
+def test_a_dataset_saved_with_a_format_reads_like_one_without(tmp_path):
+    dataset_of(handmade_rows()).with_format("numpy").save_to_disk(str(tmp_path / "numpy"))
+    catalogue = load_catalogue(tmp_path / "numpy")
+    # before: every record failed ("expected a list of category strings, got ndarray")
+    assert catalogue[1].candidate_categories == handmade_rows()[1]["potential_product_categories"]
+    assert catalogue.labels()[1].is_secondhand is True
+
+
+def test_a_hugging_face_cache_folder_reads_the_snapshot_refs_main_names(tmp_path):
+    repo = tmp_path / "datasets--Shopify--product-catalogue"
+    for revision, rows in (("old0", handmade_rows()[:1]), ("new1", handmade_rows())):
+        write_catalogue(repo / "snapshots" / revision, rows, split="test")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("new1")
+    assert len(load_catalogue(repo)) == 3  # before: both revisions, 4 records
+    (repo / "refs" / "main").unlink()
+    with pytest.raises(CatalogueError, match="2 snapshots and no refs/main naming one; pass one snapshot folder"):
+        load_catalogue(repo)
+
+
+def test_split_names_that_cannot_be_meant_are_refused(tmp_path):
+    write_catalogue(tmp_path, handmade_rows()[2:], split="Test")
+    write_catalogue(tmp_path, handmade_rows()[:2], split="Train")
+    assert titles(load_catalogue(tmp_path))[0] == "Acme Bird Bath"  # Train before Test, in any letter case
+    with pytest.raises(CatalogueError, match="names Test twice"):
+        load_catalogue(tmp_path, split="Test+Test")
+    with pytest.raises(CatalogueError, match="has an empty split name"):
+        load_catalogue(tmp_path, split="Train++Test")
+    jsonl = tmp_path / "records.jsonl"
+    jsonl.write_text("")
+    with pytest.raises(CatalogueError, match="a JSONL file has no splits; drop --split 'test'"):
+        load_catalogue(jsonl, split="test")

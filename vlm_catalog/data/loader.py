@@ -75,7 +75,9 @@ from vlm_catalog.preprocess.image_decode import (
 )
 
 SPLIT_ORDER = ("train", "validation", "test")
-_SPLIT_FROM_FILENAME = re.compile(r"^(?P<split>[A-Za-z0-9_]+?)-\d+-of-\d+\.parquet$")
+# a shard's split from its name, as `datasets` reads the Hub's layouts: "test-00000-of-00001.parquet",
+# and older `push_to_hub` names with a fingerprint, "train-00000-of-00002-a1b2c3d4e5f60718.parquet"
+_SPLIT_FROM_FILENAME = re.compile(r"^(?P<split>[A-Za-z0-9_]+?)-\d+-of-\d+(?:-[0-9a-f]+)?\.parquet$")
 # An image file read from disk larger than this is refused before it is read.
 MAX_IMAGE_FILE_BYTES = 128 * 2**20
 # Parquet is read in slices of this many rows (64 realistic product photos are a few MB),
@@ -281,7 +283,8 @@ class _DatasetRows:
         feature = dataset.features.get(IMAGE)
         if isinstance(feature, datasets.Image) and feature.decode:
             dataset = dataset.cast_column(IMAGE, datasets.Image(decode=False))
-        self._dataset = dataset
+        # a dataset saved with a format (numpy, pandas) would give arrays for lists and flags
+        self._dataset = dataset.with_format(None)
         self.column_names = list(dataset.column_names)
         self.input_files = input_files
 
@@ -369,7 +372,9 @@ class _ConcatRows:
         self.column_names = parts[0].column_names
         for part in parts[1:]:
             if set(part.column_names) != set(self.column_names):
-                raise CatalogueError(f"the splits have different columns: {part.column_names} and {self.column_names}")
+                raise CatalogueError(
+                    f"the splits have different columns: {sorted(part.column_names)} and {sorted(self.column_names)}"
+                )
         self.input_files = [file for part in parts for file in part.input_files]
 
     def __len__(self) -> int:
@@ -682,13 +687,19 @@ def load_catalogue(path: str | Path, split: str | None = None) -> Catalogue:
             f"{path}: is a pipe or a device; a catalogue is read more than once (indexed, then read "
             "by record), so write it to a file first"
         )
+    path = _hub_cache_snapshot(path)
     if path.is_file() and path.suffix == ".jsonl":
+        if split is not None:
+            raise CatalogueError(f"{path}: a JSONL file has no splits; drop --split {split!r}")
         rows: _Rows = _JsonlRows(path)
         image_root = path.parent
     else:
         splits, image_root = _read_splits(path)
         chosen = _choose_splits(splits, split, path)
-        rows = splits[chosen[0]] if len(chosen) == 1 else _ConcatRows([splits[name] for name in chosen])
+        try:
+            rows = splits[chosen[0]] if len(chosen) == 1 else _ConcatRows([splits[name] for name in chosen])
+        except CatalogueError as exc:
+            raise CatalogueError(f"{path}: {', '.join(chosen)}: {exc}") from None
     if len(rows) == 0:
         raise CatalogueError(f"{path}: has no records")
     _check_columns(rows.column_names, path)
@@ -707,7 +718,7 @@ def _read_splits(path: Path) -> tuple[dict[str, _Rows], Path]:
             raise CatalogueError(
                 f"{path}: expected a .parquet or .jsonl file, a catalogue directory or a `datasets` directory"
             )
-        return {"train": _ParquetRows([path])}, path.parent
+        return {_split_of(path, path.parent) or "train": _ParquetRows([path])}, path.parent
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
         import datasets
 
@@ -722,23 +733,68 @@ def _read_splits(path: Path) -> tuple[dict[str, _Rows], Path]:
             raise CatalogueError(f"{path}: cannot be read as a `datasets` directory ({exc})") from None
         if isinstance(loaded, datasets.DatasetDict):
             return {name: _DatasetRows(split, files) for name, split in loaded.items()}, path
-        return {"train": _DatasetRows(loaded, files)}, path
+        return {str(loaded.split) if loaded.split is not None else "train": _DatasetRows(loaded, files)}, path
     parquet_files = sorted(path.rglob("*.parquet"))
     if not parquet_files:
         raise CatalogueError(f"{path}: holds no parquet files and no dataset saved by `datasets`")
+    named = {file: _split_of(file, path) for file in parquet_files}
+    unnamed = [file for file, split_name in named.items() if split_name is None]
+    if unnamed and len(unnamed) < len(parquet_files):  # "train" for those would mix them in silently
+        raise CatalogueError(
+            f"{path}: cannot tell the split of {unnamed[0].relative_to(path)} while other files name theirs; "
+            "name it <split>-00000-of-00001.parquet or put it in a <split>/ folder"
+        )
     files_by_split: dict[str, list[Path]] = {}
-    for file in parquet_files:
-        match = _SPLIT_FROM_FILENAME.match(file.name)
-        split_name = match.group("split") if match else "train"
-        files_by_split.setdefault(split_name, []).append(file)
+    for file, split_name in named.items():
+        files_by_split.setdefault(split_name or "train", []).append(file)  # no file names one: all "train"
     return {name: _ParquetRows(files) for name, files in files_by_split.items()}, path
 
 
+def _split_of(file: Path, root: Path) -> str | None:
+    """The split a parquet file belongs to: from its name (`_SPLIT_FROM_FILENAME`), or from a folder
+    between it and `root` named like a split (the Hub's converted layout, "default/test/0000.parquet")."""
+    match = _SPLIT_FROM_FILENAME.match(file.name)
+    if match:
+        return match.group("split")
+    folders = file.relative_to(root).parts[:-1] if file.is_relative_to(root) else ()
+    return next((folder for folder in reversed(folders) if folder.lower() in SPLIT_ORDER), None)
+
+
+def _hub_cache_snapshot(path: Path) -> Path:
+    """For a Hugging Face cache folder (`datasets--owner--name`, with refs/ and snapshots/), the
+    snapshot `refs/main` names: reading the whole folder would read every cached revision."""
+    snapshots = path / "snapshots"
+    if not (path.is_dir() and snapshots.is_dir() and (path / "refs").is_dir()):
+        return path
+    main = path / "refs" / "main"
+    if main.is_file():
+        revision = main.read_text(encoding="utf-8").strip()
+        if (snapshots / revision).is_dir():
+            return snapshots / revision
+    revisions = sorted(folder.name for folder in snapshots.iterdir() if folder.is_dir())
+    if len(revisions) == 1:
+        return snapshots / revisions[0]
+    if not revisions:
+        raise CatalogueError(f"{path}: a Hugging Face cache folder with no snapshot")
+    raise CatalogueError(
+        f"{path}: a Hugging Face cache folder with {len(revisions)} snapshots and no refs/main naming one; "
+        f"pass one snapshot folder, e.g. {snapshots / revisions[0]}"
+    )
+
+
 def _choose_splits(splits: dict[str, _Rows], requested: str | None, path: Path) -> list[str]:
-    if requested is None:
-        known = [name for name in SPLIT_ORDER if name in splits]
-        return known + sorted(name for name in splits if name not in SPLIT_ORDER)
+    if requested is None:  # train, validation, test first (in any letter case), then the others by name
+        def order(name: str) -> tuple[int, str]:
+            lower = name.lower()
+            return (SPLIT_ORDER.index(lower) if lower in SPLIT_ORDER else len(SPLIT_ORDER), name)
+
+        return sorted(splits, key=order)
     chosen = [name.strip() for name in requested.split("+")]
+    if "" in chosen:
+        raise CatalogueError(f"--split {requested!r} has an empty split name; e.g. \"test\" or \"train+test\"")
+    twice = sorted({name for name in chosen if chosen.count(name) > 1})
+    if twice:
+        raise CatalogueError(f"--split {requested!r} names {', '.join(twice)} twice (its records would repeat)")
     missing = [name for name in chosen if name not in splits]
     if missing:
         raise CatalogueError(
