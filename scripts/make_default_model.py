@@ -7,7 +7,10 @@ BPE tokenizer trained on the mlperf prompt, the taxonomy subset and the text of
 3000 synthetic products (seed 1000, disjoint from the shipped sample), so
 catalogue prompts tokenise compactly. Weights are stored in bfloat16.
 
-    python scripts/make_default_model.py [--out data/models/tiny-qwen3-vl-moe]
+    python scripts/make_default_model.py --out scratch/training/base [--overwrite]
+
+`--out` has no default and an existing folder is replaced only with `--overwrite`:
+the shipped folder holds the trained weights, which this script's random ones would replace.
 """
 
 from __future__ import annotations
@@ -89,8 +92,13 @@ def catalogue_corpus() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--out", type=Path, required=True, help="the checkpoint folder to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
+    if args.out.exists() and not args.overwrite:
+        shipped = " (the shipped, trained model)" if args.out.resolve() == DEFAULT_MODEL_DIR.resolve() else ""
+        print(f"error: {args.out}{shipped} exists; pass --overwrite to replace it", file=sys.stderr)
+        return 2
     if args.out.exists():
         shutil.rmtree(args.out)
     tokenizer = build_tokenizer(DEFAULT_SPEC.tokenizer_vocab_size, TokenizerCorpus(extra=catalogue_corpus()))

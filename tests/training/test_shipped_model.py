@@ -39,3 +39,21 @@ def test_shipped_model_answers_heldout_records(tmp_path: Path) -> None:
     assert report.category_hf1 >= MIN_CATEGORY_HF1, report.format_table()
     assert report.brand_accuracy >= MIN_BRAND_ACCURACY, report.format_table()
     assert report.is_secondhand_f1 >= MIN_SECONDHAND_F1, report.format_table()
+
+
+
+def test_rebuilding_the_default_model_never_replaces_a_folder_unasked(tmp_path: Path) -> None:
+    """`make_default_model.py` writes random weights; with --out defaulting to the shipped folder, running
+    the model card's first step as written once replaced the trained model."""
+    from tests.scripts import run_script
+
+    missing = run_script("make_default_model.py", timeout=120)
+    assert missing.returncode == 2 and "--out" in missing.stderr  # no default: argparse's usage error
+    existing = tmp_path / "model"
+    existing.mkdir()
+    (existing / "model.safetensors").write_bytes(b"trained")
+    refused = run_script("make_default_model.py", "--out", str(existing), timeout=120)
+    assert refused.returncode == 2 and refused.stderr == f"error: {existing} exists; pass --overwrite to replace it\n"
+    assert (existing / "model.safetensors").read_bytes() == b"trained"
+    shipped = run_script("make_default_model.py", "--out", str(DEFAULT_MODEL_DIR), timeout=120)
+    assert shipped.returncode == 2 and "(the shipped, trained model) exists" in shipped.stderr
