@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--catalogue", type=Path, required=True)
-    parser.add_argument("--json", type=Path, default=None, help="write the three reports here")
+    parser.add_argument("--json", type=Path, default=None, help="write the four reports here")
     args = parser.parse_args(argv)
     reports = compare(args.model, args.catalogue)
     print(f"{'':<27}{'category hF1':>14}{'brand acc':>12}{'2nd-hand F1':>13}{'unparsable':>12}")
