@@ -142,7 +142,7 @@ def _resumed(args: argparse.Namespace) -> Trainer:
     if args.steps is not None and args.steps < saved["step"]:
         raise RunDirError(f"--steps {args.steps} is below the step the run is at ({saved['step']})")
     overrides = {"steps": args.steps} if args.steps is not None else {}
-    trainer = _trainer(lambda: Trainer.resume(args.run_dir, **overrides))
+    trainer = _trainer(lambda: Trainer.resume(args.run_dir, saved, **overrides))  # state.pt read once
     print(f"resumed {args.run_dir} at step {trainer.step} of {trainer.config.steps}", flush=True)
     return trainer
 

@@ -188,9 +188,10 @@ class Trainer:
             set_rng_state(state["rng"])
 
     @classmethod
-    def resume(cls, run_dir: Path, **overrides: Any) -> Trainer:
-        """The run saved in `run_dir`, ready to continue; `overrides` change config fields (e.g. steps)."""
-        state = load_state(run_dir)
+    def resume(cls, run_dir: Path, state: dict[str, Any] | None = None, **overrides: Any) -> Trainer:
+        """The run saved in `run_dir`, ready to continue; `overrides` change config fields (e.g. steps).
+        `state`: its `load_state(run_dir)`, when the caller has read it already."""
+        state = state if state is not None else load_state(run_dir)
         data = {**state["config"], **overrides, "run_dir": str(run_dir)}
         return cls(TrainConfig.from_dict(data), state)
 
