@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "bench", help="MLPerf LoadGen benchmark (Offline/Server) on the engine or a server",
         description=(
             "Run MLPerf LoadGen over a catalogue. Defaults are the benchmark's settings "
-            "(LoadGen's mlperf.conf for qwen3-vl-235b-a22b: 600 s, 48,289 queries); "
+            "(LoadGen's mlperf.conf for qwen3-vl-235b-a22b: at least 600 s, and 48,289 queries in Offline); "
             "--count and --duration shorten a run."
         ),
     )
