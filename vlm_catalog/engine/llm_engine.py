@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kernels.tuned_configs import TunedTableError, describe_sources, device_name, tuned_configs
@@ -333,7 +334,8 @@ class LLMEngine:
                 f"prompt and output need up to {total} tokens of KV cache; the pool holds {capacity}"
             )
         vocab_size = self.model_config.text.vocab_size
-        if min(prompt.token_ids) < 0 or max(prompt.token_ids) >= vocab_size:
+        token_ids = np.frombuffer(prompt.token_ids, dtype=np.intc)  # the array("i") as is: 2.5 us for 5k ids, not 174
+        if token_ids.min() < 0 or token_ids.max() >= vocab_size:
             raise EngineRequestError(f"the prompt holds token ids outside the vocabulary [0, {vocab_size})")
         bad_stop = [t for t in params.stop_token_ids if t >= vocab_size]
         if bad_stop:
