@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -119,21 +120,24 @@ class RunDirError(Exception):
 
 
 def _given_settings(args: argparse.Namespace) -> dict[str, object]:
-    """The run settings given on the command line, by their TrainConfig name ("mix.x" for the mix)."""
-    return {field: getattr(args, dest) for dest, field in RUN_SETTINGS.items() if getattr(args, dest) is not None}
+    """The run settings given on the command line, by option name (`RUN_SETTINGS` maps them to the config)."""
+    return {dest: getattr(args, dest) for dest in RUN_SETTINGS if getattr(args, dest) is not None}
+
+
+def _saved_setting(config: dict[str, Any], field: str) -> object:
+    """A setting of a saved run's config, by its `RUN_SETTINGS` name ("mix.x": the mix's x)."""
+    return config["mix"][field[4:]] if field.startswith("mix.") else config[field]
 
 
 def _resumed(args: argparse.Namespace) -> Trainer:
     if not (args.run_dir / STATE_FILE).is_file():
         raise RunDirError(f"--resume: {args.run_dir / STATE_FILE} does not exist, so there is no run to continue")
     saved = load_state(args.run_dir)
-    config = saved["config"]
-    changed = [
-        f"--{dest.replace('_', '-')} {given} (saved: {saved_value})"
-        for dest, field in RUN_SETTINGS.items()
-        if (given := getattr(args, dest)) is not None
-        and str(given) != str(saved_value := (config["mix"][field[4:]] if field.startswith("mix.") else config[field]))
-    ]
+    changed = []
+    for dest, given in _given_settings(args).items():
+        saved_value = _saved_setting(saved["config"], RUN_SETTINGS[dest])
+        if str(given) != str(saved_value):
+            changed.append(f"--{dest.replace('_', '-')} {given} (saved: {saved_value})")
     if changed:
         raise RunDirError(
             "a resumed run keeps the settings it started with; only --steps, --until-step, --max-minutes "
@@ -155,7 +159,7 @@ def _new_run(args: argparse.Namespace) -> Trainer:
         raise RunDirError(f"{run_dir} already holds a run; pass --resume or choose another --run-dir")
     if run_dir.is_dir() and any(run_dir.iterdir()):  # another run's log or model, which a new run would mix in
         raise RunDirError(f"{run_dir} is not empty and holds no {STATE_FILE} to resume; choose a new or empty --run-dir")
-    given = _given_settings(args)
+    given = {RUN_SETTINGS[dest]: value for dest, value in _given_settings(args).items()}
     mix = TrainingMix(**{field[4:]: value for field, value in given.items() if field.startswith("mix.")})
     settings = {field: value for field, value in given.items() if not field.startswith("mix.")}
     settings.setdefault("base", DEFAULT_MODEL_DIR)

@@ -9,6 +9,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from tests.bench.test_loadgen_parts import free_port
 from tests.conftest import jpeg_bytes
 from vlm_catalog.bench.loadgen import sut_http
 from vlm_catalog.bench.loadgen.report import ACCURACY_FILE, SUMMARY_FILE
@@ -86,14 +87,6 @@ def test_an_output_file_taken_by_a_folder_is_refused_and_a_failed_start_keeps_th
 
 
 # ------------------------------------------------------------------ servers that misbehave
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 MODELS = {"object": "list", "data": [{"id": "served-model", "object": "model", "created": 0, "owned_by": "me"}]}
 
 

@@ -756,7 +756,7 @@ def _split_of(file: Path, root: Path) -> str | None:
     match = _SPLIT_FROM_FILENAME.match(file.name)
     if match:
         return match.group("split")
-    folders = file.relative_to(root).parts[:-1] if file.is_relative_to(root) else ()
+    folders = file.relative_to(root).parts[:-1]
     return next((folder for folder in reversed(folders) if folder.lower() in SPLIT_ORDER), None)
 
 

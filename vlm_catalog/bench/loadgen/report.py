@@ -91,15 +91,18 @@ def accuracy_txt(category_hf1: float) -> str:
     return f"Results\n\n{data}\n\nhash={digest}"
 
 
-def write_accuracy(out_dir: Path, catalogue, seed: int = 12345):
-    """Score the run's accuracy log against `catalogue`; write accuracy.txt/.json; return the report."""
+def write_accuracy(out_dir: Path, catalogue, seed: int = 12345, labels=None):
+    """Score the run's accuracy log against `catalogue`; write accuracy.txt/.json; return the report.
+    `labels`: the catalogue's labels, when the caller has read (and checked) them already."""
     from vlm_catalog.evaluate.command import resolve_indices
     from vlm_catalog.evaluate.predictions import read_predictions
     from vlm_catalog.evaluate.scoring import score
 
     predictions = read_predictions(out_dir / ACCURACY_LOG_FILE)
     responses = resolve_indices(predictions, catalogue)
-    report = score(responses, catalogue.labels(scored=(index for index, _ in responses)), seed=seed)
+    if labels is None:
+        labels = catalogue.labels(scored=(index for index, _ in responses))
+    report = score(responses, labels, seed=seed)
     (out_dir / ACCURACY_FILE).write_text(accuracy_txt(report.category_hf1), encoding="utf-8")
     (out_dir / ACCURACY_JSON_FILE).write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
     return report
