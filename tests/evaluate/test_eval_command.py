@@ -35,6 +35,25 @@ def test_eval_mlperf_log(handmade_catalogue, tmp_path):
     assert json.loads(out.read_text())["category_hf1"] == 1.0
 
 
+def test_eval_says_what_the_score_covers(handmade_catalogue, tmp_path, capsys):
+    """An MLPerf log may answer a record twice (scored twice, as the reference does) and a shard's
+    predictions answer only some records: the output says so, where before it gave only a count."""
+    log = tmp_path / "mlperf_log_accuracy.json"
+    answer = json.dumps({"category": "Home & Garden > Lighting > Lamps", "brand": "Lumo", "is_secondhand": False})
+    entries = [(0, 2, answer), (1, 2, "garbage")]
+    log.write_text(json.dumps([{"seq_id": s, "qsl_idx": i, "data": a.encode().hex()} for s, i, a in entries]))
+    assert main(["eval", "--predictions", str(log), "--dataset", str(handmade_catalogue)]) == 0
+    out = capsys.readouterr().out
+    assert "samples: 2   unparsable responses: 1" in out
+    assert "note: 2 answers for 1 records (1 repeat a record's)" in out
+    assert "note: the predictions answer 1 of the catalogue's 3 records" in out
+
+    everything = tmp_path / "p.jsonl"
+    everything.write_text("".join(json.dumps({"id": i, "response": answer}) + "\n" for i in range(3)))
+    assert main(["eval", "--predictions", str(everything), "--dataset", str(handmade_catalogue)]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_eval_unknown_ids_fail_clearly(handmade_catalogue, tmp_path, capsys):
     predictions = tmp_path / "p.jsonl"
     predictions.write_text('{"id": "7", "response": "{}"}\n{"id": "abc", "response": "{}"}\n')

@@ -89,6 +89,8 @@ def test_mlperf_accuracy_log_is_hex_decoded(tmp_path):
     [
         ('{"id": 1}\n', 'needs|expected an object with "id" and "response"'),
         ('{"id": 1, "response": "a"}\n{"id": "1", "response": "b"}\n', "duplicate id"),
+        # the catalogue reads " 1" as record 1 too: before, both lines were scored
+        ('{"id": 1, "response": "a"}\n{"id": " 1", "response": "b"}\n', r"duplicate id ' 1' \(an earlier line answers record '1'\)"),
         ("{not json\n", "not valid JSON"),
         ('{"id": 1.5, "response": "a"}\n', '"id" must be'),
         ('[{"qsl_idx": 0, "data": "zz"}]', "not hex"),

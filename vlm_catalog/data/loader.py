@@ -24,7 +24,8 @@ Each row is validated against the column types with no coercion: a title that
 is the integer 0, candidates stored as one string, or `ground_truth_is_secondhand`
 stored as the string "no" are errors naming the record and the column, not
 `""`, a list of characters or `True`. A null title or description reads as the
-empty text. An image is checked from its header (format, size, pixel limit)
+empty text (the reference harness would put the word `None` in the prompt; this
+departs from it only for a dataset with such nulls). An image is checked from its header (format, size, pixel limit)
 without decoding its pixels. An image given as a path must be a relative path
 resolving inside the dataset's folder.
 

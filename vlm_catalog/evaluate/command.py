@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {message}", file=sys.stderr)
         return 2
     print(report.format_table())
+    for note in coverage_notes([index for index, _ in responses], len(catalogue)):
+        print(f"note: {note}")
     if args.json_out:
         try:
             write_report(args.json_out, json.dumps(report.to_dict(), indent=2) + "\n")
@@ -100,6 +102,21 @@ def check_extract_job(predictions: Path, split: str | None, num_records: int) ->
             f"{predictions} was made on a catalogue of {job['num_records']} records ({job_file.name}); this "
             f"one has {num_records}, so its ids would meet other records' labels"
         )
+
+
+def coverage_notes(scored: list[int], num_records: int) -> list[str]:
+    """What the score covers, where that is not one answer for every record: a shard's predictions
+    answer only some records, and an MLPerf log may answer a record twice (a JSONL file may not)."""
+    notes = []
+    answered = len(set(scored))
+    if answered < len(scored):
+        notes.append(
+            f"{len(scored)} answers for {answered} records ({len(scored) - answered} repeat a record's); "
+            "each answer is scored, as the reference's evaluation scores each entry of a LoadGen log"
+        )
+    if answered < num_records:
+        notes.append(f"the predictions answer {answered} of the catalogue's {num_records} records; only those are scored")
+    return notes
 
 
 def resolve_indices(predictions, catalogue) -> list[tuple[int, str]]:

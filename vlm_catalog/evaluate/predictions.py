@@ -86,9 +86,10 @@ def _parse_jsonl(handle: BinaryIO, path: Path, first_line_number: int) -> list[P
             raise PredictionsError(f'{where}: "id" must be a string or an integer')
         if not isinstance(response, str):
             raise PredictionsError(f'{where}: "response" must be a string')
-        if str(key) in seen:
-            raise PredictionsError(f"{where}: duplicate id {key!r}")
-        seen.add(str(key))
+        record = str(key).strip()  # the id as the catalogue reads it: 0, "0" and " 0" name one record
+        if record in seen:
+            raise PredictionsError(f"{where}: duplicate id {key!r} (an earlier line answers record {record!r})")
+        seen.add(record)
         predictions.append(Prediction(key=key, response=response))
     return predictions
 
