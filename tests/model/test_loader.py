@@ -71,24 +71,26 @@ def test_published_transposed_expert_layout(checkpoint, tmp_path):
         assert torch.equal(same_bits, want), name
 
 
-def test_per_expert_layout(checkpoint, tmp_path):
-    def split_experts(tensors):
-        out = {}
-        for name, tensor in tensors.items():
-            if name.endswith("experts.gate_up_proj"):
-                base = name.removesuffix("gate_up_proj")
-                gate, up = tensor.chunk(2, dim=1)
-                for e in range(tensor.shape[0]):
-                    out[f"{base}{e}.gate_proj.weight"] = gate[e].contiguous()
-                    out[f"{base}{e}.up_proj.weight"] = up[e].contiguous()
-            elif name.endswith("experts.down_proj"):
-                base = name.removesuffix("down_proj")
-                for e in range(tensor.shape[0]):
-                    out[f"{base}{e}.down_proj.weight"] = tensor[e].contiguous()
-            else:
-                out[name] = tensor
-        return out
+def split_experts(tensors):
+    """The fused experts of transformers 5's checkpoints as the older per-expert tensors."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith("experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            gate, up = tensor.chunk(2, dim=1)
+            for e in range(tensor.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = gate[e].contiguous()
+                out[f"{base}{e}.up_proj.weight"] = up[e].contiguous()
+        elif name.endswith("experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e in range(tensor.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = tensor[e].contiguous()
+        else:
+            out[name] = tensor
+    return out
 
+
+def test_per_expert_layout(checkpoint, tmp_path):
     per_expert = copy_checkpoint(checkpoint, tmp_path / "per_expert", split_experts)
     expected = state(load_model(checkpoint))
     for name, tensor in state(load_model(per_expert)).items():
@@ -152,6 +154,60 @@ def test_errors_name_the_problem(checkpoint, tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(CheckpointError, match="no CUDA GPU"):
             load_model(checkpoint, device="cuda")
+
+
+def test_missing_tensors_are_named_as_the_checkpoint_names_them(checkpoint, tmp_path):
+    """Before, a missing k_proj was reported as the model's fused `qkv_proj.weight`, a name no
+    checkpoint holds, and a missing expert as the layer's fused experts."""
+    def without(*names):
+        return lambda tensors: {n: x for n, x in split_experts(tensors).items() if n not in names}
+
+    k_proj, up_proj = "model.language_model.layers.1.self_attn.k_proj.weight", "model.language_model.layers.0.mlp.experts.1.up_proj.weight"
+    missing = copy_checkpoint(checkpoint, tmp_path / "missing", without(k_proj, up_proj))
+    with pytest.raises(CheckpointError) as caught:
+        load_model(missing)
+    assert str(caught.value) == f"checkpoint lacks tensors: {up_proj}, {k_proj}"
+    no_lm_head = copy_checkpoint(checkpoint, tmp_path / "no_lm_head", lambda t: {n: x for n, x in t.items() if n != "lm_head.weight"})
+    with pytest.raises(CheckpointError, match="^checkpoint lacks tensors: lm_head.weight$"):
+        load_model(no_lm_head)
+
+
+def test_a_tied_checkpoint_whose_stored_lm_head_differs_is_refused(checkpoint, tmp_path):
+    """transformers unties such a model (and warns); this engine cannot, and before it silently
+    used the embeddings as lm_head: logits 3.9 away from transformers'."""
+    wrong_flag = copy_checkpoint(checkpoint, tmp_path / "wrong_flag", config_changes={"tie_word_embeddings": True})
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from model.language_model.embed_tokens.weight: set "
+                                              "tie_word_embeddings to false"):
+        load_model(wrong_flag)
+
+    def store_a_copy(tensors):
+        return {**tensors, "lm_head.weight": tensors["model.language_model.embed_tokens.weight"].clone()}
+
+    copied = load_model(copy_checkpoint(checkpoint, tmp_path / "copy", store_a_copy, {"tie_word_embeddings": True}))
+    assert copied.lm_head.weight is copied.language_model.embed_tokens.weight  # as transformers writes a tied model
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"text_config": {"hidden_act": "gelu"}}, "text hidden_act 'gelu' is not supported"),
+        ({"vision_config": {"hidden_act": "relu"}}, "vision hidden_act 'relu' is not supported"),
+        ({"vision_config": {"out_hidden_size": 48}}, "vision out_hidden_size 48 differs from the text hidden_size"),
+        ({"text_config": {"num_hidden_layers": "2"}}, "config.json is not a valid qwen3_vl_moe config: .*num_hidden_layers"),
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}},
+         "activation_scheme 'static' is not supported"),
+    ],
+)
+def test_configs_we_cannot_serve_are_config_errors(checkpoint, tmp_path, changes, message):
+    """Before, the first three were a ValueError from the model's constructor and the fourth a
+    transformers validation error: tracebacks from every front door (which catch ModelConfigError),
+    and check-parity's exit 1, its code for a parity failure."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    for key, value in changes.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) and key in config else value
+    changed = copy_checkpoint(checkpoint, tmp_path / "changed", config_changes=config)
+    with pytest.raises(ModelConfigError, match=message):
+        load_model(changed)
 
 
 def test_missing_shard_is_named(tmp_path, tiny_tokenizer):

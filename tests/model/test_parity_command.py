@@ -49,3 +49,14 @@ def test_check_parity_on_an_fp8_checkpoint_transformers_cannot_load_is_a_clear_e
     assert main(["check-parity", str(tmp_path / "fp8"), "--tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: transformers cannot load") and "accelerate" in err and err.count("\n") == 1
+
+
+def test_check_parity_refuses_a_checkpoint_transformers_routes_otherwise(tmp_path, tiny_tokenizer, capsys):
+    """With norm_topk_prob false we leave the routing weights unnormalised (as vLLM) and transformers'
+    Qwen3-VL-MoE renormalises anyway: before, check-parity printed FAIL (logits 1.9 apart), exit 1."""
+    checkpoint = build_checkpoint(tmp_path / "ckpt", tiny_tokenizer, seed=21, text_layers=1, norm_topk_prob=False)
+    capsys.readouterr()  # the checkpoint writer's progress bars
+    assert main(["check-parity", str(checkpoint), "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: config.json sets norm_topk_prob to false") and "no reference" in err
+    assert err.count("\n") == 1

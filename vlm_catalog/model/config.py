@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlm_catalog.error_text import one_line
 from vlm_catalog.lfs_pointer import first_lfs_pointer, pointer_message
 from vlm_catalog.model.fp8 import Fp8BlockQuantization
 
@@ -39,6 +40,10 @@ class VisionConfig:
     deepstack_visual_indexes: tuple[int, ...]
     hidden_act: str
     rope_theta: float
+
+    def __post_init__(self) -> None:
+        if self.hidden_act != "gelu_pytorch_tanh":
+            raise ModelConfigError(f"vision hidden_act {self.hidden_act!r} is not supported (only 'gelu_pytorch_tanh')")
 
     @property
     def head_dim(self) -> int:
@@ -72,6 +77,10 @@ class TextConfig:
     hidden_act: str
     max_position_embeddings: int | None = None  # the longest context the checkpoint was made for
 
+    def __post_init__(self) -> None:
+        if self.hidden_act != "silu":
+            raise ModelConfigError(f"text hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+
     def is_moe_layer(self, layer_index: int) -> bool:
         """Same rule as transformers' decoder layer: sparse unless listed as MLP-only."""
         return (
@@ -92,6 +101,13 @@ class ModelConfig:
     vision_end_token_id: int
     tie_word_embeddings: bool
     quantization: Fp8BlockQuantization | None = None  # an FP8 block-quantized checkpoint
+
+    def __post_init__(self) -> None:
+        if self.vision.out_hidden_size != self.text.hidden_size:
+            raise ModelConfigError(
+                f"vision out_hidden_size {self.vision.out_hidden_size} differs from the text "
+                f"hidden_size {self.text.hidden_size}"
+            )
 
     @classmethod
     def from_pretrained(cls, checkpoint_dir: str | Path) -> ModelConfig:
@@ -120,7 +136,10 @@ class ModelConfig:
         from transformers import Qwen3VLMoeConfig
 
         quantization = parse_quantization(raw.get("quantization_config"))
-        hf = Qwen3VLMoeConfig(**{k: v for k, v in raw.items() if k not in ("model_type", "quantization_config")})
+        try:  # transformers checks the fields' types (a TypeError, or its own validation error)
+            hf = Qwen3VLMoeConfig(**{k: v for k, v in raw.items() if k not in ("model_type", "quantization_config")})
+        except Exception as exc:  # noqa: BLE001 - any of them means: not a config we can read
+            raise ModelConfigError(f"config.json is not a valid {model_type} config: {one_line(exc)}") from None
         config = cls.from_hf(hf)
         return dataclasses.replace(config, quantization=quantization) if quantization else config
 
@@ -171,7 +190,8 @@ class ModelConfig:
                 num_experts=text.num_experts,
                 num_experts_per_tok=text.num_experts_per_tok,
                 # transformers' Qwen3-VL-MoE router always renormalises; checkpoints say
-                # norm_topk_prob: true. We honour the flag when a config sets it.
+                # norm_topk_prob: true. We honour the flag when a config sets it, as vLLM does
+                # (check-parity then has no reference: model/parity.py).
                 norm_topk_prob=bool(getattr(text, "norm_topk_prob", True)),
                 decoder_sparse_step=text.decoder_sparse_step,
                 mlp_only_layers=tuple(text.mlp_only_layers or ()),
@@ -217,6 +237,11 @@ def parse_quantization(raw: Any) -> Fp8BlockQuantization | None:
         raise ModelConfigError(
             f"quantization_config: quant_method {method!r} is not supported (only block-wise 'fp8', "
             "the format of Qwen's -FP8 checkpoints; or use the unquantized checkpoint)"
+        )
+    if raw.get("activation_scheme", "dynamic") != "dynamic":
+        raise ModelConfigError(
+            f"quantization_config: activation_scheme {raw.get('activation_scheme')!r} is not supported (only "
+            "'dynamic', as in Qwen's -FP8 checkpoints: static input scales would be ignored)"
         )
     if raw.get("fmt", "e4m3") != "e4m3":
         raise ModelConfigError(f"quantization_config: fmt {raw.get('fmt')!r} is not supported (only 'e4m3')")

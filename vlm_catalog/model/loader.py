@@ -223,7 +223,10 @@ class _Target:
 _PER_EXPERT = re.compile(r"^(language_model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _ATTENTION_PART = re.compile(r"^(language_model\.layers\.\d+\.self_attn)\.(q|k|v)_proj\.(weight|bias)$")
 _DENSE_MLP_PART = re.compile(r"^(language_model\.layers\.\d+\.mlp)\.(gate|up)_proj\.weight$")
-_FUSED_EXPERTS = re.compile(r"^language_model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_FUSED_EXPERTS = re.compile(r"^(language_model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+# the model's fused parameters that several checkpoint tensors fill (and _FUSED_EXPERTS, filled one expert at a time)
+_FUSED_ATTENTION = re.compile(r"^(language_model\.layers\.\d+\.self_attn)\.qkv_proj\.(weight|bias)$")
+_FUSED_DENSE_MLP = re.compile(r"^(language_model\.layers\.\d+\.mlp)\.gate_up_proj\.weight$")
 
 
 class WeightPlan:
@@ -245,16 +248,22 @@ class WeightPlan:
         self.filled = {name: 0 for name in model.state_dict() if name in self.parameters}
         if self.tied:
             self.filled.pop("lm_head.weight", None)
+        self.tied_lm_head: tuple[str, Path] | None = None  # a stored lm_head of a tied model, checked at the end
+        self.copied: set[str] = set()  # checkpoint names copied, without "model."
         self.skipped: list[str] = []
 
     def copy(self, source_name: str, handle, shard: Path) -> None:
         if source_name.endswith(SCALE_SUFFIX):
             return  # read with its weight (`_scale_of`)
         source = handle.get_slice(source_name)
+        if source_name == "lm_head.weight" and self.tied:
+            self.tied_lm_head = (source_name, shard)
+            return
         target = self.target(source_name, tuple(source.get_shape()))
         if target is None:
             self.skipped.append(source_name)
             return
+        self.copied.add(source_name.removeprefix("model."))
         destination = target.view(target.parameter)
         fp8_source = source.get_dtype() == FP8_SAFETENSORS_DTYPE
         with torch.no_grad():
@@ -347,8 +356,6 @@ class WeightPlan:
 
     def target(self, source_name: str, shape: tuple[int, ...]) -> _Target | None:
         name = source_name.removeprefix("model.")
-        if name == "lm_head.weight" and self.tied:
-            return None  # tied to the embeddings; transformers omits or duplicates it
         if not name.startswith(("visual.", "language_model.", "lm_head.")):
             return None
         text = self.text
@@ -382,10 +389,47 @@ class WeightPlan:
             name for name, count in self.filled.items() if count != self.parameters[name].numel()
         ]
         if missing:
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            raise CheckpointError(f"checkpoint lacks tensors for: {shown}")
+            absent = [source for name in missing for source in self._sources_of(name) if source not in self.copied]
+            shown = ", ".join(_checkpoint_name(name) for name in absent[:8])
+            shown += f" and {len(absent) - 8} more" if len(absent) > 8 else ""
+            raise CheckpointError(f"checkpoint lacks tensors: {shown}")
+        if self.tied_lm_head is not None:
+            self._check_tied_lm_head(*self.tied_lm_head)
         if self.skipped:
             logger.info("ignored %d checkpoint tensors the model does not use", len(self.skipped))
+
+    def _sources_of(self, name: str) -> list[str]:
+        """The checkpoint tensors (without "model.") that fill parameter `name`: q/k/v for the fused
+        attention projection, gate/up for a dense MLP's, one per expert for fused experts filled
+        expert by expert (a fused checkpoint's one tensor, were none of them given)."""
+        if name.endswith("_scale"):  # an FP8 parameter's scales come with its weight
+            return self._sources_of(name.removesuffix("_scale"))
+        if match := _FUSED_ATTENTION.match(name):
+            prefix, kind = match.groups()
+            return [f"{prefix}.{part}_proj.{kind}" for part in "qkv"]
+        if match := _FUSED_DENSE_MLP.match(name):
+            return [f"{match.group(1)}.{part}_proj.weight" for part in ("gate", "up")]
+        if (match := _FUSED_EXPERTS.match(name)) and self.filled[name]:  # some experts given one by one
+            prefix, fused = match.groups()
+            parts = ("gate", "up") if fused == "gate_up_proj" else ("down",)
+            return [f"{prefix}.{e}.{part}_proj.weight" for e in range(self.text.num_experts) for part in parts]
+        return [name]
+
+    def _check_tied_lm_head(self, source_name: str, shard: Path) -> None:
+        """A model whose config ties lm_head to the embeddings may store lm_head too: as a copy of
+        them (transformers writes one), or, in a checkpoint whose flag is wrong, as other weights
+        (transformers then warns and unties them). This engine cannot untie, so it refuses."""
+        embeddings = self.parameters["lm_head.weight"]  # the embedding matrix, tied
+        with _open_shard(shard) as handle:
+            stored = handle.get_slice(source_name)
+            self._check_shape(source_name, tuple(stored.get_shape()), tuple(embeddings.shape))
+            for start, end in _row_chunks(embeddings, self.chunk_bytes):
+                if not torch.equal(stored[start:end].to(embeddings.device, embeddings.dtype), embeddings[start:end]):
+                    raise CheckpointError(
+                        f"config.json ties lm_head to the embeddings (tie_word_embeddings: true), but the checkpoint's "
+                        f"{source_name} differs from model.language_model.embed_tokens.weight: set "
+                        "tie_word_embeddings to false in config.json to use the stored lm_head"
+                    )
 
     def _whole(self, source_name: str, name: str, shape: tuple[int, ...]) -> _Target:
         parameter = self.parameters[name]
@@ -419,6 +463,8 @@ class WeightPlan:
             is_transposed = self.legacy_expert_layout  # square: the layout comes from the version
         elif shape in (ours, transposed):
             is_transposed = shape == transposed
+        elif ours == transposed:  # square: one layout to name
+            raise CheckpointError(f"{source_name}: shape {list(shape)}, expected {list(ours)}")
         else:
             raise CheckpointError(
                 f"{source_name}: shape {list(shape)} fits neither {list(ours)} nor the "
@@ -457,6 +503,11 @@ class WeightPlan:
             raise CheckpointError(
                 f"tensor {source_name} has shape {list(shape)}, expected {list(expected)}"
             )
+
+
+def _checkpoint_name(name: str) -> str:
+    """A parameter's name as a Hugging Face checkpoint spells it: under "model.", but lm_head."""
+    return name if name.startswith("lm_head.") else f"model.{name}"
 
 
 def _fp8_blocks(model: nn.Module) -> dict[str, tuple[int, int]]:

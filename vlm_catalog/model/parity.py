@@ -151,6 +151,12 @@ def check_parity(
     device: str = "cpu",
 ) -> ParityReport:
     config = ModelConfig.from_pretrained(checkpoint_dir)
+    if not config.text.norm_topk_prob:
+        raise ReferenceUnavailable(
+            "config.json sets norm_topk_prob to false: this engine then leaves the top-k routing weights "
+            "unnormalised, as vLLM does, but transformers' Qwen3-VL-MoE ignores the flag (its router always "
+            "renormalises), so it is no reference for this checkpoint"
+        )
     processor = PromptProcessor.from_pretrained(checkpoint_dir, image_token_id=config.image_token_id)
     prompt = processor.process(build_messages(prompt_text, images or []))
     pixels = processor.load_pixels(prompt.images) if prompt.images else None

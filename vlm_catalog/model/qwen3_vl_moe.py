@@ -48,11 +48,6 @@ class ImageEmbedding:
 class Qwen3VLMoeModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        if config.vision.out_hidden_size != config.text.hidden_size:
-            raise ValueError(
-                f"vision out_hidden_size {config.vision.out_hidden_size} differs from the text "
-                f"hidden_size {config.text.hidden_size}"
-            )
         self.config = config
         self.visual = VisionTower(config.vision)
         self.language_model = TextDecoder(config.text)

@@ -389,8 +389,6 @@ class DecoderLayer(nn.Module):
 class TextDecoder(nn.Module):
     def __init__(self, config: TextConfig) -> None:
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"text hidden_act {config.hidden_act!r} is not supported")
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
