@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
+
+from PIL import Image
 
 from tests.batch.conftest import FAST, jpeg, read_lines, sample_rows, write_parquet
 from tests.conftest import png_bomb
@@ -22,6 +25,9 @@ def jsonl_catalogue(folder):
     (images / "logo.svg").write_text('<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>')
     (images / "cut.jpg").write_bytes(jpeg()[:12])
     (images / "bomb.png").write_bytes(png_bomb())
+    thin = io.BytesIO()
+    Image.new("RGB", (402, 2), "white").save(thin, "PNG")  # passes the loader's checks; the grid refuses it
+    (images / "thin.png").write_bytes(thin.getvalue())
     (folder.parent / "secret.jpg").write_bytes(jpeg())
     base = {
         "title": good["product_title"], "description": good["product_description"],
@@ -39,6 +45,8 @@ def jsonl_catalogue(folder):
         ("image", "absolute path", {"image": "/etc/passwd"}),
         ("image", "outside the dataset's folder", {"image": "../secret.jpg"}),
         ("image", "not found", {"image": "images/none.jpg"}),
+        # before, an untagged ValueError from the engine: failure "engine", which --retry-failed engine retried
+        ("image", "aspect ratio must be smaller than 200", {"image": "images/thin.png"}),
         ("record", "candidate category list is empty", {"candidates": []}),
         ("record", "position 1 is blank", {"candidates": ["A > B", "   "]}),
         ("record", "expected a list of category strings, got str", {"candidates": "A > B"}),
@@ -74,7 +82,7 @@ def test_each_bad_record_fails_alone_and_is_named(tmp_path, capsys):
             assert words in line["error"], (words, line["error"])
         else:
             assert line["failure"] is None and line["parsed"] is not None, line
-    assert "failed (image: 10, record: 7)" in printed
+    assert "failed (image: 11, record: 7)" in printed
     assert "category hF1" in printed  # --eval scored what could be scored
 
 

@@ -20,6 +20,7 @@ from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 from vlm_catalog.bench.baselines import (
     transformers_image_processor,
+    transformers_pil_image_processor_class,
     transformers_smart_resize,
     white_background_rgb,
 )
@@ -237,8 +238,9 @@ def test_process_many_empty_and_bad_worker_count() -> None:
 
 # ----------------------------------------------------------------- errors
 def test_aspect_ratio_over_200_is_refused() -> None:
-    with pytest.raises(ValueError, match="aspect ratio"):
+    with pytest.raises(ImageDecodeError, match="aspect ratio") as caught:  # the image's fault, tagged as such
         QWEN3_VL.process(Image.new("RGB", (201, 1)))
+    assert caught.value.reason is DecodeFailure.ASPECT_RATIO
 
 
 def test_input_over_decode_limit_is_refused() -> None:
@@ -340,6 +342,32 @@ def test_from_pretrained_missing_or_broken_file(tmp_path) -> None:
     (tmp_path / "preprocessor_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         ImageProcessor.from_pretrained(tmp_path)
+
+
+def test_size_bounds_may_come_half_from_size_half_from_the_top_level() -> None:
+    """transformers reads this; before, refused for the size dict's missing bound."""
+    config = {**QWEN3_VL_CONFIG, "size": {"shortest_edge": 4096}, "max_pixels": 200_000}
+    ours = ImageProcessor.from_config(config)
+    assert (ours.min_pixels, ours.max_pixels) == (4096, 200_000)
+    theirs = transformers_pil_image_processor_class()(**{k: v for k, v in config.items() if k != "processor_class"})
+    image = photo(700, 1100, seed=3)
+    assert ours.process(image).grid_thw == tuple(theirs(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist())
+
+
+@pytest.mark.parametrize("left_out", [("patch_size",), ("image_mean", "image_std"), ("size",)])
+def test_a_config_leaving_a_setting_to_transformers_qwen2_vl_default_is_refused(left_out: tuple[str, ...]) -> None:
+    """transformers fills a missing key with Qwen2-VL's value, we with Qwen3-VL's: before, the two
+    made other grids from one config (e.g. 1x124x188 patches against 1x50x76) without a word."""
+    config = {key: value for key, value in QWEN3_VL_CONFIG.items() if key not in left_out}
+    theirs = transformers_pil_image_processor_class()(**{k: v for k, v in config.items() if k != "processor_class"})
+    qwen2_vl_defaults = {"patch_size": 14, "image_mean": list(OPENAI_CLIP_MEAN), "image_std": list(OPENAI_CLIP_STD),
+                         "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}}
+    for key in left_out:  # what the message says transformers takes
+        value = getattr(theirs, key)
+        assert (dict(value) if key == "size" else list(value) if key.startswith("image_") else value) == qwen2_vl_defaults[key], key
+    named = ["min_pixels", "max_pixels"] if left_out == ("size",) else list(left_out)
+    with pytest.raises(ValueError, match=f"config gives no {', '.join(named)}: transformers would take Qwen2-VL's"):
+        ImageProcessor.from_config(config)
 
 
 @pytest.mark.parametrize("bad, match", [

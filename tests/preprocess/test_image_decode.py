@@ -210,6 +210,50 @@ def test_exif_orientation_6_rotates_clockwise() -> None:
     np.testing.assert_array_equal(pixels, np.rot90(as_stored, k=-1))  # exact clockwise turn
 
 
+def _exif_block(entries: list[tuple[int, int, int, bytes]]) -> bytes:
+    """An APP1 EXIF block of one little-endian IFD: (tag, TIFF type, count, value bytes)."""
+    header = b"II*\x00" + struct.pack("<I", 8)
+    data_offset = 8 + 2 + 12 * len(entries) + 4
+    ifd, data = struct.pack("<H", len(entries)), b""
+    for tag, kind, count, value in entries:
+        if len(value) > 4:  # stored after the IFD, by offset
+            ifd += struct.pack("<HHII", tag, kind, count, data_offset + len(data))
+            data += value
+        else:
+            ifd += struct.pack("<HHI", tag, kind, count) + value.ljust(4, b"\x00")
+    return b"Exif\x00\x00" + header + ifd + struct.pack("<I", 0) + data
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_every_exif_orientation_turns_as_pil_exif_transpose(orientation: int) -> None:
+    from PIL import ImageOps
+
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    raw = encode(noisy_rgb(24, 40), "PNG", exif=exif.tobytes())
+    expected = ImageOps.exif_transpose(Image.open(io.BytesIO(raw)))
+    np.testing.assert_array_equal(np.asarray(decode_image(raw, max_pixels=LIMIT)), np.asarray(expected))
+
+
+def test_a_damaged_exif_tag_beside_the_orientation_does_not_stop_the_decode() -> None:
+    """XResolution (a rational) stored as text: PIL's exif_transpose, which writes the EXIF block
+    again, raised TypeError there, past the probe, failing the record as an engine error."""
+    block = _exif_block([(0x0112, 3, 1, struct.pack("<H", 6)), (0x011A, 2, 8, b"abcdefg\x00")])
+    raw = encode(noisy_rgb(16, 32), "JPEG", quality=95, exif=block)
+    assert probe_image_bytes(raw, max_pixels=LIMIT) == (16, 32)
+    assert decode_image(raw, max_pixels=LIMIT).size == (16, 32)  # turned upright, as the probe said
+
+
+def test_a_multi_picture_jpeg_data_uri_as_the_reference_names_it() -> None:
+    """PIL calls a phone camera's multi-picture JPEG "MPO", so the reference harness (and our
+    image_data_uri) send data:image/MPO: before, refused as an unsupported media type."""
+    buffer = io.BytesIO()
+    noisy_rgb(24, 32).save(buffer, "MPO", save_all=True, append_images=[Image.new("RGB", (8, 8))])
+    raw = buffer.getvalue()
+    decoded = decode_image(data_uri(raw, "image/MPO"), max_pixels=LIMIT)
+    np.testing.assert_array_equal(np.asarray(decoded), transformers_rgb(raw))
+
+
 # ------------------------------------------------------------------ refusals
 def test_empty_input() -> None:
     assert_reason(b"", DecodeFailure.EMPTY)
@@ -338,6 +382,24 @@ def test_tiny_png_claiming_a_huge_size_is_refused_from_its_header() -> None:
         with pytest.raises(ImageDecodeError) as raised:
             function(bomb, max_pixels=DEFAULT_MAX_DECODE_PIXELS)
         assert raised.value.reason in (DecodeFailure.DECOMPRESSION_BOMB, DecodeFailure.TOO_LARGE)
+
+
+def test_probe_of_a_png_reads_its_pixels_only_where_an_orientation_may_follow_them(monkeypatch) -> None:
+    """Before, PIL's getexif decoded every PNG's pixels in the header-only probe (1.6 s for 49 MP),
+    and the engine decoded them again."""
+    from PIL import PngImagePlugin
+
+    plain = encode(noisy_rgb(40, 30), "PNG")
+    end = plain.rindex(b"IEND") - 4  # where the IEND chunk starts
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    late_exif = plain[:end] + png_chunk(b"eXIf", exif.tobytes()) + plain[end:]  # after IDAT
+    decoded = []
+    real_load = PngImagePlugin.PngImageFile.load
+    monkeypatch.setattr(PngImagePlugin.PngImageFile, "load", lambda image: decoded.append(1) or real_load(image))
+    assert probe_image_bytes(plain, max_pixels=LIMIT) == (30, 40) and not decoded
+    assert probe_image_bytes(late_exif, max_pixels=LIMIT) == (40, 30) and decoded  # turned, as the decode turns it
+    assert decode_image_bytes(late_exif, max_pixels=LIMIT).size == (40, 30)
 
 
 def test_probe_of_a_png_cut_in_its_pixel_data_is_a_decode_error() -> None:

@@ -46,6 +46,8 @@ from PIL import Image
 
 from vlm_catalog.preprocess.image_decode import (
     DEFAULT_MAX_DECODE_PIXELS,
+    DecodeFailure,
+    ImageDecodeError,
     check_pixel_limit,
     decode_image_bytes,
     image_bytes_from_input,
@@ -98,17 +100,18 @@ def smart_resize(
     ``transformers.models.qwen2_vl...smart_resize`` at every boundary.
 
     Raises ``ValueError`` for a non-positive size or factor, and when the aspect
-    ratio exceeds 200 (as transformers does).
+    ratio exceeds 200 (as transformers does; an ``ImageDecodeError``, reason
+    ``aspect_ratio``).
     """
     if height <= 0 or width <= 0:
         raise ValueError(f"image size must be positive, got height={height}, width={width}")
     if factor <= 0:
         raise ValueError(f"factor must be positive, got {factor}")
     aspect_ratio = max(height, width) / min(height, width)
-    if aspect_ratio > MAX_ASPECT_RATIO:
-        raise ValueError(
-            f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, "
-            f"got {aspect_ratio} ({height}x{width})"
+    if aspect_ratio > MAX_ASPECT_RATIO:  # a ValueError, tagged as the image's fault
+        raise ImageDecodeError(
+            DecodeFailure.ASPECT_RATIO,
+            f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}, got {aspect_ratio} ({height}x{width})",
         )
     target_h = round(height / factor) * factor
     target_w = round(width / factor) * factor
@@ -269,6 +272,28 @@ def _available_cpus() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+# What transformers' Qwen2VLImageProcessor (Qwen3-VL's too) takes for a key its config omits: Qwen2-VL's
+# values, where ours are Qwen3-VL's. A config must give these, so that both read it alike.
+_TRANSFORMERS_DEFAULTS = {
+    "patch_size": 14,
+    "image_mean": (0.48145466, 0.4578275, 0.40821073),  # transformers.image_utils.OPENAI_CLIP_MEAN
+    "image_std": (0.26862954, 0.26130258, 0.27577711),  # OPENAI_CLIP_STD
+    "min_pixels": 56 * 56,
+    "max_pixels": 28 * 28 * 1280,
+}
+
+
+def _check_no_qwen2_vl_defaults(settings: Mapping[str, Any]) -> None:
+    missing = [key for key in _TRANSFORMERS_DEFAULTS if key not in settings]
+    if missing:
+        theirs = ", ".join(f"{key} {_TRANSFORMERS_DEFAULTS[key]}" for key in missing)
+        raise ValueError(
+            f"config gives no {', '.join(missing)}: transformers would take Qwen2-VL's defaults ({theirs}) and "
+            "this pipeline Qwen3-VL's, so the two would make other images; give them (min_pixels and max_pixels "
+            "as 'size': {'shortest_edge', 'longest_edge'})"
+        )
+
+
 @dataclass(frozen=True)
 class ImageProcessor:
     """Qwen-VL image preprocessing configured like a checkpoint's preprocessor_config.json.
@@ -354,17 +379,18 @@ class ImageProcessor:
                 found = [size[k] for k in keys if size.get(k) is not None]
                 if found:
                     kwargs[ours] = found[0]
-            if not {"min_pixels", "max_pixels"} <= kwargs.keys():
-                raise ValueError(
-                    "config 'size' must give both 'shortest_edge' and 'longest_edge' "
-                    f"(the min and max resized area in pixels), got {dict(size)}"
-                )
         for key in ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size",
                     "merge_size", "image_mean", "image_std", "resample", "rescale_factor",
                     "max_decode_pixels"):
             if config.get(key) is not None:
                 kwargs[key] = config[key]
         kwargs.update(overrides)
+        if size is not None and not {"min_pixels", "max_pixels"} <= kwargs.keys():
+            raise ValueError(
+                "config 'size' must give both 'shortest_edge' and 'longest_edge' "
+                f"(the min and max resized area in pixels), or top-level min_pixels/max_pixels the rest, got {dict(size)}"
+            )
+        _check_no_qwen2_vl_defaults(kwargs)
         return cls(**kwargs)
 
     @classmethod
@@ -469,8 +495,8 @@ class ImageProcessor:
     def process(self, image: ImageInput) -> ProcessedImage:
         """Preprocess one image: PIL image, image file bytes or a data:image base64 URI.
 
-        Raises ``ImageDecodeError`` for undecodable or oversized input and
-        ``ValueError`` for an aspect ratio over 200.
+        Raises ``ImageDecodeError`` for undecodable or oversized input, and for an
+        aspect ratio over 200.
         """
         return self._process(image, self.patchify)
 

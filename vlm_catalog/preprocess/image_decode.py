@@ -44,7 +44,7 @@ import struct
 import threading
 import warnings
 
-from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, UnidentifiedImageError
 
 __all__ = [
     "DEFAULT_MAX_DECODE_PIXELS",
@@ -79,6 +79,7 @@ class DecodeFailure(enum.StrEnum):
     UNSUPPORTED_MODE = "unsupported_mode"  # PIL cannot convert this pixel mode to RGB
     UNSUPPORTED_INPUT = "unsupported_input"  # neither bytes, a data URI nor a PIL image (e.g. a path)
     UNREADABLE_PIXELS = "unreadable_pixels"  # a PIL image whose pixels cannot be loaded (its file closed)
+    ASPECT_RATIO = "aspect_ratio"  # one side over 200 times the other (transformers' limit)
 
 
 class ImageDecodeError(ValueError):
@@ -113,9 +114,10 @@ _UNSUPPORTED_SIGNATURES: tuple[tuple[bytes, str], ...] = (
 # JPEG from cameras; its first picture is the ordinary JPEG).
 _ACCEPTED_PIL_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "GIF"})
 # Media types allowed in a data URI (lower case), e.g. the MLPerf reference's
-# "data:image/JPEG;base64,".
+# "data:image/JPEG;base64,", which names the type after PIL's format: "image/MPO"
+# for a phone camera's multi-picture JPEG.
 _DATA_URI_MEDIA_TYPES = frozenset(
-    {"image/jpeg", "image/jpg", "image/pjpeg", "image/png", "image/webp", "image/gif"}
+    {"image/jpeg", "image/jpg", "image/pjpeg", "image/mpo", "image/png", "image/webp", "image/gif"}
 )
 
 # warnings.catch_warnings swaps the process-wide filter list; serialise our own
@@ -290,23 +292,58 @@ def _load_pixels(image: Image.Image, fmt: str) -> None:
         ) from None
 
 
-def _exif_orientation(image: Image.Image, fmt: str) -> int:
-    """The EXIF orientation tag (1 if none). For a PNG, PIL reads the pixel data to reach
-    an eXIf chunk stored after it, so a file cut short there fails here, as the decode would."""
+# PNG chunks that may hold the orientation: eXIf, and text (XMP in iTXt, "Raw profile type exif")
+_PNG_METADATA_CHUNKS = frozenset({b"eXIf", b"iTXt", b"tEXt", b"zTXt"})
+
+
+def _png_metadata_past_pixels(raw: bytes) -> bool:
+    """Whether a PNG may hold metadata that PIL reads only by decoding the pixels: a metadata chunk
+    after the first IDAT, or chunks that cannot be walked to IEND (a file cut short, which the
+    decode then reports). Walks the chunk headers only: microseconds, whatever the image's size."""
+    position, past_pixels = 8, False  # past the signature
+    while position + 8 <= len(raw):
+        length, kind = struct.unpack(">I4s", raw[position : position + 8])
+        if kind == b"IEND":
+            return False
+        past_pixels |= kind == b"IDAT"
+        if past_pixels and kind in _PNG_METADATA_CHUNKS:
+            return True
+        position += 12 + length  # length, type, data, CRC
+    return True
+
+
+def _exif_orientation(image: Image.Image, fmt: str, raw: bytes | None = None) -> int:
+    """The EXIF orientation tag (1 if none). For a PNG, PIL decodes the pixels to look past
+    them for an eXIf chunk; given the file's bytes (`raw`), it does so only where one may be
+    (`_png_metadata_past_pixels`), so a file cut short there fails here, as the decode would."""
+    header_only = raw is not None and fmt == "PNG" and not _png_metadata_past_pixels(raw)
     try:
-        return image.getexif().get(ExifTags.Base.Orientation, 1)
+        exif = Image.Image.getexif(image) if header_only else image.getexif()  # the first: PIL's, minus load()
+        return exif.get(ExifTags.Base.Orientation, 1)
     except Image.DecompressionBombError as exc:
         raise ImageDecodeError(DecodeFailure.DECOMPRESSION_BOMB, str(exc)) from None
     except (OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:
         raise ImageDecodeError(DecodeFailure.TRUNCATED, f"{fmt} data is truncated or corrupt: {exc}") from None
 
 
-def _apply_exif_orientation(image: Image.Image) -> Image.Image:
-    """Rotate/flip as the EXIF orientation tag says (no copy when there is none)."""
-    orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
-    if orientation in (2, 3, 4, 5, 6, 7, 8):
-        return ImageOps.exif_transpose(image)
-    return image
+# The flip or rotation that shows a picture upright, by its EXIF orientation (as PIL's exif_transpose)
+_ORIENTATION_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def _apply_exif_orientation(image: Image.Image, fmt: str) -> Image.Image:
+    """Rotate/flip as the EXIF orientation tag says (no copy when there is none). The pixels
+    of ImageOps.exif_transpose, without its rewrite of the EXIF block, which raises a
+    TypeError on some damaged tags that the orientation read passes."""
+    method = _ORIENTATION_TRANSPOSE.get(_exif_orientation(image, fmt))
+    return image if method is None else image.transpose(method)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -347,7 +384,7 @@ def probe_image_bytes(raw: bytes, *, max_pixels: int) -> tuple[int, int]:
     fmt = _sniff_format(raw)
     with _open_header(raw, fmt) as image:
         check_pixel_limit(image.width, image.height, max_pixels)
-        orientation = _exif_orientation(image, fmt)
+        orientation = _exif_orientation(image, fmt, raw)
         if orientation in (5, 6, 7, 8):  # the transposing orientations swap the axes
             return image.height, image.width
         return image.width, image.height
@@ -361,7 +398,7 @@ def decode_image_bytes(raw: bytes, *, max_pixels: int) -> Image.Image:
     image = _open_header(raw, fmt)
     check_pixel_limit(image.width, image.height, max_pixels)
     _load_pixels(image, fmt)
-    image = _apply_exif_orientation(image)
+    image = _apply_exif_orientation(image, fmt)
     return to_rgb(image)
 
 
