@@ -29,6 +29,24 @@ def test_streams_deltas_that_add_up(engine):
     assert "".join(deltas) == last.text and len(deltas) >= 2
 
 
+def test_a_caller_that_stops_reading_holds_one_merged_output(engine):
+    """Outputs not yet read are merged: a stream read only after the answer has finished gets
+    one output, whose delta is the whole text. Before, a queue kept all 40 steps' outputs, each
+    with every token so far (a slow streaming client grew the server by gigabytes)."""
+    async def run():
+        stream = engine.generate(conversation(2, words=4), SamplingParams(max_tokens=40, ignore_eos=True))
+        first = await stream.__anext__()  # the request is running; now stop reading
+        while engine.engine.has_unfinished_requests() or not engine._inbox.empty():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the engine thread has handed over the last output
+        rest = [output async for output in stream]
+        return first, rest
+
+    first, rest = asyncio.run(run())
+    assert len(rest) == 1 and rest[0].finished and len(rest[0].token_ids) == 40
+    assert first.delta_text + rest[0].delta_text == rest[0].text
+
+
 def test_concurrent_requests_and_an_error_in_between(engine):
     async def one(index):
         final = None

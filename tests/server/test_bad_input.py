@@ -52,6 +52,9 @@ def nested_schema_body(depth: int) -> bytes:
 CHAT_CASES = [
     ("not json", b"{'model': 1", 400, "invalid_json", None),
     ("json array", b"[1, 2]", 400, "invalid_value", None),
+    # FastAPI answers both with "There was an error parsing the body" alone
+    ("not UTF-8", b'{"model": "\xff"}', 400, "invalid_json", None),
+    ("nested too deeply", b"[" * 5000, 400, "invalid_json", None),
     ("missing messages", {"model": MODEL_NAME}, 400, "missing_field", "messages"),
     ("messages not a list", chat_body(messages="hello"), 400, "invalid_value", "messages"),
     ("empty messages", chat_body(messages=[]), 400, "invalid_value", "messages"),
@@ -167,6 +170,7 @@ def extract_cases(record) -> list:
     good = product_json(record)
     return [
         ("not json", b"not json", 400, "invalid_json", None),
+        ("nested too deeply", b"[" * 5000, 400, "invalid_json", None),  # a 500 (RecursionError) before
         ("not an object", b"[]", 400, "invalid_value", None),
         ("missing candidates", {k: v for k, v in good.items() if k != "candidate_categories"}, 400, "missing_field",
          "candidate_categories"),
@@ -206,6 +210,14 @@ def test_bad_multipart_extract_requests(strict_app, records):
     bad_list = call(strict_app, "POST", "/v1/extract", data={**form, "candidate_categories": "[not json"},
                     files={"image": ("p.jpg", record.image, "image/jpeg")})
     assert_error(bad_list, 400, "invalid_value", "candidate_categories")
+    deep_list = call(strict_app, "POST", "/v1/extract", data={**form, "candidate_categories": "[" * 1500},
+                     files={"image": ("p.jpg", record.image, "image/jpeg")})
+    assert_error(deep_list, 400, "invalid_value", "candidate_categories")
+    assert "nested too deeply" in deep_list.json()["error"]["message"]
+    long_part = call(strict_app, "POST", "/v1/extract", data={**form, "title": "t" * 3000},
+                     files={"image": ("p.jpg", record.image, "image/jpeg")})
+    assert_error(long_part, 400, "invalid_multipart", None)  # was code http_error: Starlette's own exception
+    assert long_part.json()["error"]["message"] == "cannot read the multipart form: Part exceeded maximum size of 2KB."
     not_an_image = call(strict_app, "POST", "/v1/extract", data=form, files={"image": ("p.jpg", b"", "image/jpeg")})
     assert_error(not_an_image, 400, None, "image")
 
@@ -215,6 +227,9 @@ def test_bad_batches(strict_app, records):
     assert_error(_post(strict_app, "/v1/extract/batch", {"products": products}), 400, "batch_too_large", "products")
     assert_error(_post(strict_app, "/v1/extract/batch", {"products": []}), 400, "invalid_value", "products")
     assert_error(_post(strict_app, "/v1/extract/batch", {"items": products[:1]}), 400, None, None)
+    deep = _post(strict_app, "/v1/extract/batch", b"[" * 5000)
+    assert_error(deep, 400, "invalid_json", None)
+    assert deep.json()["error"]["message"] == "the request body is not valid JSON: nested too deeply"
 
 
 def test_the_service_keeps_serving_after_bad_requests(strict_app, records):

@@ -9,7 +9,9 @@ One background thread owns the `LLMEngine` (it is not thread-safe) and runs
 steps while there is work. Callers talk to it through an inbox; outputs come
 back to each request's asyncio queue on the caller's event loop. Prompt
 preprocessing (template, tokenisation, image headers) runs in a worker thread,
-off both the event loop and the engine thread. A request that fails raises
+off both the event loop and the engine thread. A request's outputs not yet read
+are merged into one (`_LatestOutput`), so a caller that reads slowly, or not at
+all, holds one output, not one per step. A request that fails raises
 `EngineRequestError` in its own `generate` only; a request id already in
 flight is refused at once (the caller picks ids, or lets `AsyncLLM` number
 them). A bug inside a step fails the requests then in flight with
@@ -26,7 +28,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vlm_catalog.engine.config import EngineConfig
@@ -38,12 +40,38 @@ from vlm_catalog.preprocess.processor import ProcessedPrompt
 logger = logging.getLogger(__name__)
 
 
+class _LatestOutput:
+    """A request's outputs not yet read, as one: the newest (its text and tokens are all so far)
+    with the delta texts of those it replaced joined, or the error that ended the request.
+    Used on the event loop's thread only. Before, a queue kept every step's output, each with a
+    copy of all tokens so far: a stream whose client stopped reading grew by gigabytes."""
+
+    def __init__(self) -> None:
+        self._item: RequestOutput | Exception | None = None
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, item: RequestOutput | Exception) -> None:
+        pending = self._item
+        if isinstance(pending, Exception):
+            return  # the request has ended
+        if isinstance(pending, RequestOutput) and isinstance(item, RequestOutput):
+            item = replace(item, delta_text=pending.delta_text + item.delta_text)
+        self._item = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | Exception:
+        await self._ready.wait()
+        item, self._item = self._item, None
+        self._ready.clear()
+        return item
+
+
 @dataclass
 class _Add:
     request_id: str
     prompt: ProcessedPrompt
     params: SamplingParams
-    outputs: asyncio.Queue
+    outputs: _LatestOutput
     loop: asyncio.AbstractEventLoop
 
 
@@ -64,7 +92,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         self.engine = LLMEngine(config, **overrides)
         self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._streams: dict[str, tuple[_LatestOutput, asyncio.AbstractEventLoop]] = {}
         self._ids = itertools.count()
         self._live_ids: set[str] = set()  # ids between the start and the end of their `generate`
         self._live_lock = threading.Lock()
@@ -120,7 +148,7 @@ class AsyncLLM:
                 prompt = await loop.run_in_executor(None, self.engine.processor.process, prompt)
             except ValueError as exc:
                 raise EngineRequestError(str(exc)) from None
-        outputs: asyncio.Queue = asyncio.Queue()
+        outputs = _LatestOutput()
         with self._live_lock:  # the engine thread, when it ends, fails every _Add queued before it
             if self._stopped.is_set():
                 raise EngineUnavailableError("the engine is not running (shut down, or its thread died)")
@@ -212,7 +240,7 @@ class AsyncLLM:
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs, one wake-up per event loop (not one per request)."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_LatestOutput, RequestOutput]]] = {}
         for output in outputs:
             stream = self._streams.pop(output.request_id, None) if output.finished else self._streams.get(output.request_id)
             if stream is not None:
@@ -242,6 +270,6 @@ class AsyncLLM:
             self._deliver(request_id, exc, last=True)
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(batch: list[tuple[_LatestOutput, RequestOutput]]) -> None:
     for outputs, item in batch:
         outputs.put_nowait(item)

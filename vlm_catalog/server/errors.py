@@ -98,6 +98,17 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
+def json_problem(exc: Exception) -> str:
+    """What json's error says; its parser recurses once per level of nesting, so a RecursionError
+    is JSON nested too deeply."""
+    return "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+
+
+def json_body_error(exc: Exception) -> APIError:
+    """The 400 for a body json cannot read."""
+    return APIError(400, f"the request body is not valid JSON: {json_problem(exc)}", code="invalid_json")
+
+
 def from_pydantic(exc: ValidationError) -> APIError:
     return validation_error(exc.errors(include_url=False))
 
@@ -113,6 +124,8 @@ def install_error_handlers(app: FastAPI, count_error) -> None:
         return await api_error(request, validation_error(list(exc.errors())))
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and isinstance(exc.__cause__, (UnicodeDecodeError, RecursionError)):
+            return await api_error(request, json_body_error(exc.__cause__))  # FastAPI says only "error parsing the body"
         codes = {404: "not_found", 405: "method_not_allowed"}
         error = APIError(exc.status_code, str(exc.detail), code=codes.get(exc.status_code, "http_error"),
                          headers=getattr(exc, "headers", None))

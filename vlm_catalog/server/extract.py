@@ -25,12 +25,20 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
 from vlm_catalog.engine.outputs import context_cut
 from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.server.chat import usage
-from vlm_catalog.server.errors import APIError, bad_request, from_pydantic, validation_error
+from vlm_catalog.server.errors import (
+    APIError,
+    bad_request,
+    from_pydantic,
+    json_body_error,
+    json_problem,
+    validation_error,
+)
 from vlm_catalog.server.generation import Finished, new_request_id, until_disconnected
 from vlm_catalog.server.protocol import ExtractBatchRequest, ExtractRequest
 from vlm_catalog.server.state import ServiceState, check_text, service
@@ -111,8 +119,8 @@ async def _read_product(request: Request, state: ServiceState) -> dict[str, Any]
     body = await request.body()
     try:
         fields = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # the last: a 500 before
+        raise json_body_error(exc) from None
     if not isinstance(fields, dict):
         raise bad_request("the request body must be a JSON object (one product)")
     return fields
@@ -122,8 +130,9 @@ async def _read_multipart(request: Request, state: ServiceState) -> dict[str, An
     try:
         form = await request.form(max_files=1, max_fields=MULTIPART_FIELDS,
                                   max_part_size=state.settings.max_text_field_bytes)
-    except MultiPartException as exc:
-        raise bad_request(f"cannot read the multipart form: {exc.message}", code="invalid_multipart") from None
+    except (MultiPartException, HTTPException) as exc:  # inside an app, Starlette raises the second for the first
+        message = exc.message if isinstance(exc, MultiPartException) else exc.detail
+        raise bad_request(f"cannot read the multipart form: {message}", code="invalid_multipart") from None
     fields: dict[str, Any] = {}
     try:
         for name in form:
@@ -148,8 +157,8 @@ def _form_list(name: str, values: list[Any]) -> list[Any]:
     if len(values) == 1 and isinstance(values[0], str) and values[0].lstrip().startswith("["):
         try:
             return json.loads(values[0])
-        except json.JSONDecodeError as exc:
-            raise bad_request(f"{name} is not a JSON list: {exc}", param=name) from None
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise bad_request(f"{name} is not a JSON list: {json_problem(exc)}", param=name) from None
     return list(values)
 
 
