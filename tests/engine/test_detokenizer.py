@@ -96,3 +96,32 @@ def test_tokenizers_that_clean_up_spaces_decode_the_whole_output(tokenizer):
         assert detokenizer.text == tokenizer.decode(ids, skip_special_tokens=True)
     finally:
         tokenizer.clean_up_tokenization_spaces = False
+
+
+def _stream(detokenizer, ids, step=1) -> str:
+    """The deltas a stream sends, token by token, the engine's way (update, then delta)."""
+    streamed = ""
+    for end in range(step, len(ids) + 1, step):
+        if detokenizer.update(ids[:end]):
+            break
+        streamed += detokenizer.delta()
+    detokenizer.finish(ids[:end])
+    return streamed + detokenizer.delta(final=True)
+
+
+@pytest.mark.parametrize("stop", [[" red"], ["red.", "M, c"], ["xyz", ", colour"]])
+def test_a_stream_never_sends_part_of_a_stop_string(tokenizer, stop):
+    """Before, a stream sent "M," before ", colour" completed, though the final text ends before it."""
+    ids = tokenizer.encode("size M, colour red. END")
+    detokenizer = Detokenizer(tokenizer, stop=stop)
+    streamed = _stream(detokenizer, ids)
+    assert streamed == detokenizer.text and detokenizer.stopped
+    first = min(("size M, colour red. END".find(s), s) for s in stop if s in "size M, colour red. END")
+    assert detokenizer.text == "size M, colour red. END"[: first[0]]  # the earliest stop cuts, whatever its place
+
+
+def test_a_stream_with_a_stop_string_that_never_comes_sends_everything(tokenizer):
+    ids = tokenizer.encode("size M, colour red")
+    for include_stop in (False, True):
+        detokenizer = Detokenizer(tokenizer, stop=["never here"], include_stop=include_stop)
+        assert _stream(detokenizer, ids) == _reference(tokenizer, ids) == detokenizer.text

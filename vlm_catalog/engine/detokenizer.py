@@ -4,7 +4,10 @@ Tokens go through a `tokenizers` `DecodeStream` as they come, so each token
 costs the same whatever the output's length (decoding the whole output again
 every step made a 150-token answer cost 150 decodes of up to 150 tokens). The
 stream holds a token back until the character it starts is complete, so a
-multi-byte character is never cut in a streamed delta. The final text is the
+multi-byte character is never cut in a streamed delta. With stop strings (cut
+from the text), a delta also holds back the last characters that could begin
+one (the longest stop's length less one), so a stream never sends part of a
+stop string that the final text leaves out. The final text is the
 whole output decoded once, exactly what `tokenizer.decode` gives (an unfinished
 character at the very end reads as U+FFFD there).
 
@@ -27,6 +30,8 @@ class Detokenizer:
         self.vocab_size = len(tokenizer)  # the model may pad its vocabulary past the tokenizer
         self.stop = list(stop)
         self.include_stop = include_stop
+        # characters a streamed delta holds back: a stop string may begin in them
+        self._held_back = 0 if include_stop or not self.stop else max(map(len, self.stop)) - 1
         self.text = ""
         self.stopped = False  # a stop string was found; `text` ends there
         self._emitted = 0  # characters of `text` already returned as deltas
@@ -51,13 +56,13 @@ class Detokenizer:
                     if chunk:
                         self.text += chunk
         self._fed = len(output_token_ids)
-        for stop in self.stop:
-            at = self.text.find(stop, max(0, searched_from - len(stop)))
-            if at != -1:
-                self.text = self.text[: at + len(stop)] if self.include_stop else self.text[:at]
-                self.stopped = True
-                return True
-        return False
+        found = [(at, stop) for stop in self.stop if (at := self.text.find(stop, max(0, searched_from - len(stop)))) != -1]
+        if not found:
+            return False
+        at, stop = min(found, key=lambda hit: hit[0])  # the first to appear, whatever its place in the list
+        self.text = self.text[: at + len(stop)] if self.include_stop else self.text[:at]
+        self.stopped = True
+        return True
 
     def finish(self, output_token_ids: Sequence[int]) -> None:
         """Settle the final text: the whole output decoded once, unless a stop string cut it."""
@@ -68,6 +73,8 @@ class Detokenizer:
         """Text added since the last call (complete characters only, unless final)."""
         end = len(self.text)
         if not final:
+            if not self.stopped:  # what may yet turn out to begin a stop string
+                end = max(self._emitted, end - self._held_back)
             while end > self._emitted and self.text[end - 1] == "\ufffd":
                 end -= 1
         new = self.text[self._emitted : end]
