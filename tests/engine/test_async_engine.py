@@ -47,6 +47,35 @@ def test_a_caller_that_stops_reading_holds_one_merged_output(engine):
     assert first.delta_text + rest[0].delta_text == rest[0].text
 
 
+def test_fail_all_ends_every_request_in_flight_and_the_engine_serves_on(engine):
+    """What `serve` does past its shutdown grace period: each stream raises the reason given."""
+    from vlm_catalog.engine.async_engine import EngineUnavailableError
+
+    async def endless(index):
+        async for _ in engine.generate(conversation(index, words=3), SamplingParams(max_tokens=100_000, ignore_eos=True)):
+            pass
+
+    async def run():
+        streams = [asyncio.ensure_future(endless(index)) for index in range(3)]
+        while engine.engine.load_stats()["requests_running"] < 3:
+            await asyncio.sleep(0.01)
+        engine.fail_all("shutting down")
+        return await asyncio.gather(*streams, return_exceptions=True)
+
+    results = asyncio.run(run())
+    assert all(isinstance(result, EngineUnavailableError) and str(result) == "shutting down" for result in results)
+    assert engine.engine.load_stats()["kv_blocks_used"] == 0 and not engine._streams
+    after = asyncio.run(_last_output(engine, conversation(4, words=3), SamplingParams(max_tokens=3, ignore_eos=True)))
+    assert after.finish_reason == "length" and len(after.token_ids) == 3
+
+
+async def _last_output(engine, prompt, params):
+    last = None
+    async for output in engine.generate(prompt, params):
+        last = output
+    return last
+
+
 def test_concurrent_requests_and_an_error_in_between(engine):
     async def one(index):
         final = None

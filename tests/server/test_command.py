@@ -56,25 +56,40 @@ class Service:
         return "".join(self.lines)
 
 
-def test_serve_answers_then_sigterm_with_a_request_in_flight_exits_0_quickly():
-    service = Service(env={"VLM_CATALOG_API_KEY": KEY})
+def test_serve_answers_then_sigterm_with_requests_in_flight_answers_them_and_exits_0_quickly():
+    """Past graceful_shutdown_s the requests still running are answered: a 503 naming the shutdown,
+    a stream's error event and [DONE]. Before, uvicorn cancelled them: a plain-text 500 ("Internal
+    Server Error") and a stream cut short, with tracebacks in the log."""
+    service = Service(env={"VLM_CATALOG_API_KEY": KEY, "VLM_CATALOG_GRACEFUL_SHUTDOWN_S": "1"})
     try:
         assert "(API key required)" in service.output
         headers = {"Authorization": f"Bearer {KEY}"}
         assert httpx.get(f"{service.url}/health").status_code == 200
         assert httpx.get(f"{service.url}/v1/models").status_code == 401
         assert httpx.get(f"{service.url}/v1/models", headers=headers).json()["data"][0]["id"] == MODEL_NAME
+        plain: list[httpx.Response] = []
         with httpx.Client(base_url=service.url, headers=headers, timeout=30) as client:
+            waiting = threading.Thread(target=lambda: plain.append(
+                client.post("/v1/chat/completions", json={**ENDLESS, "stream": False})))
+            waiting.start()
             with client.stream("POST", "/v1/chat/completions", json=ENDLESS) as response:
                 lines = response.iter_lines()
                 assert any('"content"' in next(lines) for _ in range(4))
-                code, seconds = service.stop(signal.SIGTERM)
+                started = time.perf_counter()
+                service.process.send_signal(signal.SIGTERM)
+                rest = [line for line in lines if line]
+            waiting.join(30)
+        code = service.process.wait(15)
+        seconds = time.perf_counter() - started
     finally:
         if service.process.poll() is None:
             service.process.kill()
     assert code == 0, service.output
     assert seconds < 10
-    assert KEY not in service.output
+    assert rest[-1] == "data: [DONE]" and '"code": "engine_unavailable"' in rest[-2] and "shutting down" in rest[-2]
+    assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "engine_unavailable"
+    assert "the request was still running 1 s after the signal" in plain[0].json()["error"]["message"]
+    assert "Traceback" not in service.output and KEY not in service.output
 
 
 @pytest.mark.slow

@@ -80,6 +80,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _FailAll:
+    error: Exception
+
+
 class EngineUnavailableError(RuntimeError):
     """The engine is shut down or its thread has died: no request can run."""
 
@@ -171,6 +176,11 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    def fail_all(self, reason: str) -> None:
+        """Abort every request in flight, its `generate` raising `EngineUnavailableError(reason)`.
+        From any thread (a server's shutdown deadline); the engine goes on serving."""
+        self._inbox.put(_FailAll(EngineUnavailableError(reason)))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopped.set()
         self._inbox.put(None)
@@ -230,9 +240,13 @@ class AsyncLLM:
                     self._deliver(item.request_id, EngineInternalError(f"internal engine error: {exc}"), last=True)
             elif isinstance(item, _Abort):
                 self.engine.abort(item.request_id)
+            elif isinstance(item, _FailAll):
+                for request_id in list(self._streams):
+                    self.engine.abort(request_id)
+                self._fail_streams(item.error)
             item = self._next_inbox_item()
 
-    def _next_inbox_item(self) -> _Add | _Abort | None:
+    def _next_inbox_item(self) -> _Add | _Abort | _FailAll | None:
         try:
             return self._inbox.get_nowait()
         except queue.Empty:

@@ -3,7 +3,8 @@
 Loads the model (by default the shipped one, on CPU), starts the engine
 thread and the HTTP server, prints the URL once it listens, and on SIGTERM or
 SIGINT stops accepting connections, lets in-flight requests finish for
-`graceful_shutdown_s` (then aborts them), stops the engine and exits 0.
+`graceful_shutdown_s`, then answers those still running with a 503 (a stream
+with its error event and `[DONE]`), stops the engine and exits 0.
 
 Settings come from `VLM_CATALOG_*` environment variables (`ServerSettings`),
 overridden by the options given here. The API key is best given as
@@ -13,6 +14,7 @@ overridden by the options given here. The API key is best given as
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import sys
@@ -92,9 +94,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         app = create_app(engine, settings)
+        # uvicorn's own deadline, which cancels the handlers (a bare 500, a stream cut short), only backs up ours
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=settings.graceful_shutdown_s, lifespan="on")
-        server = AnnouncingServer(config, app.state.service.model_name, settings.api_key is not None)
+                                timeout_graceful_shutdown=settings.graceful_shutdown_s + ANSWERING_S, lifespan="on")
+        server = AnnouncingServer(config, app.state.service.model_name, settings.api_key is not None,
+                                  engine, settings.graceful_shutdown_s)
         with _signals_stop(server):
             server.run()
     finally:
@@ -102,13 +106,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class AnnouncingServer(uvicorn.Server):
-    """uvicorn's Server that prints the URL once it listens (the real port, also for --port 0)."""
+ANSWERING_S = 2.0  # after the grace period, for the aborted requests' 503s to be written
 
-    def __init__(self, config: uvicorn.Config, model_name: str, keyed: bool) -> None:
+
+class AnnouncingServer(uvicorn.Server):
+    """uvicorn's Server that prints the URL once it listens (the real port, also for --port 0),
+    and, shutting down, aborts through the engine (`AsyncLLM.fail_all`) the requests still running
+    after `grace_s`, so each is answered as an API error."""
+
+    def __init__(self, config: uvicorn.Config, model_name: str, keyed: bool, engine=None, grace_s: float = 0.0) -> None:
         super().__init__(config)
         self.model_name = model_name
         self.keyed = keyed
+        self.engine, self.grace_s = engine, grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        deadline = None
+        if self.engine is not None:
+            reason = (f"the server is shutting down: the request was still running {self.grace_s:g} s after the "
+                      "signal (graceful_shutdown_s) and was aborted")
+            deadline = asyncio.get_running_loop().call_later(self.grace_s, self.engine.fail_all, reason)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if deadline is not None:
+                deadline.cancel()
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
