@@ -14,6 +14,7 @@ from tests.model.helpers import noise_image
 from vlm_catalog import LLM, SamplingParams
 from vlm_catalog.engine.config import EngineConfig
 from vlm_catalog.engine.llm_engine import LLMEngine
+from vlm_catalog.engine.sampling_params import SamplingParamsError
 from vlm_catalog.structured import catalogue_schema
 
 
@@ -243,6 +244,21 @@ def test_stop_strings_stop_tokens_and_logprobs(llm):
     for token, entry in zip(with_logprobs.token_ids, with_logprobs.logprobs):
         assert token in entry and len(entry) >= 3
         assert entry[token] == max(entry.values())  # greedy picks the most likely token
+    # constrained, an entry per token too: before, the tokens jump-forward forced had none (150 tokens, 148 entries)
+    constrained = SamplingParams(max_tokens=60, json_schema=ProductMetadata, logprobs=1)
+    answer = llm.chat(messages, constrained)[0]
+    assert answer.finish_reason in ("stop", "length") and len(answer.logprobs) == len(answer.token_ids)
+    assert all(token in entry for token, entry in zip(answer.token_ids, answer.logprobs))
+    without = llm.chat(messages, SamplingParams(max_tokens=60, json_schema=ProductMetadata))[0]
+    assert without.token_ids == answer.token_ids  # the same answer, forced tokens sampled one by one
+    # stops beside a constraint would cut the answer before it matches: refused, the end-of-answer tokens aside
+    with pytest.raises(SamplingParamsError, match="stop strings cannot be combined"):
+        SamplingParams(json_schema=ProductMetadata, stop=[","])
+    cut, ended = llm.chat([messages[0]] * 2, [
+        SamplingParams(max_tokens=60, json_schema=ProductMetadata, stop_token_ids=[free.token_ids[0]]),
+        SamplingParams(max_tokens=60, json_schema=ProductMetadata, stop_token_ids=sorted(llm.engine.eos_token_ids))])
+    assert cut.finish_reason == "error" and "cannot be combined with json_schema" in cut.error
+    assert ended.token_ids == without.token_ids
 
 
 def test_no_leaks_after_thousands_of_requests_with_aborts(engine_checkpoint):
@@ -259,8 +275,6 @@ def test_no_leaks_after_thousands_of_requests_with_aborts(engine_checkpoint):
 def test_final_only_outputs_come_once_and_match_cumulative(llm):
     """`output_kind="final_only"`: no output until the request ends, then the same answer
     (text, tokens, finish reason) as a streamed request gives."""
-    from vlm_catalog.engine.sampling_params import SamplingParamsError
-
     engine = llm.engine
     messages = conversation(4, images=1, words=5)
     seen: dict[str, list] = {}
@@ -302,6 +316,35 @@ def test_grammars_compiling_too_long_time_out_and_aborted_ones_are_forgotten(eng
     assert finished[aborted].finish_reason == "abort"
     assert finished[plain].finish_reason == "length"
     assert engine._awaiting_grammar == {} and not engine._grammars_compiled
+    engine.close()
+
+
+def test_a_grammar_queued_behind_a_slow_compile_does_not_time_out_for_it(engine_checkpoint, monkeypatch):
+    """The timeout counts from the start of a request's own compile. Before, it counted from the
+    request's arrival: one schema that compiled for a minute (thousands of optional properties)
+    timed out every constrained request queued behind it on the one compile thread."""
+    import time
+
+    from vlm_catalog.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(model=engine_checkpoint, grammar_compile_timeout_s=0.5, grammar_compile_workers=1)
+    service = engine.grammar_service
+    compile_for_real = service._compile_with_xgrammar
+
+    def slow_for_one(spec):
+        if "slow" in (spec.json_schema or ""):
+            time.sleep(1.5)
+        return compile_for_real(spec)
+
+    monkeypatch.setattr(service, "_compile_with_xgrammar", slow_for_one)
+    slow_schema = {"type": "object", "properties": {"slow": {"type": "integer"}}, "required": ["slow"]}
+    slow = engine.add_request(conversation(1), SamplingParams(max_tokens=20, json_schema=slow_schema))
+    behind = engine.add_request(conversation(2), SamplingParams(max_tokens=40, json_schema=ProductMetadata))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert finished[slow].finish_reason == "error" and "timed out" in finished[slow].error
+    assert finished[behind].finish_reason in ("stop", "length"), finished[behind].error
     engine.close()
 
 

@@ -117,6 +117,14 @@ CHAT_CASES = [
     ("json schema holding NaN", chat_body(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "number", "maximum": float("nan")}}}), 400, "invalid_response_format",
      "response_format.json_schema.schema"),
+    # keywords the grammar drops: before, a 200 whose answer failed the schema ({"u": [3, 3, 3]})
+    ("json schema the grammar cannot keep", chat_body(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "items": {"enum": [1, 2, 3]}, "uniqueItems": True}}}), 400,
+     "invalid_response_format", "response_format.json_schema.schema"),
+    # no finite answer: before, the forced string exhausted the memory (a 500 failing every request in flight)
+    ("json schema with no finite answer", chat_body(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "items": {"$ref": "#"}, "minItems": 1}}}), 400,
+     "invalid_response_format", "response_format.json_schema.schema"),
     ("json_schema without schema", chat_body(response_format={"type": "json_schema"}), 400, "missing_field",
      "response_format.json_schema"),
     ("unknown response format", chat_body(response_format={"type": "yaml"}), 400, "invalid_value",

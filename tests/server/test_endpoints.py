@@ -119,9 +119,15 @@ def test_chat_plain_json_schema_and_json_object(app):
 
 
 def test_chat_stop_seed_and_developer_role(app):
-    body = chat_body(max_tokens=30, guided_regex="(ab){10}c(de){5}", stop=["c"])
-    answer = call(app, "POST", "/v1/chat/completions", json=body).json()["choices"][0]
-    assert answer["message"]["content"] == "ab" * 10 and answer["finish_reason"] == "stop"
+    body = chat_body(max_tokens=30)
+    whole = call(app, "POST", "/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    assert len(whole) >= 6, whole
+    stop = whole[len(whole) // 2:][:3]  # three characters from the middle of the greedy answer
+    answer = call(app, "POST", "/v1/chat/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    assert answer["message"]["content"] == whole[: whole.index(stop)] and answer["finish_reason"] == "stop"
+    # with a constraint, a stop string would cut the answer before it matches
+    refused = call(app, "POST", "/v1/chat/completions", json={**body, "guided_regex": "(ab){10}", "stop": ["b"]})
+    assert refused.status_code == 400 and "stop strings cannot be combined" in refused.json()["error"]["message"]
     sampled = chat_body(max_tokens=12, temperature=1.0, top_p=0.9, seed=7,
                         messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])
     first, second = call_many(app, [("POST", "/v1/chat/completions", {"json": sampled})] * 2)

@@ -340,6 +340,12 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if t >= vocab_size]
         if bad_stop:
             raise EngineRequestError(f"stop_token_ids {bad_stop} are outside the vocabulary")
+        cutting = sorted(set(params.stop_token_ids) - set(self.eos_token_ids))
+        if params.constrained and cutting:
+            raise EngineRequestError(
+                f"stop_token_ids {cutting} cannot be combined with json_schema, regex or choice: they would end the "
+                "answer before it matches (the constraint ends it, with the end-of-answer tokens)"
+            )
 
     def _submit_grammar(self, params: SamplingParams):
         from vlm_catalog.structured import GrammarError, GrammarSpec
@@ -458,6 +464,7 @@ class LLMEngine:
 
     def _attach_grammars(self) -> None:
         from vlm_catalog.structured import GrammarError, GrammarState
+        from vlm_catalog.structured.compiler import compile_started
 
         while self._grammars_compiled:  # filled by the compiler's threads
             request = self._grammars_compiled.popleft()
@@ -471,12 +478,12 @@ class LLMEngine:
                 self.scheduler.add(request)
                 self.stats.num_grammars_attached += 1
                 self.stats.seconds_awaiting_grammars += time.perf_counter() - request.metrics.arrival_time
-        # the rest still compile; the oldest come first (arrival order), so only expired ones are looked at
+        # the rest still compile, or wait for a compile thread: the timeout counts from the compile's start
         deadline = time.perf_counter() - self.config.grammar_compile_timeout_s
-        while self._awaiting_grammar:
-            request = next(iter(self._awaiting_grammar.values()))
-            if not request.is_finished and request.metrics.arrival_time >= deadline:
-                break
+        for request in list(self._awaiting_grammar.values()):
+            started = compile_started(request.grammar_future, otherwise=request.metrics.arrival_time)
+            if not request.is_finished and (started is None or started >= deadline):
+                continue
             del self._awaiting_grammar[request.request_id]
             self.scheduler.finish(request, FinishReason.ERROR, "compiling the output constraint timed out")
 
@@ -572,7 +579,8 @@ class LLMEngine:
             request.output_logprobs.append(logprobs)
         self.stats.num_sampled_tokens += 1
         self._take_tokens(request, [token], appended)
-        if not request.is_finished and self.jump_forward and request.grammar is not None:
+        # a request that reports logprobs samples every token, so each has its entry (forced ones too)
+        if not request.is_finished and self.jump_forward and request.grammar is not None and request.params.logprobs is None:
             forced = request.grammar.forced_tokens()[: request.max_total_tokens - request.num_tokens]
             if forced:
                 request.metrics.num_jump_forward_tokens += len(forced)

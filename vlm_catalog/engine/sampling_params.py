@@ -22,7 +22,8 @@ class SamplingParams:
     batched with. Constrained decoding: set at most one of `json_schema` (a
     registered schema name, a pydantic model class or a JSON-schema dict),
     `regex` or `choice`; every finished output then parses against it unless
-    `finish_reason == "length"`.
+    `finish_reason == "length"` (so stop strings, and stop tokens other than the
+    end-of-answer ones, are refused beside one).
 
     `output_kind`: "cumulative" (the default) gives an output every step the
     request advances (text so far and the delta, for streaming); "final_only"
@@ -40,7 +41,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None  # how many top alternatives to report per generated token
+    logprobs: int | None = None  # how many top alternatives to report per generated token (constrained: no jump-forward)
     json_schema: Any = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -88,6 +89,11 @@ class SamplingParams:
             raise SamplingParamsError("set at most one of json_schema, regex and choice")
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
             raise SamplingParamsError("choice must be a non-empty list of strings")
+        if constraints and self.stop:  # the engine refuses stop_token_ids (other than end-of-answer) likewise
+            raise SamplingParamsError(
+                "stop strings cannot be combined with json_schema, regex or choice: they would end the answer "
+                "before it matches (the constraint ends it)"
+            )
 
     @property
     def greedy(self) -> bool:

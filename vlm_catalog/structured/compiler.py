@@ -65,6 +65,21 @@ class CompilerStats:
     compile_seconds: float  # total time spent compiling (successes and failures)
 
 
+class CompileClock:
+    """When a submitted grammar began compiling (`time.perf_counter()`), None while it waits for
+    a thread: a request's compile timeout counts from there, not from the time it spent queued
+    behind others' compiles (one schema of thousands of optional properties takes a minute)."""
+
+    started: float | None = None
+
+
+def compile_started(future: Future, otherwise: float) -> float | None:
+    """When the compile behind `future` began (None while queued), or `otherwise` for a future
+    this service did not make."""
+    clock = getattr(future, "compile_clock", None)
+    return otherwise if clock is None else clock.started
+
+
 class GrammarCompilerService:
     """Compile `GrammarSpec`s for one tokenizer in background threads; LRU-cache the results.
 
@@ -113,7 +128,9 @@ class GrammarCompilerService:
                 self._hits += 1
                 return future
             self._misses += 1
-            future = self._executor.submit(self._compile, spec)
+            clock = CompileClock()
+            future = self._executor.submit(self._compile, spec, clock)
+            future.compile_clock = clock  # type: ignore[attr-defined]  # read by `compile_started`
             self._cache[spec] = future
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
@@ -151,8 +168,8 @@ class GrammarCompilerService:
 
     # -- worker side ----------------------------------------------------------------------
 
-    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        start = time.perf_counter()
+    def _compile(self, spec: GrammarSpec, clock: CompileClock) -> CompiledGrammar:
+        start = clock.started = time.perf_counter()
         try:
             grammar = self._compile_with_xgrammar(spec)
         except Exception as exc:  # anything xgrammar raises is this request's problem
@@ -193,11 +210,20 @@ _LOOSE_STRING_CHARACTER = r'[^\"\\\r\n]'
 _JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\\r\n]'
 
 
+# and writes a \u escape as any four hex digits, so a lone surrogate (\ud800) ends a string
+# that pydantic refuses ("unexpected end of hex escape"); we allow a surrogate only as a pair.
+_HEX = "[A-Fa-f0-9]"
+_ANY_UNICODE_ESCAPE = f'("u" {_HEX} {_HEX} {_HEX} {_HEX})'
+_UNICODE_ESCAPE = (f'("u" (([0-9A-Ca-cE-Fe-f] {_HEX} {_HEX} {_HEX}) | ([Dd] [0-7] {_HEX} {_HEX})'
+                   f' | ([Dd] [89ABab] {_HEX} {_HEX} "\\\\u" [Dd] [C-Fc-f] {_HEX} {_HEX})))')
+
+
 def json_schema_grammar(schema_text: str) -> xgr.Grammar:
-    """Compact-JSON grammar for a schema, with control characters kept out of every string
-    and enums written as radix trees (see `literal_trie`)."""
+    """Compact-JSON grammar for a schema, with control characters and lone surrogates kept out
+    of every string and enums written as radix trees (see `literal_trie`)."""
     grammar = xgr.Grammar.from_json_schema(schema_text, any_whitespace=False, separators=JSON_SEPARATORS)
     ebnf = str(grammar).replace(_LOOSE_STRING_CHARACTER, _JSON_STRING_CHARACTER)
+    ebnf = ebnf.replace(_ANY_UNICODE_ESCAPE, _UNICODE_ESCAPE)
     try:
         return xgr.Grammar.from_ebnf(factor_literal_alternations(ebnf))
     except RuntimeError:  # a literal the EBNF parser reads differently: keep the flat enum

@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from schemas import OutputSchema, SchemaError, resolve_schema
 from vlm_catalog.structured.errors import GrammarError
+from vlm_catalog.structured.schema_support import check_enforceable
 
 GrammarKind = Literal["json_schema", "regex", "choice"]
 
@@ -107,6 +108,7 @@ class GrammarSpec:
             resolved = resolve_schema(schema)
         except SchemaError as exc:
             raise GrammarError(f"json_schema: {exc}") from exc
+        check_enforceable(resolved.json_schema)  # keywords the grammar would drop, answers that could not end
         try:
             text = json.dumps(resolved.json_schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
         except ValueError:  # Python's json reads NaN and Infinity; JSON (and the grammar compiler) has neither
