@@ -129,7 +129,11 @@ CHAT_CASES = [
      "response_format.json_schema"),
     ("unknown response format", chat_body(response_format={"type": "yaml"}), 400, "invalid_value",
      "response_format.type"),
-    ("invalid regex", chat_body(guided_regex="(unclosed[a-"), 400, "request_failed", None),
+    # the grammar compiler's refusals name the field (param null, code request_failed before)
+    ("invalid regex", chat_body(guided_regex="(unclosed[a-"), 400, "invalid_response_format", "guided_regex"),
+    ("json schema with no integer in range", chat_body(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}), 400, "invalid_response_format",
+     "response_format.json_schema.schema"),
     ("regex and response_format", chat_body(guided_regex="a+", response_format={"type": "json_object"}), 400,
      "invalid_value", "guided_regex"),
     ("another model", chat_body(model="gpt-4o"), 404, "model_not_found", "model"),
@@ -168,10 +172,10 @@ def test_bad_chat_request(strict_app, name, body, status, code, param):
 
 
 def test_streaming_requests_are_refused_before_the_stream_starts(strict_app):
-    for body in (chat_body(messages=image_message(data_uri(TRUNCATED_JPEG, "image/jpeg"))),
-                 chat_body(guided_regex="(bad")):
+    for body, code, param in ((chat_body(messages=image_message(data_uri(TRUNCATED_JPEG, "image/jpeg"))), "request_failed",
+                               None), (chat_body(guided_regex="(bad"), "invalid_response_format", "guided_regex")):
         response = _post(strict_app, "/v1/chat/completions", {**body, "stream": True})
-        assert_error(response, 400, "request_failed", None)
+        assert_error(response, 400, code, param)
 
 
 def extract_cases(record) -> list:

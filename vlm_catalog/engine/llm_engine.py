@@ -63,6 +63,7 @@ from vlm_catalog.model.qwen3_vl_moe import Qwen3VLMoeModel
 from vlm_catalog.preprocess.processor import ProcessedPrompt, PromptProcessor
 
 logger = logging.getLogger(__name__)
+INVALID_CONSTRAINT = "invalid output constraint"  # begins the error of a request whose grammar did not compile
 
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
 
@@ -473,7 +474,7 @@ class LLMEngine:
             try:
                 request.grammar = GrammarState(request.grammar_future.result())
             except GrammarError as exc:
-                self.scheduler.finish(request, FinishReason.ERROR, f"invalid output constraint: {exc}")
+                self.scheduler.finish(request, FinishReason.ERROR, f"{INVALID_CONSTRAINT}: {exc}")
             else:
                 self.scheduler.add(request)
                 self.stats.num_grammars_attached += 1

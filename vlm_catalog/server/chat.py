@@ -53,7 +53,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             streaming = True  # the stream releases its place when it ends
             return response
         finished = await until_disconnected(
-            request, lambda: state.gateway.complete(messages, params, request_id)
+            request, lambda: state.gateway.complete(messages, params, request_id, constraint_param(params))
         )
     finally:
         if not streaming:
@@ -147,6 +147,14 @@ async def sampling_params(state: ServiceState, body: ChatCompletionRequest) -> S
         raise bad_request(str(exc)) from None
 
 
+CONSTRAINT_FIELDS = {"json_schema": "response_format.json_schema.schema", "regex": "guided_regex"}
+
+
+def constraint_param(params: SamplingParams) -> str | None:
+    """The request field that gave `params` its constraint (the field its compile errors name)."""
+    return next((field for kind, field in CONSTRAINT_FIELDS.items() if getattr(params, kind) is not None), None)
+
+
 async def _checked_constraint(constraint: dict[str, Any]) -> dict[str, Any]:
     """Resolve and meta-validate a JSON schema in a worker thread (400 naming what is wrong).
 
@@ -154,7 +162,7 @@ async def _checked_constraint(constraint: dict[str, Any]) -> dict[str, Any]:
     """
     from vlm_catalog.structured import GrammarError, GrammarSpec
 
-    param = "response_format.json_schema.schema" if "json_schema" in constraint else "guided_regex"
+    param = CONSTRAINT_FIELDS["json_schema" if "json_schema" in constraint else "regex"]
     loop = asyncio.get_running_loop()
     try:
         spec = await loop.run_in_executor(None, lambda: GrammarSpec.from_request(**constraint))
@@ -171,7 +179,7 @@ async def _stream(request: Request, state: ServiceState, body: ChatCompletionReq
     gateway = state.gateway
     started = time.perf_counter()
     deadline = asyncio.get_running_loop().time() + state.settings.request_timeout_s
-    outputs = gateway.outputs(messages, params, request_id)
+    outputs = gateway.outputs(messages, params, request_id, constraint_param(params))
 
     async def first_output():
         async with asyncio.timeout_at(deadline):

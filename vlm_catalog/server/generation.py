@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from vlm_catalog.engine.async_engine import AsyncLLM, EngineInternalError, EngineUnavailableError
-from vlm_catalog.engine.llm_engine import EngineRequestError
+from vlm_catalog.engine.llm_engine import INVALID_CONSTRAINT, EngineRequestError
 from vlm_catalog.engine.outputs import RequestOutput
 from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.preprocess.processor import ProcessedPrompt
@@ -96,14 +96,19 @@ class EngineGateway:
 
     # ------------------------------------------------------------ generation
     async def outputs(
-        self, prompt: list[dict[str, Any]] | ProcessedPrompt, params: SamplingParams, request_id: str
+        self, prompt: list[dict[str, Any]] | ProcessedPrompt, params: SamplingParams, request_id: str,
+        constraint_param: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs with its refusals and failures as `APIError`s."""
+        """The engine's outputs with its refusals and failures as `APIError`s; a constraint that
+        did not compile is the field `constraint_param`'s error."""
         try:
             async with contextlib.aclosing(self.engine.generate(prompt, params, request_id)) as stream:
                 async for output in stream:
                     if output.finished and output.finish_reason == "error":
-                        raise APIError(400, output.error or "the request failed", code="request_failed")
+                        error = output.error or "the request failed"
+                        if constraint_param is not None and error.startswith(INVALID_CONSTRAINT):
+                            raise APIError(400, error, param=constraint_param, code="invalid_response_format")
+                        raise APIError(400, error, code="request_failed")
                     yield output
         except EngineRequestError as exc:
             raise APIError(400, str(exc), code="invalid_prompt") from None
@@ -113,7 +118,8 @@ class EngineGateway:
             raise APIError(500, str(exc), type="server_error", code="internal_error") from None
 
     async def complete(
-        self, prompt: list[dict[str, Any]] | ProcessedPrompt, params: SamplingParams, request_id: str
+        self, prompt: list[dict[str, Any]] | ProcessedPrompt, params: SamplingParams, request_id: str,
+        constraint_param: str | None = None,
     ) -> Finished:
         """Run a request to its end (within the request timeout)."""
         started = time.perf_counter()
@@ -121,7 +127,7 @@ class EngineGateway:
         final: RequestOutput | None = None
         try:
             async with asyncio.timeout(self.settings.request_timeout_s):
-                async for output in self.outputs(prompt, params, request_id):
+                async for output in self.outputs(prompt, params, request_id, constraint_param):
                     if first_token is None and output.token_ids:
                         first_token = time.perf_counter() - started
                     final = output
