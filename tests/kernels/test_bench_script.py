@@ -13,7 +13,6 @@ import os
 import pickle
 import subprocess
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -810,28 +809,28 @@ def test_bench_gpu_refuses_a_negative_warmup_and_no_runs(capsys):
 
 def test_the_graph_timer_takes_the_flush_off_each_call():
     """graph_ms_per_call: (flush, fn) x n against flush x n, per call, n from a one-call graph's
-    estimate. Here a "graph" is the body itself and its replay is timed by the wall clock (CUDA
-    graphs need a GPU). The sleeps are long enough that a loaded machine's oversleeping (a
-    millisecond or two) cannot blur 20 ms with and without the 10 ms flush."""
+    estimate. Here a "graph" is the body itself and its replay is timed by a simulated clock that
+    fn moves 20 ms and flush 10 ms (CUDA graphs need a GPU; with sleeps and the wall clock, a
+    loaded machine's oversleeping failed the test: 27.9 ms)."""
     bench_kernels = load_bench_gpu().load_bench_kernels()
-    calls = []
+    calls, clock = [], [0.0]
 
     def fn():
         calls.append("fn")
-        time.sleep(0.020)
+        clock[0] += 20.0
 
     def flush():
         calls.append("flush")
-        time.sleep(0.010)
+        clock[0] += 10.0
 
     def replay_ms(body):
-        start = time.perf_counter()
+        start = clock[0]
         body()
-        return (time.perf_counter() - start) * 1e3
+        return clock[0] - start
 
     ms = bench_kernels.graph_ms_per_call(fn, capture=lambda body: body, replay_ms=replay_ms, flush=flush,
                                          target_ms=55.0)
-    assert 17.5 <= ms <= 26.0  # the 20 ms call, without the 10 ms flush before it (30 ms with it)
+    assert ms == pytest.approx(20.0)  # the 20 ms call, without the 10 ms flush before it (30 ms with it)
     # compiled outside the capture, one call to estimate, then ceil(55 / 20-27) = 3 calls per graph
     assert calls == ["fn", "fn"] + ["flush", "fn"] * 3 + ["flush"] * 3
     calls.clear()
