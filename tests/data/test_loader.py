@@ -240,6 +240,22 @@ def test_jsonl_image_paths_stay_inside_the_dataset_folder(tmp_path):
     assert "not found" in items[5].error
 
 
+def test_an_image_path_no_file_can_have_fails_its_record_alone(tmp_path):
+    """A NUL, a lone surrogate or a name too long: before, a traceback (or "the run stopped")
+    ended the whole job, and every resume stopped at the same record."""
+    folder = tmp_path / "shop"
+    (folder / "img").mkdir(parents=True)
+    (folder / "img" / "a.jpg").write_bytes(jpeg_bytes((9, 9, 9)))
+    base = {"product_title": "t", "product_description": "d", "potential_product_categories": ["A"]}
+    paths = [r"x\u0000.png", r"x\ud800.png", "x" * 300 + ".png", "img/a.jpg"]  # JSON escapes, as a file holds them
+    lines = "".join(json.dumps({**base, "image": "PATH"}).replace("PATH", path) + "\n" for path in paths)
+    (folder / "records.jsonl").write_text(lines)
+    items = list(load_catalogue(folder / "records.jsonl").items())
+    for item in items[:3]:
+        assert item.kind == "image" and "cannot name a file" in item.error, item.error
+    assert items[3].record.image[:2] == b"\xff\xd8"
+
+
 def test_zero_rows_and_non_catalogue_files_are_refused(tmp_path):
     (tmp_path / "x.csv").write_text("a\n")
     with pytest.raises(CatalogueError, match="expected a .parquet or .jsonl"):

@@ -658,10 +658,14 @@ def _read_image_file(name: Any, image_root: Path | None) -> bytes:
     if relative.is_absolute():
         raise _RecordProblem("image", f"{IMAGE}: absolute path {name!r} refused; paths are relative to the dataset's folder")
     root = image_root.resolve()
-    target = (root / relative).resolve()
-    if not target.is_relative_to(root):
+    try:  # a NUL or a lone surrogate in the name, a name too long: before, they stopped the whole run
+        target = (root / relative).resolve()
+        inside, found = target.is_relative_to(root), target.is_file()
+    except (OSError, ValueError) as exc:
+        raise _RecordProblem("image", f"{IMAGE}: path {name!r} cannot name a file ({exc})") from None
+    if not inside:
         raise _RecordProblem("image", f"{IMAGE}: path {name!r} leads outside the dataset's folder; refused")
-    if not target.is_file():
+    if not found:
         raise _RecordProblem("image", f"{IMAGE}: image file not found: {name!r}")
     size = target.stat().st_size
     if size > MAX_IMAGE_FILE_BYTES:
