@@ -108,7 +108,8 @@ class GrammarSpec:
             resolved = resolve_schema(schema)
         except SchemaError as exc:
             raise GrammarError(f"json_schema: {exc}") from exc
-        check_enforceable(resolved.json_schema)  # keywords the grammar would drop, answers that could not end
+        if not isinstance(schema, OutputSchema):  # one already resolved was checked then, or is ours (catalogue)
+            check_enforceable(resolved.json_schema)  # keywords the grammar would drop, answers that could not end
         try:
             text = json.dumps(resolved.json_schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
         except ValueError:  # Python's json reads NaN and Infinity; JSON (and the grammar compiler) has neither
