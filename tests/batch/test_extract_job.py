@@ -545,3 +545,25 @@ def test_the_warmup_flag_reaches_the_engine_and_changes_no_answer(small_catalogu
     assert extract(small_catalogue, warmed, "--limit", "2", "--warmup", "on") == 0
     assert reports[0] is None and reports[1] is not None and reports[1].num_requests > 0
     assert [line["response"] for line in read_lines(plain)] == [line["response"] for line in read_lines(warmed)]
+
+
+def test_a_run_on_the_cpu_does_not_resume_on_a_gpu(small_catalogue, tmp_path, capsys):
+    """The job file said `dtype: auto`, which is float32 on the CPU and bfloat16 on CUDA (where an FP8
+    checkpoint's experts also stay FP8), and named no device: a CPU run resumed on a GPU silently,
+    mixing two precisions' answers in one file. A file written before the fix (`auto`, no device) resumes."""
+    out = tmp_path / "p.jsonl"
+    assert extract(small_catalogue, out, "--limit", "1") == 0
+    job_path = out.with_name(out.name + JOB_SUFFIX)
+    job = json.loads(job_path.read_text())
+    assert job["dtype"] == "float32" and job["device"] == "cpu"
+    capsys.readouterr()
+    assert extract(small_catalogue, out, "--limit", "2", "--device", "cuda") == 1  # refused before any model loads
+    error = capsys.readouterr().err
+    assert "device: 'cpu' then, 'cuda' now" in error and "dtype: 'float32' then, 'bfloat16' now" in error
+    assert extract(small_catalogue, out, "--limit", "2", "--dtype", "bfloat16") == 1
+    assert "dtype: 'float32' then, 'bfloat16' now" in capsys.readouterr().err
+    assert extract(small_catalogue, out, "--limit", "2", "--dtype", "float32") == 0  # "auto" resolved is the same job
+    written_before_the_fix = {key: value for key, value in job.items() if key != "device"} | {"dtype": "auto"}
+    job_path.write_text(json.dumps(written_before_the_fix))
+    assert extract(small_catalogue, out, "--limit", "3") == 0
+    assert json.loads(job_path.read_text())["dtype"] == "float32" and len(read_lines(out)) == 3

@@ -211,3 +211,51 @@ def test_overwrite_replaces_by_rename_never_in_place(tmp_path):
         assert json.loads(reader.read())["id"] == "0"
     fresh.close()
     assert os.stat(out).st_ino != old_inode
+
+
+def test_a_killed_rewrite_leaves_no_temporary_file_past_the_next_open(tmp_path):
+    """kill -9 during a rewrite (overwrite, --retry-failed, the job file, a clean copy) left its hidden
+    temporary file in the folder for ever. The next open removes it, and only it: another results
+    file's temporaries and files that merely look alike stay."""
+    out = tmp_path / "p.jsonl"
+    ResultsFile.open(out, JOB).close()
+    leftovers = [".p.jsonl.k2x_9abc.tmp", ".p.jsonl.a1b2c3d4.retry", ".p.jsonl.zz11yy22.clean",
+                 ".p.jsonl.job.json.q1w2e3r4.tmp"]
+    kept = [".p.jsonl.x.a1b2c3d4.tmp",  # the temporary of a results file named p.jsonl.x
+            ".p.jsonl.notes", ".p.jsonl.short.tmp", "p.jsonl.a1b2c3d4.tmp", ".other.a1b2c3d4.tmp"]
+    for name in leftovers + kept:
+        (tmp_path / name).write_text("half a rewrite")
+    killed_mid_rewrite = (  # a real one: the process dies (as by kill -9) while it fills the copy
+        "import os, sys\nfrom pathlib import Path\nfrom vlm_catalog.batch.output import _replace_atomically\n"
+        f"_replace_atomically(Path({str(out)!r}), 0o644, lambda handle: (handle.write(b'half'), handle.flush(), "
+        "os._exit(9)), suffix='.retry')\n"
+    )
+    assert subprocess.run([sys.executable, "-c", killed_mid_rewrite]).returncode == 9
+    names = {path.name for path in tmp_path.iterdir()}
+    assert len(names) == len(leftovers + kept) + 4  # the results, job and lock files and the killed copy
+    ResultsFile.open(out, JOB).close()
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
+        kept + ["p.jsonl", "p.jsonl.job.json", "p.jsonl.lock"]
+    )
+
+
+def test_a_link_and_its_target_are_one_results_file(tmp_path):
+    """Before, the lock was taken on the path as given: one run through a symbolic link and another
+    through its target both wrote the file, and a rewrite replaced the link by a plain file."""
+    target = tmp_path / "real" / "p.jsonl"
+    target.parent.mkdir()
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    first = ResultsFile.open(link, JOB)
+    with pytest.raises(OutputError, match="another process is writing"):
+        ResultsFile.open(target, JOB)
+    first.write(line(0))
+    first.close()
+    resumed = ResultsFile.open(target, JOB)
+    assert resumed.done == {0: None}
+    resumed.close()
+    fresh = ResultsFile.open(link, JOB, overwrite=True)  # a rewrite by rename goes to the target
+    fresh.write(line(1))
+    fresh.close()
+    assert link.is_symlink() and [json.loads(raw)["id"] for raw in target.read_text().splitlines()] == ["1"]
+    assert (target.parent / "p.jsonl.job.json").is_file() and not (tmp_path / "link.jsonl.job.json").exists()

@@ -120,6 +120,11 @@ def test_predictions_of_one_split_are_not_scored_against_another(tmp_path, capsy
     assert main(["eval", "--predictions", str(out), "--dataset", dataset]) == 2
     error = capsys.readouterr().err
     assert "was made with --split test (p.jsonl.job.json)" in error and "not all splits" in error
+    link = tmp_path / "elsewhere" / "link.jsonl"  # extract keeps the job file beside a link's target
+    link.parent.mkdir()
+    link.symlink_to(out)
+    assert main(["eval", "--predictions", str(link), "--dataset", dataset]) == 2
+    assert "was made with --split test (p.jsonl.job.json)" in capsys.readouterr().err
     assert main(["eval", "--predictions", str(out), "--dataset", dataset, "--split", "test"]) == 0
     assert "samples: 1" in capsys.readouterr().out
 

@@ -79,7 +79,10 @@ class BatchSettings:
             "schema": self.schema,
             "prompt_style": self.prompt_style,
             "max_tokens": self.max_tokens,
-            "dtype": self.dtype,
+            # as the engine runs: "auto" is float32 on CPU and bfloat16 on CUDA, and on CUDA an FP8
+            # checkpoint's experts stay FP8 (quantization "auto"), so a CPU run does not resume on a GPU
+            "dtype": engine_config(self).dtype,
+            "device": "cpu" if self.device == "cpu" else "cuda",  # cuda:0 and cuda:1 give equal answers
             # an FP8 cache or FP8 experts change answers too; "auto" stays unnamed so results
             # files of earlier versions (which had no such keys) can still be resumed
             **{name: getattr(self, name) for name in ("kv_cache_dtype", "quantization") if getattr(self, name) != "auto"},
@@ -224,7 +227,7 @@ def check_output_path(out: Path, catalogue) -> None:
     if source.is_dir() and resolved.is_relative_to(source):
         raise BatchError(f"--out {out} lies inside the dataset directory {catalogue.source}; choose a path outside it")
     image_root = catalogue.image_root
-    job_file = out.with_name(out.name + JOB_SUFFIX)
+    job_file = resolved.with_name(resolved.name + JOB_SUFFIX)  # where ResultsFile keeps it: beside a link's target
     if image_root is not None and out.exists() and not job_file.exists() and resolved.is_relative_to(image_root.resolve()):
         raise BatchError(
             f"--out {out} is a file in the dataset's folder that extract did not write "

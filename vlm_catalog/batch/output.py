@@ -4,6 +4,12 @@ Contract:
 - `ResultsFile.open(path, job)` takes an exclusive lock (`fcntl.flock` on
   `<path>.lock`, released by the kernel when the process dies, however it
   dies), so a second process on the same file is refused, not interleaved.
+  The path is resolved first: a symbolic link and its target are one file, one
+  lock, and the file written is the target (the link stays).
+- Every rewrite goes through a hidden temporary file next to the file
+  (`.<name>.XXXXXXXX.tmp`/`.retry`/`.clean`), renamed over it when complete.
+  A process killed mid-rewrite (kill -9, power loss) leaves its temporary
+  file behind; the next `open`, holding the lock, removes such leftovers.
 - Resuming, it reads the existing file: every complete line with an `id` is a
   finished record. A last line without its newline (a crash mid-write) is cut
   off (only those bytes; nothing complete is ever removed). Duplicate ids or
@@ -26,6 +32,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import tempfile
 from collections import Counter
 from collections.abc import Callable
@@ -36,7 +43,11 @@ LOCK_SUFFIX = ".lock"
 JOB_SUFFIX = ".job.json"
 FSYNC_EVERY_LINES = 256
 # Job keys that results files of earlier versions lack: such a file resumes, and gains the key.
-KEYS_ADDED_LATER = ("model_files",)
+KEYS_ADDED_LATER = ("model_files", "device")
+# Job values that earlier versions wrote unresolved: a file holding one resumes (the current value replaces it).
+VALUES_RESOLVED_LATER = {"dtype": "auto"}
+# The suffixes of `_replace_atomically`'s temporary files (`tempfile.mkstemp`: 8 random characters).
+TEMPORARY_SUFFIXES = (".tmp", ".retry", ".clean")
 
 
 class OutputError(RuntimeError):
@@ -66,10 +77,11 @@ class ResultsFile:
     # ----------------------------------------------------------------- open
     @classmethod
     def open(cls, path: Path, job: dict[str, Any], overwrite: bool = False) -> ResultsFile:
-        path = Path(path)
+        path = Path(path).resolve()  # a link and its target: one lock, and the link is kept
         lock_handle, lock_warning = _acquire_lock(path)
         try:
             job_path = path.with_name(path.name + JOB_SUFFIX)
+            _remove_leftover_temporaries(path)
             if overwrite or not path.exists():
                 _replace_with_empty(path)
                 done: dict[int, str | None] = {}
@@ -221,7 +233,9 @@ def _check_same_job(job_path: Path, job: dict[str, Any], path: Path) -> None:
         raise OutputError(f"{job_path}: unreadable ({exc}); use --overwrite to start afresh") from None
     changed = sorted(
         key for key in set(job) | set(previous)
-        if job.get(key) != previous.get(key) and not (key in KEYS_ADDED_LATER and key not in previous)
+        if job.get(key) != previous.get(key)
+        and not (key in KEYS_ADDED_LATER and key not in previous)
+        and not (key in VALUES_RESOLVED_LATER and previous.get(key) == VALUES_RESOLVED_LATER[key])
     )
     if changed:
         detail = ", ".join(
@@ -233,6 +247,20 @@ def _check_same_job(job_path: Path, job: dict[str, Any], path: Path) -> None:
             f"{path} holds results of a different job ({detail}); "
             "resume with the same settings, or use --overwrite or another --out"
         )
+
+
+def _remove_leftover_temporaries(path: Path) -> None:
+    """Remove the temporary files a killed rewrite of `path` or of its job file left (the lock is held,
+    so no rewrite of them is under way). Only names `_replace_atomically` makes match:
+    another file's temporaries (`a.jsonl.x` beside `a.jsonl`) do not."""
+    leftover = re.compile(
+        rf"\.(?:{re.escape(path.name)}|{re.escape(path.name + JOB_SUFFIX)})\.[a-z0-9_]{{8}}"
+        rf"(?:{'|'.join(map(re.escape, TEMPORARY_SUFFIXES))})"
+    )
+    with os.scandir(path.parent) as entries:
+        for entry in entries:
+            if leftover.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                Path(entry.path).unlink(missing_ok=True)
 
 
 def _scan_and_repair(path: Path) -> tuple[dict[int, str | None], int, int]:

@@ -81,7 +81,8 @@ def check_extract_job(predictions: Path, split: str | None, num_records: int) ->
     from vlm_catalog.batch.output import JOB_SUFFIX
     from vlm_catalog.evaluate.predictions import PredictionsError
 
-    job_file = predictions.with_name(predictions.name + JOB_SUFFIX)
+    written = Path(predictions).resolve()  # extract keeps the job file beside a link's target
+    job_file = written.with_name(written.name + JOB_SUFFIX)
     try:
         job = json.loads(job_file.read_bytes())
     except (OSError, ValueError):
