@@ -45,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
     except (BatchError, ReportFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before the first record started
+        print("interrupted before any record was processed", file=sys.stderr)
+        return 130
     if summary.interrupted:
         print("interrupted", file=sys.stderr)
         return 130

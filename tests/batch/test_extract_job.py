@@ -547,6 +547,39 @@ def test_the_warmup_flag_reaches_the_engine_and_changes_no_answer(small_catalogu
     assert [line["response"] for line in read_lines(plain)] == [line["response"] for line in read_lines(warmed)]
 
 
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_job_starts_ends_it_with_status_130_and_nothing_written(small_catalogue, tmp_path, capsys,
+                                                                                   monkeypatch, stop):
+    """Before, the job caught signals only once records ran: SIGTERM while the dataset opened killed
+    the process (status 143), and SIGINT sent to a job a non-interactive shell started in the
+    background (which inherits SIGINT ignored) was ignored, so the run went on to the end."""
+    from vlm_catalog.data import loader
+
+    def default_action(signum, _frame):
+        raise AssertionError(f"{signal.Signals(signum).name} reached the handler the job started with")
+
+    real_load = loader.load_catalogue
+
+    def load_then_signal(*args, **kwargs):
+        catalogue = real_load(*args, **kwargs)
+        os.kill(os.getpid(), stop)  # e.g. Ctrl-C while a large dataset opens
+        return catalogue
+
+    monkeypatch.setattr(loader, "load_catalogue", load_then_signal)
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as inherited from `extract ... &` in a script
+    signal.signal(signal.SIGTERM, default_action)  # stands in for SIG_DFL, which would end pytest
+    try:
+        out = tmp_path / "p.jsonl"
+        assert extract(small_catalogue, out, "--limit", "2") == 130
+        assert "interrupted before any record was processed" in capsys.readouterr().err
+        assert not out.exists()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # the job's handlers are gone again
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def test_a_run_on_the_cpu_does_not_resume_on_a_gpu(small_catalogue, tmp_path, capsys):
     """The job file said `dtype: auto`, which is float32 on the CPU and bfloat16 on CUDA (where an FP8
     checkpoint's experts also stay FP8), and named no device: a CPU run resumed on a GPU silently,

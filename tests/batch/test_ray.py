@@ -1,23 +1,35 @@
 """The batch job on a local Ray instance equals the single-process run (needs the [distributed] extra)."""
 
+import signal
+
 import pytest
 
 from tests.batch.conftest import FAST, answers, read_lines
 from vlm_catalog.cli import main
+from vlm_catalog.signals import StopRequest
 
 ray = pytest.importorskip("ray")
 
 pytestmark = pytest.mark.ray
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def test_ray_run_resumes_a_local_run_with_equal_answers_and_keeps_the_stop_signals(
+    small_catalogue, reference_answers, tmp_path, monkeypatch
+):
+    """The job starts Ray itself (`ray.init`, which installs its own SIGTERM handler: exit at once with
+    status 15, the lines in flight lost); the job's handlers must hold while the pipeline runs, so
+    SIGTERM stops it between lines with status 130, as without Ray."""
+    from vlm_catalog.batch import ray_runner
 
+    handlers_while_running = {}
+    real_build_pipeline = ray_runner.build_pipeline
 
-def test_ray_run_resumes_a_local_run_with_equal_answers(local_ray, small_catalogue, reference_answers, tmp_path):
+    def build_pipeline(*args, **kwargs):
+        handlers_while_running.update({signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)})
+        return real_build_pipeline(*args, **kwargs)
+
+    monkeypatch.setattr(ray_runner, "build_pipeline", build_pipeline)
+    assert not ray.is_initialized()
     out = tmp_path / "p.jsonl"
     common = ["extract", "--dataset", str(small_catalogue), "--out", str(out), *FAST]
     assert main([*common, "--limit", "3"]) == 0  # in this process
@@ -25,3 +37,7 @@ def test_ray_run_resumes_a_local_run_with_equal_answers(local_ray, small_catalog
     ids = [line["id"] for line in read_lines(out)]
     assert sorted(ids, key=int) == [str(i) for i in range(7)]  # exactly once
     assert answers(out) == {key: reference_answers[key] for key in map(str, range(7))}
+    assert not ray.is_initialized()  # the job shut down the Ray it started
+    assert set(handlers_while_running) == {signal.SIGINT, signal.SIGTERM}
+    for handler in handlers_while_running.values():
+        assert isinstance(getattr(handler, "__self__", None), StopRequest), handler

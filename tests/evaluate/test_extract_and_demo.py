@@ -1,6 +1,8 @@
 """`vlm-catalog extract` and `vlm-catalog demo` on a few records of the shipped sample."""
 
 import json
+import os
+import signal
 
 from vlm_catalog.cli import main
 from vlm_catalog.paths import SAMPLE_CATALOGUE_DIR
@@ -38,6 +40,22 @@ def test_demo_refuses_an_out_dir_it_cannot_write_before_any_work(tmp_path, capsy
     captured = capsys.readouterr()
     assert "--out-dir " in captured.err and "report.json is a folder" in captured.err and "records in" not in captured.out
     assert not (tmp_path / "out" / "predictions.jsonl").exists()
+
+
+def test_ctrl_c_while_the_demo_starts_is_one_line_and_status_130(tmp_path, capsys, monkeypatch):
+    from vlm_catalog.data import loader
+
+    real_load = loader.load_catalogue
+
+    def load_then_ctrl_c(*args, **kwargs):
+        catalogue = real_load(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        return catalogue
+
+    monkeypatch.setattr(loader, "load_catalogue", load_then_ctrl_c)
+    assert main(["demo", "--limit", "1", "--out-dir", str(tmp_path)]) == 130
+    assert capsys.readouterr().err == "interrupted before any record was processed\n"  # no traceback
+    assert not (tmp_path / "predictions.jsonl").exists()
 
 
 def test_extract_reports_a_missing_dataset(tmp_path, capsys):

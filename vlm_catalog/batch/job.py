@@ -246,6 +246,16 @@ def check_output_path(out: Path, catalogue) -> None:
 
 # ---------------------------------------------------------------------- run
 def run_batch(settings: BatchSettings) -> BatchSummary:
+    """The run; KeyboardInterrupt when SIGINT/SIGTERM came before the first record started (nothing
+    written), else `BatchSummary.interrupted`. The signals are caught from the first step: a signal
+    stops the run at the next safe point (a second one at once), whether it comes while the dataset
+    opens, the model loads or records run; SIGINT too where the process inherited it ignored."""
+    interrupt = StopRequest(second_signal_interrupts=True)
+    with interrupt:
+        return _run_batch(settings, interrupt)
+
+
+def _run_batch(settings: BatchSettings, interrupt: StopRequest) -> BatchSummary:
     from vlm_catalog.data.format import CatalogueError
     from vlm_catalog.data.loader import load_catalogue
 
@@ -254,6 +264,7 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
         catalogue = load_catalogue(settings.dataset, split=settings.split)
     except CatalogueError as exc:
         raise BatchError(str(exc)) from None
+    interrupt.check()
     check_output_path(settings.out, catalogue)
     ray = None
     if settings.ray_address is not None:
@@ -267,12 +278,14 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
         job = settings.job_identity(len(catalogue))
     except OSError as exc:
         raise BatchError(f"--model {settings.model}: cannot read {exc.filename} ({exc.strerror})") from None
+    interrupt.check()
     try:
         results = ResultsFile.open(settings.out, job, settings.overwrite)
     except OutputError as exc:
         raise BatchError(str(exc)) from None
     summary = BatchSummary(out=settings.out, selected=selected, repaired_bytes=results.repaired_bytes)
     try:
+        interrupt.check()  # before --retry-failed removes lines: an interrupted start changes nothing
         if settings.retry_failed:
             summary.retried = _forget_failures(catalogue, settings, results)
         summary.skipped = sum(1 for _ in _selected_done(catalogue, settings, results))
@@ -287,8 +300,6 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
         if results.lock_warning:
             print(f"warning: {results.lock_warning}", file=progress.stream, flush=True)
 
-        interrupt = StopRequest(second_signal_interrupts=True)  # stops between engine steps
-
         def emit(line: ResultLine) -> None:
             if int(line.id) in results.done:
                 return  # a Ray task retried after its first answer was written
@@ -299,16 +310,15 @@ def run_batch(settings: BatchSettings) -> BatchSummary:
             emit(line)
             interrupt.check()
 
-        try:
-            with interrupt:
-                if settings.ray_address is None:
-                    summary.engine_stats = _run_here(
-                        settings, catalogue.items(pending), emit, progress.restart, interrupt.check
-                    )
-                else:
-                    from vlm_catalog.batch.ray_runner import run_on_ray
+        try:  # a signal stops the run between engine steps (interrupt.check)
+            if settings.ray_address is None:
+                summary.engine_stats = _run_here(
+                    settings, catalogue.items(pending), emit, progress.restart, interrupt.check
+                )
+            else:
+                from vlm_catalog.batch.ray_runner import run_on_ray
 
-                    run_on_ray(settings, list(pending), emit_then_check, progress.restart)
+                run_on_ray(settings, list(pending), emit_then_check, progress.restart)
         except KeyboardInterrupt:
             summary.interrupted = True
         except OutputError as exc:  # a full disk, or the results file deleted during the run: its message says

@@ -19,9 +19,11 @@ equal to a single-process run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
+import signal
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -37,7 +39,8 @@ def run_on_ray(settings, indices: list[int], emit: Callable[[ResultLine], None],
     started_here = not ray.is_initialized()
     if started_here:
         address = settings.ray_address or None  # None: the running cluster if any, else a local one
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, include_dashboard=False)
+        with _signal_handlers_kept():
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, include_dashboard=False)
     try:
         if not indices:
             return
@@ -48,6 +51,20 @@ def run_on_ray(settings, indices: list[int], emit: Callable[[ResultLine], None],
     finally:
         if started_here:
             ray.shutdown()
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept():
+    """Put back the SIGINT/SIGTERM handlers after `ray.init`, which installs its own SIGTERM handler
+    (exit at once, status 15): the job's StopRequest keeps them, so a stopped run ends between
+    lines with status 130 and every finished line on disk."""
+    kept = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in kept.items():
+            if handler is not None and signal.getsignal(signum) is not handler:
+                signal.signal(signum, handler)
 
 
 def build_pipeline(settings, indices: list[int]):
