@@ -76,15 +76,27 @@ def test_logprobs_report_the_sampled_token_and_top_alternatives():
      ({"top_k": -5}, "top_k"), ({"min_p": 2}, "min_p"), ({"stop": [""]}, "stop"),
      ({"regex": "a", "choice": ["b"]}, "at most one"), ({"choice": []}, "choice"), ({"logprobs": 99}, "logprobs"),
      # wrong types and seeds torch cannot take: refused here, not as a TypeError inside a step
-     ({"seed": 2**64}, "seed"), ({"seed": -1}, "seed"), ({"seed": "abc"}, "seed must be an integer"),
+     ({"seed": 2**63}, "seed"), ({"seed": -(2**63) - 1}, "seed"), ({"seed": "abc"}, "seed must be an integer"),
      ({"seed": 1.5}, "seed must be an integer"), ({"max_tokens": True}, "max_tokens must be an integer"),
      ({"temperature": "0.5"}, "temperature must be a number"), ({"top_p": None}, "top_p must be a number"),
      ({"top_k": 2.0}, "top_k must be an integer"), ({"stop_token_ids": [1.0]}, "stop_token_ids"),
      ({"stop": 5}, "stop and stop_token_ids must be lists")],
 )
 def test_invalid_settings_are_named(kwargs, message):
-    with pytest.raises(SamplingParamsError, match=message):
+    with pytest.raises(SamplingParamsError, match=message) as refused:
         SamplingParams(**kwargs)
+    expected = "json_schema" if message == "at most one" else next(iter(kwargs))  # "at most one": the first
+    assert refused.value.field == expected  # the service's `param` comes from it
+
+
+def test_any_signed_64_bit_seed_draws_reproducibly():
+    """OpenAI's API and vLLM take any int64 seed, and clients send -1; before, a negative seed was refused."""
+    logits = logits_rows(rows=1)
+    for seed in (-1, -(2**63), 2**63 - 1):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        draws = [sample(logits.clone(), [params], [position]).token_ids[0] for position in range(30)]
+        assert draws == [sample(logits.clone(), [params], [position]).token_ids[0] for position in range(30)]
+        assert len(set(draws)) > 1  # a real draw per position, not one fixed token
 
 
 def test_none_stop_lists_mean_no_stops_as_in_vllm():

@@ -66,11 +66,16 @@ CHAT_CASES = [
     ("top_p zero", chat_body(top_p=0), 400, "invalid_value", "top_p"),
     ("max_tokens zero", chat_body(max_tokens=0), 400, "invalid_value", "max_tokens"),
     ("max_tokens as text", chat_body(max_tokens="5"), 400, "invalid_value", "max_tokens"),
-    ("negative seed", chat_body(seed=-1), 400, "invalid_value", "seed"),
+    ("seed below a signed 64-bit integer", chat_body(seed=-(2**63) - 1), 400, "invalid_value", "seed"),
+    ("seed above a signed 64-bit integer", chat_body(seed=2**63), 400, "invalid_value", "seed"),
     ("n of two", chat_body(n=2), 400, "invalid_value", "n"),
     ("stream as text", chat_body(stream="yes"), 400, "invalid_value", "stream"),
     ("too many stops", chat_body(stop=["a", "b", "c", "d", "e"]), 400, "invalid_value", "stop"),
-    ("empty stop", chat_body(stop=[""]), 400, "invalid_value", None),
+    ("empty stop", chat_body(stop=[""]), 400, "invalid_value", "stop"),  # before, param null
+    ("stop beside json_object", chat_body(stop="x", response_format={"type": "json_object"}), 400, "invalid_value",
+     "stop"),
+    ("stream_options without stream", chat_body(stream_options={"include_usage": True}), 400, "invalid_value",
+     "stream_options"),  # as OpenAI answers; before, accepted and ignored
     ("repetition penalty", chat_body(repetition_penalty=1.1), 400, "unsupported_field", "repetition_penalty"),
     ("top_k below -1", chat_body(top_k=-2), 400, "invalid_value", "top_k"),
     ("min_p over 1", chat_body(min_p=1.5), 400, "invalid_value", "min_p"),

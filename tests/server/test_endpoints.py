@@ -133,6 +133,11 @@ def test_chat_stop_seed_and_developer_role(app):
     first, second = call_many(app, [("POST", "/v1/chat/completions", {"json": sampled})] * 2)
     assert first.status_code == 200, first.text
     assert first.json()["choices"][0]["message"] == second.json()["choices"][0]["message"]
+    # any signed 64-bit seed, as OpenAI and vLLM take it: clients send -1 (before, a 400)
+    for seed in (-1, -(2**63)):
+        negative = [call(app, "POST", "/v1/chat/completions", json={**sampled, "seed": seed}) for _ in range(2)]
+        assert negative[0].status_code == 200, negative[0].text
+        assert negative[0].json()["choices"][0]["message"] == negative[1].json()["choices"][0]["message"]
 
 
 def test_streaming_adds_up_to_the_plain_answer_and_reports_usage(app):
@@ -149,8 +154,12 @@ def test_streaming_adds_up_to_the_plain_answer_and_reports_usage(app):
     finishing = [event for event in events if event["choices"] and event["choices"][0]["finish_reason"]]
     assert [event["choices"][0]["finish_reason"] for event in finishing] == [plain["choices"][0]["finish_reason"]]
     assert events[-1]["choices"] == [] and events[-1]["usage"] == plain["usage"]
+    # OpenAI: "All other chunks will also include a usage field, but with a null value" (before, no key)
+    assert all("usage" in event and event["usage"] is None for event in events[:-1])
     without_usage = sse_events(call(app, "POST", "/v1/chat/completions", json={**body, "stream": True}).text)
     assert all("usage" not in event for event in without_usage)
+    as_null = call(app, "POST", "/v1/chat/completions", json={**body, "stream": None})  # OpenAI's default: not streamed
+    assert as_null.status_code == 200 and as_null.json()["choices"] == plain["choices"]
 
 
 def test_metrics_expose_the_documented_names(app, records):

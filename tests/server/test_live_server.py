@@ -105,9 +105,15 @@ ENDLESS = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "go"}],
            "guided_regex": "[ab]{20000}"}
 
 
+def disconnects_counted(metrics: str) -> float:
+    name = 'vlm_catalog_request_errors_total{kind="client_disconnected"}'
+    return sum(float(line.split()[1]) for line in metrics.splitlines() if line.startswith(name))
+
+
 def test_a_disconnected_stream_is_aborted_and_frees_its_blocks(live, engine):
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.Client(base_url=live.url, headers=headers, timeout=30) as http:
+        disconnects_before = disconnects_counted(http.get("/metrics").text)
         with http.stream("POST", "/v1/chat/completions", json={**ENDLESS, "stream": True}) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
@@ -121,6 +127,7 @@ def test_a_disconnected_stream_is_aborted_and_frees_its_blocks(live, engine):
         assert time.perf_counter() - closed < 3
         metrics = http.get("/metrics").text
     assert "vlm_catalog_requests_running 0.0" in metrics and "vlm_catalog_kv_cache_usage_ratio 0.0" in metrics
+    assert disconnects_counted(metrics) == disconnects_before + 1  # before, only plain requests' were counted
 
 
 def test_a_disconnected_plain_request_is_aborted_and_frees_its_blocks(live, engine):

@@ -6,11 +6,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 OUTPUT_KINDS = ("cumulative", "final_only")
-MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+# any signed 64-bit seed, as OpenAI's API and vLLM take it (clients send -1); the sampler folds it into
+# the range torch.Generator.manual_seed takes (sampler.py, _position_seed)
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 
 
 class SamplingParamsError(ValueError):
-    """Settings that make no sense; the message names the field."""
+    """Settings that make no sense; the message names the field, and `field` is its name."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -55,44 +61,45 @@ class SamplingParams:
         for name in ("max_tokens", "top_k", "seed", "logprobs"):
             value = getattr(self, name)
             if value is not None and not _is_integer(value):
-                raise SamplingParamsError(f"{name} must be an integer, got {value!r}")
+                raise SamplingParamsError(f"{name} must be an integer, got {value!r}", name)
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
             if not _is_number(value):
-                raise SamplingParamsError(f"{name} must be a number, got {value!r}")
+                raise SamplingParamsError(f"{name} must be a number, got {value!r}", name)
         if not isinstance(self.stop, (list, tuple)) or not isinstance(self.stop_token_ids, (list, tuple)):
-            raise SamplingParamsError("stop and stop_token_ids must be lists")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise SamplingParamsError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
+            raise SamplingParamsError("stop and stop_token_ids must be lists", "stop")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            raise SamplingParamsError(f"seed must be a signed 64-bit integer, in [-2**63, 2**63 - 1], got {self.seed}", "seed")
         if self.max_tokens < 1:
-            raise SamplingParamsError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise SamplingParamsError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if not 0.0 <= self.temperature <= 100.0:
-            raise SamplingParamsError(f"temperature must be in [0, 100], got {self.temperature}")
+            raise SamplingParamsError(f"temperature must be in [0, 100], got {self.temperature}", "temperature")
         if self.top_k == -1:
             self.top_k = 0
         if self.top_k < 0:
-            raise SamplingParamsError(f"top_k must be 0 (off), -1 (off) or a positive integer, got {self.top_k!r}")
+            raise SamplingParamsError(f"top_k must be 0 (off), -1 (off) or a positive integer, got {self.top_k!r}", "top_k")
         if not 0.0 < self.top_p <= 1.0:
-            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not 0.0 <= self.min_p <= 1.0:
-            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise SamplingParamsError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+            raise SamplingParamsError(f"logprobs must be between 0 and 20, got {self.logprobs}", "logprobs")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise SamplingParamsError("stop strings must be non-empty strings")
+            raise SamplingParamsError("stop strings must be non-empty strings", "stop")
         if any(not _is_integer(t) or t < 0 for t in self.stop_token_ids):
-            raise SamplingParamsError("stop_token_ids must be non-negative integers")
+            raise SamplingParamsError("stop_token_ids must be non-negative integers", "stop_token_ids")
         if self.output_kind not in OUTPUT_KINDS:
-            raise SamplingParamsError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
+            raise SamplingParamsError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}", "output_kind")
         constraints = [c for c in (self.json_schema, self.regex, self.choice) if c is not None]
         if len(constraints) > 1:
-            raise SamplingParamsError("set at most one of json_schema, regex and choice")
+            raise SamplingParamsError("set at most one of json_schema, regex and choice", "json_schema")
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
-            raise SamplingParamsError("choice must be a non-empty list of strings")
+            raise SamplingParamsError("choice must be a non-empty list of strings", "choice")
         if constraints and self.stop:  # the engine refuses stop_token_ids (other than end-of-answer) likewise
             raise SamplingParamsError(
                 "stop strings cannot be combined with json_schema, regex or choice: they would end the answer "
-                "before it matches (the constraint ends it)"
+                "before it matches (the constraint ends it)",
+                "stop",
             )
 
     @property

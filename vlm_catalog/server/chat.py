@@ -42,6 +42,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise bad_request(f"{refused[0]} is not supported by this server", param=refused[0], code="unsupported_field")
     if body.n not in (None, 1):
         raise bad_request("only n=1 is supported", param="n")
+    if body.stream_options is not None and not body.stream:  # as OpenAI's API answers
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
     admission = state.gateway.admit()
     streaming = False
     try:
@@ -144,7 +146,8 @@ async def sampling_params(state: ServiceState, body: ChatCompletionRequest) -> S
             **constraint,
         )
     except SamplingParamsError as exc:
-        raise bad_request(str(exc)) from None
+        # the request's field of the same name (max_tokens and the rest are bounded before they get here)
+        raise bad_request(str(exc), param=exc.field) from None
 
 
 CONSTRAINT_FIELDS = {"json_schema": "response_format.json_schema.schema", "regex": "guided_regex"}
@@ -194,7 +197,7 @@ async def _stream(request: Request, state: ServiceState, body: ChatCompletionReq
         await outputs.aclose()
         raise
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    chunk = _chunker(request_id, state.model_name)
+    chunk = _chunker(request_id, state.model_name, include_usage)
 
     async def events() -> AsyncIterator[str]:
         first_token = time.perf_counter() - started if first.token_ids else None
@@ -218,6 +221,9 @@ async def _stream(request: Request, state: ServiceState, body: ChatCompletionReq
             yield _sse_error(gateway.timeout_error(), state)
         except APIError as error:
             yield _sse_error(error, state)
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream
+            state.metrics.count_error("client_disconnected")
+            raise
         finally:
             admission.release()
             with contextlib.suppress(Exception):
@@ -229,7 +235,9 @@ async def _stream(request: Request, state: ServiceState, body: ChatCompletionReq
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _chunker(request_id: str, model: str):
+def _chunker(request_id: str, model: str, include_usage: bool):
+    """Chunk builder. With `include_usage`, every chunk has a `usage` key, null but in the last (OpenAI's
+    rule: clients read `chunk["usage"]`); without it, no chunk has one."""
     created = int(time.time())
 
     def chunk(delta: dict[str, Any] | None, finish_reason: str | None = None, usage: dict | None = None) -> str:
@@ -239,7 +247,7 @@ def _chunker(request_id: str, model: str):
             payload["choices"] = []
         else:
             payload["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-        if usage is not None:
+        if include_usage:
             payload["usage"] = usage
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vlm_catalog.engine.sampling_params import MAX_SEED
+from vlm_catalog.engine.sampling_params import MAX_SEED, MIN_SEED
 
 MAX_TOKENS_LIMIT = 2**31 - 1
 
@@ -78,10 +78,10 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
-    stream: bool = False
+    stream: bool | None = False  # null as OpenAI's API takes it: not streamed
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     # extensions (vLLM's names): top-k and min-p sampling, an answer constrained to a regular expression
@@ -127,7 +127,7 @@ class ExtractRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
 
 
 class ExtractBatchRequest(BaseModel):
