@@ -15,7 +15,9 @@ ignored.
 
 from __future__ import annotations
 
+import contextlib
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -54,3 +56,22 @@ class StopRequest:
         """Raise KeyboardInterrupt if a signal asked the run to stop."""
         if self.requested is not None:
             raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def signals_raise_keyboard_interrupt() -> Iterator[None]:
+    """While active, SIGTERM as well as SIGINT raises KeyboardInterrupt where the main thread is
+    (Python's own Ctrl-C), SIGINT also where the process inherited it ignored. For a run that may be
+    cut anywhere and says so (a benchmark, whose logs are then incomplete anyway); a run that must
+    stop at a safe point uses `StopRequest`."""
+    previous = {}
+    for signum in StopRequest.SIGNALS:
+        try:
+            previous[signum] = signal.signal(signum, signal.default_int_handler)
+        except ValueError:  # not the main thread: signals stay as they are
+            pass
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

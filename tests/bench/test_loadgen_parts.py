@@ -141,14 +141,29 @@ def test_count_and_duration_shorten_a_run():
     [
         (dict(scenario="multistream", mode="performance"), "--scenario must be one of"),
         (dict(scenario="offline", mode="fast"), "--mode must be one of"),
-        (dict(scenario="offline", mode="performance", count=0), "--count must be at least 1"),
+        (dict(scenario="offline", mode="performance", count=0), "--count must be between 1 and"),
         (dict(scenario="offline", mode="performance", duration_s=-1), "--duration must be a positive"),
         (dict(scenario="server", mode="performance", target_qps=0), "--target-qps must be positive"),
+        # before, a traceback (inf, 1e300, 2^64: LoadGen's uint64 fields) or std::bad_alloc and a segfault (10^11)
+        (dict(scenario="offline", mode="performance", count=10**11), "--count must be between 1 and 10,000,000"),
+        (dict(scenario="offline", mode="performance", count=2**64), "--count must be between 1 and 10,000,000"),
+        (dict(scenario="server", mode="performance", duration_s=float("inf")), "--duration .* at most 604,800"),
+        (dict(scenario="server", mode="performance", duration_s=1e300), "--duration .* at most 604,800"),
+        (dict(scenario="server", mode="performance", target_qps=float("inf")), "--target-qps must be positive"),
+        (dict(scenario="server", mode="performance", target_qps=float("nan")), "--target-qps must be positive"),
     ],
 )
 def test_bad_options_are_refused(options, message):
     with pytest.raises(SettingsError, match=message):
         RunOptions(**options)
+
+
+def test_a_run_loadgen_could_not_schedule_is_refused():
+    """LoadGen schedules every query before the run: rate x duration must stay allocatable."""
+    options = RunOptions("server", "performance", duration_s=600, target_qps=100_000)
+    with pytest.raises(SettingsError, match="about 60,000,000 queries .* lower --target-qps or --duration"):
+        build_test_settings(options, 64)
+    assert build_test_settings(RunOptions("server", "performance", duration_s=600, target_qps=10_000), 64)
 
 
 # ---------------------------------------------------------------- a bad record
@@ -254,7 +269,8 @@ def free_port() -> int:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--count", "0"], "error: --count must be at least 1"),
+        (["--count", "0"], "error: --count must be between 1 and"),
+        (["--duration", "inf"], "error: --duration must be a positive number of seconds"),
         (["--duration", "0"], "error: --duration must be a positive number of seconds"),
         (["--max-tokens", "0"], "error: --max-tokens must be at least 1"),
         (["--dataset", "/nonexistent/catalogue"], "error: "),

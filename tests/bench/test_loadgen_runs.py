@@ -143,8 +143,10 @@ def test_offline_performance_run_prints_loadgens_samples_per_second(tmp_path, ca
     assert not (out_dir / "accuracy.txt").exists()
 
 
-def test_ctrl_c_ends_a_loadgen_run_at_once(tmp_path):
-    """LoadGen's C++ run (600 s with the benchmark's settings) cannot be stopped; Ctrl-C ends the process."""
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_ends_a_loadgen_run_at_once(tmp_path, stop):
+    """LoadGen's C++ run (600 s with the benchmark's settings) cannot be stopped; Ctrl-C ends the process,
+    and SIGTERM too (before, it killed the process without a word, exit -15)."""
     import signal
     import subprocess
     import sys
@@ -163,7 +165,7 @@ def test_ctrl_c_ends_a_loadgen_run_at_once(tmp_path):
             assert process.poll() is None and time.monotonic() < deadline, process.communicate()
             time.sleep(0.2)
         time.sleep(1.0)
-        process.send_signal(signal.SIGINT)
+        process.send_signal(getattr(signal, stop))
         _, err = process.communicate(timeout=30)
     finally:
         if process.poll() is None:
@@ -171,3 +173,22 @@ def test_ctrl_c_ends_a_loadgen_run_at_once(tmp_path):
             process.wait()
     assert process.returncode == 130
     assert err.strip() == f"error: interrupted; the LoadGen logs in {out_dir} are incomplete"
+
+
+def test_an_accuracy_log_of_one_split_is_not_scored_against_another(tmp_path, capsys):
+    """Each qsl_idx is a row of the --split the run used; `eval` without it met the train split's labels
+    and printed hF1 0.0000 with exit 0. The run now records its selection beside the log, as extract does."""
+    from tests.conftest import handmade_rows, write_catalogue
+
+    rows = handmade_rows()
+    write_catalogue(tmp_path / "shop", rows[:2], split="train")
+    write_catalogue(tmp_path / "shop", rows[2:], split="test")
+    dataset, out_dir = str(tmp_path / "shop"), tmp_path / "run"
+    code = main(["bench", "--scenario", "offline", "--mode", "accuracy", "--dataset", dataset, "--split", "test",
+                 "--out-dir", str(out_dir), "--request-style", "ours", "--max-tokens", "60"])
+    assert code == 0, capsys.readouterr().err
+    capsys.readouterr()
+    log = str(out_dir / ACCURACY_LOG_FILE)
+    assert main(["eval", "--predictions", log, "--dataset", dataset]) == 2
+    assert "was made with --split test (mlperf_log_accuracy.json.job.json)" in capsys.readouterr().err
+    assert main(["eval", "--predictions", log, "--dataset", dataset, "--split", "test"]) == 0

@@ -65,6 +65,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vlm_catalog.signals import signals_raise_keyboard_interrupt
+
+    with signals_raise_keyboard_interrupt():  # SIGTERM ends a run as Ctrl-C does (130, one line)
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from vlm_catalog.bench.loadgen.harness import (
         BenchConfig,
         BenchError,

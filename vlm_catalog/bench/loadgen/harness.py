@@ -11,6 +11,7 @@ bad run fails in seconds with a message, not after the timed part.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from vlm_catalog.bench.loadgen.qsl import CatalogueQSL
 from vlm_catalog.bench.loadgen.report import (
     ACCURACY_FILE,
     ACCURACY_JSON_FILE,
+    ACCURACY_LOG_JOB_FILE,
     OUTPUT_FILES,
     SUMMARY_FILE,
     LoadGenSummary,
@@ -118,6 +120,7 @@ def run_benchmark(config: BenchConfig) -> BenchResult:
             stack.callback(engine.close)
         stack.enter_context(sut)
         _remove_stale_results(config.out_dir)  # only once the run can start: a failed start keeps the last score
+        _record_selection(config.out_dir, config.split, len(catalogue))
         start = time.perf_counter()
         try:
             _start_test(sut.handle, qsl.handle, settings, build_log_settings(config.out_dir))
@@ -185,6 +188,17 @@ def _check_out_dir(out_dir: Path) -> None:
 def _remove_stale_results(out_dir: Path) -> None:
     for stale in (ACCURACY_FILE, ACCURACY_JSON_FILE):  # from an earlier accuracy run
         (out_dir / stale).unlink(missing_ok=True)
+
+
+def _record_selection(out_dir: Path, split: str | None, num_records: int) -> None:
+    """Write which records the accuracy log's `qsl_idx` are rows of, where `vlm-catalog eval` looks
+    (`mlperf_log_accuracy.json.job.json`): scored with another --split, or on a catalogue of another
+    size, the log's answers would meet other records' labels and score silently wrong."""
+    selection = {"written_by": "vlm-catalog bench", "split": split, "num_records": num_records}
+    try:
+        (out_dir / ACCURACY_LOG_JOB_FILE).write_text(json.dumps(selection, indent=2) + "\n", encoding="utf-8")
+    except OSError as exc:  # e.g. a full disk
+        raise BenchError(f"--out-dir {out_dir}: cannot write {ACCURACY_LOG_JOB_FILE}: {exc.strerror or exc}") from None
 
 
 def _make_sut(config: BenchConfig, qsl: CatalogueQSL, sampling, sink: ResponseSink):

@@ -19,13 +19,19 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vlm_catalog.batch.output import JOB_SUFFIX
+
 SUMMARY_FILE = "mlperf_log_summary.txt"
 DETAIL_FILE = "mlperf_log_detail.txt"
 ACCURACY_LOG_FILE = "mlperf_log_accuracy.json"
 ACCURACY_FILE = "accuracy.txt"
 ACCURACY_JSON_FILE = "accuracy.json"
 # every file a run writes in --out-dir: LoadGen's logs (prefix "mlperf_log_"), then our scores
-OUTPUT_FILES = (SUMMARY_FILE, DETAIL_FILE, ACCURACY_LOG_FILE, "mlperf_log_trace.json", ACCURACY_FILE, ACCURACY_JSON_FILE)
+# which records the accuracy log's qsl_idx are rows of (the split and its size), in the job file `extract`
+# writes beside its results, so `vlm-catalog eval` refuses to score the log against another selection
+ACCURACY_LOG_JOB_FILE = ACCURACY_LOG_FILE + JOB_SUFFIX
+OUTPUT_FILES = (SUMMARY_FILE, DETAIL_FILE, ACCURACY_LOG_FILE, "mlperf_log_trace.json", ACCURACY_FILE, ACCURACY_JSON_FILE,
+                ACCURACY_LOG_JOB_FILE)
 
 _FIELD = re.compile(r"^\s*(?P<key>[^:]+?)\s*:\s*(?P<value>\S.*?)\s*$")
 _PERCENTILE = re.compile(r"^(?P<p>[\d.]+) percentile (?P<first>first token )?latency \(ns\)$")

@@ -28,6 +28,11 @@ BENCHMARK_MODEL = "qwen3-vl-235b-a22b"
 SCENARIOS = {"offline": lg.TestScenario.Offline, "server": lg.TestScenario.Server}
 MODES = {"accuracy": lg.TestMode.AccuracyOnly, "performance": lg.TestMode.PerformanceOnly}
 _MLPERF_CONF_ONLY = 0  # FromConfig's conf_type: read only the built-in mlperf.conf
+# Bounds that keep LoadGen's up-front schedule allocatable (it holds every query before the run starts;
+# --count 10^11 ended in std::bad_alloc and a segfault) and its uint64 fields whole (--duration inf).
+MAX_QUERIES = 10_000_000
+MAX_DURATION_S = 7 * 24 * 3600
+MAX_TARGET_QPS = 1_000_000
 
 
 class SettingsError(ValueError):
@@ -48,12 +53,15 @@ class RunOptions:
             raise SettingsError(f"--scenario must be one of {', '.join(SCENARIOS)}, got {self.scenario!r}")
         if self.mode not in MODES:
             raise SettingsError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.count is not None and self.count < 1:
-            raise SettingsError(f"--count must be at least 1, got {self.count}")
-        if self.duration_s is not None and not self.duration_s > 0:
-            raise SettingsError(f"--duration must be a positive number of seconds, got {self.duration_s}")
-        if self.target_qps is not None and not self.target_qps > 0:
-            raise SettingsError(f"--target-qps must be positive, got {self.target_qps}")
+        if self.count is not None and not 1 <= self.count <= MAX_QUERIES:
+            raise SettingsError(f"--count must be between 1 and {MAX_QUERIES:,}, got {self.count}")
+        if self.duration_s is not None and not 0 < self.duration_s <= MAX_DURATION_S:  # NaN and inf fail too
+            raise SettingsError(
+                f"--duration must be a positive number of seconds, at most {MAX_DURATION_S:,} (a week), "
+                f"got {self.duration_s}"
+            )
+        if self.target_qps is not None and not 0 < self.target_qps <= MAX_TARGET_QPS:
+            raise SettingsError(f"--target-qps must be positive and at most {MAX_TARGET_QPS:,}, got {self.target_qps}")
 
     @property
     def shortened(self) -> bool:
@@ -81,6 +89,13 @@ def build_test_settings(options: RunOptions, num_samples: int) -> lg.TestSetting
     if options.target_qps is not None:
         settings.server_target_qps = options.target_qps
         settings.offline_expected_qps = options.target_qps
+    target = settings.server_target_qps if options.scenario == "server" else settings.offline_expected_qps
+    queries = max(settings.min_query_count, target * settings.min_duration_ms / 1000)
+    if queries > MAX_QUERIES:  # LoadGen schedules every query before the run: 10^11 of them crashed it
+        raise SettingsError(
+            f"this run would schedule about {queries:,.0f} queries ({target:g}/s for {settings.min_duration_ms / 1000:g} s); "
+            f"at most {MAX_QUERIES:,}: lower --target-qps or --duration"
+        )
     if options.token_latencies:
         # The benchmark sets no TTFT/TPOT limit: bound both by the end-to-end target.
         settings.use_token_latencies = True
