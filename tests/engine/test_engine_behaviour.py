@@ -446,3 +446,117 @@ def test_engine_sizes_must_be_integers(name, value, message):
 
     with pytest.raises(EngineConfigError, match=message):  # before: "4" passed, to fail inside a step
         EngineConfig(**{name: value})
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_preempted_request_recomputed_one_token_at_a_time_keeps_every_row_its_own(async_scheduling):
+    """A budget of 5 tokens cuts a preempted request's recompute into one-token chunks that stop short of
+    its last token. Such a chunk counted as a decode, and the runner gives every decode a logits row, which
+    the engine (sampling only chunks that reach their last token) did not expect: each later request took
+    the row of the one before it (sync: a wrong greedy token; async: `ValueError: 1 requests but tokens of
+    shape (2,)`). The case was found by a scheduler-only search: prompts of 19, 7 and 8 tokens."""
+    from vlm_catalog.paths import DEFAULT_MODEL_DIR
+    from vlm_catalog.preprocess.processor import ProcessedPrompt
+
+    model = DEFAULT_MODEL_DIR  # the shipped model: 2048 bytes of KV cache per token
+    requests = [(19, 13), (7, 12), (8, 6)]  # (prompt tokens, max_tokens)
+
+    def prompt(length: int) -> ProcessedPrompt:
+        return ProcessedPrompt([100 + j % 7 for j in range(length)], [], [])
+
+    def run(engine: LLMEngine) -> dict[str, list[int]]:
+        for index, (length, max_tokens) in enumerate(requests):
+            engine.add_request(prompt(length), SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"r{index}")
+        answers = {}
+        while engine.has_unfinished_requests():
+            answers.update({output.request_id: output.token_ids for output in engine.step() if output.finished})
+        return answers
+
+    solo = {}
+    for index, (length, max_tokens) in enumerate(requests):
+        engine = LLMEngine(EngineConfig(model=model, async_scheduling=False))
+        engine.add_request(prompt(length), SamplingParams(max_tokens=max_tokens, ignore_eos=True), "solo")
+        while engine.has_unfinished_requests():
+            solo.update({f"r{index}": output.token_ids for output in engine.step() if output.finished})
+    tight = LLMEngine(EngineConfig(model=model, block_size=4, kv_cache_memory_bytes=40 * 2048,
+                                   max_num_batched_tokens=5, max_num_seqs=8, async_scheduling=async_scheduling))
+    assert tight.num_blocks == 10  # 40 tokens: the three requests cannot all hold their blocks
+    short_recomputes = []
+    execute = tight.runner.execute
+
+    def watched(chunks, *args, **kwargs):
+        short_recomputes.extend(chunk for chunk in chunks if chunk.num_tokens == 1 and chunk.past_prompt
+                                and not chunk.samples)
+        return execute(chunks, *args, **kwargs)
+
+    tight.runner.execute = watched
+    assert run(tight) == solo
+    assert tight.stats.num_preemptions and short_recomputes  # the case this test is about happened
+    assert tight.block_manager.num_free_blocks == tight.num_blocks
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    from vlm_catalog.paths import DEFAULT_MODEL_DIR
+
+    return LLM(DEFAULT_MODEL_DIR)
+
+
+@pytest.mark.parametrize("filters", [{}, {"seed": 3}, {"top_k": 5}, {"top_p": 0.9}])
+def test_a_vanishing_temperature_is_greedy(shipped, filters):
+    """temperature=1e-38 is valid (the service takes 0..2): the logits divided by it overflowed to inf, the
+    softmax gave NaN and the draw took token V, past the vocabulary (the next step's IndexError), or with
+    top-k/top-p raised for the whole step. Below 1e-5 it is greedy, as in vLLM."""
+    messages = [[{"role": "user", "content": "hello there"}]]
+    greedy = shipped.chat(messages, SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    tiny = shipped.chat(messages, SamplingParams(max_tokens=8, ignore_eos=True, temperature=1e-38, **filters))[0]
+    assert tiny.finish_reason == "length" and tiny.token_ids == greedy.token_ids
+
+
+def test_a_row_of_nan_logits_draws_a_token_of_the_vocabulary():
+    """The sampler's backstop: NaN probabilities found no column and gave token V, which failed the next step."""
+    import torch
+
+    from vlm_catalog.engine.sampler import sample
+
+    logits = torch.full((2, 50), float("nan"))
+    logits[1] = torch.arange(50.0)
+    for filters in ({}, {"top_k": 5}, {"top_p": 0.9}):
+        tokens = sample(logits.clone(), [SamplingParams(temperature=1.0, **filters)] * 2, [0, 0]).token_ids
+        assert all(0 <= token < 50 for token in tokens), (filters, tokens)
+
+
+def test_after_a_step_whose_sampling_raised_its_requests_go_on(engine_checkpoint, monkeypatch):
+    """Sampling that raises (a bug, a device error) left each request of the step with nothing to compute
+    and no token: it never finished, and `while has_unfinished_requests(): step()` never ended. Its last
+    token is now computed again, and the answers are those of a run without the failure."""
+    from vlm_catalog.engine import llm_engine
+
+    prompts = [conversation(index, words=4) for index in range(3)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = [output.token_ids for output in LLM(engine_checkpoint).chat(prompts, params)]
+    engine = LLMEngine(EngineConfig(model=engine_checkpoint))
+    for index, messages in enumerate(prompts):
+        engine.add_request(messages, params, f"r{index}")
+    real_sample = llm_engine.LLMEngine._sample_and_append
+    calls = {"n": 0}
+
+    def fails_once(self, chunks, logits):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("the sampler failed")
+        return real_sample(self, chunks, logits)
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "_sample_and_append", fails_once)
+    answers, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        assert steps < 100, "the requests of the failed step never finished"
+        try:
+            outputs = engine.step()
+        except RuntimeError as exc:
+            assert str(exc) == "the sampler failed"
+            continue
+        answers.update({output.request_id: output.token_ids for output in outputs if output.finished})
+    assert [answers[f"r{index}"] for index in range(3)] == expected
+    assert engine.block_manager.num_free_blocks == engine.num_blocks

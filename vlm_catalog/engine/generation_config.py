@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlm_catalog.engine.sampling_params import SamplingParams
+from vlm_catalog.engine.sampling_params import GREEDY_BELOW_TEMPERATURE, SamplingParams
 
 # settings the engine does not implement, with the value that means "off"
 UNSUPPORTED_SETTINGS = (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0))
@@ -34,7 +34,7 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE  # as SamplingParams.greedy
 
     def params(self, **settings: Any) -> SamplingParams:
         """`SamplingParams` drawing with these settings, plus `settings` (max_tokens, ...)."""

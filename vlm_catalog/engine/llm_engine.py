@@ -428,7 +428,11 @@ class LLMEngine:
                         pending = None
                     self._count_computed(chunks)
                     self.scheduler.update_after_step(SchedulerOutput(chunks))
-                    touched += self._sample_and_append(chunks, logits)
+                    try:
+                        touched += self._sample_and_append(chunks, logits)
+                    except BaseException:
+                        self._compute_unsampled_tokens_again(chunks)
+                        raise
             elapsed = time.perf_counter() - started
             self._copy_runner_stats()
             if all(chunk.is_decode for chunk in chunks):
@@ -511,6 +515,17 @@ class LLMEngine:
             self.stats.num_output_tokens_computed += chunk.num_tokens - prompt_part
             if chunk.end >= prompt_end:
                 chunk.request.prompt.release_positions()
+
+    @staticmethod
+    def _compute_unsampled_tokens_again(chunks) -> None:
+        """Sampling raised: each request whose chunk was to sample and took no token has its last
+        token counted as not computed, so a later step computes it again and samples. Before, such a
+        request had nothing left to compute and no token, and waited for ever (so did a loop on
+        `has_unfinished_requests`)."""
+        for chunk in chunks:
+            request = chunk.request
+            if chunk.samples and not request.is_finished and request.num_computed_tokens == chunk.end == request.num_tokens:
+                request.num_computed_tokens -= 1
 
     def _sample_and_append(self, chunks, logits: torch.Tensor) -> list[Request]:
         """Sample a token for each sampling chunk and take it; with `async_scheduling`, leave

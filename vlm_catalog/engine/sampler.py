@@ -38,6 +38,8 @@ def sample(
 ) -> SamplingResult:
     """Pick one token per row of `logits` [R, V] (float32; grammar masks already applied)."""
     num_rows, vocab = logits.shape
+    if num_rows != len(params) or num_rows != len(output_positions):  # a row for each request, in its order
+        raise ValueError(f"{num_rows} logits rows for {len(params)} requests ({len(output_positions)} positions)")
     token_list = sample_tokens(logits, params, output_positions, generator).tolist()
     logprobs: list[dict[int, float] | None] = [None] * num_rows
     wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
@@ -213,6 +215,9 @@ def _draw(
     target = torch.minimum((uniforms[:, None] * total).to(total.dtype), torch.nextafter(total, torch.zeros_like(total)))
     # the first column whose cumulative mass passes the target: column c with probability probs[c]
     column = torch.searchsorted(cumulative, target, right=True)  # [r, 1]
+    # NaN probabilities (logits of inf or NaN) find no column: W, one past the end. Kept inside the row,
+    # so a broken row gives a wrong token of the vocabulary, never an index that fails the next step
+    column = column.clamp_(max=cumulative.shape[1] - 1)
     return column.squeeze(1) if group.ids is None else group.ids.gather(1, column).squeeze(1)
 
 

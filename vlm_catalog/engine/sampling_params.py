@@ -9,6 +9,7 @@ OUTPUT_KINDS = ("cumulative", "final_only")
 # any signed 64-bit seed, as OpenAI's API and vLLM take it (clients send -1); the sampler folds it into
 # the range torch.Generator.manual_seed takes (sampler.py, _position_seed)
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS
 
 
 class SamplingParamsError(ValueError):
@@ -23,7 +24,7 @@ class SamplingParamsError(ValueError):
 class SamplingParams:
     """How to generate for one request.
 
-    Greedy when `temperature == 0`. Filters apply in the order top-k, top-p,
+    Greedy when `temperature` is 0 (or below 1e-5, as in vLLM). Filters apply in the order top-k, top-p,
     min-p. `seed` makes one request's sampling reproducible whatever it is
     batched with. Constrained decoding: set at most one of `json_schema` (a
     registered schema name, a pydantic model class or a JSON-schema dict),
@@ -104,7 +105,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below `GREEDY_BELOW_TEMPERATURE` are greedy, as in vLLM: dividing the logits by
+        1e-38 overflowed to inf, the softmax gave NaN, and the draw picked a token past the vocabulary."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def constrained(self) -> bool:

@@ -55,8 +55,10 @@ class ScheduledChunk:
 
     @property
     def is_decode(self) -> bool:
-        """One generated token (a one-token chunk of the prompt is a prefill chunk)."""
-        return self.num_tokens == 1 and self.past_prompt
+        """One generated token that samples the next: the runner gives every decode a logits row.
+        A one-token chunk of the prompt, or of a preempted request's recomputed outputs that stops
+        short of its last token (the token budget cut it), is a prefill chunk: it samples nothing."""
+        return self.num_tokens == 1 and self.past_prompt and self.samples
 
 
 @dataclass
