@@ -177,7 +177,13 @@ def test_async_scheduling_streams_the_same_answers_and_aborts_cleanly(engine, en
 
     try:
         expected, got = asyncio.run(streams(engine)), asyncio.run(streams(pipelined))
-        assert got == expected and all(len(tokens) == 8 for tokens in got)
+        # the same answers; how many outputs a stream yields depends on timing (a reader that falls
+        # behind gets the steps it missed merged into one), so each is compared as growing prefixes
+        assert [outputs[-1] for outputs in got] == [outputs[-1] for outputs in expected]
+        for outputs in got + expected:
+            assert len(outputs[-1]) == 8
+            assert all(later[:len(earlier)] == earlier and len(later) > len(earlier)
+                       for earlier, later in zip(outputs, outputs[1:]))
         rest = asyncio.run(asyncio.wait_for(aborted(), 60))
         assert rest[-1].finish_reason == "abort" and -1 not in rest[-1].token_ids
         inner = pipelined.engine
