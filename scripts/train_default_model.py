@@ -32,7 +32,7 @@ from vlm_catalog.engine.config import EngineConfigError
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 from vlm_catalog.training.checkpoint import STATE_FILE, load_state
 from vlm_catalog.training.data import TrainingMix
-from vlm_catalog.training.trainer import TrainConfig, Trainer
+from vlm_catalog.training.trainer import TrainConfig, Trainer, TrainingDiverged
 
 # flags that set the run (saved with it): the TrainConfig field, or the TrainingMix field under "mix."
 RUN_SETTINGS = {
@@ -110,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     deadline = time.time() + 60 * args.max_minutes if args.max_minutes is not None else None
-    trainer.train(until_step=args.until_step, deadline=deadline)
+    try:
+        trainer.train(until_step=args.until_step, deadline=deadline)
+    except TrainingDiverged as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"saved {args.run_dir} at step {trainer.step}", flush=True)
     return 0
 
@@ -136,6 +140,8 @@ def _resumed(args: argparse.Namespace) -> Trainer:
     changed = []
     for dest, given in _given_settings(args).items():
         saved_value = _saved_setting(saved["config"], RUN_SETTINGS[dest])
+        if dest == "base" and _same_base(given, saved_value):
+            continue
         if str(given) != str(saved_value):
             changed.append(f"--{dest.replace('_', '-')} {given} (saved: {saved_value})")
     if changed:
@@ -145,16 +151,36 @@ def _resumed(args: argparse.Namespace) -> Trainer:
         )
     if args.steps is not None and args.steps < saved["step"]:
         raise RunDirError(f"--steps {args.steps} is below the step the run is at ({saved['step']})")
-    overrides = {"steps": args.steps} if args.steps is not None else {}
+    overrides: dict[str, Any] = {"steps": args.steps} if args.steps is not None else {}
+    base = Path(args.base if args.base is not None else saved["config"]["base"])
+    if not (base / "config.json").is_file():  # a run of an earlier version saved --base as typed, maybe relative
+        raise RunDirError(f"the run's base checkpoint {base} is not found from here; pass --base with its path")
+    overrides["base"] = base.resolve()
     trainer = _trainer(lambda: Trainer.resume(args.run_dir, saved, **overrides))  # state.pt read once
     print(f"resumed {args.run_dir} at step {trainer.step} of {trainer.config.steps}", flush=True)
     return trainer
+
+
+def _same_base(given: Path, saved: str) -> bool:
+    """`--base` on resume names the saved base: the same path resolved, or (a run saved by an earlier
+    version, with the path as typed and relative to where it started) any checkpoint, as its weights
+    come from state.pt and its config and tokenizer from the base it started with."""
+    if Path(saved).is_absolute():
+        return Path(given).resolve() == Path(saved)
+    return str(given) == saved or (Path(given) / "config.json").is_file()
 
 
 def _new_run(args: argparse.Namespace) -> Trainer:
     run_dir = args.run_dir
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"--run-dir {run_dir} is a file; a run needs a folder")
+    try:  # before the model loads: before, a run dir under a file failed at the first log line, after training
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise RunDirError(f"--run-dir {run_dir} cannot be written: {exc.strerror or exc}") from None
     if (run_dir / STATE_FILE).exists():
         raise RunDirError(f"{run_dir} already holds a run; pass --resume or choose another --run-dir")
     if run_dir.is_dir() and any(run_dir.iterdir()):  # another run's log or model, which a new run would mix in
@@ -165,6 +191,7 @@ def _new_run(args: argparse.Namespace) -> Trainer:
     settings.setdefault("base", DEFAULT_MODEL_DIR)
     if not (Path(settings["base"]) / "config.json").is_file():
         raise RunDirError(f"--base {settings['base']} is not a checkpoint folder (it has no config.json)")
+    settings["base"] = Path(settings["base"]).resolve()  # saved so: a resume from another folder finds it
     try:
         config = TrainConfig(run_dir=run_dir, steps=args.steps if args.steps is not None else DEFAULT_STEPS,
                              mix=mix, **settings)

@@ -77,6 +77,58 @@ def test_deterministic_and_resume_continues_exactly(tiny_base: Path, tmp_path: P
     assert logged("resumed")[4] == logged("straight")[4] == sum(straight_losses[2:4]) / 2
 
 
+def test_a_run_killed_after_its_last_save_logs_each_step_once_on_resume(tiny_base: Path, tmp_path: Path) -> None:
+    """kill -9 at step 3 of a run saved at step 2: the resume runs step 3 again, and logged it twice."""
+    run = tmp_path / "run"
+    trainer = Trainer(tiny_config(tiny_base, run, log_every=1, save_every=2))
+    trainer.train(until_step=2)
+    step_once = trainer.train_step
+
+    def step_then_log_and_die() -> float:  # what a kill -9 after step 3's log line leaves: the line, no save
+        loss = step_once()
+        trainer._log({"step": trainer.step, "loss": loss})
+        with (run / "log.jsonl").open("a") as log:
+            log.write('{"step": 4, "lo')  # and half of the next line
+        raise SystemExit("killed")
+
+    trainer.train_step = step_then_log_and_die
+    with pytest.raises(SystemExit):
+        trainer.train(until_step=4)
+    resumed = Trainer.resume(run)
+    assert resumed.step == 2
+    resumed.train(until_step=4)
+    steps = [json.loads(line)["step"] for line in (run / "log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_a_loss_that_is_not_finite_stops_the_run_without_saving_it(tiny_base: Path, tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    from vlm_catalog.training import trainer as trainer_module
+    from vlm_catalog.training.trainer import TrainingDiverged
+
+    run = tmp_path / "run"
+    trainer = Trainer(tiny_config(tiny_base, run, save_every=1))
+    trainer.train(until_step=1)
+    saved = _weights(Trainer.resume(run))
+    real_loss = trainer_module.training_loss
+    monkeypatch.setattr(trainer_module, "training_loss", lambda *args: real_loss(*args) * float("nan"))
+    with pytest.raises(TrainingDiverged, match="the loss of step 2 is nan"):
+        trainer.train(until_step=3)
+    again = Trainer.resume(run)
+    assert again.step == 1 and all(torch.equal(tensor, saved[name]) for name, tensor in _weights(again).items())
+    assert "NaN" not in (run / "log.jsonl").read_text()  # the log stays standard JSON
+
+
+def test_the_exported_model_is_readable_by_other_accounts(tiny_base: Path, tmp_path: Path) -> None:
+    """safetensors writes 0600 and the export copied that: a service account could not load the model."""
+    previous = os.umask(0o022)
+    try:
+        Trainer(tiny_config(tiny_base, tmp_path / "run")).train(until_step=1)
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "run" / "model" / "model.safetensors").stat().st_mode & 0o777 == 0o644
+
+
 def test_sigterm_saves_and_stops(tiny_base: Path, tmp_path: Path) -> None:
     trainer = Trainer(tiny_config(tiny_base, tmp_path / "run"))
     step_once = trainer.train_step
@@ -133,7 +185,11 @@ def test_a_failed_save_keeps_the_previous_state_and_leaves_no_temporary(tmp_path
     ("change", "message"),
     [({"steps": 0}, "steps must be an integer of at least 1"), ({"log_every": 0}, "log_every"),
      ({"save_every": 0}, "save_every"), ({"batch_size": 0}, "batch_size"), ({"eval_every": -1}, "eval_every"),
-     ({"lr": 0.0}, "lr must be more than 0"), ({"lr": float("nan")}, "lr must be more than 0")],
+     ({"lr": 0.0}, "lr must be a finite number above 0"), ({"lr": float("nan")}, "lr must be a finite number"),
+     # before, accepted: inf trained to NaN and exited 0; equal seeds scored the held-out on training records;
+     # a device torch cannot name was a RuntimeError traceback
+     ({"lr": float("inf")}, "lr must be a finite number"), ({"min_lr": float("inf")}, "min_lr a finite one"),
+     ({"eval_seed": 77}, "the data seed and the eval seed must differ"), ({"device": "bogus"}, "device must be")],
 )
 def test_settings_that_would_fail_mid_run_are_refused_up_front(tmp_path: Path, change, message) -> None:
     with pytest.raises(ValueError, match=message):
@@ -164,9 +220,34 @@ def test_script_refuses_to_overwrite_a_run_and_resumes(tiny_base: Path, tmp_path
     assert script.main([*common, "--base", str(tiny_base), "--steps", "3", "--until-step", "1"]) == 0
     assert script.main([*common, "--base", str(tiny_base), "--steps", "3"]) == 2
     assert "already holds a run" in capsys.readouterr().err
-    assert script.main([*common, "--resume"]) == 0
+    assert script.main([*common, "--resume", "--until-step", "2"]) == 0
+    assert Trainer.resume(run).step == 2
+    assert script.main([*common, "--resume", "--base", str(tiny_base)]) == 0  # the same base, given again
     assert Trainer.resume(run).step == 3
     capsys.readouterr()
+
+
+def test_a_run_begun_with_a_relative_base_resumes_from_another_folder(tiny_base: Path, tmp_path: Path,
+                                                                      monkeypatch, capsys) -> None:
+    """--base was saved as typed: from another folder the resume failed (a traceback), and the absolute
+    path was refused as a changed setting. It is saved resolved; a run saved the old way takes --base."""
+    script = _train_script()
+    run = tmp_path / "run"
+    monkeypatch.chdir(tiny_base.parent)
+    common = ["--run-dir", str(run), "--batch-size", "1", "--steps", "3"]
+    assert script.main([*common, "--base", tiny_base.name, "--until-step", "1"]) == 0
+    monkeypatch.chdir(tmp_path)
+    assert script.main(["--run-dir", str(run), "--resume", "--until-step", "2"]) == 0
+    assert Trainer.resume(run).step == 2
+
+    state = torch.load(run / "state.pt", weights_only=False)  # as an earlier version saved it
+    state["config"]["base"] = tiny_base.name
+    torch.save(state, run / "state.pt")
+    capsys.readouterr()
+    assert script.main(["--run-dir", str(run), "--resume"]) == 2
+    assert "is not found from here; pass --base with its path" in capsys.readouterr().err
+    assert script.main(["--run-dir", str(run), "--resume", "--base", str(tiny_base)]) == 0
+    assert Trainer.resume(run).step == 3
 
 
 def _train_script():
@@ -193,6 +274,10 @@ def test_script_refuses_what_it_cannot_do_before_training(tiny_base: Path, tmp_p
     (leftovers / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n')  # a run killed before its first save
     cases = [
         (["--run-dir", str(a_file), *base], "is a file"),
+        # before, these trained first and then failed (a traceback, the work lost)
+        (["--run-dir", str(a_file / "run"), *base], "cannot be written: Not a directory"),
+        (["--run-dir", str(tmp_path / "new"), *base, "--data-seed", "9001"], "the data seed and the eval seed"),
+        (["--run-dir", str(tmp_path / "new"), *base, "--device", "bogus"], "device must be cpu or cuda"),
         (["--run-dir", str(leftovers), *base], "not empty and holds no state.pt"),
         (["--run-dir", str(tmp_path / "new"), "--base", str(tmp_path / "nowhere")], "not a checkpoint folder"),
         (["--run-dir", str(tmp_path / "new"), *base, "--log-every", "0"], "log_every must be"),

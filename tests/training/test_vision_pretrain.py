@@ -48,3 +48,26 @@ def test_graft_replaces_only_the_vision_tower(tiny_base: Path, tmp_path: Path) -
     changed = {name for name in before if not torch.equal(before[name].to(torch.bfloat16), after[name])}
     assert changed and all(".visual." in f".{name}" for name in changed)
     assert main(["--base", str(tiny_base), "--out", str(out), "--steps", "1"]) == 2  # never overwrites
+
+
+def test_arguments_that_would_mislead_or_fail_after_training_are_refused_first(tiny_base: Path, tmp_path: Path,
+                                                                                capsys) -> None:
+    """--steps 0 exported a random tower as "pretrained" (exit 0); --batch-size 0 and an --out under a
+    file were tracebacks, the latter after the training; equal seeds logged scores of training photos."""
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    base = ["--base", str(tiny_base)]
+    cases = [
+        ([*base, "--out", str(tmp_path / "a"), "--steps", "0"], "--steps and --batch-size must be at least 1"),
+        ([*base, "--out", str(tmp_path / "a"), "--batch-size", "0"], "--steps and --batch-size must be at least 1"),
+        ([*base, "--out", str(tmp_path / "a"), "--lr", "inf"], "--lr must be a finite number"),
+        ([*base, "--out", str(tmp_path / "a"), "--data-seed", "9001"], "--data-seed and --eval-seed must differ"),
+        ([*base, "--out", str(a_file / "out")], "is a file, not a folder"),
+        ([*base, "--out", str(a_file / "deeper" / "out")], "cannot be written: Not a directory"),
+        (["--base", str(tmp_path), "--out", str(tmp_path / "a")], "is not a checkpoint folder"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, (argv, err)
+    assert not (tmp_path / "a").exists()

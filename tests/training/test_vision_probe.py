@@ -48,3 +48,14 @@ def test_measure_reports_every_stage_of_the_tower(tiny_base: Path) -> None:
     assert list(report.probe_f1) == stages
     assert all(0.0 <= f1 <= 1.0 for f1 in report.probe_f1.values())
     assert -1.0 <= report.token_cosine <= 1.0
+
+
+def test_an_unwritable_json_report_is_refused_before_the_probes(tmp_path: Path, capsys) -> None:
+    """Before, the --json path was first tried after every probe had run: a traceback, the report lost."""
+    from vlm_catalog.training import reference, vision_probe
+
+    (tmp_path / "taken.json").mkdir()
+    for main, argv in ((vision_probe.main, ["--model", str(tmp_path / "no-model")]),
+                       (reference.main, ["--model", str(tmp_path / "no-model"), "--catalogue", str(tmp_path)])):
+        assert main([*argv, "--json", str(tmp_path / "taken.json")]) == 2  # before any model is loaded
+        assert "is a folder; give a file name" in capsys.readouterr().err

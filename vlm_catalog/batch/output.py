@@ -39,6 +39,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from vlm_catalog.file_modes import new_file_mode
+
 LOCK_SUFFIX = ".lock"
 JOB_SUFFIX = ".job.json"
 FSYNC_EVERY_LINES = 256
@@ -311,15 +313,8 @@ def _replace_with_empty(path: Path) -> None:
     _write_atomically(path, "")
 
 
-def _new_file_mode() -> int:
-    """0o666 less the umask: what `open(path, "w")` would give (mkstemp makes 0o600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 def _write_atomically(path: Path, text: str) -> None:
-    _replace_atomically(path, _new_file_mode(), lambda handle: handle.write(text.encode("utf-8")))
+    _replace_atomically(path, new_file_mode(), lambda handle: handle.write(text.encode("utf-8")))
 
 
 def _replace_atomically(path: Path, mode: int, fill: Callable[[BinaryIO], object], suffix: str = ".tmp") -> None:

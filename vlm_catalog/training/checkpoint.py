@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vlm_catalog.file_modes import new_file_mode
+
 STATE_FILE = "state.pt"
 MODEL_DIR = "model"
 WEIGHTS_FILE = "model.safetensors"
@@ -74,5 +76,7 @@ def export_model(model: torch.nn.Module, base_checkpoint: Path, out_dir: Path) -
     with tempfile.TemporaryDirectory() as scratch:
         model.save_pretrained(scratch, state_dict=state)
         shutil.copy(Path(scratch) / WEIGHTS_FILE, out_dir / (WEIGHTS_FILE + ".tmp"))
+    # safetensors writes 0600, and copy keeps it: another account (a service user) could not read the model
+    os.chmod(out_dir / (WEIGHTS_FILE + ".tmp"), new_file_mode())
     os.replace(out_dir / (WEIGHTS_FILE + ".tmp"), out_dir / WEIGHTS_FILE)
     return out_dir

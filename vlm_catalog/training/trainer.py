@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -39,6 +40,10 @@ from vlm_catalog.training.checkpoint import (
 from vlm_catalog.training.data import Batch, ExampleBuilder, TrainingMix
 
 LOG_FILE = "log.jsonl"
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss is not a finite number: the run stops before that step's update, without saving."""
 
 
 @dataclass
@@ -68,8 +73,16 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer of at least {least}, got {value!r}")
-        if not (self.lr > 0 and self.min_lr >= 0):  # NaN fails too
-            raise ValueError(f"lr must be more than 0 and min_lr at least 0, got {self.lr} and {self.min_lr}")
+        if not (0 < self.lr < math.inf and 0 <= self.min_lr < math.inf):  # NaN fails too
+            raise ValueError(f"lr must be a finite number above 0 and min_lr a finite one of at least 0, "
+                             f"got {self.lr} and {self.min_lr}")
+        if self.mix.seed == self.eval_seed:  # the held-out catalogue would be the training records
+            raise ValueError(f"the data seed and the eval seed must differ (both {self.eval_seed}): the held-out "
+                             "records would be the first training records")
+        try:
+            torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}") from None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -186,6 +199,7 @@ class Trainer:
             self.step = state["step"]
             self.history = state["history"]
             set_rng_state(state["rng"])
+            _forget_log_after(config.run_dir / LOG_FILE, self.step)
 
     @classmethod
     def resume(cls, run_dir: Path, state: dict[str, Any] | None = None, **overrides: Any) -> Trainer:
@@ -207,12 +221,18 @@ class Trainer:
             group["lr"] = lr
         batch = self.batch_for(self.step).to(self.device)
         loss = training_loss(self.model, batch, self.config.mix.prompt_lm_weight)
+        value = loss.item()
+        if not math.isfinite(value):  # the weights stay those of the last finite step
+            raise TrainingDiverged(
+                f"the loss of step {self.step + 1} is {value} (lr {lr:g}): the run stops without saving it; "
+                "the last checkpoint is kept. Lower --lr, or resume from the checkpoint to look"
+            )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return loss.item()
+        return value
 
     # -- the run -----------------------------------------------------------------------------
 
@@ -273,5 +293,27 @@ class Trainer:
     def _log(self, entry: dict[str, Any]) -> None:
         print(json.dumps(entry), flush=True)
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
-        with (self.config.run_dir / "log.jsonl").open("a", encoding="utf-8") as handle:
+        with (self.config.run_dir / LOG_FILE).open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(entry) + "\n")
+
+
+def _forget_log_after(log: Path, step: int) -> None:
+    """Drop the log lines of steps after `step`, the checkpoint a resume starts from: a run killed after
+    its last save logged steps it now runs again (before, those steps were logged twice). A copy
+    without them is renamed over the log, so a kill meanwhile leaves the one or the other."""
+    if not log.is_file():
+        return
+    lines = log.read_text(encoding="utf-8").splitlines(keepends=True)
+
+    def kept(line: str) -> bool:
+        try:
+            return json.loads(line).get("step", 0) <= step
+        except (ValueError, AttributeError):  # a line torn by the kill
+            return False
+
+    remaining = [line for line in lines if kept(line)]
+    if len(remaining) == len(lines):
+        return
+    partial = log.with_name(log.name + ".tmp")
+    partial.write_text("".join(remaining), encoding="utf-8")
+    os.replace(partial, log)

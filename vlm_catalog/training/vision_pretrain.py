@@ -18,6 +18,7 @@ train_default_model.py --base <grafted>) lets the language model learn to read i
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -126,6 +127,30 @@ def pretrain_vision(model, data: PhotoData, steps: int, batch_size: int = 16, lr
     return log
 
 
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """What makes the run fail or mislead, found before the training (None: nothing)."""
+    if args.out.exists():
+        return f"{args.out} exists; choose another --out"
+    if args.steps < 1 or args.batch_size < 1:  # --steps 0 exported a random tower as "pretrained"
+        return f"--steps and --batch-size must be at least 1, got {args.steps} and {args.batch_size}"
+    if not 0 < args.lr < math.inf:
+        return f"--lr must be a finite number above 0, got {args.lr}"
+    if args.data_seed == args.eval_seed:
+        return f"--data-seed and --eval-seed must differ (both {args.eval_seed}): the log would score training photos"
+    if not (args.base / "config.json").is_file():
+        return f"--base {args.base} is not a checkpoint folder (it has no config.json)"
+    if args.out.parent.exists() and not args.out.parent.is_dir():
+        return f"--out {args.out}: {args.out.parent} is a file, not a folder"
+    try:  # the export comes after the training: its folder must be writable now
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        probe = args.out.parent / f".{args.out.name}.write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        return f"--out {args.out} cannot be written: {exc.strerror or exc}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", type=Path, required=True, help="checkpoint whose tower is replaced")
@@ -137,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-seed", type=int, default=3200, help="generator seed of the photos")
     parser.add_argument("--eval-seed", type=int, default=9001, help="held-out photos for the log")
     args = parser.parse_args(argv)
-    if args.out.exists():
-        print(f"error: {args.out} exists; choose another --out", file=sys.stderr)
+    problem = _argument_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     torch.manual_seed(args.seed)
     model = load_model(args.base)
