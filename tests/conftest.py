@@ -23,6 +23,14 @@ from PIL import Image
 if not torch.cuda.is_available() and "kernels.jit" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Each pytest-xdist worker computes on one thread (and so do the processes its tests start): the
+# workers already fill the cores, and two OpenMP threads per worker on shared cores wait on each
+# other at every barrier. On the 2-core VM under load, tests/engine/test_engine_behaviour.py and
+# tests/batch/test_bad_data.py on 2 workers took 154 s with 2 threads each and 19 s with 1.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 from vlm_catalog.data.format import catalogue_features
 
 CATALOGUE_FEATURES = catalogue_features()

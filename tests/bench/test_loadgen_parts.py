@@ -319,3 +319,19 @@ def test_server_url_without_the_openai_package_is_a_one_line_error(tmp_path, cap
                  "--out-dir", str(tmp_path / "out"), "--server-url", "http://127.0.0.1:1"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: --server-url needs the openai package") and err.count("\n") == 1
+
+
+def test_the_overhead_script_times_every_way_on_a_thread_of_its_own():
+    """bench runs its engine on its own thread; the overhead script ran extract's and the bare engine's on the
+    main thread, which a busy machine slowed 2-10x (bench/extract 17 in one run): now all three alike."""
+    import threading
+
+    from vlm_catalog.bench.loadgen.overhead import on_a_thread
+
+    assert on_a_thread(lambda a, b: (a + b, threading.current_thread().name), 2, 3) == (5, "overhead-engine")
+
+    def fails():
+        raise AssertionError("every record should be answered")
+
+    with pytest.raises(AssertionError, match="every record"):
+        on_a_thread(fails)
