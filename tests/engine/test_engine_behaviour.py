@@ -560,3 +560,17 @@ def test_after_a_step_whose_sampling_raised_its_requests_go_on(engine_checkpoint
         answers.update({output.request_id: output.token_ids for output in outputs if output.finished})
     assert [answers[f"r{index}"] for index in range(3)] == expected
     assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_a_kv_pool_the_memory_cannot_hold_is_a_config_error_naming_the_settings(engine_checkpoint, monkeypatch):
+    """`--max-num-seqs 100000000` or a KV budget past the host's memory ended in an allocator's traceback."""
+    from vlm_catalog.engine import llm_engine
+    from vlm_catalog.engine.config import EngineConfigError
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8000000000 bytes.")
+
+    monkeypatch.setattr(llm_engine, "allocate_kv_caches", no_memory)
+    with pytest.raises(EngineConfigError, match=r"not enough memory for the KV cache of \d+ tokens .*"
+                                                r"DefaultCPUAllocator.*lower kv_cache_memory_bytes .* or max_num_seqs"):
+        LLMEngine(EngineConfig(model=engine_checkpoint))

@@ -118,3 +118,81 @@ def test_serve_refuses_a_bad_memory_setting_with_exit_2():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == "error: gpu_memory_utilization must be in (0, 1], got 1.5"
+
+
+def test_a_second_sigint_answers_the_running_requests_and_sighup_drains_too():
+    """A second Ctrl-C made uvicorn cut the requests off (a plain-text 500, a CancelledError traceback): the
+    engine now answers them with the 503 at once. SIGHUP (the terminal closed) killed the process without
+    a drain; it stops the server as SIGTERM does. --max-images-per-request above the engine's 8 was
+    accepted and then refused every request of 9 images: it now sets the engine's limit too."""
+    from tests.server.conftest import data_uri, png_bytes
+
+    image = {"type": "image_url", "image_url": {"url": data_uri(png_bytes())}}
+    nine = {"model": MODEL_NAME, "max_tokens": 2,
+            "messages": [{"role": "user", "content": [image] * 9 + [{"type": "text", "text": "which?"}]}]}
+    for stops, grace in (((signal.SIGINT, signal.SIGINT), "60"), ((signal.SIGHUP,), "1")):
+        service = Service("--max-images-per-request", "9", env={"VLM_CATALOG_GRACEFUL_SHUTDOWN_S": grace})
+        try:
+            plain: list[httpx.Response] = []
+            with httpx.Client(base_url=service.url, timeout=60) as client:
+                assert client.post("/v1/chat/completions", json=nine).status_code == 200
+                running = threading.Thread(target=lambda: plain.append(
+                    client.post("/v1/chat/completions", json={**ENDLESS, "stream": False})))
+                running.start()
+                time.sleep(1.0)
+                started = time.perf_counter()
+                for sig in stops:
+                    service.process.send_signal(sig)
+                    time.sleep(0.3)
+                running.join(30)
+            code = service.process.wait(15)
+            seconds = time.perf_counter() - started
+        finally:
+            if service.process.poll() is None:
+                service.process.kill()
+        assert code == 0, service.output
+        assert seconds < 10, seconds  # the second SIGINT did not wait for the 60 s grace
+        assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "engine_unavailable", plain[0].text
+        assert "Traceback" not in service.output and "CancelledError" not in service.output
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        # `--api-key "$KEY"` with KEY unset turned the environment's key off: an open server
+        (["--api-key", ""], {"VLM_CATALOG_API_KEY": "from-the-environment"}, "--api-key is empty"),
+        (["--host", ""], {}, "host: Value error, host must not be empty"),  # listened on every interface
+        (["--served-model-name", " "], {}, "served_model_name must not be empty"),
+        ([], {"VLM_CATALOG_API_KEY": "abc123 "}, "begins or ends with white space"),  # every request a 401
+        (["--api-key", "clé-secrète"], {}, "must be printable ASCII"),
+        ([], {"VLM_CATALOG_ALLOWED_IMAGE_HOSTS": "cdn.example.com"}, "allowed_image_hosts"),  # was a traceback
+        (["--device", "cuda:x"], {}, "device must be 'cpu' or 'cuda[:N]', got 'cuda:x'"),  # was a traceback
+    ],
+)
+def test_serve_refuses_settings_that_would_misbehave_in_one_line(args, env, message, monkeypatch, capsys):
+    from vlm_catalog.cli import main
+    from vlm_catalog.server.command import AnnouncingServer
+
+    def started(self):
+        raise AssertionError("the server started")  # instead of serving for ever inside the test
+
+    monkeypatch.setattr(AnnouncingServer, "run", started)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "--port", "0", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    assert "from-the-environment" not in err and "abc123" not in err
+
+
+def test_a_model_given_as_dot_is_served_under_its_folders_name(monkeypatch):
+    from vlm_catalog.engine.async_engine import AsyncLLM
+    from vlm_catalog.paths import DEFAULT_MODEL_DIR
+    from vlm_catalog.server import ServerSettings, create_app
+
+    monkeypatch.chdir(DEFAULT_MODEL_DIR)
+    engine = AsyncLLM(model=".")
+    try:  # before: served as '', and a request naming the model got a 404
+        assert create_app(engine, ServerSettings()).state.service.model_name == DEFAULT_MODEL_DIR.name
+    finally:
+        engine.shutdown()

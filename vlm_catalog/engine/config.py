@@ -92,8 +92,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise EngineConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device not in ("cpu", "cuda") and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
+            raise EngineConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")  # "cuda:x" too
         if self.dtype == "auto":
             self.dtype = "float32" if self.device == "cpu" else "bfloat16"
         if self.dtype not in DTYPES:

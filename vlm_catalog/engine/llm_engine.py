@@ -20,6 +20,7 @@ encoder cache bounded in tokens, a grammar cache bounded in entries.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -120,6 +121,26 @@ class EngineStats:
         return dict(self.__dict__)
 
 
+
+@contextlib.contextmanager
+def _allocation_names_its_settings(kv_tokens: int):
+    """The host or device memory for the KV pool and the per-sequence tables ran out: an
+    `EngineConfigError` naming the settings that size them, not an allocator's traceback."""
+    try:
+        yield
+    except (MemoryError, torch.OutOfMemoryError) as exc:
+        raise EngineConfigError(_out_of_memory(kv_tokens, exc)) from None
+    except RuntimeError as exc:
+        if "allocate" not in str(exc):  # e.g. "DefaultCPUAllocator: can't allocate memory"
+            raise
+        raise EngineConfigError(_out_of_memory(kv_tokens, exc)) from None
+
+
+def _out_of_memory(kv_tokens: int, exc: BaseException) -> str:
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return (f"not enough memory for the KV cache of {kv_tokens} tokens and the tables of max_num_seqs sequences "
+            f"({reason}); lower kv_cache_memory_bytes (or gpu_memory_utilization) or max_num_seqs")
+
 class LLMEngine:
     def __init__(
         self, config: EngineConfig | None = None, prebuilt_model: Qwen3VLMoeModel | None = None, **overrides: Any
@@ -152,20 +173,21 @@ class LLMEngine:
         text = self.model_config.text
         self.memory_budget: MemoryBudget | None = None  # set when the KV pool was sized by profiling
         self.num_blocks = self._num_kv_blocks()
-        self.kv_caches = allocate_kv_caches(
-            text.num_layers, self.num_blocks, config.block_size, text.num_kv_heads, text.head_dim,
-            config.torch_kv_cache_dtype, config.torch_device,
-        )
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
-        )
-        self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
-        self.runner = ModelRunner(
-            self.model, self.processor.image_processor, self.kv_caches, config.block_size,
-            self.encoder_cache, config.image_workers, self._decode_graphs(), config.image_prefetch_bytes,
-            config.max_num_seqs, config.max_model_len,
-        )
+        with _allocation_names_its_settings(self.num_blocks * config.block_size):
+            self.kv_caches = allocate_kv_caches(
+                text.num_layers, self.num_blocks, config.block_size, text.num_kv_heads, text.head_dim,
+                config.torch_kv_cache_dtype, config.torch_device,
+            )
+            self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+            self.scheduler = Scheduler(
+                self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
+            )
+            self.encoder_cache = EncoderCache(config.encoder_cache_tokens)
+            self.runner = ModelRunner(
+                self.model, self.processor.image_processor, self.kv_caches, config.block_size,
+                self.encoder_cache, config.image_workers, self._decode_graphs(), config.image_prefetch_bytes,
+                config.max_num_seqs, config.max_model_len,
+            )
         self.jump_forward = config.jump_forward(decode_graphs=self.runner.graph_runner is not None)
         self.generator = torch.Generator(device=config.torch_device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}

@@ -14,6 +14,7 @@ The app does not own the engine: whoever created it shuts it down.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import httpx
 from fastapi import FastAPI
@@ -59,7 +60,7 @@ def create_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> Fast
         metrics=metrics,
         gateway=EngineGateway(engine, settings, metrics),
         images=ImageResolver(settings),
-        model_name=settings.served_model_name or model_dir.name,
+        model_name=settings.served_model_name or Path(model_dir).resolve().name,  # `--model .` has no name
         default_sampling=generation_config_sampling(model_dir),
     )
     app.state.service = state

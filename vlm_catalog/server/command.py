@@ -49,7 +49,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_device_arguments(engine)
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--policy", default="fcfs", choices=("fcfs", "shortest_prompt_first"))
-    limits = parser.add_argument_group("limits (also VLM_CATALOG_<NAME> variables)")
+    limits = parser.add_argument_group(
+        "limits (also from VLM_CATALOG_MAX_WAITING_REQUESTS, VLM_CATALOG_REQUEST_TIMEOUT_S, VLM_CATALOG_MAX_BODY_BYTES, "
+        "VLM_CATALOG_MAX_IMAGES_PER_REQUEST and VLM_CATALOG_ALLOWED_IMAGE_HOSTS, a JSON list; docs/service.md)"
+    )
     limits.add_argument("--max-waiting-requests", type=int, default=None,
                         help="requests queued beyond --max-num-seqs before 429 (default 512)")
     limits.add_argument("--request-timeout", type=float, default=None, dest="request_timeout_s",
@@ -67,8 +70,14 @@ SETTING_OPTIONS = ("host", "port", "api_key", "served_model_name", "max_waiting_
 ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_bytes", *DEVICE_OPTIONS)
 
 
+def _one_line(error) -> str:
+    """A pydantic ValidationError as one line: each field and its message, without the docs URL."""
+    return "; ".join(f"{'.'.join(map(str, item['loc'])) or 'settings'}: {item['msg']}" for item in error.errors())
+
+
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError as PydanticSettingsError
 
     from vlm_catalog.engine.async_engine import AsyncLLM
     from vlm_catalog.engine.config import EngineConfigError
@@ -78,13 +87,22 @@ def run(args: argparse.Namespace) -> int:
     from vlm_catalog.server.settings import ServerSettings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.api_key == "":  # `--api-key "$KEY"` with KEY unset: it would turn off $VLM_CATALOG_API_KEY's key
+        print("error: --api-key is empty; give the key, or leave the option out (then $VLM_CATALOG_API_KEY "
+              "gives it, or the service runs without one)", file=sys.stderr)
+        return 2
     try:
         settings = ServerSettings(**{name: getattr(args, name) for name in SETTING_OPTIONS
                                      if getattr(args, name) is not None})
     except ValidationError as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except PydanticSettingsError as exc:  # a VLM_CATALOG_* variable that cannot be read (a list not in JSON)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine_options = {name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None}
+    # the engine takes as many images per prompt as a request may carry (its memory profile counts them)
+    engine_options["max_images_per_prompt"] = max(1, settings.max_images_per_request)
     try:
         engine = AsyncLLM(model=args.model, device=args.device, dtype=args.dtype,
                           enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.policy,
@@ -119,6 +137,8 @@ class AnnouncingServer(uvicorn.Server):
         self.model_name = model_name
         self.keyed = keyed
         self.engine, self.grace_s = engine, grace_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._failed_now = False
 
     async def shutdown(self, sockets=None) -> None:
         deadline = None
@@ -132,7 +152,19 @@ class AnnouncingServer(uvicorn.Server):
             if deadline is not None:
                 deadline.cancel()
 
+    def handle_exit(self, sig: int, frame) -> None:
+        """A second SIGINT made uvicorn cut the running requests off (a bare 500, a traceback): the
+        engine now answers them at once (503, as at the end of the grace period); a third forces the exit."""
+        if self.should_exit and self.engine is not None and self._loop is not None and not self._failed_now:
+            self._failed_now = True
+            self._captured_signals.append(sig)
+            reason = "the server is shutting down now (a second signal): the request was aborted"
+            self._loop.call_soon_threadsafe(self.engine.fail_all, reason)  # from the loop, not the signal handler
+            return
+        super().handle_exit(sig, frame)
+
     async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
@@ -142,18 +174,21 @@ class AnnouncingServer(uvicorn.Server):
 
 
 class _signals_stop:
-    """Let SIGTERM and SIGINT stop the server gracefully and the process exit 0.
+    """Let SIGTERM, SIGINT and SIGHUP stop the server gracefully and the process exit 0.
 
     uvicorn re-raises the signal that stopped it once it has shut down; with
     these handlers in place that re-raise only asks the (stopped) server to
     exit again instead of killing the process before the engine is shut down.
+    uvicorn handles SIGTERM and SIGINT while it runs; SIGHUP (the terminal
+    closed) reaches the handler here, which drains the same way (before, it
+    killed the process at once).
     """
 
     def __init__(self, server) -> None:
         self.server = server
 
     def __enter__(self):
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         return self
 
     def _handle(self, signum, frame) -> None:

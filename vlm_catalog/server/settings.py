@@ -55,3 +55,26 @@ class ServerSettings(BaseSettings):
     def _empty_key_is_none(cls, value: object) -> object:
         """`VLM_CATALOG_API_KEY=` (set but empty) means no key, not the empty key."""
         return None if value in ("", None) else value
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_a_client_can_send(cls, value: SecretStr | None) -> SecretStr | None:
+        """A key must be printable ASCII without spaces at its ends: clients strip the header's spaces,
+        and HTTP headers are read as Latin-1, so another key could never match (every request a 401)."""
+        if value is None:
+            return value
+        key = value.get_secret_value()
+        if key != key.strip():
+            raise ValueError("the API key begins or ends with white space, which no client can send")
+        if not all(" " <= character <= "~" for character in key):
+            raise ValueError("the API key must be printable ASCII (HTTP headers cannot carry other characters)")
+        return value
+
+    @field_validator("host", "served_model_name")
+    @classmethod
+    def _not_blank(cls, value: str | None, info) -> str | None:
+        """An empty host made uvicorn listen on every interface (`--host "$HOST"` with HOST unset);
+        an empty model name cannot be requested."""
+        if value is not None and not value.strip():
+            raise ValueError(f"{info.field_name} must not be empty")
+        return value
