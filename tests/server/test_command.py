@@ -136,8 +136,8 @@ def test_a_second_sigint_answers_the_running_requests_and_sighup_drains_too():
             plain: list[httpx.Response] = []
             with httpx.Client(base_url=service.url, timeout=60) as client:
                 assert client.post("/v1/chat/completions", json=nine).status_code == 200
-                running = threading.Thread(target=lambda: plain.append(
-                    client.post("/v1/chat/completions", json={**ENDLESS, "stream": False})))
+                running = threading.Thread(target=lambda answers=plain, http=client: answers.append(
+                    http.post("/v1/chat/completions", json={**ENDLESS, "stream": False})))
                 running.start()
                 time.sleep(1.0)
                 started = time.perf_counter()
