@@ -121,7 +121,6 @@ class EngineStats:
         return dict(self.__dict__)
 
 
-
 @contextlib.contextmanager
 def _allocation_names_its_settings(kv_tokens: int):
     """The host or device memory for the KV pool and the per-sequence tables ran out: an
@@ -140,6 +139,7 @@ def _out_of_memory(kv_tokens: int, exc: BaseException) -> str:
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return (f"not enough memory for the KV cache of {kv_tokens} tokens and the tables of max_num_seqs sequences "
             f"({reason}); lower kv_cache_memory_bytes (or gpu_memory_utilization) or max_num_seqs")
+
 
 class LLMEngine:
     def __init__(
