@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from vlm_catalog.engine.config import EngineConfigError
+from vlm_catalog.folders import make_writable_folder
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 from vlm_catalog.training.checkpoint import STATE_FILE, load_state
 from vlm_catalog.training.data import TrainingMix
@@ -175,10 +176,7 @@ def _new_run(args: argparse.Namespace) -> Trainer:
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"--run-dir {run_dir} is a file; a run needs a folder")
     try:  # before the model loads: before, a run dir under a file failed at the first log line, after training
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-check"
-        probe.write_text("")
-        probe.unlink()
+        make_writable_folder(run_dir)
     except OSError as exc:
         raise RunDirError(f"--run-dir {run_dir} cannot be written: {exc.strerror or exc}") from None
     if (run_dir / STATE_FILE).exists():

@@ -8,6 +8,7 @@ not a traceback that hides the numbers already printed.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 
@@ -30,3 +31,26 @@ def write_report(path: Path, text: str, option: str = "--json") -> None:
         path.write_text(text, encoding="utf-8")
     except OSError as exc:
         raise ReportFileError(f"{option} {path}: cannot write it ({exc.strerror or exc})") from None
+
+
+def refuse_report_path(path: Path | None, option: str = "--json") -> bool:
+    """`check_report_path` for a command's `main`: True (the error printed in one line) when the
+    report could not be written; False when it can, or when no report was asked for (`path` None)."""
+    if path is None:
+        return False
+    try:
+        check_report_path(path, option)
+    except ReportFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return True
+    return False
+
+
+def report_written(path: Path, text: str, option: str = "--json") -> bool:
+    """`write_report` for a command's `main`: False (the error printed in one line) when it failed."""
+    try:
+        write_report(path, text, option)
+    except ReportFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return False
+    return True

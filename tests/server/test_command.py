@@ -55,13 +55,25 @@ class Service:
     def output(self) -> str:
         return "".join(self.lines)
 
+    def exit_after(self, started: float, timeout: float = 15) -> tuple[int, float]:
+        """The exit status, and the seconds from `started` (the first signal) to the exit."""
+        code = self.process.wait(timeout)
+        return code, time.perf_counter() - started
+
+    def __enter__(self) -> Service:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.process.poll() is None:  # a failed test leaves no server behind
+            self.process.kill()
+            self.process.wait()
+
 
 def test_serve_answers_then_sigterm_with_requests_in_flight_answers_them_and_exits_0_quickly():
     """Past graceful_shutdown_s the requests still running are answered: a 503 naming the shutdown,
     a stream's error event and [DONE]. Before, uvicorn cancelled them: a plain-text 500 ("Internal
     Server Error") and a stream cut short, with tracebacks in the log."""
-    service = Service(env={"VLM_CATALOG_API_KEY": KEY, "VLM_CATALOG_GRACEFUL_SHUTDOWN_S": "1"})
-    try:
+    with Service(env={"VLM_CATALOG_API_KEY": KEY, "VLM_CATALOG_GRACEFUL_SHUTDOWN_S": "1"}) as service:
         assert "(API key required)" in service.output
         headers = {"Authorization": f"Bearer {KEY}"}
         assert httpx.get(f"{service.url}/health").status_code == 200
@@ -79,11 +91,7 @@ def test_serve_answers_then_sigterm_with_requests_in_flight_answers_them_and_exi
                 service.process.send_signal(signal.SIGTERM)
                 rest = [line for line in lines if line]
             waiting.join(30)
-        code = service.process.wait(15)
-        seconds = time.perf_counter() - started
-    finally:
-        if service.process.poll() is None:
-            service.process.kill()
+        code, seconds = service.exit_after(started)
     assert code == 0, service.output
     assert seconds < 10
     assert rest[-1] == "data: [DONE]" and '"code": "engine_unavailable"' in rest[-2] and "shutting down" in rest[-2]
@@ -131,8 +139,7 @@ def test_a_second_sigint_answers_the_running_requests_and_sighup_drains_too():
     nine = {"model": MODEL_NAME, "max_tokens": 2,
             "messages": [{"role": "user", "content": [image] * 9 + [{"type": "text", "text": "which?"}]}]}
     for stops, grace in (((signal.SIGINT, signal.SIGINT), "60"), ((signal.SIGHUP,), "1")):
-        service = Service("--max-images-per-request", "9", env={"VLM_CATALOG_GRACEFUL_SHUTDOWN_S": grace})
-        try:
+        with Service("--max-images-per-request", "9", env={"VLM_CATALOG_GRACEFUL_SHUTDOWN_S": grace}) as service:
             plain: list[httpx.Response] = []
             with httpx.Client(base_url=service.url, timeout=60) as client:
                 assert client.post("/v1/chat/completions", json=nine).status_code == 200
@@ -145,11 +152,7 @@ def test_a_second_sigint_answers_the_running_requests_and_sighup_drains_too():
                     service.process.send_signal(sig)
                     time.sleep(0.3)
                 running.join(30)
-            code = service.process.wait(15)
-            seconds = time.perf_counter() - started
-        finally:
-            if service.process.poll() is None:
-                service.process.kill()
+            code, seconds = service.exit_after(started)
         assert code == 0, service.output
         assert seconds < 10, seconds  # the second SIGINT did not wait for the 60 s grace
         assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "engine_unavailable", plain[0].text

@@ -59,3 +59,16 @@ def test_an_unwritable_json_report_is_refused_before_the_probes(tmp_path: Path, 
                        (reference.main, ["--model", str(tmp_path / "no-model"), "--catalogue", str(tmp_path)])):
         assert main([*argv, "--json", str(tmp_path / "taken.json")]) == 2  # before any model is loaded
         assert "is a folder; give a file name" in capsys.readouterr().err
+
+
+def test_report_helpers_refuse_and_report_in_one_line(tmp_path: Path, capsys) -> None:
+    from vlm_catalog.report_file import refuse_report_path, report_written
+
+    assert not refuse_report_path(None) and not refuse_report_path(tmp_path / "new" / "report.json")
+    assert (tmp_path / "new").is_dir()  # its folder made, ready for the report
+    assert report_written(tmp_path / "new" / "report.json", "{}\n")
+    assert (tmp_path / "new" / "report.json").read_text() == "{}\n"
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    assert not report_written(a_file / "report.json", "{}\n")  # a path no file can have
+    assert capsys.readouterr().err == f"error: --json {a_file / 'report.json'}: cannot write it (Not a directory)\n"

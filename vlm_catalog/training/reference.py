@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from vlm_catalog.evaluate.scoring import AccuracyReport, score
-from vlm_catalog.report_file import ReportFileError, check_report_path, write_report
+from vlm_catalog.report_file import refuse_report_path, report_written
 
 MAX_NEW_TOKENS = 150
 
@@ -109,24 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--catalogue", type=Path, required=True)
     parser.add_argument("--json", type=Path, default=None, help="write the four reports here")
     args = parser.parse_args(argv)
-    try:
-        if args.json:
-            check_report_path(args.json)  # before the scoring, not after it
-    except ReportFileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    if refuse_report_path(args.json):  # before the scoring, not after it
         return 2
     reports = compare(args.model, args.catalogue)
     print(f"{'':<27}{'category hF1':>14}{'brand acc':>12}{'2nd-hand F1':>13}{'unparsable':>12}")
     for name, report in reports.items():
         print(f"{name:<27}{report.category_hf1:>14.4f}{report.brand_accuracy:>12.4f}"
               f"{report.is_secondhand_f1:>13.4f}{report.num_unparsable:>12d}")
-    if args.json:
-        try:
-            write_report(args.json, json.dumps({name: r.to_dict() for name, r in reports.items()}, indent=2) + "\n")
-        except ReportFileError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-    return 0
+    report = json.dumps({name: r.to_dict() for name, r in reports.items()}, indent=2) + "\n"
+    return 1 if args.json and not report_written(args.json, report) else 0
 
 
 if __name__ == "__main__":

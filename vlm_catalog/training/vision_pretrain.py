@@ -28,6 +28,7 @@ import torch
 from vlm_catalog.data.synthetic.records import RecordFactory, default_factory
 from vlm_catalog.data.synthetic.signature import GLYPHS
 from vlm_catalog.evaluate.metrics import binary_f1
+from vlm_catalog.folders import make_writable_folder
 from vlm_catalog.preprocess.image import ImageProcessor
 from vlm_catalog.training.checkpoint import export_model
 from vlm_catalog.training.vision_probe import load_model
@@ -142,10 +143,7 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
     if args.out.parent.exists() and not args.out.parent.is_dir():
         return f"--out {args.out}: {args.out.parent} is a file, not a folder"
     try:  # the export comes after the training: its folder must be writable now
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        probe = args.out.parent / f".{args.out.name}.write-check"
-        probe.write_text("")
-        probe.unlink()
+        make_writable_folder(args.out.parent, f".{args.out.name}.write-check")
     except OSError as exc:
         return f"--out {args.out} cannot be written: {exc.strerror or exc}"
     return None

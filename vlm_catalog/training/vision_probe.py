@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from vlm_catalog.evaluate.metrics import binary_f1
-from vlm_catalog.report_file import ReportFileError, check_report_path, write_report
+from vlm_catalog.report_file import refuse_report_path, report_written
 from vlm_catalog.training.data import ExampleBuilder, TrainingMix
 
 PROBE_STEPS = 300
@@ -148,24 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--effect-records", type=int, default=60, help="records for the blanking test")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    try:
-        if args.json:
-            check_report_path(args.json)  # before the probes, not after them
-    except ReportFileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    if refuse_report_path(args.json):  # before the probes, not after them
         return 2
     report = measure(args.model, args.seed, args.records, args.effect_records)
     print(f"photo-only second-hand items: {report.secondhand}; mean p(true) with the photo "
           f"{report.mean_p_true_real:.3f}, blanked {report.mean_p_true_blank:.3f}")
     print("sticker probe F1 by stage: " + ", ".join(f"{k} {v:.2f}" for k, v in report.probe_f1.items()))
     print(f"mean pairwise cosine of merged image tokens: {report.token_cosine:.3f}")
-    if args.json:
-        try:
-            write_report(args.json, json.dumps(asdict(report), indent=2) + "\n")
-        except ReportFileError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-    return 0
+    return 1 if args.json and not report_written(args.json, json.dumps(asdict(report), indent=2) + "\n") else 0
 
 
 if __name__ == "__main__":

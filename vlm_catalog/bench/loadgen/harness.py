@@ -38,6 +38,7 @@ from vlm_catalog.bench.loadgen.requests import (
 )
 from vlm_catalog.bench.loadgen.responses import ResponseSink, RunTally
 from vlm_catalog.bench.loadgen.settings import RunOptions, build_log_settings, build_test_settings
+from vlm_catalog.folders import make_writable_folder
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 
 
@@ -174,10 +175,7 @@ def _check_out_dir(out_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise BenchError(f"--out-dir {out_dir} exists and is not a folder")
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / ".bench-write-check"
-        probe.write_text("")
-        probe.unlink()
+        make_writable_folder(out_dir, ".bench-write-check")
     except OSError as exc:
         raise BenchError(f"--out-dir {out_dir} is not writable: {exc.strerror or exc}") from None
     for name in OUTPUT_FILES:
