@@ -163,11 +163,12 @@ def _resumed(args: argparse.Namespace) -> Trainer:
 
 
 def _same_base(given: Path, saved: str) -> bool:
-    """`--base` on resume names the saved base: the same path resolved, or (a run saved by an earlier
-    version, with the path as typed and relative to where it started) any checkpoint, as its weights
-    come from state.pt and its config and tokenizer from the base it started with."""
-    if Path(saved).is_absolute():
+    """`--base` on resume names the saved base: the same path resolved; or, where the saved path leads
+    to no checkpoint from here (saved relative by an earlier version, or the base moved since), any
+    checkpoint, as the weights come from state.pt (the config and tokenizer must be the base's)."""
+    if Path(saved).is_absolute() and (Path(saved) / "config.json").is_file():
         return Path(given).resolve() == Path(saved)
+    # saved relative (an earlier version), or moved since: any checkpoint serves
     return str(given) == saved or (Path(given) / "config.json").is_file()
 
 

@@ -29,7 +29,8 @@ if not torch.cuda.is_available() and "kernels.jit" not in sys.modules:
 # tests/batch/test_bad_data.py on 2 workers took 154 s with 2 threads each and 19 s with 1.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if os.environ["OMP_NUM_THREADS"].isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:  # not "4,2" or ""
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from vlm_catalog.data.format import catalogue_features
 

@@ -600,3 +600,31 @@ def test_a_run_on_the_cpu_does_not_resume_on_a_gpu(small_catalogue, tmp_path, ca
     job_path.write_text(json.dumps(written_before_the_fix))
     assert extract(small_catalogue, out, "--limit", "3") == 0
     assert json.loads(job_path.read_text())["dtype"] == "float32" and len(read_lines(out)) == 3
+
+
+def test_a_signal_after_the_last_record_or_while_scoring_is_an_interruption(small_catalogue, tmp_path, capsys,
+                                                                            monkeypatch):
+    """The job's handler now covers the whole run: a SIGTERM after the last record was recorded and
+    ignored (exit 0, scored anyway), and a second Ctrl-C while --eval scored said "interrupted before any
+    record was processed". Both are an interruption with every record on disk."""
+    from vlm_catalog.batch import job
+
+    out = tmp_path / "p.jsonl"
+    real_close = job.Progress.close
+
+    def close_then_sigterm(self):
+        real_close(self)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(job.Progress, "close", close_then_sigterm)
+    assert extract(small_catalogue, out, "--limit", "2", "--eval") == 130
+    assert "interrupted: " in capsys.readouterr().err and len(read_lines(out)) == 2
+    monkeypatch.setattr(job.Progress, "close", real_close)
+
+    def scoring_interrupted(*args):
+        raise KeyboardInterrupt  # the second signal's at-once interrupt, while scoring
+
+    monkeypatch.setattr(job, "evaluate_results", scoring_interrupted)
+    assert extract(small_catalogue, out, "--limit", "3", "--eval") == 130
+    err = capsys.readouterr().err
+    assert "interrupted: " in err and "before any record" not in err and len(read_lines(out)) == 3

@@ -259,3 +259,20 @@ def test_a_link_and_its_target_are_one_results_file(tmp_path):
     fresh.close()
     assert link.is_symlink() and [json.loads(raw)["id"] for raw in target.read_text().splitlines()] == ["1"]
     assert (target.parent / "p.jsonl.job.json").is_file() and not (tmp_path / "link.jsonl.job.json").exists()
+
+
+def test_an_unlocked_run_leaves_the_temporaries_another_writer_may_be_filling(tmp_path, monkeypatch):
+    """Without locks (ENOLCK) nothing says no other process is rewriting: removing its temporary made
+    its rename fail."""
+    from vlm_catalog.batch import output
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(output.fcntl, "flock", no_locks)
+    out = tmp_path / "p.jsonl"
+    ResultsFile.open(out, JOB).close()
+    in_progress = tmp_path / ".p.jsonl.abcd1234.retry"
+    in_progress.write_text("another writer's copy")
+    ResultsFile.open(out, JOB).close()
+    assert in_progress.read_text() == "another writer's copy"

@@ -199,3 +199,51 @@ def test_a_model_given_as_dot_is_served_under_its_folders_name(monkeypatch):
         assert create_app(engine, ServerSettings()).state.service.model_name == DEFAULT_MODEL_DIR.name
     finally:
         engine.shutdown()
+
+
+def test_sighup_drains_unless_ignored_and_only_a_second_sigint_answers_at_once():
+    """Under nohup (SIGHUP ignored) the server must outlive the terminal; a second SIGTERM (unlike a second
+    Ctrl-C) leaves the grace period running."""
+    import asyncio
+
+    from vlm_catalog.server.command import AnnouncingServer, _signals_stop
+
+    class Stub:
+        should_exit = False
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with _signals_stop(Stub()):
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN  # as nohup left it
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        server = Stub()
+        with _signals_stop(server):
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.05)
+        assert server.should_exit  # the terminal closed: drain and exit 0, not die at once
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+    failed: list[str] = []
+
+    class Engine:
+        def fail_all(self, reason: str) -> None:
+            failed.append(reason)
+
+    loop = asyncio.new_event_loop()
+    try:
+        import uvicorn
+
+        server = AnnouncingServer(uvicorn.Config(app=None), "m", False, Engine(), 5.0)
+        server._loop = loop
+        server.handle_exit(signal.SIGTERM, None)
+        server.handle_exit(signal.SIGTERM, None)  # a second SIGTERM: the grace period goes on
+        loop.run_until_complete(asyncio.sleep(0))
+        assert failed == [] and server.should_exit and not server.force_exit
+        server.handle_exit(signal.SIGINT, None)  # a second Ctrl-C: answered now
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(failed) == 1 and "a second signal" in failed[0] and not server.force_exit
+        server.handle_exit(signal.SIGINT, None)  # a third: uvicorn forces the exit
+        assert server.force_exit
+    finally:
+        loop.close()

@@ -246,8 +246,22 @@ def test_a_run_begun_with_a_relative_base_resumes_from_another_folder(tiny_base:
     capsys.readouterr()
     assert script.main(["--run-dir", str(run), "--resume"]) == 2
     assert "is not found from here; pass --base with its path" in capsys.readouterr().err
-    assert script.main(["--run-dir", str(run), "--resume", "--base", str(tiny_base)]) == 0
+    assert script.main(["--run-dir", str(run), "--resume", "--base", str(tiny_base), "--steps", "4",
+                        "--until-step", "3"]) == 0
     assert Trainer.resume(run).step == 3
+
+    moved = tmp_path / "moved-base"  # the base moved since the run began: the saved absolute path is gone
+    state = torch.load(run / "state.pt", weights_only=False)
+    state["config"]["base"] = str(tmp_path / "gone")
+    torch.save(state, run / "state.pt")
+    import shutil
+
+    shutil.copytree(tiny_base, moved)
+    capsys.readouterr()
+    assert script.main(["--run-dir", str(run), "--resume"]) == 2
+    assert "is not found from here; pass --base with its path" in capsys.readouterr().err
+    assert script.main(["--run-dir", str(run), "--resume", "--base", str(moved)]) == 0
+    assert Trainer.resume(run).step == 4
 
 
 def _train_script():

@@ -338,8 +338,12 @@ def _run_batch(settings: BatchSettings, interrupt: StopRequest) -> BatchSummary:
             results.close()
         except OutputError as exc:  # as above; or a cut line's last bytes still cannot be written
             raise BatchError(str(exc)) from None
+    summary.interrupted = summary.interrupted or interrupt.requested is not None  # a signal after the last record
     if settings.evaluate and not summary.interrupted:
-        summary.accuracy = evaluate_results(settings, catalogue)
+        try:
+            summary.accuracy = evaluate_results(settings, catalogue)
+        except KeyboardInterrupt:  # a second signal while scoring: the records are all on disk
+            summary.interrupted = True
     return summary
 
 

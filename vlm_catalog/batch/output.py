@@ -9,7 +9,8 @@ Contract:
 - Every rewrite goes through a hidden temporary file next to the file
   (`.<name>.XXXXXXXX.tmp`/`.retry`/`.clean`), renamed over it when complete.
   A process killed mid-rewrite (kill -9, power loss) leaves its temporary
-  file behind; the next `open`, holding the lock, removes such leftovers.
+  file behind; the next `open`, holding the lock, removes such leftovers
+  (unlocked, on a file system without locks, it leaves them).
 - Resuming, it reads the existing file: every complete line with an `id` is a
   finished record. A last line without its newline (a crash mid-write) is cut
   off (only those bytes; nothing complete is ever removed). Duplicate ids or
@@ -83,7 +84,8 @@ class ResultsFile:
         lock_handle, lock_warning = _acquire_lock(path)
         try:
             job_path = path.with_name(path.name + JOB_SUFFIX)
-            _remove_leftover_temporaries(path)
+            if lock_warning is None:  # unlocked, another writer's rewrite may be under way
+                _remove_leftover_temporaries(path)
             if overwrite or not path.exists():
                 _replace_with_empty(path)
                 done: dict[int, str | None] = {}

@@ -155,7 +155,8 @@ class AnnouncingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         """A second SIGINT made uvicorn cut the running requests off (a bare 500, a traceback): the
         engine now answers them at once (503, as at the end of the grace period); a third forces the exit."""
-        if self.should_exit and self.engine is not None and self._loop is not None and not self._failed_now:
+        if (sig == signal.SIGINT and self.should_exit and self.engine is not None and self._loop is not None
+                and not self._failed_now):
             self._failed_now = True
             self._captured_signals.append(sig)
             reason = "the server is shutting down now (a second signal): the request was aborted"
@@ -188,7 +189,10 @@ class _signals_stop:
         self.server = server
 
     def __enter__(self):
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        stopping = [signal.SIGTERM, signal.SIGINT]
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup the server outlives the terminal
+            stopping.append(signal.SIGHUP)
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in stopping}
         return self
 
     def _handle(self, signum, frame) -> None:
