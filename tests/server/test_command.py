@@ -150,7 +150,10 @@ def test_a_second_sigint_answers_the_running_requests_and_sighup_drains_too():
                 started = time.perf_counter()
                 for sig in stops:
                     service.process.send_signal(sig)
-                    time.sleep(0.3)
+                    # the next signal only once this one was handled: two of a kind pending at once are one
+                    deadline = time.monotonic() + 15
+                    while "Shutting down" not in service.output and time.monotonic() < deadline:
+                        time.sleep(0.05)
                 running.join(30)
             code, seconds = service.exit_after(started)
         assert code == 0, service.output
