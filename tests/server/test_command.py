@@ -25,6 +25,8 @@ class Service:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "vlm_catalog.cli", "serve", "--port", "0", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+            # SIGHUP as in a terminal, whatever this process inherited (under nohup the server keeps it ignored)
+            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
         )
         self.lines: list[str] = []
         self.url: str | None = None
