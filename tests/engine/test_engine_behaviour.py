@@ -526,7 +526,8 @@ def test_a_row_of_nan_logits_draws_a_token_of_the_vocabulary():
         assert all(0 <= token < 50 for token in tokens), (filters, tokens)
 
 
-def test_after_a_step_whose_sampling_raised_its_requests_go_on(engine_checkpoint, monkeypatch):
+@pytest.mark.parametrize("failing_step", [1, 3], ids=["prefill", "decode"])
+def test_after_a_step_whose_sampling_raised_its_requests_go_on(engine_checkpoint, monkeypatch, failing_step):
     """Sampling that raises (a bug, a device error) left each request of the step with nothing to compute
     and no token: it never finished, and `while has_unfinished_requests(): step()` never ended. Its last
     token is now computed again, and the answers are those of a run without the failure."""
@@ -543,7 +544,7 @@ def test_after_a_step_whose_sampling_raised_its_requests_go_on(engine_checkpoint
 
     def fails_once(self, chunks, logits):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == failing_step:
             raise RuntimeError("the sampler failed")
         return real_sample(self, chunks, logits)
 
@@ -560,6 +561,14 @@ def test_after_a_step_whose_sampling_raised_its_requests_go_on(engine_checkpoint
         answers.update({output.request_id: output.token_ids for output in outputs if output.finished})
     assert [answers[f"r{index}"] for index in range(3)] == expected
     assert engine.block_manager.num_free_blocks == engine.num_blocks
+    clean = LLMEngine(EngineConfig(model=engine_checkpoint))  # the recomputed tokens are counted once
+    monkeypatch.setattr(llm_engine.LLMEngine, "_sample_and_append", real_sample)
+    for index, messages in enumerate(prompts):
+        clean.add_request(messages, params, f"r{index}")
+    while clean.has_unfinished_requests():
+        clean.step()
+    for counter in ("num_prompt_tokens_computed", "num_output_tokens_computed"):
+        assert getattr(engine.stats, counter) == getattr(clean.stats, counter), counter
 
 
 def test_a_kv_pool_the_memory_cannot_hold_is_a_config_error_naming_the_settings(engine_checkpoint, monkeypatch):

@@ -538,16 +538,19 @@ class LLMEngine:
             if chunk.end >= prompt_end:
                 chunk.request.prompt.release_positions()
 
-    @staticmethod
-    def _compute_unsampled_tokens_again(chunks) -> None:
+    def _compute_unsampled_tokens_again(self, chunks) -> None:
         """Sampling raised: each request whose chunk was to sample and took no token has its last
         token counted as not computed, so a later step computes it again and samples. Before, such a
         request had nothing left to compute and no token, and waited for ever (so did a loop on
-        `has_unfinished_requests`)."""
+        `has_unfinished_requests`). The stats count that token once, when it is computed again."""
         for chunk in chunks:
             request = chunk.request
             if chunk.samples and not request.is_finished and request.num_computed_tokens == chunk.end == request.num_tokens:
                 request.num_computed_tokens -= 1
+                if chunk.end <= request.num_prompt_tokens:
+                    self.stats.num_prompt_tokens_computed -= 1
+                else:
+                    self.stats.num_output_tokens_computed -= 1
 
     def _sample_and_append(self, chunks, logits: torch.Tensor) -> list[Request]:
         """Sample a token for each sampling chunk and take it; with `async_scheduling`, leave
