@@ -21,6 +21,23 @@ from collections.abc import Iterator
 from typing import Any
 
 
+@contextlib.contextmanager
+def handling(signals, handler) -> Iterator[None]:
+    """`handler` for each of `signals` while active, the previous handlers put back after.
+    Outside the main thread, where Python installs no handlers, signals stay as they are."""
+    previous = {}
+    for signum in signals:
+        try:
+            previous[signum] = signal.signal(signum, handler)
+        except ValueError:  # not the main thread
+            pass
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
 class StopRequest:
     """While installed (`with StopRequest() as stop:`), remembers SIGINT/SIGTERM in `requested`.
 
@@ -33,19 +50,14 @@ class StopRequest:
     def __init__(self, second_signal_interrupts: bool = False) -> None:
         self.second_signal_interrupts = second_signal_interrupts
         self.requested: str | None = None  # the name of the last signal received
-        self._previous: dict[int, Any] = {}
+        self._installed = contextlib.ExitStack()
 
     def __enter__(self) -> StopRequest:
-        for signum in self.SIGNALS:
-            try:
-                self._previous[signum] = signal.signal(signum, self._handle)
-            except ValueError:  # not the main thread: signals stay as they are
-                pass
+        self._installed.enter_context(handling(self.SIGNALS, self._handle))
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+        self._installed.close()
 
     def _handle(self, signum: int, _frame: Any) -> None:
         if self.requested is not None and self.second_signal_interrupts:
@@ -58,20 +70,9 @@ class StopRequest:
             raise KeyboardInterrupt
 
 
-@contextlib.contextmanager
-def signals_raise_keyboard_interrupt() -> Iterator[None]:
+def signals_raise_keyboard_interrupt():
     """While active, SIGTERM as well as SIGINT raises KeyboardInterrupt where the main thread is
     (Python's own Ctrl-C), SIGINT also where the process inherited it ignored. For a run that may be
     cut anywhere and says so (a benchmark, whose logs are then incomplete anyway); a run that must
     stop at a safe point uses `StopRequest`."""
-    previous = {}
-    for signum in StopRequest.SIGNALS:
-        try:
-            previous[signum] = signal.signal(signum, signal.default_int_handler)
-        except ValueError:  # not the main thread: signals stay as they are
-            pass
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    return handling(StopRequest.SIGNALS, signal.default_int_handler)

@@ -226,8 +226,8 @@ def test_a_killed_rewrite_leaves_no_temporary_file_past_the_next_open(tmp_path):
     for name in leftovers + kept:
         (tmp_path / name).write_text("half a rewrite")
     killed_mid_rewrite = (  # a real one: the process dies (as by kill -9) while it fills the copy
-        "import os, sys\nfrom pathlib import Path\nfrom vlm_catalog.batch.output import _replace_atomically\n"
-        f"_replace_atomically(Path({str(out)!r}), 0o644, lambda handle: (handle.write(b'half'), handle.flush(), "
+        "import os, sys\nfrom pathlib import Path\nfrom vlm_catalog.atomic_files import replace_atomically\n"
+        f"replace_atomically(Path({str(out)!r}), 0o644, lambda handle: (handle.write(b'half'), handle.flush(), "
         "os._exit(9)), suffix='.retry')\n"
     )
     assert subprocess.run([sys.executable, "-c", killed_mid_rewrite]).returncode == 9

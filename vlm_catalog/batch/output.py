@@ -34,13 +34,11 @@ import fcntl
 import json
 import os
 import re
-import tempfile
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from vlm_catalog.file_modes import new_file_mode
+from vlm_catalog.atomic_files import replace_atomically, write_atomically
 
 LOCK_SUFFIX = ".lock"
 JOB_SUFFIX = ".job.json"
@@ -49,7 +47,7 @@ FSYNC_EVERY_LINES = 256
 KEYS_ADDED_LATER = ("model_files", "device")
 # Job values that earlier versions wrote unresolved: a file holding one resumes (the current value replaces it).
 VALUES_RESOLVED_LATER = {"dtype": "auto"}
-# The suffixes of `_replace_atomically`'s temporary files (`tempfile.mkstemp`: 8 random characters).
+# The suffixes of `replace_atomically`'s temporary files (`tempfile.mkstemp`: 8 random characters).
 TEMPORARY_SUFFIXES = (".tmp", ".retry", ".clean")
 
 
@@ -87,13 +85,13 @@ class ResultsFile:
             if lock_warning is None:  # unlocked, another writer's rewrite may be under way
                 _remove_leftover_temporaries(path)
             if overwrite or not path.exists():
-                _replace_with_empty(path)
+                write_atomically(path, "")
                 done: dict[int, str | None] = {}
                 repaired, dropped = 0, 0
             else:
                 _check_same_job(job_path, job, path)
                 done, repaired, dropped = _scan_and_repair(path)
-            _write_atomically(job_path, json.dumps(job, indent=2, sort_keys=True) + "\n")
+            write_atomically(job_path, json.dumps(job, indent=2, sort_keys=True) + "\n")
             handle = path.open("a", encoding="utf-8")
         except OSError as exc:  # e.g. the disk is full: every step above leaves the file whole
             lock_handle.close()
@@ -166,7 +164,7 @@ class ResultsFile:
 
         try:
             self._handle.flush()
-            _replace_atomically(self.path, os.stat(self.path).st_mode & 0o777, copy_other_lines, suffix=".retry")
+            replace_atomically(self.path, os.stat(self.path).st_mode & 0o777, copy_other_lines, suffix=".retry")
             self._handle.close()
             self._follow(self.path.open("a", encoding="utf-8"))
         except OSError as exc:
@@ -255,7 +253,7 @@ def _check_same_job(job_path: Path, job: dict[str, Any], path: Path) -> None:
 
 def _remove_leftover_temporaries(path: Path) -> None:
     """Remove the temporary files a killed rewrite of `path` or of its job file left (the lock is held,
-    so no rewrite of them is under way). Only names `_replace_atomically` makes match:
+    so no rewrite of them is under way). Only names `replace_atomically` makes match:
     another file's temporaries (`a.jsonl.x` beside `a.jsonl`) do not."""
     leftover = re.compile(
         rf"\.(?:{re.escape(path.name)}|{re.escape(path.name + JOB_SUFFIX)})\.[a-z0-9_]{{8}}"
@@ -308,28 +306,4 @@ def _rewrite_clean(path: Path) -> None:
                     seen.add(index)
                     clean.write(raw)
 
-    _replace_atomically(path, os.stat(path).st_mode & 0o777, copy_clean_lines, suffix=".clean")
-
-
-def _replace_with_empty(path: Path) -> None:
-    _write_atomically(path, "")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    _replace_atomically(path, new_file_mode(), lambda handle: handle.write(text.encode("utf-8")))
-
-
-def _replace_atomically(path: Path, mode: int, fill: Callable[[BinaryIO], object], suffix: str = ".tmp") -> None:
-    """Write a temporary file next to `path` with `fill`, fsync it and rename it over `path`. If
-    anything fails (a full disk), `path` is untouched and the temporary file is removed."""
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as handle:
-            fill(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    replace_atomically(path, os.stat(path).st_mode & 0o777, copy_clean_lines, suffix=".clean")

@@ -24,6 +24,7 @@ import uvicorn
 
 from vlm_catalog.engine.arguments import DEVICE_OPTIONS, add_device_arguments
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
+from vlm_catalog.signals import handling
 
 logger = logging.getLogger("vlm_catalog.server")
 
@@ -174,7 +175,7 @@ class AnnouncingServer(uvicorn.Server):
             print(f"vlm-catalog serving {self.model_name!r} at http://{shown}:{port}{auth}", flush=True)
 
 
-class _signals_stop:
+def _signals_stop(server: uvicorn.Server):
     """Let SIGTERM, SIGINT and SIGHUP stop the server gracefully and the process exit 0.
 
     uvicorn re-raises the signal that stopped it once it has shut down; with
@@ -182,22 +183,13 @@ class _signals_stop:
     exit again instead of killing the process before the engine is shut down.
     uvicorn handles SIGTERM and SIGINT while it runs; SIGHUP (the terminal
     closed) reaches the handler here, which drains the same way (before, it
-    killed the process at once).
+    killed the process at once), unless it is ignored, as under nohup.
     """
+    stopping = [signal.SIGTERM, signal.SIGINT]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup the server outlives the terminal
+        stopping.append(signal.SIGHUP)
 
-    def __init__(self, server) -> None:
-        self.server = server
+    def stop(signum, frame) -> None:
+        server.should_exit = True
 
-    def __enter__(self):
-        stopping = [signal.SIGTERM, signal.SIGINT]
-        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:  # under nohup the server outlives the terminal
-            stopping.append(signal.SIGHUP)
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in stopping}
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.server.should_exit = True
-
-    def __exit__(self, *exc_info) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+    return handling(stopping, stop)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlm_catalog.file_modes import new_file_mode
+from vlm_catalog.atomic_files import new_file_mode
 
 STATE_FILE = "state.pt"
 MODEL_DIR = "model"

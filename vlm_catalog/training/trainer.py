@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vlm_catalog.atomic_files import write_atomically
 from vlm_catalog.signals import StopRequest
 from vlm_catalog.training.checkpoint import (
     MODEL_DIR,
@@ -300,7 +300,7 @@ class Trainer:
 def _forget_log_after(log: Path, step: int) -> None:
     """Drop the log lines of steps after `step`, the checkpoint a resume starts from: a run killed after
     its last save logged steps it now runs again (before, those steps were logged twice). A copy
-    without them is renamed over the log, so a kill meanwhile leaves the one or the other."""
+    without them replaces the log whole (`write_atomically`), so a kill meanwhile leaves the one or the other."""
     if not log.is_file():
         return
     lines = log.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -312,8 +312,5 @@ def _forget_log_after(log: Path, step: int) -> None:
             return False
 
     remaining = [line for line in lines if kept(line)]
-    if len(remaining) == len(lines):
-        return
-    partial = log.with_name(log.name + ".tmp")
-    partial.write_text("".join(remaining), encoding="utf-8")
-    os.replace(partial, log)
+    if len(remaining) < len(lines):
+        write_atomically(log, "".join(remaining))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import mlperf_loadgen as lg
 
+from vlm_catalog.atomic_files import write_atomically
 from vlm_catalog.bench.loadgen.qsl import CatalogueQSL
 from vlm_catalog.bench.loadgen.report import (
     ACCURACY_FILE,
@@ -194,7 +195,7 @@ def _record_selection(out_dir: Path, split: str | None, num_records: int) -> Non
     size, the log's answers would meet other records' labels and score silently wrong."""
     selection = {"written_by": "vlm-catalog bench", "split": split, "num_records": num_records}
     try:
-        (out_dir / ACCURACY_LOG_JOB_FILE).write_text(json.dumps(selection, indent=2) + "\n", encoding="utf-8")
+        write_atomically(out_dir / ACCURACY_LOG_JOB_FILE, json.dumps(selection, indent=2) + "\n")
     except OSError as exc:  # e.g. a full disk
         raise BenchError(f"--out-dir {out_dir}: cannot write {ACCURACY_LOG_JOB_FILE}: {exc.strerror or exc}") from None
 
