@@ -38,7 +38,8 @@ def dequantize(
 
 def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """W [N, K] -> (Q [N, K] e4m3, scale [ceil(N/bn), ceil(K/bk)] float32), scale = max|W| / 448
-    per block, so the block's largest element maps to +-448 (an all-zero block gets scale 1)."""
+    per block, so the block's largest element maps to +-448 (a block whose quotient is 0, all zeros
+    or float32 subnormals, gets scale 1)."""
     block_n, block_k = block
     rows, cols = weight.shape
     padded = weight.float().new_zeros(-(-rows // block_n) * block_n, -(-cols // block_k) * block_k)
@@ -47,7 +48,9 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     amax = tiles.abs().amax(dim=(1, 3))  # [Nb, Kb]
     # divided by a tensor: torch on CUDA multiplies by the reciprocal of a Python scalar divisor,
     # which is not the IEEE quotient the Triton quantizers compute (`tl.div_rn`), for half the scales
-    scale = torch.where(amax > 0, amax / amax.new_full((), FP8_MAX), torch.ones_like(amax))
+    scale = amax / amax.new_full((), FP8_MAX)
+    # an all-zero block, or one so small (float32 below ~3e-43) that its quotient rounds to 0: scale 1
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     quantized = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return quantized.view(padded.shape)[:rows, :cols].contiguous(), scale
 

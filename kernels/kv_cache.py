@@ -201,6 +201,7 @@ def reshape_and_cache_triton(
         # sizes
         num_kv_heads,
         k_cache.shape[1],
+        k_cache.shape[0] * k_cache.shape[1],
         # strides
         k.stride(0),
         k.stride(1),
@@ -230,7 +231,9 @@ def reshape_and_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """In place: token t of k/v [T, Hkv, D] goes to slot `slot_mapping[t]` (skipped when < 0)."""
+    """In place: token t of k/v [T, Hkv, D] goes to slot `slot_mapping[t]` (skipped when < 0).
+    A slot past the cache is an `IndexError` in the reference; the kernel, which cannot raise
+    without a host sync, skips it rather than write outside the cache."""
     if use_triton(k, v, k_cache, v_cache, slot_mapping, op="reshape_and_cache"):
         reshape_and_cache_triton(k, v, k_cache, v_cache, slot_mapping)
     else:

@@ -194,7 +194,8 @@ def paged_prefill_attention_triton(
     """`max_query_len`: optional host-side max of the per-sequence query lengths
     (otherwise computed here, which costs a device sync). `skip_fresh_from`: chunks with
     nothing cached before them and at least this many tokens are not computed (their
-    output rows are left unwritten, for SDPA)."""
+    output rows are left unwritten, for SDPA). Rows of q past `cu_seqlens_q[-1]` belong to no
+    sequence: their output rows are left unwritten too (the reference gives zeros there)."""
 
     from kernels.jit.paged_prefill_attention import paged_prefill_attention_kernel
 

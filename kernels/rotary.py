@@ -171,9 +171,9 @@ def check_qk_norm_mrope_args(q: torch.Tensor, k: torch.Tensor, norm: QKNormRope)
     positions = _as_three_rows(norm.positions)
     check_shape("positions", positions, (3, num_tokens))
     check_shape("inv_freq", inv_freq, (head_dim // 2,))
-    if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
+    if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2 or min(mrope_section) < 0:
         raise ValueError(
-            f"mrope_section: expected 3 sections summing to head_dim // 2 = {head_dim // 2}, "
+            f"mrope_section: expected 3 sections, none negative, summing to head_dim // 2 = {head_dim // 2}, "
             f"got {tuple(mrope_section)}"
         )
     for name, tensor in (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight)):

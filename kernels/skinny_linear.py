@@ -93,15 +93,17 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return out
 
 
-def takes_skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `skinny_linear` would launch the kernel for these operands on the Triton path."""
+def takes_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `skinny_linear` would launch the kernel for these operands on the Triton path: the
+    ones its checks take (`F.linear` takes the rest, strided rows included)."""
     return (x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS and x.dtype in SKINNY_DTYPES
-            and weight.dtype == x.dtype)
+            and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and (bias is None or (bias.dtype == x.dtype and bias.stride(-1) == 1)))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: by the kernel on the Triton path for up to `SKINNY_MAX_ROWS`
     rows of 16-bit x, else `F.linear` itself."""
-    if takes_skinny_linear(x, weight) and use_triton(x, weight, op="skinny_linear"):
+    if takes_skinny_linear(x, weight, bias) and use_triton(x, weight, op="skinny_linear"):
         return skinny_linear_triton(x, weight, bias)
     return F.linear(x, weight, bias)

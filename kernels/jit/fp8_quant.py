@@ -44,8 +44,10 @@ def quantize_rows(x):
 
 @triton.jit
 def scale_of_max(amax):
-    """The scale of a group whose largest |x| is amax: amax / 448, 1 for an all-zero group."""
-    return tl.where(amax > 0.0, tl.div_rn(amax, 448.0), 1.0)  # IEEE division, as torch's
+    """The scale of a group whose largest |x| is amax: amax / 448, or 1 where that is 0 (an
+    all-zero group, or float32 values below ~3e-43, whose quotient rounds to 0; x / 0 is NaN)."""
+    scale = tl.div_rn(amax, 448.0)  # IEEE division, as torch's
+    return tl.where(scale > 0.0, scale, 1.0)
 
 
 # step-sized arguments: one compiled variant whatever the step (kernels/jit/__init__.py)

@@ -14,10 +14,11 @@ def reshape_and_cache_kernel(
     v_ptr,  # [T, Hkv, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
-    slot_mapping_ptr,  # [T]; negative = padding, skipped
+    slot_mapping_ptr,  # [T]; negative = padding, skipped; >= num_slots (a caller's bug) skipped too
     # sizes
     num_kv_heads,
     block_size,
+    num_slots,  # num_blocks * block_size
     # strides
     stride_k_token,
     stride_k_head,
@@ -38,7 +39,7 @@ def reshape_and_cache_kernel(
     after_previous_grid()  # first, before any memory access (kernels/pdl.py)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:
+    if (slot < 0) | (slot >= num_slots):  # never a write outside the cache
         return
     block = slot // block_size
     offset = slot % block_size

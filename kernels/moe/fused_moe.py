@@ -150,7 +150,7 @@ def fused_moe_reference(
             down = F.linear(gemm_input(activated, down_group, fp8_activations), down_weight).to(hidden.dtype)
         rows = ascending[tokens, slots] * num_tokens + tokens
         pair_out[rows] = down * weights[tokens, slots, None]  # [n, H]
-    per_rank = pair_out.view(top_k, num_tokens, -1)  # [K, T, H], experts in ascending id
+    per_rank = pair_out.view(top_k, num_tokens, hidden.shape[1])  # [K, T, H], experts in ascending id
     out = per_rank[0].float()  # [T, H] float32 accumulator
     for j in range(1, top_k):
         out += per_rank[j]

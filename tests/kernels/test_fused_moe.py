@@ -201,6 +201,13 @@ def test_triton_weights_in_another_dtype_and_config_as_dict(triton_device):
     )
 
 
+def test_zero_tokens_give_an_empty_output_on_both_paths(triton_device):
+    # the reference's [K*T, H] -> [K, T, H] view named H, since -1 is ambiguous with T = 0
+    hidden, w13, w2, weights, ids = moe_inputs(0, 32, 16, 8, 2, torch.float32, triton_device)
+    assert fused_moe_reference(hidden, w13, w2, weights, ids).shape == (0, 32)
+    assert fused_moe_triton(hidden, w13, w2, weights, ids).shape == (0, 32)
+
+
 def test_triton_rejects_bad_arguments(triton_device):
     hidden, w13, w2, weights, ids = moe_inputs(4, 16, 8, 4, 2, torch.float32, triton_device)
     with pytest.raises(ValueError, match="w2"):

@@ -320,6 +320,30 @@ def test_triton_activation_quantization_matches_the_reference(triton_device, dty
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
 
 
+def tiny_groups_quantize_to_zero(device: torch.device) -> None:
+    """A float32 group whose largest |x| is below ~3e-43 has max / 448 == 0: its scale is 1, as an
+    all-zero group's, so its elements quantize to 0 (with scale 0 they were 0 / 0 = NaN), in the
+    Triton quantizer as in the references, activations and weights alike."""
+    values = torch.randn(2, 64)
+    values[0, :32] = 0
+    values[0, 0] = 1e-43  # a subnormal: 1e-43 / 448 rounds to 0
+    values = values.to(device)
+    for quantized, scale in (quantize_activations_triton(values, 32), quantize_activations_reference(values, 32),
+                             quantize(values, (1, 32))):
+        assert scale[0, 0].item() == 1.0
+        assert torch.equal(quantized[0, :32].float().cpu(), torch.zeros(32))
+        assert quantized.float().isfinite().all() and dequantize_activations(quantized, scale, 32).isfinite().all()
+
+
+def test_tiny_groups_quantize_to_zero(triton_device):
+    tiny_groups_quantize_to_zero(triton_device)
+
+
+@pytest.mark.gpu
+def test_gpu_tiny_groups_quantize_to_zero(cuda_device):
+    tiny_groups_quantize_to_zero(cuda_device)
+
+
 def nan_stays_nan_in_every_fp8_writer(device: torch.device) -> None:
     """A NaN in a row reaches the e4m3 output as NaN, in the activation quantizer, the SiLU-and-mul
     one and the norm writing FP8 (kernels/jit/fp8_quant.py, `saturate_fp8`), as the NaN element

@@ -77,6 +77,21 @@ def test_triton_casts_to_cache_dtype_and_accepts_strided_inputs(triton_device):
     torch.testing.assert_close(flat, k.to(torch.bfloat16), rtol=0, atol=0)
 
 
+def test_triton_skips_slots_past_the_cache(triton_device):
+    # the caches are the first 3 blocks of a 4-block buffer: slot 12 would land in block 3, outside
+    # them (on a GPU, a write into other memory); the reference raises, the kernel skips it
+    k = torch.randn(3, 2, 16, device=triton_device)
+    buffers = [torch.zeros(4, 4, 2, 16, device=triton_device) for _ in range(2)]
+    k_cache, v_cache = (buffer[:3] for buffer in buffers)
+    slots = torch.tensor([12, 0, 2**40], device=triton_device)
+    reshape_and_cache_triton(k, k, k_cache, v_cache, slots)
+    for buffer in buffers:
+        assert torch.equal(buffer[0, 0], k[1])
+        assert buffer[3].abs().sum() == 0 and buffer.view(-1, 2, 16)[1:].abs().sum() == 0
+    with pytest.raises(IndexError):
+        reshape_and_cache_reference(k, k, k_cache, v_cache, slots)
+
+
 def test_triton_rejects_bad_arguments(triton_device):
     k = torch.randn(3, 2, 16, device=triton_device)
     cache = torch.zeros(4, 4, 2, 16, device=triton_device)

@@ -160,6 +160,8 @@ def test_triton_wrapper_rejects_bad_arguments(triton_device):
     inv_freq = inv_freq_for(16).to(triton_device)
     with pytest.raises(ValueError, match="mrope_section"):
         qk_norm_mrope_triton(q, k, w, w, positions, inv_freq, (4, 4, 4), EPS)
+    with pytest.raises(ValueError, match="none negative"):  # sums to 8, but was computed wrongly
+        qk_norm_mrope_triton(q, k, w, w, positions, inv_freq, (10, -1, -1), EPS)
     with pytest.raises(ValueError, match="positions"):
         qk_norm_mrope_triton(q, k, w, w, positions[:, :2], inv_freq, (4, 2, 2), EPS)
     with pytest.raises(ValueError, match="inv_freq"):

@@ -79,6 +79,11 @@ def test_the_dispatcher_takes_the_kernel_for_few_16_bit_rows_only(triton_device,
     x32 = torch.randn(1, 32, device=triton_device)
     torch.testing.assert_close(kernels.skinny_linear(x32, weight.float()), F.linear(x32, weight.float()))
     assert launches == [1, SKINNY_MAX_ROWS]  # past SKINNY_MAX_ROWS, and in float32: F.linear
+    # operands the kernel's checks refuse go to F.linear too: columns of a transposed x or weight
+    columns = torch.randn(32, 2, device=triton_device).to(torch.bfloat16).t()  # [2, 32], strides (1, 2)
+    for args in ((columns, weight, bias), (x[:2], weight.t().contiguous().t(), bias)):
+        assert_close(kernels.skinny_linear(*args), F.linear(*args), rel=TOLERANCE[torch.bfloat16])
+    assert launches == [1, SKINNY_MAX_ROWS]
     monkeypatch.setenv("VLM_CATALOG_KERNELS_OFF", "skinny_linear")
     kernels.skinny_linear(x[:1], weight, bias)
     monkeypatch.setenv("VLM_CATALOG_KERNELS", "reference")

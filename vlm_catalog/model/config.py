@@ -154,9 +154,9 @@ class ModelConfig:
             )
         head_dim = text.head_dim or text.hidden_size // text.num_attention_heads
         mrope_section = tuple(rope.get("mrope_section", (24, 20, 20)))
-        if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
+        if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2 or min(mrope_section) < 0:
             raise ModelConfigError(
-                f"mrope_section {list(mrope_section)} must have 3 entries summing to "
+                f"mrope_section {list(mrope_section)} must have 3 entries, none negative, summing to "
                 f"head_dim / 2 = {head_dim // 2}"
             )
         if rope.get("mrope_interleaved") is False:
