@@ -2,6 +2,7 @@
 
 import random
 import threading
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -293,7 +294,7 @@ def test_final_only_outputs_come_once_and_match_cumulative(llm):
 
 
 def test_grammars_compiling_too_long_time_out_and_aborted_ones_are_forgotten(engine_checkpoint, monkeypatch):
-    """Each step looks only at compiles that ended and at the oldest still running; a request
+    """Each step polls the compiles its requests await; a request
     whose compile outlives grammar_compile_timeout_s fails alone."""
     from concurrent.futures import Future
 
@@ -315,7 +316,47 @@ def test_grammars_compiling_too_long_time_out_and_aborted_ones_are_forgotten(eng
     assert finished[slow].finish_reason == "error" and "timed out" in finished[slow].error
     assert finished[aborted].finish_reason == "abort"
     assert finished[plain].finish_reason == "length"
-    assert engine._awaiting_grammar == {} and not engine._grammars_compiled
+    assert engine._awaiting_grammar == {}
+    engine.close()
+
+
+def test_an_id_reused_after_an_abort_during_its_compile_is_answered(engine_checkpoint, monkeypatch):
+    """Before, the aborted request's compile ending late took the new request's place in the
+    queue of those awaiting a grammar (keyed by id): the new one was never scheduled, never
+    answered, and its id refused for good ("already in use")."""
+    from concurrent.futures import Future
+
+    engine = LLMEngine(model=engine_checkpoint)
+    compile_for_real, first = engine._submit_grammar, Future()
+    submitted = iter([lambda params: first, compile_for_real])
+    monkeypatch.setattr(engine, "_submit_grammar", lambda params: next(submitted)(params))
+    constrained = SamplingParams(max_tokens=8, json_schema={"type": "object"})
+    engine.add_request(conversation(1), constrained, "job-1")
+    assert engine.abort("job-1")
+    assert [(o.request_id, o.finish_reason) for o in engine.step()] == [("job-1", "abort")]
+    engine.add_request(conversation(2), constrained, "job-1")
+    first.set_exception(RuntimeError("never read: the request was aborted"))  # the old compile ends late
+    finished, give_up = [], time.monotonic() + 60
+    while engine.has_unfinished_requests() and time.monotonic() < give_up:
+        finished += [(o.request_id, o.finish_reason) for o in engine.step() if o.finished]
+    assert finished in ([("job-1", "length")], [("job-1", "stop")])
+    assert engine.requests == {} and engine._awaiting_grammar == {}
+    engine.close()
+
+
+def test_a_cached_grammar_does_not_keep_finished_requests_alive(engine_checkpoint):
+    """The compiled grammar stays cached for the next request with that schema; before, its
+    future kept a done-callback that held each request (prompt, images) which had awaited it."""
+    import gc
+    import weakref
+
+    engine = LLMEngine(model=engine_checkpoint)
+    request_id = engine.add_request(conversation(1), SamplingParams(max_tokens=4, json_schema={"type": "object"}))
+    request = weakref.ref(engine.requests[request_id])
+    while engine.has_unfinished_requests():
+        engine.step()
+    gc.collect()
+    assert engine.requests == {} and request() is None
     engine.close()
 
 
@@ -323,7 +364,6 @@ def test_a_grammar_queued_behind_a_slow_compile_does_not_time_out_for_it(engine_
     """The timeout counts from the start of a request's own compile. Before, it counted from the
     request's arrival: one schema that compiled for a minute (thousands of optional properties)
     timed out every constrained request queued behind it on the one compile thread."""
-    import time
 
     from vlm_catalog.engine.llm_engine import LLMEngine
 

@@ -25,7 +25,6 @@ import itertools
 import json
 import logging
 import time
-from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -200,7 +199,6 @@ class LLMEngine:
         # constrained requests whose grammar is compiling (not yet in the scheduler's queue), in
         # arrival order, and those whose compile ended (appended by the compiler's threads)
         self._awaiting_grammar: dict[str, Request] = {}
-        self._grammars_compiled: deque[Request] = deque()
         self._next_memory_release = time.monotonic() + config.release_host_memory_every_s
         self.async_scheduling = config.schedules_async()  # EngineConfig.async_scheduling, auto resolved
         self._pending: PendingTokens | None = None  # sampled tokens not yet read (async_scheduling)
@@ -323,7 +321,6 @@ class LLMEngine:
         if params.constrained:  # queued for scheduling once its grammar is compiled (_attach_grammars)
             request.grammar_future = self._submit_grammar(params)
             self._awaiting_grammar[request_id] = request
-            request.grammar_future.add_done_callback(lambda _, request=request: self._grammars_compiled.append(request))
         else:
             self.scheduler.add(request)
         self.requests[request_id] = request
@@ -493,26 +490,28 @@ class LLMEngine:
         from vlm_catalog.structured import GrammarError, GrammarState
         from vlm_catalog.structured.compiler import compile_started
 
-        while self._grammars_compiled:  # filled by the compiler's threads
-            request = self._grammars_compiled.popleft()
-            if self._awaiting_grammar.pop(request.request_id, None) is None or request.is_finished:
-                continue
-            try:
-                request.grammar = GrammarState(request.grammar_future.result())
-            except GrammarError as exc:
-                self.scheduler.finish(request, FinishReason.ERROR, f"{INVALID_CONSTRAINT}: {exc}")
-            else:
-                self.scheduler.add(request)
-                self.stats.num_grammars_attached += 1
-                self.stats.seconds_awaiting_grammars += time.perf_counter() - request.metrics.arrival_time
-        # the rest still compile, or wait for a compile thread: the timeout counts from the compile's start
+        # polled, in arrival order: a done-callback kept its request alive in the cached future
+        # after the request ended, and one of an aborted request could take a reused id's entry
         deadline = time.perf_counter() - self.config.grammar_compile_timeout_s
         for request in list(self._awaiting_grammar.values()):
-            started = compile_started(request.grammar_future, otherwise=request.metrics.arrival_time)
-            if not request.is_finished and (started is None or started >= deadline):
-                continue
-            del self._awaiting_grammar[request.request_id]
-            self.scheduler.finish(request, FinishReason.ERROR, "compiling the output constraint timed out")
+            future = request.grammar_future
+            if request.is_finished:
+                del self._awaiting_grammar[request.request_id]
+            elif future.done():
+                del self._awaiting_grammar[request.request_id]
+                try:
+                    request.grammar = GrammarState(future.result())
+                except GrammarError as exc:
+                    self.scheduler.finish(request, FinishReason.ERROR, f"{INVALID_CONSTRAINT}: {exc}")
+                else:
+                    self.scheduler.add(request)
+                    self.stats.num_grammars_attached += 1
+                    self.stats.seconds_awaiting_grammars += time.perf_counter() - request.metrics.arrival_time
+            else:  # compiling, or waiting for a compile thread: the timeout counts from the compile's start
+                started = compile_started(future, otherwise=request.metrics.arrival_time)
+                if started is not None and started < deadline:
+                    del self._awaiting_grammar[request.request_id]
+                    self.scheduler.finish(request, FinishReason.ERROR, "compiling the output constraint timed out")
 
     def _drop_failed_image_chunks(self, output: SchedulerOutput, failures: dict[str, str]):
         if not failures:
