@@ -340,8 +340,12 @@ def run_plan(steps: tuple[Step, ...] | list[Step], budget_s: float, out: Path,
     step_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), FAILED_FAST_PATHS_ENV_VAR: str(failed_paths)}
     results: list[StepResult] = []
     with open(out / "session.log", "a") as log:
+        said: set[str] = set()
         for index, step in enumerate(steps):
-            step_env[KERNELS_OFF_ENV_VAR] = turned_off(step_env.get(KERNELS_OFF_ENV_VAR, ""), failed_paths, log)
+            step_env[KERNELS_OFF_ENV_VAR] = turned_off(step_env.get(KERNELS_OFF_ENV_VAR, ""), failed_paths, log, said)
+            own_env = dict(step.env)
+            if KERNELS_OFF_ENV_VAR in own_env:  # a step's own choice replaces the session's, failed paths stay off
+                own_env[KERNELS_OFF_ENV_VAR] = turned_off(own_env[KERNELS_OFF_ENV_VAR], failed_paths, log, said)
             command = [part.replace("{out}", str(out)) for part in step.argv]
             if command[0] == "python3":  # the interpreter running this script (a venv's, here)
                 command[0] = sys.executable
@@ -357,8 +361,8 @@ def run_plan(steps: tuple[Step, ...] | list[Step], budget_s: float, out: Path,
                     else:
                         log.write(f"[gpu_session] {step.name}: {module} is not importable, running without "
                                   f"{shlex.join(options)}\n")
-                results.append(_run_step(step, command, limit, out, log, {**step_env, **dict(step.env)}, cwd))
-            results[-1].kernels_off = names_in(dict(step.env).get(KERNELS_OFF_ENV_VAR, step_env[KERNELS_OFF_ENV_VAR]))
+                results.append(_run_step(step, command, limit, out, log, {**step_env, **own_env}, cwd))
+            results[-1].kernels_off = names_in(own_env.get(KERNELS_OFF_ENV_VAR, step_env[KERNELS_OFF_ENV_VAR]))
             if pack:
                 packed = pack_finished_files(out, written_files(steps[index + 1:]))
                 if packed:
@@ -372,15 +376,23 @@ def names_in(kernels_off: str) -> list[str]:
     return list(dict.fromkeys(name.strip() for name in kernels_off.split(",") if name.strip()))
 
 
-def turned_off(kernels_off: str, failed_paths: Path, log) -> str:
-    """`kernels_off` with the fast paths whose GPU tests failed so far (`failed_paths`, one name
-    per line) added, each new one said in the log and on the console."""
+def turned_off(kernels_off: str, failed_paths: Path, log, said: set[str] | None = None) -> str:
+    """`kernels_off` with the fast paths whose GPU tests failed so far added (`failed_paths`,
+    "name<TAB>test" per line, written by tests/conftest.py), each said once (`said`) in the log
+    and on the console, with the test that failed."""
     names = names_in(kernels_off)
-    failed = failed_paths.read_text().split() if failed_paths.exists() else []
-    for name in dict.fromkeys(failed):
+    said = set() if said is None else said
+    lines = failed_paths.read_text().splitlines() if failed_paths.exists() else []
+    failed: dict[str, list[str]] = {}
+    for fields in (line.split("\t") for line in lines if line.strip()):
+        failed.setdefault(fields[0].strip(), fields[1:])  # the first test that failed it
+    for name, test in failed.items():
         if name not in names:
             names.append(name)
-            message = (f"[gpu_session] {name} failed its GPU test: the later steps run with "
+        if name not in said:
+            said.add(name)
+            where = f" ({test[0]})" if test else ""
+            message = (f"[gpu_session] {name} failed its GPU test{where}: the later steps run with "
                        f"{KERNELS_OFF_ENV_VAR} naming it\n")
             log.write(message)
             print(message.strip(), flush=True)

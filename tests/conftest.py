@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import struct
 import sys
 import zlib
@@ -56,14 +57,30 @@ def pytest_collection_modifyitems(config, items):
                                     "of kernels.dispatch (KERNEL_OPS, FAST_PATHS)")
 
 
+# errors after which a process's CUDA context is lost: every later test of this pytest-xdist
+# worker fails with one, whatever its own code does
+CUDA_CONTEXT_LOST = re.compile(r"illegal memory access|device-side assert|unspecified launch failure|"
+                               r"misaligned address|illegal instruction|CUDA error: an? illegal")
+_cuda_context_lost_in: list[str] = []  # the test of this worker that lost it, once it has
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
+    """A failed test's fast paths go to the session's file, "name<TAB>test" per line. Once a test
+    has lost this worker's CUDA context (it is named, the likeliest culprit), the later failures
+    of the worker are its echo: they name nothing, so sound fast paths stay on in the record."""
     report = (yield).get_result()
     target = os.environ.get(FAILED_FAST_PATHS_ENV_VAR)
     names = fast_path_names(item)
-    if report.failed and target and names:
+    if not report.failed or not target:
+        return
+    if _cuda_context_lost_in:
+        return
+    if CUDA_CONTEXT_LOST.search(getattr(report, "longreprtext", "") or ""):
+        _cuda_context_lost_in.append(item.nodeid)
+    if names:
         with open(target, "a") as failed:  # appends of a line: whole, from pytest-xdist's workers too
-            failed.write("".join(f"{name}\n" for name in names))
+            failed.write("".join(f"{name}\t{item.nodeid}\n" for name in names))
 
 
 def jpeg_bytes(colour: tuple[int, int, int], size: tuple[int, int] = (48, 40)) -> bytes:

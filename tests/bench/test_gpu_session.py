@@ -237,23 +237,26 @@ def test_a_steps_variables_reach_its_process_alone(session, tmp_path):
 def test_a_fast_path_that_fails_its_gpu_test_is_off_in_the_later_steps(session, tmp_path, capsys):
     """The pytest step's failed fast paths (tests/conftest.py writes their names into the file the
     session names) join VLM_CATALOG_KERNELS_OFF for every later step, beside what it already said;
-    a step's own setting still wins for it, and session.json says what each step ran with."""
+    a step's own setting replaces the session's for it, with the failed ones still added (before,
+    a step comparing variants ran a fast path that had failed), and session.json says what each
+    step ran with."""
     fail = ("import os; open(os.environ['VLM_CATALOG_FAILED_FAST_PATHS'], 'a')"
-            ".write('skinny_linear\\ndecode_merge_in_place\\nskinny_linear\\n')")
+            ".write('skinny_linear\\ttests/a.py::test_gpu_a\\ndecode_merge_in_place\\nskinny_linear\\n')")
     show = "import os; print(os.environ['VLM_CATALOG_KERNELS_OFF'])"
     steps = [python_step(session, "pytest_gpu", fail),
              python_step(session, "after", show, tail_to="after.txt"),
              python_step(session, "own", show, tail_to="own.txt", env=(("VLM_CATALOG_KERNELS_OFF", "fused_moe"),))]
     results = session.run_plan(steps, budget_s=60, out=tmp_path, env={"VLM_CATALOG_KERNELS_OFF": "fp8_widen_ptx"})
     assert (tmp_path / "after.txt").read_text().split() == ["fp8_widen_ptx,skinny_linear,decode_merge_in_place"]
-    assert (tmp_path / "own.txt").read_text().split() == ["fused_moe"]
+    assert (tmp_path / "own.txt").read_text().split() == ["fused_moe,skinny_linear,decode_merge_in_place"]
     assert [r.kernels_off for r in results] == [["fp8_widen_ptx"],
                                                 ["fp8_widen_ptx", "skinny_linear", "decode_merge_in_place"],
-                                                ["fused_moe"]]
+                                                ["fused_moe", "skinny_linear", "decode_merge_in_place"]]
     recorded = json.loads((tmp_path / "session.json").read_text())
     assert recorded[1]["kernels_off"] == ["fp8_widen_ptx", "skinny_linear", "decode_merge_in_place"]
     log = (tmp_path / "session.log").read_text()
-    assert log.count("failed its GPU test") == 2 and "skinny_linear failed its GPU test" in capsys.readouterr().out
+    assert log.count("failed its GPU test") == 2
+    assert "skinny_linear failed its GPU test (tests/a.py::test_gpu_a)" in capsys.readouterr().out
     assert not any(path.name.startswith("failed") for path in tmp_path.iterdir())  # not a file the call brings back
 
 
@@ -264,16 +267,19 @@ def test_a_failed_gpu_test_names_its_fast_paths_and_a_passed_one_does_not(tmp_pa
 
     from tests import conftest
 
-    def item(*names):
+    def item(*names, test="test_gpu_x"):
         markers = [SimpleNamespace(args=names)] if names else []
-        return SimpleNamespace(nodeid="tests/kernels/test_x.py::test_gpu_x",
+        return SimpleNamespace(nodeid=f"tests/kernels/test_x.py::{test}",
                                iter_markers=lambda name: iter(markers if name == "fast_path" else []))
 
-    def report(test_item, failed):
+    def report(test_item, failed, error="AssertionError: max error 0.2"):
         hook = conftest.pytest_runtest_makereport(test_item, None)
         next(hook)
         with pytest.raises(StopIteration):
-            hook.send(SimpleNamespace(get_result=lambda: SimpleNamespace(failed=failed)))
+            hook.send(SimpleNamespace(get_result=lambda: SimpleNamespace(failed=failed, longreprtext=error)))
+
+    def recorded():
+        return [line.split("\t") for line in target.read_text().splitlines()]
 
     target = tmp_path / "failed.txt"
     report(item("skinny_linear"), failed=True)  # the variable unset: nothing written
@@ -284,7 +290,18 @@ def test_a_failed_gpu_test_names_its_fast_paths_and_a_passed_one_does_not(tmp_pa
     assert not target.exists()
     report(item("add_rms_norm_router", "norm_router_routes"), failed=True)
     report(item("skinny_linear"), failed=True)
-    assert target.read_text().split() == ["add_rms_norm_router", "norm_router_routes", "skinny_linear"]
+    test = "tests/kernels/test_x.py::test_gpu_x"
+    assert recorded() == [["add_rms_norm_router", test], ["norm_router_routes", test], ["skinny_linear", test]]
+    # a test that loses the worker's CUDA context is named; the failures after it in that worker
+    # are its echo, and name nothing
+    monkeypatch.setattr(conftest, "_cuda_context_lost_in", [])
+    target.unlink()
+    lost = "torch.AcceleratorError: CUDA error: an illegal memory access was encountered"
+    report(item("fp8_widen_ptx", test="test_gpu_culprit"), failed=True, error=lost)
+    report(item("fused_moe", test="test_gpu_echo"), failed=True, error=lost)
+    report(item("skinny_linear", test="test_gpu_later"), failed=True)
+    assert recorded() == [["fp8_widen_ptx", "tests/kernels/test_x.py::test_gpu_culprit"]]
+    assert conftest._cuda_context_lost_in == ["tests/kernels/test_x.py::test_gpu_culprit"]
     conftest.pytest_collection_modifyitems(None, [item("skinny_linear"), item()])
     with pytest.raises(pytest.UsageError, match="fast_path\\(skinny_lineer\\) names no op"):
         conftest.pytest_collection_modifyitems(None, [item("skinny_lineer")])
