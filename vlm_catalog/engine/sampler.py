@@ -8,9 +8,13 @@ takes the best tokens by `topk`, top-p first tries a window of the best
 tokens, and rows with neither filter are drawn in token order.
 
 A seeded request's uniform comes from a generator seeded by (seed, output
-position), so its tokens depend only on its seed and history: the same
+position), so its draws depend only on its seed and history: the same
 whatever it is batched with, and the same whether jump-forward appended the
-forced tokens or the model sampled them one by one.
+forced tokens or the model sampled them one by one. Its logits are the
+model's, though, and those can differ in the last float bits with the batch
+(matrix products are blocked by their row count, on CPU as on GPU: about
+5e-6 in float32 on the tiny model), so a draw that lands within about 1e-4 of
+a token boundary, or a greedy near-tie, can pick the neighbouring token.
 """
 
 from __future__ import annotations

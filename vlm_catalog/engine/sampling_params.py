@@ -25,8 +25,9 @@ class SamplingParams:
     """How to generate for one request.
 
     Greedy when `temperature` is 0 (or below 1e-5, as in vLLM). Filters apply in the order top-k, top-p,
-    min-p. `seed` makes one request's sampling reproducible whatever it is
-    batched with. Constrained decoding: set at most one of `json_schema` (a
+    min-p. `seed` makes one request's random draws its own, whatever it is
+    batched with (its logits can still differ in the last bits with the batch:
+    `engine/sampler.py`). Constrained decoding: set at most one of `json_schema` (a
     registered schema name, a pydantic model class or a JSON-schema dict),
     `regex` or `choice`; every finished output then parses against it unless
     `finish_reason == "length"` (so stop strings, and stop tokens other than the
