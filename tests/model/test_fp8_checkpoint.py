@@ -132,6 +132,18 @@ def test_bad_fp8_checkpoints_are_clear_errors(checkpoints, tmp_path):
     save_file(tensors, str(cut / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"o_proj.weight_scale_inv has shape \[1, 2\], expected \[4, 2\]"):
         load_model(cut, quantization="fp8_w8a8_channel")
+    # and when they are widened at load (`auto` on CPU, `none`): before, a cut scale was an
+    # IndexError, and scales of other blocks than config.json's loaded as a wrong model
+    for quantization in ("auto", "none"):
+        with pytest.raises(CheckpointError, match=r"o_proj.weight_scale_inv has shape \[1, 2\], expected \[4, 2\]"):
+            load_model(cut, quantization=quantization)
+    other_blocks = tmp_path / "other-blocks"
+    shutil.copytree(fp8, other_blocks)
+    config = json.loads((other_blocks / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [BLOCK[0] * 2, BLOCK[1]]
+    (other_blocks / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"weight_scale_inv has shape \[\d+, \d+\], expected"):
+        load_model(other_blocks, quantization="none")
 
 
 def test_fp8_activations_stay_close_to_fp8_weights_alone(checkpoints):

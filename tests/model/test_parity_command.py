@@ -5,6 +5,7 @@ import json
 import kernels
 from tests.model.helpers import build_checkpoint, noise_image, write_fp8_checkpoint
 from vlm_catalog.cli import main
+from vlm_catalog.paths import DEFAULT_MODEL_DIR
 
 
 def test_check_parity_command(tmp_path, tiny_tokenizer, capsys, monkeypatch):
@@ -34,6 +35,9 @@ def test_check_parity_errors(tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
     assert main(["check-parity", str(tmp_path / "missing"), "--json", str(tmp_path)]) == 2  # before any work
     assert "is a folder; give a file name" in capsys.readouterr().err
+    for device in ("mps", "xyz", "cuda:x", "meta"):  # before, a torch traceback (exit 1)
+        assert main(["check-parity", str(DEFAULT_MODEL_DIR), "--device", device, "--tokens", "1"]) == 2
+        assert capsys.readouterr().err == f"error: device must be 'cpu' or 'cuda[:N]', got {device!r}\n"
 
 
 def test_check_parity_on_an_fp8_checkpoint_transformers_cannot_load_is_a_clear_error(tmp_path, tiny_tokenizer, capsys):
@@ -60,3 +64,28 @@ def test_check_parity_refuses_a_checkpoint_transformers_routes_otherwise(tmp_pat
     err = capsys.readouterr().err
     assert err.startswith("error: config.json sets norm_topk_prob to false") and "no reference" in err
     assert err.count("\n") == 1
+
+
+def test_low_precision_tokens_may_differ_first_at_a_near_tie_of_the_reference(tmp_path, capsys):
+    """In bfloat16 the shipped model's reference ties its top two at the first token (9.0 and 9.0);
+    ours picks the other: before, FAIL (exit 1) with logits well inside the bound. A difference
+    where the reference prefers its token by more than the bound still fails."""
+    from vlm_catalog.model.parity import ParityReport
+
+    report_path = tmp_path / "bf16.json"
+    assert main(["check-parity", str(DEFAULT_MODEL_DIR), "--dtype", "bfloat16", "--tokens", "4",
+                 "--json", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    assert report["passed"] and report["reference_margin_at_difference"] is not None
+    assert "a near-tie, accepted" in capsys.readouterr().out
+
+    def low_precision(margin, ours=(5, 6), reference=(5, 7)):
+        return ParityReport(prompt_tokens=3, num_images=0, max_abs_logit_diff=0.3, ours=list(ours),
+                            reference=list(reference), our_error_vs_float32=0.2, reference_error_vs_float32=0.2,
+                            reference_margin_at_difference=margin)
+
+    assert low_precision(0.0).passed(1e-4) and low_precision(0.3).passed(1e-4)  # bound 1.5 * 0.2 + 1e-4
+    assert not low_precision(0.31).passed(1e-4)
+    assert low_precision(None, reference=(5, 6)).passed(1e-4)
+    float32 = ParityReport(prompt_tokens=3, num_images=0, max_abs_logit_diff=1e-5, ours=[5, 6], reference=[5, 7])
+    assert not float32.passed(1e-4)  # float32: the tokens must be equal

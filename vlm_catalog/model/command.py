@@ -71,8 +71,12 @@ def run(args: argparse.Namespace) -> int:
         )
     print(f"greedy {args.tokens} tokens match: {report.tokens_match}")
     if not report.tokens_match:
-        first = next(i for i, (a, b) in enumerate(zip(report.ours, report.reference)) if a != b)
+        first = report.first_difference
         print(f"  first difference at step {first}: ours {report.ours[first]}, transformers {report.reference[first]}")
+        if report.reference_margin_at_difference is not None:
+            tie = "a near-tie, accepted" if report.near_tie(atol) else "not a near-tie"
+            print(f"  transformers' logits there: its token {report.reference_margin_at_difference:.3e} above ours "
+                  f"({tie}: bound {report.low_precision_bound(atol):.3e})")
     print(verdict)
     if args.json_out:
         numbers = {
@@ -81,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
             "max_abs_logit_diff": report.max_abs_logit_diff, "tokens_match": report.tokens_match,
             "our_error_vs_float32": report.our_error_vs_float32,
             "reference_error_vs_float32": report.reference_error_vs_float32,
+            "reference_margin_at_difference": report.reference_margin_at_difference,
             "ours": report.ours, "reference": report.reference,
         }
         try:

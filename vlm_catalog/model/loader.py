@@ -112,7 +112,13 @@ def load_model(
         raise CheckpointError(f"checkpoint directory not found: {checkpoint_dir}")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise CheckpointError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
-    device = torch.device(device)
+    requested = device
+    try:
+        device = torch.device(requested)
+    except (RuntimeError, TypeError):  # "cuda:x", "gpu"
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise CheckpointError(f"device must be 'cpu' or 'cuda[:N]', got {str(requested)!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CheckpointError("device cuda was requested but no CUDA GPU is available")
     if quantization not in QUANTIZATION_MODES:
@@ -287,6 +293,9 @@ class WeightPlan:
             raise CheckpointError(f"{source_name}: FP8 experts in the transposed fused layout are not supported")
         scale = self._scale_of(source_name)
         block = self.quantization.block
+        *leading, rows, cols = source.get_shape()  # scales of other blocks than config.json's widen wrongly
+        self._check_shape(source_name + SCALE_SUFFIX, tuple(scale.shape),
+                          (*leading, *self.quantization.scale_shape(rows, cols)))
         if destination.dim() == 3:  # fused experts [E, rows, cols] with scales [E, row blocks, col blocks]
             for expert in range(destination.shape[0]):
                 destination[expert].copy_(dequantize(source[expert], scale[expert], block, destination.dtype))

@@ -11,7 +11,9 @@ greedy tokens. bfloat16/float16: rounding alone moves logits by ~1e-1 (transform
 bf16 logits differ from its float32 ones by that much), so both models are also
 compared with transformers in float32: ours must be no further from it than
 1.5x transformers' own low-precision error (+ atol), with greedy tokens equal to
-transformers' in the same dtype.
+transformers' in the same dtype, up to a near-tie: where the tokens first differ,
+transformers' own logits may rate ours within that bound of its choice (an exact
+tie of its top two is common in bfloat16, whose logits near 10 step by 1/16).
 """
 
 from __future__ import annotations
@@ -45,17 +47,30 @@ class ParityReport:
     # low precision only: distance of each model's logits from transformers in float32
     our_error_vs_float32: float | None = None
     reference_error_vs_float32: float | None = None
+    # low precision only: at the first differing token, transformers' logit of its token minus its
+    # logit of ours (0 for an exact tie of the two)
+    reference_margin_at_difference: float | None = None
 
     @property
     def tokens_match(self) -> bool:
         return self.ours == self.reference
 
+    @property
+    def first_difference(self) -> int | None:
+        return next((i for i, (a, b) in enumerate(zip(self.ours, self.reference)) if a != b), None)
+
+    def low_precision_bound(self, atol: float) -> float:
+        return LOW_PRECISION_SLACK * self.reference_error_vs_float32 + atol
+
+    def near_tie(self, atol: float) -> bool:
+        """The tokens differ first where transformers' own logits rate ours within the low-precision bound."""
+        margin = self.reference_margin_at_difference
+        return margin is not None and margin <= self.low_precision_bound(atol)
+
     def passed(self, atol: float) -> bool:
-        if not self.tokens_match:
-            return False
         if self.our_error_vs_float32 is None:
-            return self.max_abs_logit_diff <= atol
-        return self.our_error_vs_float32 <= LOW_PRECISION_SLACK * self.reference_error_vs_float32 + atol
+            return self.tokens_match and self.max_abs_logit_diff <= atol
+        return (self.tokens_match or self.near_tie(atol)) and self.our_error_vs_float32 <= self.low_precision_bound(atol)
 
 
 class ReferenceUnavailable(RuntimeError):
@@ -182,6 +197,10 @@ def check_parity(
         rows = prompt.num_tokens + max(agreeing - 1, 0)
         report.our_error_vs_float32 = max(_step_diffs(our_logits[:rows], float32_logits[:rows]))
         report.reference_error_vs_float32 = max(_step_diffs(reference_logits[:rows], float32_logits[:rows]))
+        step = report.first_difference
+        if step is not None:  # the row whose argmax chose the step's token
+            row = reference_logits[prompt.num_tokens - 1 + step]
+            report.reference_margin_at_difference = float(row[reference_tokens[step]] - row[our_tokens[step]])
     return report
 
 
