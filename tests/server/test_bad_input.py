@@ -237,6 +237,15 @@ def test_bad_multipart_extract_requests(strict_app, records):
     assert long_part.json()["error"]["message"] == "cannot read the multipart form: Part exceeded maximum size of 2KB."
     not_an_image = call(strict_app, "POST", "/v1/extract", data=form, files={"image": ("p.jpg", b"", "image/jpeg")})
     assert_error(not_an_image, 400, None, "image")
+    # one cp1252 byte (a non-breaking space) among UTF-8 text: before, the whole field was read as
+    # Latin-1 ("CafÃ© > Bols\xa0") and answered 200, a category the client never sent
+    stray_byte = '["Café > Tasses", "Café > Bols\xa0"]'.encode("utf-8").replace(b"\xc2\xa0", b"\xa0")
+    mojibake = call(strict_app, "POST", "/v1/extract", data={k: v for k, v in form.items() if k != "candidate_categories"},
+                    files={"candidate_categories": (None, stray_byte), "image": ("p.jpg", record.image, "image/jpeg")})
+    assert_error(mojibake, 400, "invalid_multipart", None)
+    at = stray_byte.index(b"\xa0")
+    assert mojibake.json()["error"]["message"] == ("cannot read the multipart form: field 'candidate_categories' is not "
+                                                  f"valid utf-8 text (byte {at}: invalid start byte)")
 
 
 def test_bad_batches(strict_app, records):

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
-from starlette.formparsers import MultiPartException
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from vlm_catalog.engine.outputs import context_cut
 from vlm_catalog.engine.sampling_params import SamplingParams
@@ -126,10 +126,26 @@ async def _read_product(request: Request, state: ServiceState) -> dict[str, Any]
     return fields
 
 
+class StrictTextParts(MultiPartParser):
+    """Starlette's multipart parser, but a text field that is not valid in the form's charset
+    (UTF-8 unless the request names another) is refused. Starlette reads such a field as Latin-1:
+    one stray cp1252 byte in scraped text made a whole field mojibake ("CafÃ©"), answered 200."""
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        if part.file is None:
+            try:
+                bytes(part.data).decode(self._charset)
+            except UnicodeDecodeError as exc:
+                raise MultiPartException(f"field {part.field_name!r} is not valid {self._charset} text "
+                                         f"(byte {exc.start}: {exc.reason})") from None
+        super().on_part_end()
+
+
 async def _read_multipart(request: Request, state: ServiceState) -> dict[str, Any]:
     try:
-        form = await request.form(max_files=1, max_fields=MULTIPART_FIELDS,
-                                  max_part_size=state.settings.max_text_field_bytes)
+        form = await StrictTextParts(request.headers, request.stream(), max_files=1, max_fields=MULTIPART_FIELDS,
+                                     max_part_size=state.settings.max_text_field_bytes).parse()
     except (MultiPartException, HTTPException) as exc:  # inside an app, Starlette raises the second for the first
         message = exc.message if isinstance(exc, MultiPartException) else exc.detail
         raise bad_request(f"cannot read the multipart form: {message}", code="invalid_multipart") from None
