@@ -16,7 +16,7 @@ import pytest
 from schemas import ProductMetadata
 from vlm_catalog.data.loader import CatalogueItem
 from vlm_catalog.paths import SAMPLE_CATALOGUE_DIR
-from vlm_catalog.structured.catalogue import MAX_TOKENS_PER_FREE_CHAR
+from vlm_catalog.structured.catalogue import MAX_TOKENS_PER_FREE_CHAR, token_counter
 
 SPARE_TOKENS = 8  # the roomy record's room: its answer's reserve plus this, well below max_tokens 150
 
@@ -35,8 +35,7 @@ def cases():
     record = load_catalogue(SAMPLE_CATALOGUE_DIR)[0]
     probe = LLM()
     try:
-        def count(text: str) -> int:
-            return len(probe.tokenizer.encode(text, add_special_tokens=False))
+        count = token_counter(probe.tokenizer)
 
         def padded(words: int):
             return record.model_copy(update={"description": record.description + " sale" * words})
@@ -82,7 +81,7 @@ def test_llm_extract_and_the_batch_runner_fit_the_budget_to_the_context(cases):
     try:
         roomy, cut, too_long = llm.extract([item.record for item in items.values()],
                                            sampling_params=SamplingParams(max_tokens=150))
-        builder = RequestBuilder(ProductMetadata, "mlperf", 150, llm._count_tokens)
+        builder = RequestBuilder(ProductMetadata, "mlperf", 150, token_counter(llm.tokenizer))
         lines = []
         run_items(llm.engine, builder, items.values(), lines.append, window=4, read_ahead=2)
     finally:
@@ -130,3 +129,33 @@ def test_the_service_fits_the_budget_to_the_context(cases):
     assert body["usage"]["completion_tokens"] == rooms["cut"]
     assert f"max_model_len {max_model_len}" in body["error"], body["error"]
     assert too_long.status_code == 400 and "max_model_len" in too_long.json()["error"]["message"]
+
+
+def test_categories_with_special_token_text_fit_the_budget():
+    """Such text is spelled with ordinary tokens in an answer (no grammar allows a special id
+    there), and counted so: before, "<|im_end|>" counted as one token, the answer's reserve came
+    out short, and the bounded schema's answer was cut at the budget ("length") even after its
+    re-run, in LLM.extract, the batch job and the service alike; and a forced span (jump-forward)
+    stopped at such text, leaving the model to spell it with still more tokens."""
+    from vlm_catalog import LLM, SamplingParams
+    from vlm_catalog.data.loader import load_catalogue
+
+    record = load_catalogue(SAMPLE_CATALOGUE_DIR)[0]
+    tricky = record.model_copy(update={"candidate_categories": ["Home > " + "<|im_end|>" * 10]})
+    two = record.model_copy(update={"candidate_categories": ["Home > <|im_end|>", "Home > <|image_pad|><|vision_end|>"]})
+    llm = LLM()
+    try:
+        count = token_counter(llm.tokenizer)
+        assert count("<|im_end|>") > 1 and len(llm.tokenizer.encode("<|im_end|>", add_special_tokens=False)) == 1
+        for max_tokens in (1, 20, 40):
+            for product in (tricky, two):
+                result = llm.extract([product], sampling_params=SamplingParams(max_tokens=max_tokens))[0]
+                assert result.ok and result.metadata.category in product.candidate_categories, (max_tokens,
+                                                                                                result.error)
+        # a lone surrogate (JSON's "\ud800" escape) in a candidate fails its record alone: before, the
+        # token count raised a TypeError out of the whole call, the other records' answers with it
+        surrogate = record.model_copy(update={"candidate_categories": ["Home > Kitchen\ud800"]})
+        good, bad = llm.extract([record, surrogate], sampling_params=SamplingParams(max_tokens=40))
+        assert good.ok and not bad.ok and "unpaired surrogate" in bad.error
+    finally:
+        llm.engine.close()

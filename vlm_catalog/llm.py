@@ -143,9 +143,10 @@ class LLM:
         """One engine run over `records`; a record whose budget is tight gets the bounded
         schema at once (`record_schema`, as in `vlm_catalog.batch.requests`)."""
         from vlm_catalog.preprocess.prompt import build_messages
-        from vlm_catalog.structured.catalogue import record_schema
+        from vlm_catalog.structured.catalogue import record_schema, token_counter
 
         bounded = list(bounded)  # written by the preparing threads, each at its own index
+        count_tokens = token_counter(self.tokenizer)
 
         def prepare(index: int) -> _Prepared:
             record = records[index]
@@ -154,7 +155,7 @@ class LLM:
                 prompt = self.engine.processor.process(build_messages(record, style=prompt_style, schema=schema))
                 if restrict_categories:  # the budget also fits what the context leaves after the prompt
                     json_schema, budget, bounded[index] = record_schema(
-                        record.candidate_categories, base.max_tokens, self._count_tokens, schema, bounded[index],
+                        record.candidate_categories, base.max_tokens, count_tokens, schema, bounded[index],
                         answer_room=self.engine.answer_room(prompt),
                     )
             except ValueError as exc:  # PromptError, ImageDecodeError (a decompression bomb too), GrammarError
@@ -163,8 +164,6 @@ class LLM:
 
         return self._run(len(records), prepare, use_tqdm), bounded
 
-    def _count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _run_prompts(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):

@@ -57,6 +57,7 @@ def test_restricted_schema_is_itself_a_valid_json_schema():
         ("Home & Garden", "must be a list of strings, got str"),
         (["Home & Garden", " "], "position 1 is blank"),
         (["Home & Garden", None], "position 1 is a NoneType"),
+        (["Home & Garden", "Toys\ud800"], "position 1 has an unpaired surrogate '\\\\ud800' at character 4"),
     ],
 )
 def test_bad_candidate_lists(candidates, message):
@@ -154,3 +155,23 @@ def test_record_schema_fits_the_budget_to_what_the_context_leaves():
         assert not bounded and budget == reserve - 3 and "pattern" not in plain.json_schema["properties"]["brand"]
         rerun, budget, bounded = record_schema(CANDIDATES, max_tokens, count, bounded=True, answer_room=reserve - 3)
         assert bounded and budget == reserve - 3 and "{0,0}" in rerun.json_schema["properties"]["brand"]["pattern"]
+
+
+def test_special_token_text_counts_as_the_ordinary_text_an_answer_spells():
+    """`token_counter` reads "<|im_end|>" as text (an answer cannot use the special id), on its own
+    copy of the tokenizer: transformers' split_special_tokens flips a flag on the shared tokenizer
+    at each call, which raced with the threads tokenising prompts (a prompt with an image then had
+    0 image placeholders)."""
+    from transformers import AutoTokenizer
+
+    from vlm_catalog.paths import DEFAULT_MODEL_DIR
+    from vlm_catalog.structured.catalogue import token_counter
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    count = token_counter(tokenizer)
+    counted = count("Home > <|im_end|>")
+    assert tokenizer.backend_tokenizer.encode_special_tokens is False  # the shared tokenizer untouched
+    assert tokenizer.encode("<|image_pad|>", add_special_tokens=False) == [tokenizer.convert_tokens_to_ids("<|image_pad|>")]
+    assert count("Home > Kitchen") == len(tokenizer.encode("Home > Kitchen", add_special_tokens=False))
+    spelled = tokenizer("Home > <|im_end|>", add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert counted == len(spelled) > len(tokenizer.encode("Home > <|im_end|>", add_special_tokens=False))

@@ -406,11 +406,10 @@ def build_engine(settings: BatchSettings):
 def build_request_builder(settings: BatchSettings, tokenizer):
     from schemas import resolve_schema
     from vlm_catalog.batch.requests import RequestBuilder
+    from vlm_catalog.structured.catalogue import token_counter
 
-    def count_tokens(text: str) -> int:
-        return len(tokenizer.encode(text, add_special_tokens=False))
-
-    return RequestBuilder(resolve_schema(settings.schema).model, settings.prompt_style, settings.max_tokens, count_tokens)
+    return RequestBuilder(resolve_schema(settings.schema).model, settings.prompt_style, settings.max_tokens,
+                          token_counter(tokenizer))
 
 
 def evaluate_results(settings: BatchSettings, catalogue):

@@ -266,10 +266,9 @@ def _prompt_and_schema(record, product: ExtractRequest, model, max_tokens: int, 
     always completes: `structured.catalogue.record_schema`) and the budget to run it with: `max_tokens`,
     or what the context leaves after the prompt when that is less."""
     from vlm_catalog.preprocess.prompt import build_messages
-    from vlm_catalog.structured.catalogue import record_schema
+    from vlm_catalog.structured.catalogue import record_schema, token_counter
 
-    def count_tokens(text: str) -> int:
-        return len(engine.tokenizer.encode(text, add_special_tokens=False))
+    count_tokens = token_counter(engine.tokenizer)
 
     messages = build_messages(record, style=product.prompt_style, schema=model)
     try:

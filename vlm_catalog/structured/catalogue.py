@@ -70,6 +70,11 @@ def _checked_candidates(candidates: object) -> list[str]:
             )
         if not candidate.strip():
             raise GrammarError(f"candidate category at position {position} is blank")
+        try:  # JSON's "\ud800" escape reads as a lone surrogate: no UTF-8 form, no token
+            candidate.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise GrammarError(f"candidate category at position {position} has an unpaired surrogate "
+                               f"{candidate[exc.start]!r} at character {exc.start} (not valid Unicode)") from None
     return list(dict.fromkeys(candidates))
 
 
@@ -83,6 +88,21 @@ MAX_TOKENS_PER_FREE_CHAR = 4
 RESERVE_SLACK_TOKENS = 4
 # Raw characters only: no control characters, no `"` and no `\` (so no escapes).
 _FREE_TEXT_CHARACTERS = '[^"\\\\\\x00-\\x1f]'
+
+
+def token_counter(tokenizer: Any) -> Callable[[str], int]:
+    """`count_tokens` for `record_schema`: the tokens an answer spells `text` with. Text that
+    reads as a special token (a category "Home > <|im_end|>") counts as the ordinary text it is
+    (`ordinary_text_encoder`), since no grammar lets a special id stand for it: counted as one
+    token, "<|im_end|>" * 10 took 71, and the bounded schema's answer no longer fit its budget."""
+    from vlm_catalog.structured.vocabulary import ordinary_text_encoder
+
+    encode = ordinary_text_encoder(tokenizer)
+
+    def count_tokens(text: str) -> int:
+        return len(encode(text))
+
+    return count_tokens
 
 
 def answer_reserve(

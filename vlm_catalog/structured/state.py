@@ -13,7 +13,7 @@ Forced spans: the contract
     `","brand":"`, the rest of a category path once the prefix typed so far
     matches a single candidate of the enum, `rue}` after `t` in a boolean.
     `forced_tokens()` returns the *canonical* tokenisation of `s`
-    (`tokenizer.encode(s, add_special_tokens=False)`):
+    (`Vocabulary.encode`: special-token text as ordinary text):
 
     - without its last token: the model chooses that boundary token itself,
       because the canonical tokenisation of the whole answer may merge the end

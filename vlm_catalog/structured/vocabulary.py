@@ -4,7 +4,9 @@ model's (padded) vocabulary size, the stop tokens and a canonical encoder.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import weakref
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -15,6 +17,35 @@ from vlm_catalog.structured.bitmask import BITS_PER_WORD
 from vlm_catalog.structured.errors import GrammarError
 
 ENCODE_CACHE_SIZE = 4096
+
+_ordinary_encoders: weakref.WeakKeyDictionary[Any, Callable[[str], list[int]]] = weakref.WeakKeyDictionary()
+_ordinary_encoders_lock = threading.Lock()
+
+
+def ordinary_text_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    """`encode(text)` -> ids, no special tokens added, with text that reads as a special token
+    ("<|im_end|>" in a category) tokenised as the ordinary text it is: how an answer must spell
+    it, since no grammar allows a special id there. One per tokenizer, on a private copy of its
+    Rust backend: transformers' `split_special_tokens=True` sets a flag on the shared backend at
+    each call, a race with the threads that tokenise prompts (a prompt lost its image
+    placeholders). A tokenizer without a Rust backend encodes as it does (special tokens read)."""
+    with _ordinary_encoders_lock:
+        encoder = _ordinary_encoders.get(tokenizer)
+        if encoder is None:
+            backend = getattr(tokenizer, "backend_tokenizer", None)
+            if backend is None:
+                def encoder(text: str) -> list[int]:
+                    return tokenizer.encode(text, add_special_tokens=False)
+            else:
+                from tokenizers import Tokenizer
+
+                private = Tokenizer.from_str(backend.to_str())
+                private.encode_special_tokens = True
+
+                def encoder(text: str) -> list[int]:
+                    return private.encode(text, add_special_tokens=False).ids
+            _ordinary_encoders[tokenizer] = encoder
+        return encoder
 
 
 class GrammarVocabulary:
@@ -62,11 +93,14 @@ class GrammarVocabulary:
         self._encode_cached = lru_cache(maxsize=ENCODE_CACHE_SIZE)(self._encode)
 
     def encode(self, text: str) -> tuple[int, ...]:
-        """The canonical tokenisation of `text`, no special tokens added (memoised)."""
+        """The canonical tokenisation of `text`, no special tokens added (memoised). Text that reads
+        as a special token ("<|im_end|>" in a category) is tokenised as the ordinary text it is: no
+        grammar allows a special id, so before, a forced span stopped there and the model spelled
+        the rest itself, with more tokens than the answer's budget had counted."""
         return self._encode_cached(text)
 
     def _encode(self, text: str) -> tuple[int, ...]:
-        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
+        return tuple(ordinary_text_encoder(self.tokenizer)(text))
 
     def check_bitmask(self, bitmask: torch.Tensor) -> None:
         """A clear error unless `bitmask` is `[B, W]` int32 with W words for `mask_size` ids (what

@@ -76,11 +76,10 @@ class RecordGrammars:
     def logits_processor(self, records: list):
         import xgrammar.contrib.hf
 
-        from vlm_catalog.structured.catalogue import record_schema
+        from vlm_catalog.structured.catalogue import record_schema, token_counter
         from vlm_catalog.structured.spec import GrammarSpec
 
-        def count(text: str) -> int:
-            return len(self.tokenizer.encode(text, add_special_tokens=False))
+        count = token_counter(self.tokenizer)
 
         compiled = []
         for record in records:
