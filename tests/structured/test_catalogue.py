@@ -116,6 +116,38 @@ def test_budgeted_schema_ends_every_answer_within_the_budget(service, tokenizer,
         schema.validate(tokenizer.decode(decoded.tokens))
 
 
+def byte_tokens(tokenizer, raw: bytes) -> list[int]:
+    """One byte-level BPE token per byte (GPT-2's byte-to-character map), whatever the bytes decode to."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    character = {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+    return [tokenizer.convert_tokens_to_ids(character[b]) for b in raw]
+
+
+def test_budgeted_free_text_takes_unicode_characters_only(service, tokenizer):
+    """The bounded brand's characters are Unicode scalar values: before, the grammar also took the
+    UTF-8-style bytes of a surrogate (ED A0 80) and an overlong NUL (E0 80 80), each decoding to
+    three U+FFFD, so a finished answer broke its own length bound and failed its schema."""
+    from vlm_catalog.structured.catalogue import budgeted_catalogue_schema
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    schema, _ = budgeted_catalogue_schema(CANDIDATES, 40, count)
+    compiled = service.compile(GrammarSpec.from_request(json_schema=schema))
+    opening = tokenizer.encode('{"category":"' + CANDIDATES[0] + '","brand":"', add_special_tokens=False)
+    for good in ("é", "\U0001F389", "\ue000", "a"):
+        state = GrammarState(compiled)
+        state.accept(opening + byte_tokens(tokenizer, good.encode()))
+        state.accept(tokenizer.encode('","is_secondhand":true}', add_special_tokens=False))
+        assert state.is_finished()
+        schema.validate(tokenizer.decode(opening) + good + '","is_secondhand":true}')
+    # a surrogate, overlong forms, past U+10FFFF, an escape, a control character
+    for bad in (b"\xed\xa0\x80", b"\xe0\x80\x80", b"\xc0\x80", b"\xf4\x90\x80\x80", b"\\", b"\x01"):
+        with pytest.raises(GrammarError, match="not allowed"):
+            GrammarState(compiled).accept(opening + byte_tokens(tokenizer, bad))
+
+
 def test_record_schema_bounds_only_tight_budgets_or_reruns():
     from vlm_catalog.structured.catalogue import answer_reserve, record_schema
 

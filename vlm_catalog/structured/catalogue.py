@@ -86,8 +86,13 @@ MAX_TOKENS_PER_FREE_CHAR = 4
 # Tokens the fixed parts may take beyond their canonical tokenisation (where
 # the model, not a forced span, chooses how to spell a category prefix).
 RESERVE_SLACK_TOKENS = 4
-# Raw characters only: no control characters, no `"` and no `\` (so no escapes).
-_FREE_TEXT_CHARACTERS = '[^"\\\\\\x00-\\x1f]'
+# Raw characters only: no control characters, no `"` and no `\` (so no escapes), and
+# Unicode scalar values only, listed (U+0020 to U+10FFFF less `"`, `\` and the
+# surrogates): xgrammar's negated class [^"\\\x00-\x1f] also took the UTF-8-style bytes of a
+# surrogate (ED A0 80) and an overlong form (E0 80 80), which decode to three U+FFFD each, so
+# a finished brand broke its own length bound. The top of the range is the character itself:
+# xgrammar's regex has no \U escape.
+_FREE_TEXT_CHARACTERS = '[ !#-\\[\\]-\\ud7ff\\ue000-\U0010ffff]'
 
 
 def token_counter(tokenizer: Any) -> Callable[[str], int]:
