@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import io
+import itertools
 import json
 import re
 from array import array
@@ -336,7 +337,22 @@ class _JsonlRows:
                     yield _parse_json_line(line)
 
     def column(self, name: str) -> list[Any]:
-        return [row.get(name) if isinstance(row, dict) else None for row in self.rows(0, len(self))]
+        return self.columns([name])[name]
+
+    def columns(self, names: Sequence[str]) -> dict[str, list[Any]]:
+        """Several columns in one pass over the file (a pass per column parsed it 4 times to score)."""
+        values: dict[str, list[Any]] = {name: [] for name in names}
+        for row in self.rows(0, len(self)):
+            for name, column in values.items():
+                column.append(row.get(name) if isinstance(row, dict) else None)
+        return values
+
+
+def _read_columns(rows: _Rows, names: Sequence[str]) -> dict[str, list[Any]]:
+    """`names`' columns: in one pass where the rows can (`_JsonlRows.columns`), else one by one."""
+    if isinstance(rows, _JsonlRows):
+        return rows.columns(names)
+    return {name: rows.column(name) for name in names}
 
 
 def _parse_json_line(line: JsonlLine) -> dict[str, Any] | str:
@@ -399,7 +415,7 @@ class Catalogue(Sequence[ProductRecord]):
         self,
         rows: _Rows,
         source: str,
-        attributes: list[dict[str, Any]] | None = None,
+        attributes: _AttributeLines | None = None,
         image_root: Path | None = None,
     ) -> None:
         self.source = source
@@ -498,13 +514,17 @@ class Catalogue(Sequence[ProductRecord]):
             raise CatalogueError(
                 f"{self.source}: has no ground truth columns ({', '.join(LABEL_COLUMNS)})"
             )
-        columns = {name: self._rows.column(name) for name in (CANDIDATES, *LABEL_COLUMNS)}
+        columns = _read_columns(self._rows, (CANDIDATES, *LABEL_COLUMNS))
+        attributes = self._attributes.all() if self._attributes is not None else itertools.repeat(None)
         labels: list[RecordLabels | str] = []
-        for i in range(len(self)):
+        for i, record_attributes in zip(range(len(self)), attributes):
             row = {name: values[i] for name, values in columns.items()}
             unreadable = next((value for value in row.values() if isinstance(value, Unreadable)), None)
             if unreadable is not None:
                 labels.append(unreadable.reason)
+                continue
+            if isinstance(record_attributes, str):
+                labels.append(record_attributes)
                 continue
             try:
                 truth = _checked_labels(row)
@@ -514,9 +534,10 @@ class Catalogue(Sequence[ProductRecord]):
                 continue
             labels.append(RecordLabels(
                 category=truth.category, brand=truth.brand, is_secondhand=truth.is_secondhand,
-                candidates=candidates,
-                attributes=self._attributes[i] if self._attributes is not None else None,
+                candidates=candidates, attributes=record_attributes,
             ))
+        if len(labels) != len(self):
+            raise CatalogueError(f"{self.source}: {ATTRIBUTES_FILE} lost lines while it was read")
         return labels
 
     def check_images(self) -> None:
@@ -539,8 +560,11 @@ class Catalogue(Sequence[ProductRecord]):
         ground_truth = _checked_labels(row) if self.has_labels else None
         attributes = None
         if self._attributes is not None:
+            raw_attributes = self._attributes[index]
+            if isinstance(raw_attributes, str):
+                raise _RecordProblem("record", raw_attributes)
             try:
-                attributes = ProductAttributes.model_validate(self._attributes[index])
+                attributes = ProductAttributes.model_validate(raw_attributes)
             except ValidationError as exc:
                 raise _RecordProblem("record", f"{ATTRIBUTES_FILE}: {_pydantic_problems(exc)}") from None
         image = _image_bytes(row[IMAGE], self._image_root)
@@ -821,21 +845,41 @@ def _check_columns(column_names: list[str], path: Path) -> None:
         raise CatalogueError(f"{path}: has some ground-truth columns but not {', '.join(absent)}")
 
 
-def _read_attributes(path: Path, num_rows: int) -> list[dict[str, Any]] | None:
+class _AttributeLines:
+    """`attributes.jsonl`, one JSON object per non-blank line in record order, read by byte offset
+    (16 bytes a record held): read whole at start-up, it held about 1 KB a record for the whole
+    run (1 GB per million records, in every Ray reader too), though only scoring reads it. A line
+    that is not a JSON object is its record's problem, not the whole catalogue's."""
+
+    def __init__(self, path: Path, num_rows: int) -> None:
+        self.path = path
+        self._offsets, self._numbers = array("Q"), array("Q")
+        with path.open("rb") as handle:
+            for line in read_lines(handle):
+                if not line.is_blank:
+                    self._offsets.append(line.offset)
+                    self._numbers.append(line.number)
+        if len(self._offsets) != num_rows:
+            raise CatalogueError(f"{path}: has {len(self._offsets)} lines for {num_rows} records")
+
+    def __getitem__(self, index: int) -> dict[str, Any] | str:
+        """Record `index`'s attributes, or why its line is unusable."""
+        with self.path.open("rb") as handle:
+            handle.seek(self._offsets[index])
+            return self._parsed(next(read_lines(handle)), self._numbers[index])
+
+    def all(self) -> Iterator[dict[str, Any] | str]:
+        """Every record's, in order, in one pass."""
+        with self.path.open("rb") as handle:
+            lines = (line for line in read_lines(handle) if not line.is_blank)
+            for line, number in zip(lines, self._numbers):
+                yield self._parsed(line, number)
+
+    def _parsed(self, line: JsonlLine, number: int) -> dict[str, Any] | str:
+        parsed = _json_object(line)
+        return f"{ATTRIBUTES_FILE}: line {number}: {parsed}" if isinstance(parsed, str) else parsed
+
+
+def _read_attributes(path: Path, num_rows: int) -> _AttributeLines | None:
     attributes_path = path / ATTRIBUTES_FILE
-    if not attributes_path.is_file():
-        return None
-    attributes: list[dict[str, Any]] = []
-    with attributes_path.open("rb") as handle:
-        for line in read_lines(handle):
-            if line.is_blank:
-                continue
-            parsed = _json_object(line)
-            if isinstance(parsed, str):
-                raise CatalogueError(f"{attributes_path}: line {line.number}: {parsed}")
-            attributes.append(parsed)
-    if len(attributes) != num_rows:
-        raise CatalogueError(
-            f"{attributes_path}: has {len(attributes)} lines for {num_rows} records"
-        )
-    return attributes
+    return _AttributeLines(attributes_path, num_rows) if attributes_path.is_file() else None
