@@ -11,6 +11,7 @@ import random
 import re
 import subprocess
 import sys
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -84,6 +85,44 @@ def test_parquet_is_written_in_small_row_groups(tmp_path: Path, monkeypatch: pyt
     metadata = pq.ParquetFile(parquet_path(out, "test")).metadata
     assert [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)] == [3, 3, 1]
     assert [row["product_title"] for row in _rows(out)] == [default_factory().make(SEED, i).title for i in range(7)]
+
+
+def test_records_are_made_and_written_a_chunk_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """All records in memory took about 55 kB each (55 GB for a million); now one chunk's. The
+    file is the same records in the same row groups, and it loads as before. A run stopped
+    midway leaves no half catalogue."""
+    from vlm_catalog.data.loader import load_catalogue
+    from vlm_catalog.data.synthetic import generator
+
+    whole = make_catalog(tmp_path / "whole", n=20, seed=SEED)
+    monkeypatch.setattr(generator, "RECORDS_PER_CHUNK", 4)
+    made, most_alive = [], [0]
+    real_make = default_factory().make
+    factory = default_factory()
+
+    def make(*args):
+        most_alive[0] = max(most_alive[0], sum(record() is not None for record in made))
+        record = real_make(*args)
+        made.append(weakref.ref(record))
+        return record
+
+    monkeypatch.setattr(factory, "make", make)
+    chunked = make_catalog(tmp_path / "chunked", n=20, seed=SEED, factory=factory)
+    assert len(made) == 20 and most_alive[0] < 2 * 4  # two chunks at most; was 19, every record made so far
+    assert _rows(chunked) == _rows(whole)
+    assert (chunked / "attributes.jsonl").read_bytes() == (whole / "attributes.jsonl").read_bytes()
+    assert pq.read_schema(parquet_path(chunked)).metadata == pq.read_schema(parquet_path(whole)).metadata
+    assert [record.title for record in load_catalogue(chunked)] == [record.title for record in load_catalogue(whole)]
+
+    def fail_at_six(seed, index, image_size):
+        if index == 6:
+            raise KeyboardInterrupt
+        return real_make(seed, index, image_size)
+
+    monkeypatch.setattr(factory, "make", fail_at_six)
+    with pytest.raises(KeyboardInterrupt):
+        make_catalog(tmp_path / "stopped", n=10, seed=SEED, factory=factory)
+    assert list((tmp_path / "stopped").rglob("*.*")) == []
 
 
 @pytest.mark.parametrize("how", ["data_dir", "folder", "data_files"])
