@@ -90,8 +90,9 @@ RESERVE_SLACK_TOKENS = 4
 # Unicode scalar values only, listed (U+0020 to U+10FFFF less `"`, `\` and the
 # surrogates): xgrammar's negated class [^"\\\x00-\x1f] also took the UTF-8-style bytes of a
 # surrogate (ED A0 80) and an overlong form (E0 80 80), which decode to three U+FFFD each, so
-# a finished brand broke its own length bound. The top of the range is the character itself:
-# xgrammar's regex has no \U escape.
+# a finished brand broke its own length bound (xgrammar 0.1, the declared floor, still takes
+# overlong forms in any class). The top of the range is the character itself: xgrammar's regex
+# has no \U escape.
 _FREE_TEXT_CHARACTERS = '[ !#-\\[\\]-\\ud7ff\\ue000-\U0010ffff]'
 
 
