@@ -252,3 +252,30 @@ def test_sighup_drains_unless_ignored_and_only_a_second_sigint_answers_at_once()
         assert server.force_exit
     finally:
         loop.close()
+
+
+def test_the_open_file_limit_is_raised_to_hold_the_connections(monkeypatch, capsys):
+    """Under the usual soft limit of 1,024 files, 1,100 half-sent bodies exhausted them (accept()
+    failing in a loop, /health timing out); serve now raises the soft limit up to the hard one and
+    has uvicorn answer 503 past --max-connections, cutting them to what the limit holds if it must."""
+    import resource
+
+    from vlm_catalog.server import command
+
+    limits = {"now": (1024, 1_048_576)}
+    monkeypatch.setattr(resource, "getrlimit", lambda which: limits["now"])
+
+    def setrlimit(which, value):
+        if value[0] > limits["now"][1]:
+            raise ValueError("not allowed")
+        limits["now"] = value
+
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    assert command.connection_limit(2048) == 2048
+    assert limits["now"] == (2048 + command.SPARE_FILE_DESCRIPTORS, 1_048_576)
+    assert capsys.readouterr().err == ""
+    limits["now"] = (1024, 1024)  # no room to raise it
+    assert command.connection_limit(2048) == 1024 - command.SPARE_FILE_DESCRIPTORS
+    assert "the open-file limit (1024) holds 768 connections, not --max-connections 2048" in capsys.readouterr().err
+    limits["now"] = (65536, 65536)  # already enough: left alone
+    assert command.connection_limit(2048) == 2048 and limits["now"] == (65536, 65536)

@@ -24,16 +24,16 @@ from vlm_catalog.engine.async_engine import AsyncLLM
 from vlm_catalog.engine.generation_config import generation_config_sampling
 from vlm_catalog.server import chat, extract, info
 from vlm_catalog.server.auth import ApiKeyAuth
-from vlm_catalog.server.body_limit import BodySizeLimit
-from vlm_catalog.server.errors import install_error_handlers
+from vlm_catalog.server.body_guard import RequestBodyGuard
+from vlm_catalog.server.errors import CLIENT_CLOSED_REQUEST, APIError, install_error_handlers
 from vlm_catalog.server.generation import ClientDisconnected, EngineGateway
 from vlm_catalog.server.images import ImageResolver
 from vlm_catalog.server.metrics import ServiceMetrics
 from vlm_catalog.server.settings import ServerSettings
 from vlm_catalog.server.state import ServiceState
 
-# not a real HTTP status: nginx's "client closed request", only for logs and metrics
-CLIENT_CLOSED_REQUEST = 499
+# the endpoints that take places in the service: a full service answers them 429 before their body is read
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/extract", "/v1/extract/batch"})
 
 
 def create_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI:
@@ -73,7 +73,14 @@ def create_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> Fast
     app.add_exception_handler(ClientDisconnected, client_disconnected)
     for router in (info.router, chat.router, extract.router):
         app.include_router(router)
-    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes, count_error=metrics.count_error)
+
+    def refuse_early(scope) -> APIError | None:
+        if scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
+            return state.gateway.busy_error()
+        return None
+
+    app.add_middleware(RequestBodyGuard, max_body_bytes=settings.max_body_bytes, timeout_s=settings.request_timeout_s,
+                       count_error=metrics.count_error, refuse_early=refuse_early)
     if settings.api_key is not None:  # outermost: nothing is read before the key is checked
         app.add_middleware(ApiKeyAuth, api_key=settings.api_key.get_secret_value(), count_error=metrics.count_error)
     return app

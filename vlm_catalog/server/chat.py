@@ -14,22 +14,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.background import BackgroundTask
 
 from vlm_catalog.engine.outputs import RequestOutput
 from vlm_catalog.engine.sampling_params import SamplingParams, SamplingParamsError
 from vlm_catalog.server.errors import APIError, bad_request, error_json
-from vlm_catalog.server.generation import Admission, new_request_id, until_disconnected
+from vlm_catalog.server.generation import (
+    STREAM_SEND_GRACE_S,
+    Admission,
+    StreamWithDeadline,
+    new_request_id,
+    until_disconnected,
+)
 from vlm_catalog.server.images import refuse_too_many_images
 from vlm_catalog.server.protocol import ChatCompletionRequest, ImagePart, unsupported_fields
 from vlm_catalog.server.state import ServiceState, check_model, check_text, service
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -178,7 +186,7 @@ async def _checked_constraint(constraint: dict[str, Any]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ streaming
 async def _stream(request: Request, state: ServiceState, body: ChatCompletionRequest, messages, params,
-                  request_id: str, admission: Admission) -> StreamingResponse:
+                  request_id: str, admission: Admission) -> StreamWithDeadline:
     gateway = state.gateway
     started = time.perf_counter()
     deadline = asyncio.get_running_loop().time() + state.settings.request_timeout_s
@@ -198,6 +206,14 @@ async def _stream(request: Request, state: ServiceState, body: ChatCompletionReq
         raise
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunk = _chunker(request_id, state.model_name, include_usage)
+    stalled = False
+
+    def on_stalled() -> None:
+        nonlocal stalled
+        stalled = True
+        state.metrics.count_error("request_timeout")
+        logger.warning("stream %s: its client read nothing for %.0f s past the request timeout; dropped",
+                       request_id, STREAM_SEND_GRACE_S)
 
     async def events() -> AsyncIterator[str]:
         first_token = time.perf_counter() - started if first.token_ids else None
@@ -221,8 +237,9 @@ async def _stream(request: Request, state: ServiceState, body: ChatCompletionReq
             yield _sse_error(gateway.timeout_error(), state)
         except APIError as error:
             yield _sse_error(error, state)
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream
-            state.metrics.count_error("client_disconnected")
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream, or stopped reading
+            if not stalled:
+                state.metrics.count_error("client_disconnected")
             raise
         finally:
             admission.release()
@@ -231,8 +248,9 @@ async def _stream(request: Request, state: ServiceState, body: ChatCompletionReq
         yield "data: [DONE]\n\n"
 
     # the place is released when the events end, or after the response if they never started
-    return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(admission.release),
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamWithDeadline(events(), deadline, on_stalled, media_type="text/event-stream",
+                              background=BackgroundTask(admission.release),
+                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def _chunker(request_id: str, model: str, include_usage: bool):

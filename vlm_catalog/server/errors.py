@@ -47,6 +47,19 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+# not a real HTTP status: nginx's "client closed request", only for logs and metrics
+CLIENT_CLOSED_REQUEST = 499
+
+
+class BodyReadFailed(Exception):
+    """The request's body could not be read (`body_guard.py`): `error` is the answer, None when
+    the client went away."""
+
+    def __init__(self, error: APIError | None) -> None:
+        super().__init__(error.message if error is not None else "the client went away")
+        self.error = error
+
+
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -124,6 +137,8 @@ def install_error_handlers(app: FastAPI, count_error) -> None:
         return await api_error(request, validation_error(list(exc.errors())))
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, BodyReadFailed):  # FastAPI's 400 for any failed read: the guard answers
+            raise exc.__cause__
         if exc.status_code == 400 and isinstance(exc.__cause__, (UnicodeDecodeError, RecursionError)):
             return await api_error(request, json_body_error(exc.__cause__))  # FastAPI says only "error parsing the body"
         codes = {404: "not_found", 405: "method_not_allowed"}

@@ -2,10 +2,11 @@
 
 * Admission: at most `max_num_seqs + max_waiting_requests` requests are in the
   service at once; past that a request is answered 429 with `Retry-After` at
-  once, so a burst costs no memory.
+  once, before its body is read (`body_guard.py`), so a burst costs no memory.
 * Every request gets a fresh server-side id (`<kind>-<uuid>`); client-given ids
   never reach the engine.
-* A request runs at most `request_timeout_s` (then 408 and it is aborted).
+* A request runs at most `request_timeout_s` (then 408 and it is aborted); a stream whose
+  client stops reading is dropped soon after (`StreamWithDeadline`).
 * A client that disconnects has its request aborted at once: `AsyncLLM.generate`
   aborts the engine request when its consumer stops listening, which frees the
   request's KV blocks in the engine's next loop iteration.
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from vlm_catalog.engine.async_engine import AsyncLLM, EngineInternalError, EngineUnavailableError
 from vlm_catalog.engine.llm_engine import INVALID_CONSTRAINT, EngineRequestError
@@ -83,16 +85,23 @@ class EngineGateway:
     # ------------------------------------------------------------- admission
     def admit(self, count: int = 1) -> Admission:
         """Take `count` places in the service (release them with the returned `Admission`); 429 if not free."""
-        if self.in_flight + count > self.capacity:
-            raise APIError(
-                429,
-                f"the service is at capacity ({self.in_flight} requests in flight, at most {self.capacity}); "
-                f"retry in {self.settings.retry_after_s} s",
-                type="rate_limit_error", code="server_busy",
-                headers={"Retry-After": str(self.settings.retry_after_s)},
-            )
+        busy = self.busy_error(count)
+        if busy is not None:
+            raise busy
         self.in_flight += count
         return Admission(self, count)
+
+    def busy_error(self, count: int = 1) -> APIError | None:
+        """The 429 for a request of `count` places now, or None if they are free."""
+        if self.in_flight + count <= self.capacity:
+            return None
+        return APIError(
+            429,
+            f"the service is at capacity ({self.in_flight} requests in flight, at most {self.capacity}); "
+            f"retry in {self.settings.retry_after_s} s",
+            type="rate_limit_error", code="server_busy",
+            headers={"Retry-After": str(self.settings.retry_after_s)},
+        )
 
     # ------------------------------------------------------------ generation
     async def outputs(
@@ -145,6 +154,46 @@ class EngineGateway:
     def timeout_error(self) -> APIError:
         return APIError(408, f"the request did not finish within {self.settings.request_timeout_s} s and was aborted",
                         type="timeout_error", code="request_timeout")
+
+
+# how long past its deadline a stream may still wait for its client to take the last events
+# (the timeout's error event and [DONE]); a client that reads takes them at once
+STREAM_SEND_GRACE_S = 5.0
+
+
+class _StalledClient(Exception):
+    pass
+
+
+class StreamWithDeadline(StreamingResponse):
+    """A streaming response that gives up on a client that stops reading. Its socket buffers
+    full, a send waits for ever: before, such a stream ignored `request_timeout_s` and held its
+    place in the service (429 for everyone else) until the client read again. A send still
+    waiting `STREAM_SEND_GRACE_S` after `deadline` (the event loop's clock) ends the stream:
+    `on_stalled()` runs, the events are closed (their request aborted, their place released),
+    and the connection is dropped."""
+
+    def __init__(self, content: AsyncIterator[str], deadline: float, on_stalled: Callable[[], None],
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.deadline = deadline
+        self.on_stalled = on_stalled
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def bounded_send(message) -> None:
+            try:
+                async with asyncio.timeout_at(self.deadline + STREAM_SEND_GRACE_S):
+                    await send(message)
+            except TimeoutError:
+                raise _StalledClient() from None
+
+        try:
+            await super().__call__(scope, receive, bounded_send)
+        except _StalledClient:
+            self.on_stalled()
+            await self.body_iterator.aclose()
+            if self.background is not None:
+                await self.background()
 
 
 async def until_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:

@@ -1,0 +1,140 @@
+"""Slow and vanishing clients: bodies that never finish, streams nobody reads, uploads cut off,
+and bursts at a full service (`server/body_guard.py`, `generation.StreamWithDeadline`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import pytest
+
+from tests.server.conftest import MODEL_NAME, LiveServer, call, chat_body, wait_until
+from vlm_catalog.server import ServerSettings, create_app
+
+
+def error_counts(app) -> dict[str, float]:
+    errors = app.state.service.metrics.request_errors
+    return {sample.labels["kind"]: sample.value for metric in errors.collect() for sample in metric.samples
+            if sample.name.endswith("_total")}
+
+
+async def stalling_body(first: bytes, stall_s: float = 30.0):
+    """A body that sends `first`, then nothing for `stall_s`."""
+    yield first
+    await asyncio.sleep(stall_s)
+    yield b"}"
+
+
+@pytest.mark.parametrize("path,content_type", [
+    ("/v1/chat/completions", "application/json"),
+    ("/v1/extract", "application/json"),
+    ("/v1/extract", "multipart/form-data; boundary=xyz"),
+])
+def test_a_body_that_stops_arriving_is_408_at_the_request_timeout(engine, path, content_type):
+    """Before, a body announced and never finished held its connection and memory for ever."""
+    app = create_app(engine, ServerSettings(request_timeout_s=0.5))
+    first = b'--xyz\r\nContent-Disposition: form-data; name="title"\r\n\r\nLamp' if "multipart" in content_type \
+        else b'{"model": "' + MODEL_NAME.encode() + b'", "messages": ['
+    started = time.monotonic()
+    response = call(app, "POST", path, content=stalling_body(first), headers={"content-type": content_type})
+    assert time.monotonic() - started < 5
+    assert response.status_code == 408 and response.json()["error"]["code"] == "request_timeout", response.text
+    assert "did not arrive within 0.5 s" in response.json()["error"]["message"]
+    assert error_counts(app) == {"request_timeout": 1.0}  # once: not also FastAPI's 400, or a 500
+
+
+def test_a_full_service_answers_429_before_reading_the_body(engine):
+    """Before, a request over capacity was read and parsed whole before its 429: twenty 20 MB
+    bodies at a full service took 450 MB."""
+    app = create_app(engine, ServerSettings())
+    gateway = app.state.service.gateway
+    gateway.in_flight = gateway.capacity
+    try:
+        started = time.monotonic()
+        for path in ("/v1/chat/completions", "/v1/extract", "/v1/extract/batch"):
+            response = call(app, "POST", path, content=stalling_body(b"{"), headers={"content-type": "application/json"})
+            assert response.status_code == 429 and response.headers["Retry-After"], response.text
+            assert response.json()["error"]["code"] == "server_busy"
+        assert time.monotonic() - started < 5  # not one stalled body was waited for
+        assert call(app, "GET", "/health").status_code == 200
+    finally:
+        gateway.in_flight = 0
+    assert error_counts(app) == {"server_busy": 3.0}
+    assert call(app, "POST", "/v1/chat/completions", json=chat_body()).status_code == 200
+
+
+def test_a_chunked_body_over_the_limit_is_counted_once(engine):
+    """413 as before, but counted once: FastAPI's 400 for the failed read was counted too."""
+    app = create_app(engine, ServerSettings(max_body_bytes=4096))
+
+    async def chunks():
+        yield b'{"model": "' + MODEL_NAME.encode() + b'", "messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'"}]}'
+
+    response = call(app, "POST", "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413 and error_counts(app) == {"body_too_large": 1.0}
+
+
+def test_an_upload_cut_off_midway_is_a_client_disconnect_not_a_bug(engine, caplog):
+    """Before, /v1/extract logged "unhandled error" with a ClientDisconnect traceback and counted
+    an internal_error (a bug); the chat endpoint counted FastAPI's 400."""
+    app = create_app(engine, ServerSettings())
+    with LiveServer(app) as live:
+        port = int(live.url.rsplit(":", 1)[1])
+        for path in ("/v1/extract", "/v1/chat/completions"):
+            with socket.create_connection(("127.0.0.1", port)) as connection:
+                connection.sendall(f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                                   "Content-Length: 10000\r\n\r\n{\"title\": ".encode())
+                time.sleep(0.2)
+        assert wait_until(lambda: error_counts(app).get("client_disconnected") == 2.0), error_counts(app)
+    assert error_counts(app) == {"client_disconnected": 2.0}
+    assert "unhandled error" not in caplog.text
+
+
+def test_a_stream_nobody_reads_ends_at_the_request_timeout_and_frees_its_place(engine, monkeypatch):
+    """A client whose socket stops taking data blocks the stream's sends for ever (uvicorn's send
+    waits for the buffers to drain). Before, the stream ignored request_timeout_s and kept its
+    place: every other request got 429 until the client read again."""
+    from vlm_catalog.server import generation
+
+    monkeypatch.setattr(generation, "STREAM_SEND_GRACE_S", 0.2)
+    app = create_app(engine, ServerSettings(request_timeout_s=1.0))
+    gateway = app.state.service.gateway
+    body = json.dumps(chat_body(max_tokens=2000, stream=True, ignore_eos=True)).encode()
+    sent_body, chunks_sent = False, 0
+
+    async def receive():
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # the client never leaves
+
+    async def send(message):
+        nonlocal chunks_sent
+        if message["type"] == "http.response.body":
+            chunks_sent += 1
+            if chunks_sent >= 3:
+                await asyncio.Event().wait()  # the peer's window is closed: the write never drains
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+             "state": {}}
+
+    async def run() -> float:
+        started = time.monotonic()
+        await asyncio.wait_for(app(scope, receive, send), timeout=20)
+        return time.monotonic() - started
+
+    seconds = asyncio.run(run())
+    assert 1.0 <= seconds < 5 and chunks_sent == 3
+    assert gateway.in_flight == 0
+    assert error_counts(app) == {"request_timeout": 1.0}
+    assert wait_until(lambda: engine.load_stats()["requests_running"] == 0)  # its engine request aborted
+    assert call(app, "POST", "/v1/chat/completions", json=chat_body()).status_code == 200
