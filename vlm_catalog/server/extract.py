@@ -158,8 +158,8 @@ async def _read_multipart(request: Request, state: ServiceState) -> dict[str, An
                 if not isinstance(upload, UploadFile):
                     raise bad_request("image must be a file part", param="image")
                 raw = await upload.read()
-                fields["image"] = await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: base64.b64encode(raw).decode("ascii"))
+                encoded = await asyncio.get_running_loop().run_in_executor(None, base64.b64encode, raw)
+                fields["image"] = encoded.decode("ascii")
             elif name in LIST_FIELDS:
                 fields[name] = _form_list(name, values)
             elif name in NUMBER_FIELDS:
