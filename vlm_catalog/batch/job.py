@@ -187,6 +187,14 @@ def check_settings(settings: BatchSettings) -> None:
         raise BatchError(f"schema {settings.schema!r} has no category field to restrict")
     if not (Path(settings.model) / "config.json").is_file():
         raise BatchError(f"--model {settings.model}: not a checkpoint directory (no config.json)")
+    if settings.ray_address is not None:  # the replicas load it: what they would refuse is said here, in one line
+        from vlm_catalog.model.config import ModelConfigError
+        from vlm_catalog.model.loader import CheckpointError, check_checkpoint
+
+        try:
+            check_checkpoint(settings.model)
+        except (CheckpointError, ModelConfigError) as exc:
+            raise BatchError(f"cannot load the model: {exc}") from None
     engine_config(settings)  # device, dtype and memory settings, checked before any work
 
 
@@ -316,9 +324,12 @@ def _run_batch(settings: BatchSettings, interrupt: StopRequest) -> BatchSummary:
                     settings, catalogue.items(pending), emit, progress.restart, interrupt.check
                 )
             else:
-                from vlm_catalog.batch.ray_runner import run_on_ray
+                from vlm_catalog.batch.ray_runner import RayRunError, run_on_ray
 
-                run_on_ray(settings, list(pending), emit_then_check, progress.restart)
+                try:
+                    run_on_ray(settings, list(pending), emit_then_check, progress.restart)
+                except RayRunError as exc:
+                    raise BatchError(str(exc)) from None
         except KeyboardInterrupt:
             summary.interrupted = True
         except OutputError as exc:  # a full disk, or the results file deleted during the run: its message says

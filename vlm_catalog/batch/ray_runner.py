@@ -23,24 +23,35 @@ import contextlib
 import functools
 import json
 import logging
+import re
 import signal
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from vlm_catalog.batch.requests import ResultLine
 
 INDICES_PER_READ_TASK = 32
+READER_CPUS = 1  # left free beside the replicas' CPUs for the read tasks, which take one each
 
+class RayRunError(RuntimeError):
+    """The run cannot go on on Ray: one line for the job's error (a cluster without what the run
+    needs, a replica whose model does not load, a task that failed)."""
 
 def run_on_ray(settings, indices: list[int], emit: Callable[[ResultLine], None], on_ready: Callable[[], None]) -> None:
     import ray
+    from ray.exceptions import RayError
 
     started_here = not ray.is_initialized()
     if started_here:
         address = settings.ray_address or None  # None: the running cluster if any, else a local one
-        with _signal_handlers_kept():
-            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, include_dashboard=False)
+        try:
+            with _signal_handlers_kept():
+                ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False,
+                         include_dashboard=False)
+        except (ValueError, ConnectionError, RuntimeError) as exc:  # ray:// without ray[client], no cluster there
+            raise RayRunError(f"cannot join the Ray cluster {address or '(local)'}: {_first_line(exc)}") from None
     try:
         if not indices:
             return
@@ -48,10 +59,25 @@ def run_on_ray(settings, indices: list[int], emit: Callable[[ResultLine], None],
         on_ready()
         for row in dataset.iter_rows():
             emit(ResultLine(**json.loads(row["line"])))
+    except RayError as exc:
+        raise RayRunError(f"a Ray task failed: {_root_cause(exc)}; the lines written so far are kept, "
+                          "and the same command resumes") from None
     finally:
         if started_here:
             ray.shutdown()
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+def _root_cause(exc: BaseException) -> str:
+    """The error under Ray's wrappers, in one line: a task's own exception (`cause`), or the last
+    "SomethingError: ..." line of a dead actor's report (a replica whose model did not load)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and cause is not exc:
+        return _root_cause(cause) if hasattr(cause, "cause") else f"{type(cause).__name__}: {_first_line(cause)}"
+    errors = [line.strip() for line in str(exc).splitlines() if re.match(r"^\s*[\w.]*(Error|Exception): ", line)]
+    return errors[-1] if errors else _first_line(exc)
 
 @contextlib.contextmanager
 def _signal_handlers_kept():
@@ -66,7 +92,6 @@ def _signal_handlers_kept():
             if handler is not None and signal.getsignal(signum) is not handler:
                 signal.signal(signum, handler)
 
-
 def build_pipeline(settings, indices: list[int]):
     import ray
 
@@ -77,13 +102,11 @@ def build_pipeline(settings, indices: list[int]):
         {"indices": indices[start:start + INDICES_PER_READ_TASK]}
         for start in range(0, len(indices), INDICES_PER_READ_TASK)
     ]
-    source = {"dataset": str(settings.dataset), "split": settings.split}
+    source = {"dataset": str(Path(settings.dataset).resolve()), "split": settings.split}  # the workers' cwd differs
     engine_settings = _engine_settings(settings)
     on_gpu = settings.device.startswith("cuda")
-    resources = ray.cluster_resources()
-    replicas = settings.replicas or (
-        max(1, int(resources.get("GPU", 0))) if on_gpu else max(1, len(ray.nodes()))
-    )
+    replicas = replica_count(settings.replicas, on_gpu, ray.cluster_resources(),
+                             sum(1 for node in ray.nodes() if node.get("Alive")))
     return (
         ray.data.from_items(groups)
         .flat_map(functools.partial(read_records, **source))
@@ -98,19 +121,37 @@ def build_pipeline(settings, indices: list[int]):
         )
     )
 
+def replica_count(asked: int | None, on_gpu: bool, resources: dict[str, float], alive_nodes: int) -> int:
+    """How many engine replicas the cluster can run beside the readers, or `RayRunError`. Each
+    replica takes a CPU (and a GPU with `--device cuda`), and `READER_CPUS` stay free for the read
+    tasks: with every CPU taken by a replica, the run waited for ever, silently (a 1-CPU machine
+    by default), as it did for a GPU on a cluster with none."""
+    cpus, gpus = int(resources.get("CPU", 0)), int(resources.get("GPU", 0))
+    if on_gpu and gpus < 1:
+        raise RayRunError("--device cuda, but the Ray cluster has no GPU; add GPU nodes or run with --device cpu")
+    if cpus < 1 + READER_CPUS:
+        raise RayRunError(f"the Ray cluster has {cpus} CPU(s); a run needs at least {1 + READER_CPUS} "
+                          f"(one per replica, {READER_CPUS} for reading the dataset)")
+    room = min(cpus - READER_CPUS, gpus) if on_gpu else cpus - READER_CPUS
+    if asked is not None:
+        if asked > room:
+            needs = f"{asked} GPUs and {asked + READER_CPUS} CPUs" if on_gpu else f"{asked + READER_CPUS} CPUs"
+            raise RayRunError(f"--replicas {asked} needs {needs} (one per replica, {READER_CPUS} for reading); "
+                              f"the Ray cluster has {gpus} GPU(s) and {cpus} CPU(s)")
+        return asked
+    return max(1, min(room, gpus if on_gpu else max(1, alive_nodes)))
 
 def _engine_settings(settings) -> dict[str, Any]:
     values = asdict(settings)
-    values.update(dataset=str(settings.dataset), out=str(settings.out), model=str(settings.model), shard=str(settings.shard))
+    values.update(dataset=str(Path(settings.dataset).resolve()), out=str(Path(settings.out).resolve()),
+                  model=str(Path(settings.model).resolve()), shard=str(settings.shard))
     return values
-
 
 @functools.lru_cache(maxsize=4)
 def _catalogue(dataset: str, split: str | None):
     from vlm_catalog.data.loader import load_catalogue
 
     return load_catalogue(dataset, split=split)
-
 
 def read_records(group: dict[str, Any], dataset: str, split: str | None) -> list[dict[str, Any]]:
     """Rows for a group of indices: the record's fields, or its error (Ray task)."""
@@ -128,12 +169,10 @@ def read_records(group: dict[str, Any], dataset: str, split: str | None) -> list
         })
     return rows
 
-
 class ExtractReplica:
     """One engine replica (a Ray actor): runs batches of records, returns their result lines."""
 
     def __init__(self, engine_settings: dict[str, Any]) -> None:
-        from pathlib import Path
 
         from vlm_catalog.batch.job import BatchSettings, build_engine, build_request_builder
         from vlm_catalog.batch.selection import Shard

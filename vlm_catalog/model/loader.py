@@ -189,6 +189,17 @@ def _fp8_dense(config: ModelConfig, quantization: str) -> Fp8BlockQuantization:
     return config.quantization or fitting_block(*dense_row_counts(config.text))
 
 
+def check_checkpoint(checkpoint_dir: str | Path) -> None:
+    """What loading would refuse first, without loading: config.json, the index and every shard's
+    header (`ModelConfigError`, `CheckpointError`). For a driver whose workers load the model
+    (`extract --ray`), so a damaged checkpoint is its one-line error, not a dead actor's report."""
+    checkpoint_dir = Path(checkpoint_dir)
+    ModelConfig.from_pretrained(checkpoint_dir)
+    for shard in checkpoint_shards(checkpoint_dir):
+        with _open_shard(shard):
+            pass
+
+
 def checkpoint_shards(checkpoint_dir: Path) -> dict[Path, list[str]]:
     """Shard file -> tensor names, from the index or the single file; checks files exist."""
     index_path = checkpoint_dir / INDEX_FILE
