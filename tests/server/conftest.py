@@ -64,6 +64,13 @@ def chat_body(content="Describe the product.", **fields) -> dict:
     return {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 8, **fields}
 
 
+def error_counts(app) -> dict[str, float]:
+    """The app's `vlm_catalog_request_errors_total` by kind."""
+    errors = app.state.service.metrics.request_errors
+    return {sample.labels["kind"]: sample.value for metric in errors.collect() for sample in metric.samples
+            if sample.name.endswith("_total")}
+
+
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -8,7 +8,7 @@ import threading
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL_NAME, LiveServer, call, chat_body, png_bytes
+from tests.server.conftest import MODEL_NAME, LiveServer, call, chat_body, error_counts, png_bytes
 from vlm_catalog.server import ServerSettings, create_app
 
 PNG = png_bytes(48, 36)
@@ -89,6 +89,7 @@ def test_a_chunked_body_over_the_limit_is_413(engine):
 
     response = call(app, "POST", "/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
     assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
+    assert error_counts(app) == {"body_too_large": 1.0}  # once: FastAPI's 400 for the failed read was counted too
     declared = call(app, "POST", "/v1/extract", content=b"x" * 5000, headers={"content-type": "application/json"})
     assert declared.status_code == 413
     assert call(app, "POST", "/v1/chat/completions", json=chat_body()).status_code == 200
