@@ -164,7 +164,6 @@ class LLM:
 
         return self._run(len(records), prepare, use_tqdm), bounded
 
-
     def _run_prompts(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)

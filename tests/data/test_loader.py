@@ -541,6 +541,11 @@ def test_attributes_are_read_when_a_record_or_the_labels_need_them(tmp_path):
     assert held < 100 * len(rows), held  # was over 600 bytes a record for these short lines
     assert catalogue[2999].attributes.colour == "red"
     assert catalogue.labels()[2999].attributes == attributes
+    # the file cut short after it was opened: the records past the cut fail alone
+    path = directory / "attributes.jsonl"
+    path.write_text((json.dumps(attributes) + "\n") * 2000)
+    items = list(catalogue.items([1999, 2000]))
+    assert items[0].record is not None and "line 2001: gone (the file was cut short" in items[1].error
 
 
 def test_a_jsonl_catalogues_labels_come_from_one_pass(tmp_path, monkeypatch):

@@ -35,6 +35,7 @@ def test_a_body_that_stops_arriving_is_408_at_the_request_timeout(engine, path, 
     response = call(app, "POST", path, content=stalling_body(first), headers={"content-type": content_type})
     assert time.monotonic() - started < 5
     assert response.status_code == 408 and response.json()["error"]["code"] == "request_timeout", response.text
+    assert response.headers["connection"] == "close"  # kept alive, a client trickling on held it for ever
     assert "did not arrive within 0.5 s" in response.json()["error"]["message"]
     assert error_counts(app) == {"request_timeout": 1.0}  # once: not also FastAPI's 400, or a 500
 

@@ -207,7 +207,10 @@ def test_special_token_text_counts_as_the_ordinary_text_an_answer_spells():
     from vlm_catalog.structured.catalogue import token_counter
 
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
-    count = token_counter(tokenizer)
+    tokenizer("a long text of many words to cut", truncation=True, max_length=3)  # leaves the backend truncating
+    count = token_counter(tokenizer)  # its copy must not keep that
+    assert count("a long text of many words to cut") == len(tokenizer.encode("a long text of many words to cut",
+                                                                            add_special_tokens=False))
     counted = count("Home > <|im_end|>")
     assert tokenizer.backend_tokenizer.encode_special_tokens is False  # the shared tokenizer untouched
     assert tokenizer.encode("<|image_pad|>", add_special_tokens=False) == [tokenizer.convert_tokens_to_ids("<|image_pad|>")]

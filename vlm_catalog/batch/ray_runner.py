@@ -35,9 +35,11 @@ from vlm_catalog.batch.requests import ResultLine
 INDICES_PER_READ_TASK = 32
 READER_CPUS = 1  # left free beside the replicas' CPUs for the read tasks, which take one each
 
+
 class RayRunError(RuntimeError):
     """The run cannot go on on Ray: one line for the job's error (a cluster without what the run
     needs, a replica whose model does not load, a task that failed)."""
+
 
 def run_on_ray(settings, indices: list[int], emit: Callable[[ResultLine], None], on_ready: Callable[[], None]) -> None:
     import ray
@@ -66,18 +68,23 @@ def run_on_ray(settings, indices: list[int], emit: Callable[[ResultLine], None],
         if started_here:
             ray.shutdown()
 
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
 
 def _root_cause(exc: BaseException) -> str:
     """The error under Ray's wrappers, in one line: a task's own exception (`cause`), or the last
     "SomethingError: ..." line of a dead actor's report (a replica whose model did not load)."""
     cause = getattr(exc, "cause", None)
-    if isinstance(cause, BaseException) and cause is not exc:
+    # Ray Data wraps a function's error in a UserCodeException whose own message says nothing
+    # ("UDF failed to process a data block"): the error itself is in the report's lines
+    if isinstance(cause, BaseException) and cause is not exc and type(cause).__name__ != "UserCodeException":
         return _root_cause(cause) if hasattr(cause, "cause") else f"{type(cause).__name__}: {_first_line(cause)}"
     errors = [line.strip() for line in str(exc).splitlines() if re.match(r"^\s*[\w.]*(Error|Exception): ", line)]
     return errors[-1] if errors else _first_line(exc)
+
 
 @contextlib.contextmanager
 def _signal_handlers_kept():
@@ -91,6 +98,7 @@ def _signal_handlers_kept():
         for signum, handler in kept.items():
             if handler is not None and signal.getsignal(signum) is not handler:
                 signal.signal(signum, handler)
+
 
 def build_pipeline(settings, indices: list[int]):
     import ray
@@ -121,11 +129,15 @@ def build_pipeline(settings, indices: list[int]):
         )
     )
 
+
 def replica_count(asked: int | None, on_gpu: bool, resources: dict[str, float], alive_nodes: int) -> int:
     """How many engine replicas the cluster can run beside the readers, or `RayRunError`. Each
     replica takes a CPU (and a GPU with `--device cuda`), and `READER_CPUS` stay free for the read
     tasks: with every CPU taken by a replica, the run waited for ever, silently (a 1-CPU machine
-    by default), as it did for a GPU on a cluster with none."""
+    by default), as it did for a GPU on a cluster with none. `--replicas` (`asked`) is taken as
+    given, for a cluster that grows as the job asks (autoscaling)."""
+    if asked is not None:  # as given: an autoscaling cluster may start with no CPU or GPU to show
+        return asked
     cpus, gpus = int(resources.get("CPU", 0)), int(resources.get("GPU", 0))
     if on_gpu and gpus < 1:
         raise RayRunError("--device cuda, but the Ray cluster has no GPU; add GPU nodes or run with --device cpu")
@@ -133,13 +145,8 @@ def replica_count(asked: int | None, on_gpu: bool, resources: dict[str, float], 
         raise RayRunError(f"the Ray cluster has {cpus} CPU(s); a run needs at least {1 + READER_CPUS} "
                           f"(one per replica, {READER_CPUS} for reading the dataset)")
     room = min(cpus - READER_CPUS, gpus) if on_gpu else cpus - READER_CPUS
-    if asked is not None:
-        if asked > room:
-            needs = f"{asked} GPUs and {asked + READER_CPUS} CPUs" if on_gpu else f"{asked + READER_CPUS} CPUs"
-            raise RayRunError(f"--replicas {asked} needs {needs} (one per replica, {READER_CPUS} for reading); "
-                              f"the Ray cluster has {gpus} GPU(s) and {cpus} CPU(s)")
-        return asked
     return max(1, min(room, gpus if on_gpu else max(1, alive_nodes)))
+
 
 def _engine_settings(settings) -> dict[str, Any]:
     values = asdict(settings)
@@ -147,11 +154,13 @@ def _engine_settings(settings) -> dict[str, Any]:
                   model=str(Path(settings.model).resolve()), shard=str(settings.shard))
     return values
 
+
 @functools.lru_cache(maxsize=4)
 def _catalogue(dataset: str, split: str | None):
     from vlm_catalog.data.loader import load_catalogue
 
     return load_catalogue(dataset, split=split)
+
 
 def read_records(group: dict[str, Any], dataset: str, split: str | None) -> list[dict[str, Any]]:
     """Rows for a group of indices: the record's fields, or its error (Ray task)."""
@@ -168,6 +177,7 @@ def read_records(group: dict[str, Any], dataset: str, split: str | None) -> list
             "kind": item.kind or "",
         })
     return rows
+
 
 class ExtractReplica:
     """One engine replica (a Ray actor): runs batches of records, returns their result lines."""

@@ -866,7 +866,10 @@ class _AttributeLines:
         """Record `index`'s attributes, or why its line is unusable."""
         with self.path.open("rb") as handle:
             handle.seek(self._offsets[index])
-            return self._parsed(next(read_lines(handle)), self._numbers[index])
+            line = next(read_lines(handle), None)
+        if line is None:
+            return f"{ATTRIBUTES_FILE}: line {self._numbers[index]}: gone (the file was cut short after it was opened)"
+        return self._parsed(line, self._numbers[index])
 
     def all(self) -> Iterator[dict[str, Any] | str]:
         """Every record's, in order, in one pass."""

@@ -107,4 +107,7 @@ class RequestBodyGuard:
         else:
             self.count_error(failure.error.code)
             response = failure.error.response()
+        # the body was not read to its end: the connection cannot serve another request, and kept
+        # alive it would wait for ever on a client that goes on trickling bytes
+        response.headers["Connection"] = "close"
         await response(scope, receive, send)

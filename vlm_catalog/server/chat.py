@@ -27,7 +27,6 @@ from vlm_catalog.engine.outputs import RequestOutput
 from vlm_catalog.engine.sampling_params import SamplingParams, SamplingParamsError
 from vlm_catalog.server.errors import APIError, bad_request, error_json
 from vlm_catalog.server.generation import (
-    STREAM_SEND_GRACE_S,
     Admission,
     StreamWithDeadline,
     new_request_id,
@@ -208,14 +207,17 @@ async def _stream(request: Request, state: ServiceState, body: ChatCompletionReq
     chunk = _chunker(request_id, state.model_name, include_usage)
     stalled = False
 
+    timed_out = False  # the timeout's error event was sent (and counted)
+
     def on_stalled() -> None:
         nonlocal stalled
         stalled = True
-        state.metrics.count_error("request_timeout")
-        logger.warning("stream %s: its client read nothing for %.0f s past the request timeout; dropped",
-                       request_id, STREAM_SEND_GRACE_S)
+        if not timed_out:
+            state.metrics.count_error("request_timeout")
+        logger.warning("stream %s: its client stopped reading; dropped past the request timeout", request_id)
 
     async def events() -> AsyncIterator[str]:
+        nonlocal timed_out
         first_token = time.perf_counter() - started if first.token_ids else None
         try:
             yield chunk({"role": "assistant", "content": ""})
@@ -234,6 +236,7 @@ async def _stream(request: Request, state: ServiceState, body: ChatCompletionReq
             if include_usage:
                 yield chunk(None, usage=usage(output))
         except TimeoutError:
+            timed_out = True
             yield _sse_error(gateway.timeout_error(), state)
         except APIError as error:
             yield _sse_error(error, state)

@@ -47,7 +47,7 @@ class ServerSettings(BaseSettings):
     # requests allowed to wait beyond the engine's max_num_seqs running ones; past it: 429
     max_waiting_requests: int = Field(512, ge=0)
     retry_after_s: int = Field(1, ge=1)
-    request_timeout_s: float = Field(600.0, gt=0)  # one request, arrival to last token
+    request_timeout_s: float = Field(600.0, gt=0)  # for a request's body to arrive, then for its generation
     graceful_shutdown_s: float = Field(5.0, ge=0)  # in-flight requests may finish this long after SIGTERM
     # open connections (idle ones too) beyond which uvicorn answers new requests 503; `serve` raises
     # the open-file limit to fit them where it can (a default 1024 let slow clients exhaust it)

@@ -41,6 +41,8 @@ def ordinary_text_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
 
                 private = Tokenizer.from_str(backend.to_str())
                 private.encode_special_tokens = True
+                private.no_truncation()  # the copy took the shared one's state of the moment: a
+                private.no_padding()  # call with truncation=True left every count cut at its max_length
 
                 def encoder(text: str) -> list[int]:
                     return private.encode(text, add_special_tokens=False).ids

@@ -81,8 +81,9 @@ RECORDS_PER_CHUNK = 1000  # records made and written at a time (a multiple of RO
 
 
 class _ParquetChunks:
-    """One parquet file written a chunk of columns at a time, with the `datasets` features in its
-    schema (what `Dataset.to_parquet` writes), in row groups of `ROWS_PER_ROW_GROUP`."""
+    """One parquet file written a chunk of columns at a time: the table, schema (with the `datasets`
+    features) and row groups of `ROWS_PER_ROW_GROUP` that `Dataset.to_parquet` wrote, with
+    pyarrow's default column options (the image bytes snappy-compressed)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
