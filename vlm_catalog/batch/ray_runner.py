@@ -110,8 +110,8 @@ def build_pipeline(settings, indices: list[int]):
         {"indices": indices[start:start + INDICES_PER_READ_TASK]}
         for start in range(0, len(indices), INDICES_PER_READ_TASK)
     ]
-    source = {"dataset": str(Path(settings.dataset).resolve()), "split": settings.split}  # the workers' cwd differs
-    engine_settings = _engine_settings(settings)
+    engine_settings = _engine_settings(settings)  # its paths absolute: the workers' cwd differs
+    source = {"dataset": engine_settings["dataset"], "split": settings.split}
     on_gpu = settings.device.startswith("cuda")
     replicas = replica_count(settings.replicas, on_gpu, ray.cluster_resources(),
                              sum(1 for node in ray.nodes() if node.get("Alive")))
@@ -183,7 +183,6 @@ class ExtractReplica:
     """One engine replica (a Ray actor): runs batches of records, returns their result lines."""
 
     def __init__(self, engine_settings: dict[str, Any]) -> None:
-
         from vlm_catalog.batch.job import BatchSettings, build_engine, build_request_builder
         from vlm_catalog.batch.selection import Shard
 

@@ -146,8 +146,8 @@ class _Rows(Protocol):
         """Rows start..stop-1 as dicts of raw values (a str: why the row cannot be read)."""
         ...
 
-    def column(self, name: str) -> list[Any]:
-        """One column's raw values (`Unreadable` where the file's data is damaged)."""
+    def columns(self, names: Sequence[str]) -> dict[str, list[Any]]:
+        """Columns' raw values by name (`Unreadable` where the file's data is damaged)."""
         ...
 
 
@@ -242,7 +242,10 @@ class _ParquetRows:
             yield from rows[index - first:index - first + take]
             index += take
 
-    def column(self, name: str) -> list[Any | Unreadable]:
+    def columns(self, names: Sequence[str]) -> dict[str, list[Any | Unreadable]]:
+        return {name: self._column(name) for name in names}
+
+    def _column(self, name: str) -> list[Any | Unreadable]:
         """The column's values; an `Unreadable` for each row of a row group whose data is damaged."""
         values: list[Any | Unreadable] = []
         for file, parquet in zip(self.input_files, self._files):
@@ -300,8 +303,8 @@ class _DatasetRows:
             for values in zip(*(columns[name] for name in names)):
                 yield dict(zip(names, values))
 
-    def column(self, name: str) -> list[Any]:
-        return list(self._dataset[name])
+    def columns(self, names: Sequence[str]) -> dict[str, list[Any]]:
+        return {name: list(self._dataset[name]) for name in names}
 
 
 class _JsonlRows:
@@ -336,23 +339,13 @@ class _JsonlRows:
                     produced += 1
                     yield _parse_json_line(line)
 
-    def column(self, name: str) -> list[Any]:
-        return self.columns([name])[name]
-
     def columns(self, names: Sequence[str]) -> dict[str, list[Any]]:
-        """Several columns in one pass over the file (a pass per column parsed it 4 times to score)."""
+        """In one pass over the file (a pass per column parsed it 4 times to score)."""
         values: dict[str, list[Any]] = {name: [] for name in names}
         for row in self.rows(0, len(self)):
             for name, column in values.items():
                 column.append(row.get(name) if isinstance(row, dict) else None)
         return values
-
-
-def _read_columns(rows: _Rows, names: Sequence[str]) -> dict[str, list[Any]]:
-    """`names`' columns: in one pass where the rows can (`_JsonlRows.columns`), else one by one."""
-    if isinstance(rows, _JsonlRows):
-        return rows.columns(names)
-    return {name: rows.column(name) for name in names}
 
 
 def _parse_json_line(line: JsonlLine) -> dict[str, Any] | str:
@@ -403,8 +396,9 @@ class _ConcatRows:
             if lo < hi:
                 yield from part.rows(lo - part_start, hi - part_start)
 
-    def column(self, name: str) -> list[Any]:
-        return [value for part in self._parts for value in part.column(name)]
+    def columns(self, names: Sequence[str]) -> dict[str, list[Any]]:
+        parts = [part.columns(names) for part in self._parts]
+        return {name: [value for part in parts for value in part[name]] for name in names}
 
 
 # -------------------------------------------------------------------- catalogue
@@ -514,7 +508,7 @@ class Catalogue(Sequence[ProductRecord]):
             raise CatalogueError(
                 f"{self.source}: has no ground truth columns ({', '.join(LABEL_COLUMNS)})"
             )
-        columns = _read_columns(self._rows, (CANDIDATES, *LABEL_COLUMNS))
+        columns = self._rows.columns((CANDIDATES, *LABEL_COLUMNS))
         attributes = self._attributes.all() if self._attributes is not None else itertools.repeat(None)
         labels: list[RecordLabels | str] = []
         for i, record_attributes in zip(range(len(self)), attributes):

@@ -205,8 +205,7 @@ async def _stream(request: Request, state: ServiceState, body: ChatCompletionReq
         raise
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunk = _chunker(request_id, state.model_name, include_usage)
-    stalled = False
-
+    stalled = False  # its client stopped reading (`StreamWithDeadline`)
     timed_out = False  # the timeout's error event was sent (and counted)
 
     def on_stalled() -> None:
