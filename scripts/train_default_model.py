@@ -176,10 +176,6 @@ def _new_run(args: argparse.Namespace) -> Trainer:
     run_dir = args.run_dir
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"--run-dir {run_dir} is a file; a run needs a folder")
-    try:  # before the model loads: before, a run dir under a file failed at the first log line, after training
-        make_writable_folder(run_dir)
-    except OSError as exc:
-        raise RunDirError(f"--run-dir {run_dir} cannot be written: {exc.strerror or exc}") from None
     if (run_dir / STATE_FILE).exists():
         raise RunDirError(f"{run_dir} already holds a run; pass --resume or choose another --run-dir")
     if run_dir.is_dir() and any(run_dir.iterdir()):  # another run's log or model, which a new run would mix in
@@ -196,6 +192,10 @@ def _new_run(args: argparse.Namespace) -> Trainer:
                              mix=mix, **settings)
     except ValueError as exc:  # a setting out of range
         raise RunDirError(str(exc)) from None
+    try:  # before the model loads: before, a run dir under a file failed at the first log line, after training
+        make_writable_folder(run_dir)
+    except OSError as exc:
+        raise RunDirError(f"--run-dir {run_dir} cannot be written: {exc.strerror or exc}") from None
     return _trainer(lambda: Trainer(config))
 
 

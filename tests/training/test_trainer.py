@@ -305,6 +305,7 @@ def test_script_refuses_what_it_cannot_do_before_training(tiny_base: Path, tmp_p
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and re.search(message, err), (argv, err)
     assert a_file.read_text() == "precious" and Trainer.resume(run).step == 2
+    assert not (tmp_path / "new").exists()  # a start refused for its settings leaves no run folder behind
     assert script.main(["--run-dir", str(run), "--resume", "--lr", "0.01", "--batch-size", "1"]) == 0  # as saved
     for argv in (["--max-minutes", "0"], ["--steps", "0"], ["--until-step", "0"]):
         with pytest.raises(SystemExit) as stopped:  # argparse's usage error

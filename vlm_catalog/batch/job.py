@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from vlm_catalog.batch.fingerprint import model_fingerprint
-from vlm_catalog.batch.output import JOB_SUFFIX, OutputError, ResultsFile
+from vlm_catalog.batch.output import OutputError, ResultsFile, job_file
 from vlm_catalog.batch.progress import Progress
 from vlm_catalog.batch.requests import FAILURE_KINDS, ResultLine
 from vlm_catalog.batch.selection import WHOLE, Shard, count_selected, pending_indices
@@ -235,8 +235,7 @@ def check_output_path(out: Path, catalogue) -> None:
     if source.is_dir() and resolved.is_relative_to(source):
         raise BatchError(f"--out {out} lies inside the dataset directory {catalogue.source}; choose a path outside it")
     image_root = catalogue.image_root
-    job_file = resolved.with_name(resolved.name + JOB_SUFFIX)  # where ResultsFile keeps it: beside a link's target
-    if image_root is not None and out.exists() and not job_file.exists() and resolved.is_relative_to(image_root.resolve()):
+    if image_root is not None and out.exists() and not job_file(out).exists() and resolved.is_relative_to(image_root.resolve()):
         raise BatchError(
             f"--out {out} is a file in the dataset's folder that extract did not write "
             "(it may be one of its images); choose another path"

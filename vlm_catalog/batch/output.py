@@ -42,13 +42,21 @@ from vlm_catalog.atomic_files import replace_atomically, write_atomically
 
 LOCK_SUFFIX = ".lock"
 JOB_SUFFIX = ".job.json"
+
 FSYNC_EVERY_LINES = 256
-# Job keys that results files of earlier versions lack: such a file resumes, and gains the key.
-KEYS_ADDED_LATER = ("model_files", "device")
-# Job values that earlier versions wrote unresolved: a file holding one resumes (the current value replaces it).
-VALUES_RESOLVED_LATER = {"dtype": "auto"}
+# What results files of earlier versions hold for a job key, and still resume with (the file then
+# gains the current value): None for a key they lack (`model_files`, `device`), "auto" for a dtype
+# written unresolved.
+EARLIER_VALUES: dict[str, str | None] = {"model_files": None, "device": None, "dtype": "auto"}
 # The suffixes of `replace_atomically`'s temporary files (`tempfile.mkstemp`: 8 random characters).
 TEMPORARY_SUFFIXES = (".tmp", ".retry", ".clean")
+
+
+def job_file(results: Path) -> Path:
+    """Where the job identity of the results file `results` is kept: beside it, or beside its
+    target when it is a link (one results file, one job file, whichever path names it)."""
+    resolved = Path(results).resolve()
+    return resolved.with_name(resolved.name + JOB_SUFFIX)
 
 
 class OutputError(RuntimeError):
@@ -81,7 +89,7 @@ class ResultsFile:
         path = Path(path).resolve()  # a link and its target: one lock, and the link is kept
         lock_handle, lock_warning = _acquire_lock(path)
         try:
-            job_path = path.with_name(path.name + JOB_SUFFIX)
+            job_path = job_file(path)
             if lock_warning is None:  # unlocked, another writer's rewrite may be under way
                 _remove_leftover_temporaries(path)
             if overwrite or not path.exists():
@@ -236,8 +244,7 @@ def _check_same_job(job_path: Path, job: dict[str, Any], path: Path) -> None:
     changed = sorted(
         key for key in set(job) | set(previous)
         if job.get(key) != previous.get(key)
-        and not (key in KEYS_ADDED_LATER and key not in previous)
-        and not (key in VALUES_RESOLVED_LATER and previous.get(key) == VALUES_RESOLVED_LATER[key])
+        and not (key in EARLIER_VALUES and previous.get(key) == EARLIER_VALUES[key])
     )
     if changed:
         detail = ", ".join(

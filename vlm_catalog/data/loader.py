@@ -68,7 +68,7 @@ from vlm_catalog.data.format import (
     CatalogueError,
 )
 from vlm_catalog.data.jsonl import JsonlLine, read_lines
-from vlm_catalog.error_text import one_line
+from vlm_catalog.error_text import one_line, validation_problems
 from vlm_catalog.lfs_pointer import first_lfs_pointer, is_lfs_pointer, pointer_message
 from vlm_catalog.preprocess.image_decode import (
     DEFAULT_MAX_DECODE_PIXELS,
@@ -560,7 +560,7 @@ class Catalogue(Sequence[ProductRecord]):
             try:
                 attributes = ProductAttributes.model_validate(raw_attributes)
             except ValidationError as exc:
-                raise _RecordProblem("record", f"{ATTRIBUTES_FILE}: {_pydantic_problems(exc)}") from None
+                raise _RecordProblem("record", f"{ATTRIBUTES_FILE}: {validation_problems(exc)}") from None
         image = _image_bytes(row[IMAGE], self._image_root)
         try:
             probe_image_bytes(image, max_pixels=DEFAULT_MAX_DECODE_PIXELS)
@@ -572,7 +572,7 @@ class Catalogue(Sequence[ProductRecord]):
                 candidate_categories=candidates, ground_truth=ground_truth, attributes=attributes,
             )
         except ValidationError as exc:
-            raise _RecordProblem("record", _pydantic_problems(exc)) from None
+            raise _RecordProblem("record", validation_problems(exc)) from None
 
 
 def _record_or_raise(item: CatalogueItem, source: str) -> ProductRecord:
@@ -637,12 +637,6 @@ def _checked_labels(row: dict[str, Any]) -> ProductMetadata:
     if not isinstance(secondhand, bool):  # no coercion: "no" is not False (and not True)
         raise _RecordProblem("record", f"{TRUE_SECONDHAND}: expected a boolean, got {_describe(secondhand)}")
     return ProductMetadata(category=category, brand=brand, is_secondhand=secondhand)
-
-
-def _pydantic_problems(exc: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}" for error in exc.errors()
-    )
 
 
 def _image_bytes(value: Any, image_root: Path | None) -> bytes:

@@ -78,13 +78,12 @@ def check_extract_job(predictions: Path, split: str | None, num_records: int) ->
     A record id is a row index of the splits chosen, so predictions made with `--split test`
     and scored without it would each meet another record's labels, and score silently wrong.
     """
-    from vlm_catalog.batch.output import JOB_SUFFIX
+    from vlm_catalog.batch.output import job_file
     from vlm_catalog.evaluate.predictions import PredictionsError
 
-    written = Path(predictions).resolve()  # extract keeps the job file beside a link's target
-    job_file = written.with_name(written.name + JOB_SUFFIX)
+    job_path = job_file(Path(predictions))
     try:
-        job = json.loads(job_file.read_bytes())
+        job = json.loads(job_path.read_bytes())
     except (OSError, ValueError):
         return  # not written by extract (a concatenation of shards, a LoadGen log, a pipe)
     if not isinstance(job, dict) or "split" not in job or "num_records" not in job:
@@ -95,12 +94,12 @@ def check_extract_job(predictions: Path, split: str | None, num_records: int) ->
 
     if job["split"] != split:
         raise PredictionsError(
-            f"{predictions} was made with {splits(job['split'])} ({job_file.name}), and its ids are rows of "
+            f"{predictions} was made with {splits(job['split'])} ({job_path.name}), and its ids are rows of "
             f"that selection; score it with the same, not {splits(split)}"
         )
     if job["num_records"] != num_records:
         raise PredictionsError(
-            f"{predictions} was made on a catalogue of {job['num_records']} records ({job_file.name}); this "
+            f"{predictions} was made on a catalogue of {job['num_records']} records ({job_path.name}); this "
             f"one has {num_records}, so its ids would meet other records' labels"
         )
 

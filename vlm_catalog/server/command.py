@@ -24,6 +24,7 @@ from pathlib import Path
 import uvicorn
 
 from vlm_catalog.engine.arguments import DEVICE_OPTIONS, add_device_arguments
+from vlm_catalog.error_text import validation_problems
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 from vlm_catalog.signals import handling
 
@@ -77,11 +78,6 @@ SPARE_FILE_DESCRIPTORS = 256
 ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_bytes", *DEVICE_OPTIONS)
 
 
-def _one_line(error) -> str:
-    """A pydantic ValidationError as one line: each field and its message, without the docs URL."""
-    return "; ".join(f"{'.'.join(map(str, item['loc'])) or 'settings'}: {item['msg']}" for item in error.errors())
-
-
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
     from pydantic_settings import SettingsError as PydanticSettingsError
@@ -102,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         settings = ServerSettings(**{name: getattr(args, name) for name in SETTING_OPTIONS
                                      if getattr(args, name) is not None})
     except ValidationError as exc:
-        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        print(f"error: {validation_problems(exc, whole='settings')}", file=sys.stderr)
         return 2
     except PydanticSettingsError as exc:  # a VLM_CATALOG_* variable that cannot be read (a list not in JSON)
         print(f"error: {exc}", file=sys.stderr)

@@ -12,7 +12,6 @@ saving still has its previous checkpoint. It is never shipped: only `model/`
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import tempfile
@@ -22,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlm_catalog.atomic_files import new_file_mode
+from vlm_catalog.atomic_files import new_file_mode, replace_atomically
 
 STATE_FILE = "state.pt"
 MODEL_DIR = "model"
@@ -47,14 +46,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_state(run_dir: Path, state: dict[str, Any]) -> Path:
     """Write `state` to run_dir/state.pt atomically."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=run_dir, prefix=".state-", suffix=".pt")
-    os.close(handle)
-    try:
-        torch.save(state, temporary)
-        os.replace(temporary, run_dir / STATE_FILE)
-    except BaseException:  # a full disk, or an interrupt: the previous state.pt stays, with no stray temporary
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    # a full disk, or an interrupt: the previous state.pt stays, with no stray temporary
+    replace_atomically(run_dir / STATE_FILE, 0o600, lambda handle: torch.save(state, handle))
     return run_dir / STATE_FILE
 
 
@@ -75,8 +68,8 @@ def export_model(model: torch.nn.Module, base_checkpoint: Path, out_dir: Path) -
     state = {name: tensor.detach().to("cpu", torch.bfloat16) for name, tensor in model.state_dict().items()}
     with tempfile.TemporaryDirectory() as scratch:
         model.save_pretrained(scratch, state_dict=state)
-        shutil.copy(Path(scratch) / WEIGHTS_FILE, out_dir / (WEIGHTS_FILE + ".tmp"))
-    # safetensors writes 0600, and copy keeps it: another account (a service user) could not read the model
-    os.chmod(out_dir / (WEIGHTS_FILE + ".tmp"), new_file_mode())
-    os.replace(out_dir / (WEIGHTS_FILE + ".tmp"), out_dir / WEIGHTS_FILE)
+        with open(Path(scratch) / WEIGHTS_FILE, "rb") as saved:
+            # with the mode a new file gets: safetensors writes 0600, which another account (a
+            # service user) could not read
+            replace_atomically(out_dir / WEIGHTS_FILE, new_file_mode(), lambda handle: shutil.copyfileobj(saved, handle))
     return out_dir

@@ -221,13 +221,14 @@ class Trainer:
             group["lr"] = lr
         batch = self.batch_for(self.step).to(self.device)
         loss = training_loss(self.model, batch, self.config.mix.prompt_lm_weight)
-        value = loss.item()
+        loss.backward()
+        value = loss.item()  # after the backward is queued: on CUDA, before it the host waited for the forward
         if not math.isfinite(value):  # the weights stay those of the last finite step
+            self.optimizer.zero_grad(set_to_none=True)
             raise TrainingDiverged(
                 f"the loss of step {self.step + 1} is {value} (lr {lr:g}): the run stops without saving it; "
                 "the last checkpoint is kept. Lower --lr, or resume from the checkpoint to look"
             )
-        loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
