@@ -41,6 +41,20 @@ def test_labels_match_records(handmade_catalogue):
         assert label.attributes["colour"] == record.attributes.colour.value
 
 
+def test_labels_hold_one_copy_of_each_repeated_string(tmp_path):
+    """A catalogue repeats a taxonomy's categories and its brands across records (and each record's
+    true category among its candidates): the labels, which an evaluation holds for every record,
+    keep one string for each, not the copy each row's data gave."""
+    rows = handmade_rows()
+    rows[2] = dict(rows[0], product_title="Acme Bird Bath, again")
+    labels = load_catalogue(write_catalogue(tmp_path, rows)).labels()
+    assert labels[0].candidates[1] is labels[0].category  # the true category among the candidates
+    assert labels[2].category is labels[0].category
+    assert labels[2].brand is labels[0].brand
+    assert all(a is b for a, b in zip(labels[2].candidates, labels[0].candidates, strict=True))
+    assert labels[2].candidates == rows[0]["potential_product_categories"]
+
+
 def test_real_dataset_layout_concatenates_train_then_test(tmp_path):
     rows = handmade_rows()
     write_catalogue(tmp_path, rows[2:], split="test")

@@ -97,7 +97,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RecordLabels:
     """Ground truth of one record, read without touching its image."""
 
@@ -511,6 +511,10 @@ class Catalogue(Sequence[ProductRecord]):
         columns = self._rows.columns((CANDIDATES, *LABEL_COLUMNS))
         attributes = self._attributes.all() if self._attributes is not None else itertools.repeat(None)
         labels: list[RecordLabels | str] = []
+        # one copy of each category, candidate and brand string: records repeat them (a taxonomy's
+        # few thousand categories), and a million records' labels otherwise held each line's own
+        # copies, about 2.3 KB a record
+        shared: dict[str, str] = {}
         for i, record_attributes in zip(range(len(self)), attributes):
             row = {name: values[i] for name, values in columns.items()}
             unreadable = next((value for value in row.values() if isinstance(value, Unreadable)), None)
@@ -527,8 +531,11 @@ class Catalogue(Sequence[ProductRecord]):
                 labels.append(str(problem))
                 continue
             labels.append(RecordLabels(
-                category=truth.category, brand=truth.brand, is_secondhand=truth.is_secondhand,
-                candidates=candidates, attributes=record_attributes,
+                category=shared.setdefault(truth.category, truth.category),
+                brand=shared.setdefault(truth.brand, truth.brand),
+                is_secondhand=truth.is_secondhand,
+                candidates=[shared.setdefault(candidate, candidate) for candidate in candidates],
+                attributes=record_attributes,
             ))
         if len(labels) != len(self):
             raise CatalogueError(f"{self.source}: {ATTRIBUTES_FILE} lost lines while it was read")
