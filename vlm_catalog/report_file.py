@@ -1,7 +1,7 @@
 """A `--json REPORT` argument: checked before the work, written after it, errors in one line.
 
 A report is written at the end of a run that may have scored millions of
-records, so its path is checked first (not a folder; its folder created) and
+records, so its path is checked first (not a folder; its folder writable, or one that can be made) and
 a failure to write it (a full disk) is a `ReportFileError` naming the file,
 not a traceback that hides the numbers already printed.
 """
@@ -11,23 +11,28 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from vlm_catalog.folders import check_folder_can_be_made
+
 
 class ReportFileError(ValueError):
     """The report file cannot be written; the message names it and says why."""
 
 
 def check_report_path(path: Path, option: str = "--json") -> None:
-    """Refuse a folder; create the report's folder if it is missing (`option`: the argument named)."""
+    """Refuse a folder, and a file whose folder could not be made or written (`option`: the
+    argument named). Nothing is created: `write_report` makes the folder."""
     if path.is_dir():
         raise ReportFileError(f"{option} {path} is a folder; give a file name such as {path / 'report.json'}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        check_folder_can_be_made(path.parent, f".{path.name}.write-check")
     except OSError as exc:
-        raise ReportFileError(f"{option} {path}: cannot create its folder {path.parent} ({exc.strerror})") from None
+        raise ReportFileError(f"{option} {path}: cannot write into its folder {path.parent} ({exc.strerror})") from None
 
 
 def write_report(path: Path, text: str, option: str = "--json") -> None:
     try:
+        if not path.parent.exists():  # a file in its place: the write below says "Not a directory"
+            path.parent.mkdir(parents=True)
         path.write_text(text, encoding="utf-8")
     except OSError as exc:
         raise ReportFileError(f"{option} {path}: cannot write it ({exc.strerror or exc})") from None

@@ -86,6 +86,16 @@ def test_an_output_file_taken_by_a_folder_is_refused_and_a_failed_start_keeps_th
     assert (kept / ACCURACY_FILE).read_text() == "the last run's score\n"  # before: deleted by the failed start
 
 
+def test_a_refused_start_leaves_no_out_dir(tmp_path, capsys):
+    """The out-dir is checked first and made only once the run can start: before, a model that does
+    not load left an empty folder behind."""
+    out = tmp_path / "new" / "bench"
+    code, _, err = bench(capsys, jsonl_catalogue(tmp_path / "data"), out, "--scenario", "offline", "--mode",
+                         "accuracy", "--model", str(tmp_path / "no-model"), *FAST)
+    assert code == 2 and "config.json" in err
+    assert not (tmp_path / "new").exists()
+
+
 # ------------------------------------------------------------------ servers that misbehave
 MODELS = {"object": "list", "data": [{"id": "served-model", "object": "model", "created": 0, "owned_by": "me"}]}
 

@@ -71,7 +71,7 @@ def test_a_report_path_that_cannot_be_written_is_one_line(handmade_catalogue, tm
     a_file.write_text("")
     cases = {
         str(tmp_path): "is a folder; give a file name such as",
-        str(a_file / "r.json"): "cannot create its folder",
+        str(a_file / "r.json"): f"cannot write into its folder {a_file} (Not a directory)",
         "/dev/full": "--json /dev/full: cannot write it (No space left on device)",
     }
     for target, message in cases.items():

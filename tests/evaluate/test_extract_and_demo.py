@@ -42,6 +42,15 @@ def test_demo_refuses_an_out_dir_it_cannot_write_before_any_work(tmp_path, capsy
     assert not (tmp_path / "out" / "predictions.jsonl").exists()
 
 
+def test_a_refused_demo_leaves_no_out_dir(tmp_path, capsys):
+    """A model that is not there refuses the run after the out-dir was checked: before, the check had
+    made the folder, and the refused run left it behind, empty."""
+    out = tmp_path / "new" / "demo"
+    assert main(["demo", "--limit", "1", "--out-dir", str(out), "--model", str(tmp_path / "no-model")]) == 1
+    assert "not a checkpoint directory" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
 def test_ctrl_c_while_the_demo_starts_is_one_line_and_status_130(tmp_path, capsys, monkeypatch):
     from vlm_catalog.data import loader
 

@@ -65,7 +65,7 @@ def test_report_helpers_refuse_and_report_in_one_line(tmp_path: Path, capsys) ->
     from vlm_catalog.report_file import refuse_report_path, report_written
 
     assert not refuse_report_path(None) and not refuse_report_path(tmp_path / "new" / "report.json")
-    assert (tmp_path / "new").is_dir()  # its folder made, ready for the report
+    assert not (tmp_path / "new").exists()  # checked, not made: a run refused later leaves no folder
     assert report_written(tmp_path / "new" / "report.json", "{}\n")
     assert (tmp_path / "new" / "report.json").read_text() == "{}\n"
     a_file = tmp_path / "a-file"

@@ -39,7 +39,7 @@ from vlm_catalog.bench.loadgen.requests import (
 )
 from vlm_catalog.bench.loadgen.responses import ResponseSink, RunTally
 from vlm_catalog.bench.loadgen.settings import RunOptions, build_log_settings, build_test_settings
-from vlm_catalog.folders import make_writable_folder
+from vlm_catalog.folders import check_folder_can_be_made
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 
 
@@ -171,12 +171,13 @@ def _start_test(sut, qsl, settings, log_settings) -> None:
 
 
 def _check_out_dir(out_dir: Path) -> None:
-    """The output folder exists (made if needed), is writable, and no file the run writes is taken
-    by a folder (LoadGen aborts the process on a log it cannot open)."""
+    """The output folder is writable, or can be made (it is made once the run can start, so a
+    refused start leaves none), and no file the run writes is taken by a folder (LoadGen aborts the
+    process on a log it cannot open)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise BenchError(f"--out-dir {out_dir} exists and is not a folder")
     try:
-        make_writable_folder(out_dir, ".bench-write-check")
+        check_folder_can_be_made(out_dir, ".bench-write-check")
     except OSError as exc:
         raise BenchError(f"--out-dir {out_dir} is not writable: {exc.strerror or exc}") from None
     for name in OUTPUT_FILES:
@@ -195,6 +196,7 @@ def _record_selection(out_dir: Path, split: str | None, num_records: int) -> Non
     size, the log's answers would meet other records' labels and score silently wrong."""
     selection = {"written_by": "vlm-catalog bench", "split": split, "num_records": num_records}
     try:
+        out_dir.mkdir(parents=True, exist_ok=True)  # checked before; made only once the run can start
         write_atomically(out_dir / ACCURACY_LOG_JOB_FILE, json.dumps(selection, indent=2) + "\n")
     except OSError as exc:  # e.g. a full disk
         raise BenchError(f"--out-dir {out_dir}: cannot write {ACCURACY_LOG_JOB_FILE}: {exc.strerror or exc}") from None
