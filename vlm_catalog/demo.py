@@ -20,8 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from vlm_catalog.extract.command import add_extraction_arguments
 
     parser = subparsers.add_parser(
-        "demo", help="extract and score the shipped sample catalogue with the default model",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_extraction_arguments(parser)
     parser.add_argument("--dataset", type=Path, default=SAMPLE_CATALOGUE_DIR)

@@ -27,7 +27,7 @@ from vlm_catalog.batch.output import OutputError, ResultsFile, job_file
 from vlm_catalog.batch.progress import Progress
 from vlm_catalog.batch.requests import FAILURE_KINDS, ResultLine
 from vlm_catalog.batch.selection import WHOLE, Shard, count_selected, pending_indices
-from vlm_catalog.paths import DEFAULT_MODEL_DIR
+from vlm_catalog.paths import DEFAULT_MODEL_DIR, shipped_data_hint
 from vlm_catalog.signals import StopRequest
 
 BATCH_GRAMMAR_CACHE_SIZE = 64
@@ -186,7 +186,8 @@ def check_settings(settings: BatchSettings) -> None:
     if model is None or "category" not in model.model_fields:
         raise BatchError(f"schema {settings.schema!r} has no category field to restrict")
     if not (Path(settings.model) / "config.json").is_file():
-        raise BatchError(f"--model {settings.model}: not a checkpoint directory (no config.json)")
+        raise BatchError(f"--model {settings.model}: not a checkpoint directory (no config.json)"
+                         f"{shipped_data_hint(settings.model)}")
     if settings.ray_address is not None:  # the replicas load it: what they would refuse is said here, in one line
         from vlm_catalog.model.config import ModelConfigError
         from vlm_catalog.model.loader import CheckpointError, check_checkpoint
@@ -278,7 +279,7 @@ def _run_batch(settings: BatchSettings, interrupt: StopRequest) -> BatchSummary:
         try:
             import ray  # noqa: F401
         except ImportError:
-            raise BatchError("--ray needs Ray: pip install 'vlm-catalog[distributed]'") from None
+            raise BatchError("--ray needs Ray: pip install 'ray[data]>=2.9' (the [distributed] extra)") from None
 
     selected = count_selected(len(catalogue), settings.shard, settings.limit)
     try:

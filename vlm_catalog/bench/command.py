@@ -23,8 +23,7 @@ from vlm_catalog.paths import DEFAULT_MODEL_DIR
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "bench", help="MLPerf LoadGen benchmark (Offline/Server) on the engine or a server",
-        description=(
+        "bench", description=(
             "Run MLPerf LoadGen over a catalogue. Defaults are the benchmark's settings "
             "(LoadGen's mlperf.conf for qwen3-vl-235b-a22b: at least 600 s, and 48,289 queries in Offline); "
             "--count and --duration shorten a run."

@@ -70,6 +70,7 @@ from vlm_catalog.data.format import (
 from vlm_catalog.data.jsonl import JsonlLine, read_lines
 from vlm_catalog.error_text import one_line, validation_problems
 from vlm_catalog.lfs_pointer import first_lfs_pointer, is_lfs_pointer, pointer_message
+from vlm_catalog.paths import shipped_data_hint
 from vlm_catalog.preprocess.image_decode import (
     DEFAULT_MAX_DECODE_PIXELS,
     ImageDecodeError,
@@ -705,7 +706,7 @@ def load_catalogue(path: str | Path, split: str | None = None) -> Catalogue:
     """
     path = Path(path)
     if not path.exists():
-        raise CatalogueError(f"catalogue not found: {path}")
+        raise CatalogueError(f"catalogue not found: {path}{shipped_data_hint(path)}")
     if not path.is_file() and not path.is_dir():
         raise CatalogueError(
             f"{path}: is a pipe or a device; a catalogue is read more than once (indexed, then read "

@@ -14,9 +14,9 @@ from functools import lru_cache
 from pathlib import Path
 
 from schemas import CATEGORY_SEPARATOR
+from vlm_catalog.paths import TAXONOMY_FILE, shipped_data_hint
 
-REPOSITORY_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_TAXONOMY_PATH = REPOSITORY_ROOT / "data" / "taxonomy" / "shopify_categories_subset.txt"
+DEFAULT_TAXONOMY_PATH = TAXONOMY_FILE  # VLM_CATALOG_DATA moves it, as it moves the other shipped data
 
 
 class TaxonomyError(ValueError):
@@ -65,7 +65,7 @@ class Taxonomy:
         try:
             text = file_path.read_text(encoding="utf-8")
         except FileNotFoundError:
-            raise TaxonomyError(f"taxonomy file not found: {file_path}") from None
+            raise TaxonomyError(f"taxonomy file not found: {file_path}{shipped_data_hint(file_path)}") from None
         lines = [line.strip() for line in text.splitlines()]
         try:
             return cls(line for line in lines if line and not line.startswith("#"))

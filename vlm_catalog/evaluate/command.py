@@ -13,7 +13,6 @@ from schemas import SchemaError, resolve_schema
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "eval",
-        help="score predictions with the benchmark's accuracy metric",
         description=(
             "Score model answers with the MLPerf VLM metric: category hierarchical F1, "
             "brand accuracy, is_secondhand F1, unparsable count and random baselines."

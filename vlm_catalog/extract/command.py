@@ -23,8 +23,7 @@ EXIT_OK, EXIT_ERROR, EXIT_FAILED_RECORDS, EXIT_INTERRUPTED = 0, 1, 3, 130
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "extract", help="extract structured metadata for every record of a catalogue (resumable batch job)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "extract", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_extraction_arguments(parser)
     parser.add_argument("--dataset", type=Path, required=True,

@@ -13,7 +13,6 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "check-parity",
-        help="compare our model's logits and greedy tokens with transformers on a checkpoint",
         description=(
             "Run transformers' Qwen3VLMoeForConditionalGeneration and our model on the same "
             "prompt and images; print the max abs logit difference (prompt positions and every "

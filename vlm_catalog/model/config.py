@@ -17,6 +17,7 @@ from typing import Any
 from vlm_catalog.error_text import one_line
 from vlm_catalog.lfs_pointer import first_lfs_pointer, pointer_message
 from vlm_catalog.model.fp8 import Fp8BlockQuantization
+from vlm_catalog.paths import shipped_data_hint
 
 SUPPORTED_MODEL_TYPES = ("qwen3_vl_moe",)
 
@@ -113,7 +114,9 @@ class ModelConfig:
     def from_pretrained(cls, checkpoint_dir: str | Path) -> ModelConfig:
         path = Path(checkpoint_dir) / "config.json"
         if not path.is_file():
-            raise ModelConfigError(f"{path} not found: a checkpoint directory needs config.json")
+            raise ModelConfigError(
+                f"{path} not found: a checkpoint directory needs config.json{shipped_data_hint(checkpoint_dir)}"
+            )
         pointer = first_lfs_pointer(sorted(Path(checkpoint_dir).iterdir()))  # every front door reads this first
         if pointer is not None:
             raise ModelConfigError(pointer_message(pointer))

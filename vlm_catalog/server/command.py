@@ -33,8 +33,7 @@ logger = logging.getLogger("vlm_catalog.server")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "serve", help="run the extraction service (REST + OpenAI-compatible API)",
-        description="Serve /v1/extract, /v1/extract/batch, /v1/chat/completions, /v1/models, /health and /metrics.",
+        "serve", description="Serve /v1/extract, /v1/extract/batch, /v1/chat/completions, /v1/models, /health and /metrics.",
     )
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR, help="checkpoint directory")
     parser.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")

@@ -13,7 +13,6 @@ from vlm_catalog.data.synthetic.images import IMAGE_SIZES
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "make-catalog",
-        help="generate a synthetic product catalogue (the columns of Shopify/product-catalogue)",
         description=(
             "Generate N synthetic product listings with the columns of Shopify/product-catalogue "
             "and write them as parquet plus attributes.jsonl and catalogue.json. Record i depends "
@@ -55,13 +54,14 @@ def run(args: argparse.Namespace) -> int:
     # Imported here so that `vlm-catalog --help` does not pay for PIL and datasets.
     from vlm_catalog.data.format import CatalogueError
     from vlm_catalog.data.synthetic.generator import make_catalog
+    from vlm_catalog.data.taxonomy import TaxonomyError
 
     started = time.perf_counter()
     try:
         out_dir = make_catalog(
             args.out, args.n, args.seed, args.image_size, args.split, overwrite=args.overwrite
         )
-    except CatalogueError as exc:
+    except (CatalogueError, TaxonomyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - started
