@@ -55,3 +55,25 @@ def test_the_undamaged_copy_starts(engine_checkpoint, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(engine_checkpoint, model)
     assert LLMEngine(model=model).processor.image_token == "<|image_pad|>"
+
+
+@pytest.mark.parametrize(("name", "value", "vision_name"), [
+    ("merge_size", 1, "spatial_merge_size"), ("patch_size", 8, "patch_size"), ("temporal_patch_size", 1, "temporal_patch_size"),
+])
+def test_a_preprocessor_that_cuts_images_otherwise_than_the_tower_is_refused(engine_checkpoint, tmp_path, name, value,
+                                                                             vision_name):
+    """A merge size the tower does not use was served silently wrong: the prompt held the
+    preprocessor's count of image tokens, the tower gave another, and its rows were cut to fit. A
+    patch size it does not take failed every image request."""
+    import json
+
+    model = tmp_path / "model"
+    shutil.copytree(engine_checkpoint, model)
+    vision = json.loads((model / "config.json").read_text())["vision_config"]
+    preprocessor = json.loads((model / "preprocessor_config.json").read_text())
+    preprocessor[name] = value
+    (model / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    expected = (f"preprocessor_config.json has {name} {value}, but config.json's vision_config has {vision_name} "
+                f"{vision[vision_name]}")
+    with pytest.raises(ModelConfigError, match=re.escape(expected)):
+        LLMEngine(model=model)

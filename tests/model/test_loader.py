@@ -199,6 +199,12 @@ def test_a_tied_checkpoint_whose_stored_lm_head_differs_is_refused(checkpoint, t
          r"mrope_section \[6, 4, -2\] must have 3 entries, none negative"),
         ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}},
          "activation_scheme 'static' is not supported"),
+        # these four loaded, then: a ZeroDivisionError; every image request failing (the next two);
+        # every request failing in the router's top-k
+        ({"text_config": {"decoder_sparse_step": 0}}, "decoder_sparse_step 0 must be at least 1"),
+        ({"vision_config": {"num_heads": 16}}, r"vision head_dim 2 \(hidden_size / num_heads\) is not a multiple of 4"),
+        ({"vision_config": {"in_channels": 1}}, "vision in_channels 1: images are read as RGB, 3 channels"),
+        ({"text_config": {"num_experts_per_tok": 9}}, "num_experts_per_tok 9 must be between 1 and num_experts 8"),
     ],
 )
 def test_configs_we_cannot_serve_are_config_errors(checkpoint, tmp_path, changes, message):

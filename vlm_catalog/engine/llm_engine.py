@@ -166,7 +166,9 @@ class LLMEngine:
         elif prebuilt_model.config != self.model_config:
             raise EngineConfigError("the prebuilt model does not match the config.json of config.model")
         self.model = prebuilt_model
-        self.processor = PromptProcessor.from_pretrained(config.model, image_token_id=self.model_config.image_token_id)
+        self.processor = PromptProcessor.from_pretrained(
+            config.model, image_token_id=self.model_config.image_token_id, vision=self.model_config.vision
+        )
         self.tokenizer = self.processor.tokenizer
         self.eos_token_ids = self._eos_token_ids()
         text = self.model_config.text

@@ -174,6 +174,21 @@ class ModelConfig:
             raise ModelConfigError(
                 f"vision hidden_size {vision.hidden_size} is not divisible by num_heads {vision_heads}"
             )
+        if (vision.hidden_size // vision_heads) % 4:
+            raise ModelConfigError(
+                f"vision head_dim {vision.hidden_size // vision_heads} (hidden_size / num_heads) is not a "
+                "multiple of 4: the tower's 2D rotary embedding splits it into height and width halves of pairs"
+            )
+        if vision.in_channels != 3:
+            raise ModelConfigError(f"vision in_channels {vision.in_channels}: images are read as RGB, 3 channels")
+        if text.num_experts > 0:  # transformers divides by the step, and selects top-k of the experts
+            if text.decoder_sparse_step < 1:
+                raise ModelConfigError(f"decoder_sparse_step {text.decoder_sparse_step} must be at least 1")
+            if not 1 <= text.num_experts_per_tok <= text.num_experts:
+                raise ModelConfigError(
+                    f"num_experts_per_tok {text.num_experts_per_tok} must be between 1 and num_experts "
+                    f"{text.num_experts}"
+                )
         side = int(round(vision.num_position_embeddings**0.5))
         if side * side != vision.num_position_embeddings:
             raise ModelConfigError(

@@ -172,7 +172,7 @@ def check_parity(
             "unnormalised, as vLLM does, but transformers' Qwen3-VL-MoE ignores the flag (its router always "
             "renormalises), so it is no reference for this checkpoint"
         )
-    processor = PromptProcessor.from_pretrained(checkpoint_dir, image_token_id=config.image_token_id)
+    processor = PromptProcessor.from_pretrained(checkpoint_dir, image_token_id=config.image_token_id, vision=config.vision)
     prompt = processor.process(build_messages(prompt_text, images or []))
     pixels = processor.load_pixels(prompt.images) if prompt.images else None
     ours = load_model(checkpoint_dir, dtype=dtype, device=device)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from vlm_catalog.error_text import one_line
-from vlm_catalog.model.config import ModelConfigError
+from vlm_catalog.model.config import ModelConfigError, VisionConfig
 from vlm_catalog.preprocess.chat_template import load_chat_template, render_chat
 from vlm_catalog.preprocess.image import ImageProbe, ImageProcessor
 from vlm_catalog.preprocess.mrope import mrope_delta, mrope_positions
@@ -104,7 +104,11 @@ class PromptProcessor:
         )
 
     @classmethod
-    def from_pretrained(cls, checkpoint_dir: str | Path, image_token_id: int, **image_overrides: Any) -> PromptProcessor:
+    def from_pretrained(
+        cls, checkpoint_dir: str | Path, image_token_id: int, vision: VisionConfig | None = None, **image_overrides: Any,
+    ) -> PromptProcessor:
+        """The checkpoint's tokenizer, image processor and chat template; `vision`, the model's vision
+        config, is checked against the image processor (`check_image_cutting`)."""
         from transformers import AutoTokenizer
 
         checkpoint_dir = Path(checkpoint_dir)
@@ -122,6 +126,8 @@ class PromptProcessor:
         except (OSError, ValueError) as exc:
             message = one_line(exc)
             raise ModelConfigError(message if str(checkpoint_dir) in message else f"{checkpoint_dir}: {message}") from None
+        if vision is not None:
+            check_image_cutting(image_processor, vision, checkpoint_dir)
         processor = cls(tokenizer, image_processor, chat_template, image_token_id)
         try:
             processor.check_template()
@@ -244,3 +250,23 @@ def _checked_text(text: str, where: str) -> str:
             "(not valid Unicode)"
         ) from None
     return text
+
+
+def check_image_cutting(image_processor: ImageProcessor, vision: VisionConfig, checkpoint_dir: str | Path) -> None:
+    """`ModelConfigError` where preprocessor_config.json cuts images otherwise than config.json's
+    vision tower reads them. A patch size or channel count the tower does not take failed every
+    image request; a merge size it does not use served wrong answers silently (the prompt held the
+    preprocessor's count of image tokens, the tower gave another, and the rows were cut to fit).
+    transformers refuses both at the first image."""
+    pairs = {
+        "patch_size": (image_processor.patch_size, vision.patch_size),
+        "temporal_patch_size": (image_processor.temporal_patch_size, vision.temporal_patch_size),
+        "merge_size": (image_processor.merge_size, vision.spatial_merge_size),
+    }
+    for name, (cut, read) in pairs.items():
+        if cut != read:
+            tower_name = "spatial_merge_size" if name == "merge_size" else name
+            raise ModelConfigError(
+                f"{checkpoint_dir}: preprocessor_config.json has {name} {cut}, but config.json's vision_config "
+                f"has {tower_name} {read}; the two must agree"
+            )

@@ -128,7 +128,7 @@ class ExampleBuilder:
     def __init__(self, checkpoint: Path, mix: TrainingMix, factory: RecordFactory | None = None) -> None:
         config = ModelConfig.from_pretrained(checkpoint)
         self.image_token_id = config.image_token_id
-        self.processor = PromptProcessor.from_pretrained(checkpoint, image_token_id=config.image_token_id)
+        self.processor = PromptProcessor.from_pretrained(checkpoint, image_token_id=config.image_token_id, vision=config.vision)
         self.tokenizer = self.processor.tokenizer
         self.end_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.mix = mix
