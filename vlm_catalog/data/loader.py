@@ -87,6 +87,8 @@ MAX_IMAGE_FILE_BYTES = 128 * 2**20
 # through a read buffer of this size, whatever the size of the file's row groups.
 PARQUET_ROWS_PER_READ = 64
 PARQUET_READ_BUFFER_BYTES = 2**20
+# Label columns (no images: a few KB a row as Python values) are read this many rows at a time.
+COLUMN_ROWS_PER_READ = 4096
 
 __all__ = [
     "Catalogue",
@@ -147,8 +149,10 @@ class _Rows(Protocol):
         """Rows start..stop-1 as dicts of raw values (a str: why the row cannot be read)."""
         ...
 
-    def columns(self, names: Sequence[str]) -> dict[str, list[Any]]:
-        """Columns' raw values by name (`Unreadable` where the file's data is damaged)."""
+    def column_slices(self, names: Sequence[str]) -> Iterator[dict[str, list[Any]]]:
+        """Columns' raw values by name, slice after slice of at most `COLUMN_ROWS_PER_READ` rows, every
+        row in order (`Unreadable` where the file's data is damaged). A whole column of a million
+        rows as Python values was gigabytes held at once."""
         ...
 
 
@@ -243,23 +247,35 @@ class _ParquetRows:
             yield from rows[index - first:index - first + take]
             index += take
 
-    def columns(self, names: Sequence[str]) -> dict[str, list[Any | Unreadable]]:
-        return {name: self._column(name) for name in names}
-
-    def _column(self, name: str) -> list[Any | Unreadable]:
-        """The column's values; an `Unreadable` for each row of a row group whose data is damaged."""
-        values: list[Any | Unreadable] = []
-        for file, parquet in zip(self.input_files, self._files):
+    def column_slices(self, names: Sequence[str]) -> Iterator[dict[str, list[Any | Unreadable]]]:
+        for file_number, group_number in self._groups:
+            read = 0
             try:
-                values.extend(parquet.read(columns=[name]).column(name).to_pylist())
-            except Exception:  # damaged data, as in `rows`: read group by group to keep the rest
-                for group in range(parquet.metadata.num_row_groups):
-                    try:
-                        values.extend(parquet.read_row_group(group, columns=[name]).column(name).to_pylist())
-                    except Exception as exc:
-                        unreadable = Unreadable(f"{file}: row group {group} of column {name!r} cannot be read "
-                                                f"({one_line(exc)})")
-                        values.extend([unreadable] * parquet.metadata.row_group(group).num_rows)
+                batches = self._files[file_number].iter_batches(
+                    batch_size=COLUMN_ROWS_PER_READ, row_groups=[group_number], columns=list(names)
+                )
+                for batch in batches:
+                    yield {name: batch.column(name).to_pylist() for name in names}
+                    read += batch.num_rows
+            except Exception:  # damaged data, as in `rows`: each column alone, to keep the readable ones
+                yield {name: self._rest_of_column(file_number, group_number, name, read) for name in names}
+
+    def _rest_of_column(self, file_number: int, group_number: int, name: str, skip: int) -> list[Any | Unreadable]:
+        """A row group's values of one column from row `skip` of the group on; an `Unreadable` for
+        each row from where its data is damaged."""
+        parquet = self._files[file_number]
+        num_rows = parquet.metadata.row_group(group_number).num_rows - skip
+        values: list[Any | Unreadable] = []
+        try:
+            for batch in parquet.iter_batches(batch_size=COLUMN_ROWS_PER_READ, row_groups=[group_number], columns=[name]):
+                column = batch.column(name)
+                if skip < len(column):
+                    values.extend(column.slice(skip).to_pylist())
+                skip = max(0, skip - len(column))
+        except Exception as exc:
+            unreadable = Unreadable(f"{self.input_files[file_number]}: row group {group_number} of column {name!r} "
+                                    f"cannot be read ({one_line(exc)})")
+            values.extend([unreadable] * (num_rows - len(values)))
         return values
 
 
@@ -304,8 +320,10 @@ class _DatasetRows:
             for values in zip(*(columns[name] for name in names)):
                 yield dict(zip(names, values))
 
-    def columns(self, names: Sequence[str]) -> dict[str, list[Any]]:
-        return {name: list(self._dataset[name]) for name in names}
+    def column_slices(self, names: Sequence[str]) -> Iterator[dict[str, list[Any]]]:
+        selected = self._dataset.select_columns(list(names))
+        for start in range(0, len(selected), COLUMN_ROWS_PER_READ):
+            yield selected[start:start + COLUMN_ROWS_PER_READ]
 
 
 class _JsonlRows:
@@ -340,13 +358,14 @@ class _JsonlRows:
                     produced += 1
                     yield _parse_json_line(line)
 
-    def columns(self, names: Sequence[str]) -> dict[str, list[Any]]:
+    def column_slices(self, names: Sequence[str]) -> Iterator[dict[str, list[Any]]]:
         """In one pass over the file (a pass per column parsed it 4 times to score)."""
-        values: dict[str, list[Any]] = {name: [] for name in names}
-        for row in self.rows(0, len(self)):
-            for name, column in values.items():
-                column.append(row.get(name) if isinstance(row, dict) else None)
-        return values
+        for start in range(0, len(self), COLUMN_ROWS_PER_READ):
+            values: dict[str, list[Any]] = {name: [] for name in names}
+            for row in self.rows(start, min(len(self), start + COLUMN_ROWS_PER_READ)):
+                for name, column in values.items():
+                    column.append(row.get(name) if isinstance(row, dict) else None)
+            yield values
 
 
 def _parse_json_line(line: JsonlLine) -> dict[str, Any] | str:
@@ -397,9 +416,9 @@ class _ConcatRows:
             if lo < hi:
                 yield from part.rows(lo - part_start, hi - part_start)
 
-    def columns(self, names: Sequence[str]) -> dict[str, list[Any]]:
-        parts = [part.columns(names) for part in self._parts]
-        return {name: [value for part in parts for value in part[name]] for name in names}
+    def column_slices(self, names: Sequence[str]) -> Iterator[dict[str, list[Any]]]:
+        for part in self._parts:
+            yield from part.column_slices(names)
 
 
 # -------------------------------------------------------------------- catalogue
@@ -509,15 +528,16 @@ class Catalogue(Sequence[ProductRecord]):
             raise CatalogueError(
                 f"{self.source}: has no ground truth columns ({', '.join(LABEL_COLUMNS)})"
             )
-        columns = self._rows.columns((CANDIDATES, *LABEL_COLUMNS))
+        names = (CANDIDATES, *LABEL_COLUMNS)
         attributes = self._attributes.all() if self._attributes is not None else itertools.repeat(None)
         labels: list[RecordLabels | str] = []
         # one copy of each category, candidate and brand string: records repeat them (a taxonomy's
         # few thousand categories), and a million records' labels otherwise held each line's own
         # copies, about 2.3 KB a record
         shared: dict[str, str] = {}
-        for i, record_attributes in zip(range(len(self)), attributes):
-            row = {name: values[i] for name, values in columns.items()}
+        rows = (dict(zip(names, values)) for columns in self._rows.column_slices(names)
+                for values in zip(*(columns[name] for name in names)))
+        for row, record_attributes in zip(rows, attributes):  # a row first: no attribute line is lost
             unreadable = next((value for value in row.values() if isinstance(value, Unreadable)), None)
             if unreadable is not None:
                 labels.append(unreadable.reason)
