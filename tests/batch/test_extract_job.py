@@ -628,3 +628,24 @@ def test_a_signal_after_the_last_record_or_while_scoring_is_an_interruption(smal
     assert extract(small_catalogue, out, "--limit", "3", "--eval") == 130
     err = capsys.readouterr().err
     assert "interrupted: " in err and "before any record" not in err and len(read_lines(out)) == 3
+
+
+def test_a_start_refused_once_the_file_is_claimed_changes_nothing_in_it(small_catalogue, tmp_path, capsys):
+    """The results file was emptied (`--overwrite`) and its job written before the model loaded: a
+    model that then did not load (here `--device cuda` on a machine without one) left 0 of the earlier
+    lines, and on a new path a job file of the refused settings, which the corrected command was
+    refused by."""
+    out = tmp_path / "p.jsonl"
+    assert extract(small_catalogue, out, "--limit", "2") == 0
+    job_path = out.with_name(out.name + JOB_SUFFIX)
+    kept, kept_job = out.read_text(), job_path.read_text()
+    capsys.readouterr()
+    assert extract(small_catalogue, out, "--overwrite", "--device", "cuda", "--dtype", "float32") == 1
+    assert "cannot load the model" in capsys.readouterr().err
+    assert out.read_text() == kept and job_path.read_text() == kept_job
+
+    new = tmp_path / "new.jsonl"
+    assert extract(small_catalogue, new, "--limit", "1", "--device", "cuda", "--dtype", "float32") == 1
+    assert not new.exists() and not new.with_name(new.name + JOB_SUFFIX).exists()
+    assert extract(small_catalogue, new, "--limit", "1") == 0  # the corrected command runs
+    assert len(read_lines(new)) == 1

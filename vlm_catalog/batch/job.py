@@ -288,7 +288,7 @@ def _run_batch(settings: BatchSettings, interrupt: StopRequest) -> BatchSummary:
         raise BatchError(f"--model {settings.model}: cannot read {exc.filename} ({exc.strerror})") from None
     interrupt.check()
     try:
-        results = ResultsFile.open(settings.out, job, settings.overwrite)
+        results = ResultsFile.claim(settings.out, job, settings.overwrite)  # emptied only once the run can start
     except OutputError as exc:
         raise BatchError(str(exc)) from None
     summary = BatchSummary(out=settings.out, selected=selected, repaired_bytes=results.repaired_bytes)
@@ -308,6 +308,16 @@ def _run_batch(settings: BatchSettings, interrupt: StopRequest) -> BatchSummary:
         if results.lock_warning:
             print(f"warning: {results.lock_warning}", file=progress.stream, flush=True)
 
+        def ready() -> None:  # the model loaded: the results file may now be emptied and its job written
+            try:
+                results.start()
+            except OutputError as exc:
+                raise BatchError(str(exc)) from None
+            progress.restart()
+
+        if selected == summary.skipped:  # nothing to run (Ray then loads no model): ready now
+            ready()
+
         def emit(line: ResultLine) -> None:
             if int(line.id) in results.done:
                 return  # a Ray task retried after its first answer was written
@@ -320,14 +330,12 @@ def _run_batch(settings: BatchSettings, interrupt: StopRequest) -> BatchSummary:
 
         try:  # a signal stops the run between engine steps (interrupt.check)
             if settings.ray_address is None:
-                summary.engine_stats = _run_here(
-                    settings, catalogue.items(pending), emit, progress.restart, interrupt.check
-                )
+                summary.engine_stats = _run_here(settings, catalogue.items(pending), emit, ready, interrupt.check)
             else:
                 from vlm_catalog.batch.ray_runner import RayRunError, run_on_ray
 
                 try:
-                    run_on_ray(settings, list(pending), emit_then_check, progress.restart)
+                    run_on_ray(settings, list(pending), emit_then_check, ready)
                 except RayRunError as exc:
                     raise BatchError(str(exc)) from None
         except KeyboardInterrupt:

@@ -1,7 +1,7 @@
 """The results file: one JSON line per record, written once, kept across crashes.
 
 Contract:
-- `ResultsFile.open(path, job)` takes an exclusive lock (`fcntl.flock` on
+- `ResultsFile.claim(path, job)` takes an exclusive lock (`fcntl.flock` on
   `<path>.lock`, released by the kernel when the process dies, however it
   dies), so a second process on the same file is refused, not interleaved.
   The path is resolved first: a symbolic link and its target are one file, one
@@ -19,6 +19,13 @@ Contract:
 - `<path>.job.json` records what the file holds (dataset, split, shard, model,
   schema, prompt, budget); resuming with different settings is refused, so
   one file never mixes answers of two jobs.
+- `claim` changes nothing in the file but a repair; `start`, called once the
+  run can go on (its model loaded), empties it (`overwrite`, or a new file)
+  and writes the job file. A start refused in between (a model that does not
+  load, a device that is not there, a signal) leaves the file and its job as
+  they were: before, `--overwrite` had emptied it, and a new file was left
+  with the refused settings' job, which the corrected command then refused.
+  `open` is `claim` then `start`.
 - `write(line)` appends one line and flushes it to the kernel at once (a killed
   process loses nothing written); `close()` fsyncs. The file is never opened
   for truncation: `overwrite` renames an empty file over it.
@@ -72,52 +79,75 @@ class ResultsWriteError(OutputError):
 
 
 class ResultsFile:
-    def __init__(self, path: Path, lock_handle, handle, done: dict[int, str | None]) -> None:
+    def __init__(self, path: Path, lock_handle, done: dict[int, str | None], job: dict[str, Any], fresh: bool) -> None:
         self.path = path
         self._lock_handle = lock_handle
         self.done = done  # record index -> failure kind (None: answered)
         self.repaired_bytes = 0
         self.dropped_lines = 0
         self.lock_warning: str | None = None  # the file system has no locks: the run is not locked
+        self._job = job
+        self._fresh = fresh  # `start` empties the file (overwrite, or a new file)
+        self._handle = None  # opened by `start`
         self._unsynced = 0
         self._written = 0  # lines this run appended
-        self._follow(handle)
 
     # ----------------------------------------------------------------- open
     @classmethod
     def open(cls, path: Path, job: dict[str, Any], overwrite: bool = False) -> ResultsFile:
+        """`claim`, then `start`: ready for lines."""
+        results = cls.claim(path, job, overwrite)
+        try:
+            results.start()
+        except BaseException:
+            results.close()
+            raise
+        return results
+
+    @classmethod
+    def claim(cls, path: Path, job: dict[str, Any], overwrite: bool = False) -> ResultsFile:
+        """Lock the file and read the records it holds (none with `overwrite`), refusing another
+        job's file; nothing in it changes but the repair of a torn or damaged line."""
         path = Path(path).resolve()  # a link and its target: one lock, and the link is kept
         lock_handle, lock_warning = _acquire_lock(path)
         try:
-            job_path = job_file(path)
             if lock_warning is None:  # unlocked, another writer's rewrite may be under way
                 _remove_leftover_temporaries(path)
-            if overwrite or not path.exists():
-                write_atomically(path, "")
-                done: dict[int, str | None] = {}
-                repaired, dropped = 0, 0
-            else:
-                _check_same_job(job_path, job, path)
+            fresh = overwrite or not path.exists()
+            done: dict[int, str | None] = {}
+            repaired, dropped = 0, 0
+            if not fresh:
+                _check_same_job(job_file(path), job, path)
                 done, repaired, dropped = _scan_and_repair(path)
-            write_atomically(job_path, json.dumps(job, indent=2, sort_keys=True) + "\n")
-            handle = path.open("a", encoding="utf-8")
         except OSError as exc:  # e.g. the disk is full: every step above leaves the file whole
             lock_handle.close()
-            raise OutputError(
-                f"preparing {path} failed: {exc.strerror or exc}; every line in it is kept, "
-                "and the same command resumes once there is room"
-            ) from None
+            raise _preparing_failed(path, exc) from None
         except BaseException:
             lock_handle.close()
             raise
-        results = cls(path, lock_handle, handle, done)
+        results = cls(path, lock_handle, done, job, fresh)
         results.repaired_bytes, results.dropped_lines = repaired, dropped
         results.lock_warning = lock_warning
         return results
 
+    def start(self) -> None:
+        """Empty the file where this run starts it afresh, write its job file, open it for lines."""
+        if self._handle is not None:
+            return
+        try:
+            if self._fresh:
+                write_atomically(self.path, "")
+            write_atomically(job_file(self.path), json.dumps(self._job, indent=2, sort_keys=True) + "\n")
+            handle = self.path.open("a", encoding="utf-8")
+        except OSError as exc:
+            raise _preparing_failed(self.path, exc) from None
+        self._follow(handle)
+
     # ---------------------------------------------------------------- write
     def write(self, line: dict[str, Any]) -> None:
         index = int(line["id"])
+        if self._handle is None:
+            raise OutputError(f"record {index}: {self.path} is not started")  # a bug, never data
         if index in self.done:
             raise OutputError(f"record {index} is already in {self.path}")  # a bug, never data
         try:
@@ -171,10 +201,12 @@ class ResultsFile:
                         copy.write(raw)
 
         try:
-            self._handle.flush()
+            if self._handle is not None:
+                self._handle.flush()
             replace_atomically(self.path, os.stat(self.path).st_mode & 0o777, copy_other_lines, suffix=".retry")
-            self._handle.close()
-            self._follow(self.path.open("a", encoding="utf-8"))
+            if self._handle is not None:
+                self._handle.close()
+                self._follow(self.path.open("a", encoding="utf-8"))
         except OSError as exc:
             raise ResultsWriteError(self.path, exc) from exc
         for index in indices:
@@ -188,7 +220,7 @@ class ResultsFile:
         last bytes cannot reach the disk (it is full), `OutputError` when the file is no longer at
         its path; the file and the lock are closed all the same."""
         try:
-            if not self._handle.closed:
+            if self._handle is not None and not self._handle.closed:
                 try:
                     try:
                         self._handle.flush()
@@ -201,6 +233,11 @@ class ResultsFile:
                 self._check_still_at_path(size)
         finally:
             self._lock_handle.close()  # closing the descriptor releases the flock
+
+
+def _preparing_failed(path: Path, exc: OSError) -> OutputError:
+    return OutputError(f"preparing {path} failed: {exc.strerror or exc}; every line in it is kept, "
+                       "and the same command resumes once there is room")
 
 
 def _acquire_lock(path: Path):
