@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,6 +30,7 @@ from vlm_catalog.engine.config import EngineConfig
 from vlm_catalog.engine.llm_engine import EngineRequestError, LLMEngine
 from vlm_catalog.engine.outputs import RequestOutput, context_cut
 from vlm_catalog.engine.sampling_params import SamplingParams
+from vlm_catalog.engine.step_faults import StepFaults
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 from vlm_catalog.preprocess.processor import ProcessedPrompt
 from vlm_catalog.read_ahead import ReadAhead
@@ -207,31 +209,62 @@ class LLM:
             return self._run_alone(count, prepare, use_tqdm)
 
     def _run_alone(self, count: int, prepare: Callable[[int], _Prepared], use_tqdm: bool) -> list[RequestOutput]:
+        """`_run`'s loop. A step that raises has its requests run again one at a time; one that fails
+        alone is an "error" output (`StepFaults`): a one-off fault costs no answer, and a request that
+        fails every step fails alone. `EngineFailing` when the engine fails every step."""
         engine = self.engine
         ahead = max(JOIN_PER_STEP, engine.config.max_num_seqs)
         request_ids = [f"llm-{next(self._request_counter)}" for _ in range(count)]
+        index_of = {request_id: index for index, request_id in enumerate(request_ids)}
         results: dict[str, RequestOutput] = {}
         progress = _progress(count, use_tqdm)
+        faults = StepFaults(engine)
+        suspects: deque[int] = deque()  # in flight when a step raised: run again alone
+        isolating = False
+        held: dict[str, RequestOutput] = {}  # failed alone, theirs once a later step succeeds
+
+        def finish(outputs: Iterable[RequestOutput]) -> None:
+            for output in outputs:
+                results[output.request_id] = output
+                progress.update(1)
+
         queued = 0
         try:
             with ReadAhead(range(count), prepare, depth=ahead) as prepared_prompts:
                 while True:
-                    for _ in range(JOIN_PER_STEP):
-                        if queued == count or engine.num_waiting_requests >= ahead:
-                            break
-                        refused = self._queue(prepared_prompts.next(), request_ids[queued])
-                        queued += 1
-                        if refused is not None:
-                            results[refused.request_id] = refused
-                            progress.update(1)
+                    if isolating and not engine.has_unfinished_requests():
+                        isolating = bool(suspects)
+                    if isolating:
+                        if not engine.has_unfinished_requests():
+                            index = suspects.popleft()
+                            finish(filter(None, [self._queue(prepare(index), request_ids[index])]))
+                    else:
+                        for _ in range(JOIN_PER_STEP):
+                            if queued == count or engine.num_waiting_requests >= ahead:
+                                break
+                            finish(filter(None, [self._queue(prepared_prompts.next(), request_ids[queued])]))
+                            queued += 1
                     if not engine.has_unfinished_requests():
-                        if queued == count:
+                        if queued == count and not suspects:
+                            while held and not faults.probe():  # nothing left to show the engine works
+                                pass
+                            finish(held.values())
                             break
                         continue  # everything queued so far failed before reaching the engine
-                    for output in engine.step():
-                        if output.finished:
-                            results[output.request_id] = output
-                            progress.update(1)
+                    result = faults.step()
+                    if result.dropped:
+                        dropped = [request_id for request_id in result.dropped if request_id in index_of]
+                        if isolating:
+                            held.update((request_id, RequestOutput(
+                                request_id, "", [], 0, True, "error", f"internal engine error: {result.error}",
+                            )) for request_id in dropped)
+                        else:
+                            suspects.extend(index_of[request_id] for request_id in dropped)
+                            isolating = True
+                    elif held and faults.confirmed:
+                        finish(held.values())
+                        held.clear()
+                    finish(output for output in result.outputs if output.finished)
         finally:
             progress.close()
             for request_id in request_ids[:queued]:  # an interrupted run leaves nothing running

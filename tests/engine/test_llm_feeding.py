@@ -90,3 +90,46 @@ def test_an_interrupted_run_leaves_nothing_running(llm, monkeypatch):
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.num_blocks
     assert len(llm.chat([conversation(1, words=3)], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
+
+
+def failing_step(monkeypatch, engine, fails):
+    """`engine.step` raising where `fails(call number, request ids scheduled)` says."""
+    real_run_step, calls = engine._run_step, []
+
+    def run_step(output, pending):
+        calls.append(1)
+        if fails(len(calls), {chunk.request.request_id for chunk in output.chunks}):
+            raise RuntimeError("CUDA error: out of memory")
+        return real_run_step(output, pending)
+
+    monkeypatch.setattr(engine, "_run_step", run_step)
+
+
+def test_a_failed_step_costs_no_answer_and_a_request_that_fails_alone_is_its_error(llm, monkeypatch):
+    """Before, one failed step raised out of `chat`, losing the answers already made; a request that
+    failed every step made every call raise."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    conversations = [conversation(i, words=3) for i in range(10)]
+    expected = [output.token_ids for output in llm.chat(conversations, params)]
+    failing_step(monkeypatch, llm.engine, lambda call, scheduled: call == 2)
+    assert [output.token_ids for output in llm.chat(conversations, params)] == expected
+
+    first = next(llm._request_counter) + 1  # the ids the next call gives its requests
+    poison = f"llm-{first + 6}"
+    failing_step(monkeypatch, llm.engine, lambda call, scheduled: poison in scheduled)
+    outputs = llm.chat(conversations, params)
+    assert [i for i, output in enumerate(outputs) if output.finish_reason == "error"] == [6]
+    assert outputs[6].error == "internal engine error: RuntimeError: CUDA error: out of memory"
+    assert [output.token_ids for i, output in enumerate(outputs) if i != 6] == expected[:6] + expected[7:]
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_an_engine_that_fails_every_step_raises_engine_failing(llm, monkeypatch):
+    from vlm_catalog.engine.step_faults import EngineFailing
+
+    failing_step(monkeypatch, llm.engine, lambda call, scheduled: True)
+    with pytest.raises(EngineFailing, match="16 engine steps in a row failed"):
+        llm.chat([conversation(i, words=3) for i in range(3)], SamplingParams(max_tokens=2, ignore_eos=True))
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.chat([conversation(1, words=3)], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2

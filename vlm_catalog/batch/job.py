@@ -27,6 +27,7 @@ from vlm_catalog.batch.output import OutputError, ResultsFile, job_file
 from vlm_catalog.batch.progress import Progress
 from vlm_catalog.batch.requests import FAILURE_KINDS, ResultLine
 from vlm_catalog.batch.selection import WHOLE, Shard, count_selected, pending_indices
+from vlm_catalog.engine.step_faults import EngineFailing
 from vlm_catalog.paths import DEFAULT_MODEL_DIR, shipped_data_hint
 from vlm_catalog.signals import StopRequest
 
@@ -342,6 +343,9 @@ def _run_batch(settings: BatchSettings, interrupt: StopRequest) -> BatchSummary:
             summary.interrupted = True
         except OutputError as exc:  # a full disk, or the results file deleted during the run: its message says
             raise BatchError(str(exc)) from None
+        except EngineFailing as exc:  # a dead device: the records it failed are not written, and run again
+            raise BatchError(f"the run stopped: {exc}; the lines written so far are kept, "
+                             "and the same command resumes") from None
         except OSError as exc:  # e.g. the dataset's file went away (a lost network mount)
             raise BatchError(f"the run stopped: {exc}; the lines written so far are kept, "
                              "and the same command resumes") from None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -22,6 +23,7 @@ from vlm_catalog.batch.requests import RequestBuilder, ResultLine, failure_kind_
 from vlm_catalog.data.loader import CatalogueItem
 from vlm_catalog.engine.llm_engine import EngineRequestError, LLMEngine
 from vlm_catalog.engine.sampling_params import SamplingParams
+from vlm_catalog.engine.step_faults import StepFaults
 from vlm_catalog.preprocess.processor import ProcessedPrompt
 from vlm_catalog.read_ahead import ReadAhead
 
@@ -48,7 +50,8 @@ class FeedStats:
 
     seconds_waiting_for_records: float = 0.0  # the whole run
     seconds_waiting_before_first_step: float = 0.0  # of which, filling the first window
-    records_prepared_on_engine_thread: int = 0  # all with read_ahead=0; else only reruns with the bounded schema
+    records_prepared_on_engine_thread: int = 0  # all with read_ahead=0; else only reruns (bounded schema, a failed step)
+    failed_steps: int = 0  # engine steps that raised (their records ran again, one at a time)
 
 
 class _PrepareInline:
@@ -103,23 +106,41 @@ def run_items(
     pending: dict[str, tuple[CatalogueItem, bool]] = {}  # engine request id -> (item, bounded schema)
     prepare = partial(prepare_item, engine, builder)
     records = ReadAhead(items, prepare, read_ahead, prepare_workers) if read_ahead > 0 else _PrepareInline(items, prepare)
+    faults = StepFaults(engine)
+    suspects: deque[tuple[CatalogueItem, bool]] = deque()  # in flight when a step raised: run again alone
+    isolating = False  # the window holds one suspect alone
+    held: list[ResultLine] = []  # suspects that failed alone, written once a later step succeeds
     with records:
         exhausted, stepped = False, False
         try:
             while True:
-                # at most `read_ahead` records join per step, so the first step waits for that many
-                # preparations, not a whole window's (a step admits far fewer than that anyway)
-                limit = 0 if exhausted else min(window - len(pending), read_ahead or window)
-                for _ in range(limit):
-                    prepared = records.next()
-                    if prepared is None:
-                        exhausted = True
-                        break
-                    failure = _add(engine, prepared, pending)
-                    if failure is not None:
-                        emit(failure)
+                if isolating and not pending:  # the suspect ran; the next, or back to a full window
+                    isolating = bool(suspects)
+                if isolating:
+                    if not pending:
+                        item, bounded = suspects.popleft()
+                        stats.records_prepared_on_engine_thread += 1
+                        failure = _add(engine, prepare(item, bounded=bounded), pending)
+                        if failure is not None:
+                            emit(failure)
+                else:
+                    # at most `read_ahead` records join per step, so the first step waits for that many
+                    # preparations, not a whole window's (a step admits far fewer than that anyway)
+                    limit = 0 if exhausted else min(window - len(pending), read_ahead or window)
+                    for _ in range(limit):
+                        prepared = records.next()
+                        if prepared is None:
+                            exhausted = True
+                            break
+                        failure = _add(engine, prepared, pending)
+                        if failure is not None:
+                            emit(failure)
                 if not pending:
-                    if exhausted:
+                    if exhausted and not suspects:
+                        while held and not faults.probe():  # no record left to show the engine works
+                            pass
+                        for line in held:
+                            emit(line)
                         return stats
                     if between_steps is not None:  # a stop request is honoured during a run of bad records too
                         between_steps()
@@ -127,7 +148,21 @@ def run_items(
                 if not stepped:
                     stats.seconds_waiting_before_first_step = records.seconds_waiting
                     stepped = True
-                for output in engine.step():
+                result = faults.step()
+                if result.dropped:
+                    dropped = list(pending.values())  # every one of them was in the engine, and is dropped
+                    pending.clear()
+                    if isolating:  # it failed alone: its own fault, once a step shows the engine works
+                        held += [ResultLine.failed(item.id, "engine", f"internal engine error: {result.error}")
+                                 for item, _ in dropped]
+                    else:
+                        suspects.extend(dropped)
+                        isolating = True
+                elif held and faults.confirmed:
+                    for line in held:
+                        emit(line)
+                    held.clear()
+                for output in result.outputs:
                     if not output.finished:
                         continue
                     item, bounded = pending.pop(output.request_id)
@@ -143,6 +178,7 @@ def run_items(
                     between_steps()
         finally:
             stats.seconds_waiting_for_records = records.seconds_waiting
+            stats.failed_steps = faults.failed_steps
             if isinstance(records, _PrepareInline):
                 stats.records_prepared_on_engine_thread += records.num_prepared
 

@@ -272,11 +272,7 @@ class AsyncLLM:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
     def _fail_in_flight(self, exc: Exception) -> None:
-        for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
-        self.engine.scheduler.drain_finished()
-        self.engine.requests.clear()
-        self.engine.detokenizers.clear()
+        self.engine.abort_all()
         self._fail_streams(EngineInternalError(f"internal engine error: {exc}"))
 
     def _fail_streams(self, exc: Exception) -> None:

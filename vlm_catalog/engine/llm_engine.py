@@ -394,6 +394,18 @@ class LLMEngine:
         self.scheduler.finish(request, FinishReason.ABORT)
         return True
 
+    def abort_all(self) -> list[str]:
+        """Drop every request in flight at once, with no final output: after a step that raised,
+        whose requests' state is unknown. Their blocks are freed, and the engine takes new requests.
+        Returns their ids."""
+        dropped = list(self.requests)
+        for request_id in dropped:
+            self.abort(request_id)
+        self.scheduler.drain_finished()
+        self.requests.clear()
+        self.detokenizers.clear()
+        return dropped
+
     @property
     def num_waiting_requests(self) -> int:
         """Requests queued and not yet running: in the waiting queue, or waiting for their grammar."""

@@ -1,0 +1,88 @@
+"""An engine step that raises, in a driver that owns its requests (the batch job, `LLM`).
+
+A step runs many requests at once, so its exception does not say whose it is: a
+device fault (an out-of-memory on a large batch) is nobody's, a bug one request
+meets (its image, its grammar) is that request's, and a dead device fails every
+step. `StepFaults.step` runs a step; where it raises, every request in flight is
+dropped (`LLMEngine.abort_all`) and handed back, and the driver runs each again
+alone. One that fails alone is that request's failure; the driver holds it until
+a later step succeeds (`confirmed`; with nothing left to run, `probe` runs a
+one-token request for it), so that a dead device, which fails every request
+alone too, fails none of them: after `max_in_a_row` failed steps in a row,
+`EngineFailing` stops the driver instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported by the batch job's front door, which loads torch only when a run starts
+    from vlm_catalog.engine.llm_engine import LLMEngine
+    from vlm_catalog.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# Failed steps in a row that stop a driver: a request that fails alone counts, so several such
+# requests in a row (a bug a kind of record meets) must not look like a dead device.
+MAX_FAILED_STEPS_IN_A_ROW = 16
+
+
+class EngineFailing(RuntimeError):
+    """Every step failed, many in a row: the device or the engine is broken, not one request."""
+
+
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # ids of the requests in flight when the step raised
+    error: str | None = None  # what it raised, in one line
+
+
+class StepFaults:
+    def __init__(self, engine: LLMEngine, max_in_a_row: int = MAX_FAILED_STEPS_IN_A_ROW) -> None:
+        if max_in_a_row < 1:
+            raise ValueError(f"max_in_a_row must be at least 1, got {max_in_a_row}")
+        self.engine = engine
+        self.max_in_a_row = max_in_a_row
+        self.failed_in_a_row = 0
+        self.failed_steps = 0
+
+    @property
+    def confirmed(self) -> bool:
+        """The last step succeeded: failures held since the one before are the requests' own."""
+        return self.failed_in_a_row == 0
+
+    def step(self) -> StepResult:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - whose fault it is is found by running the requests again
+            self.failed_in_a_row += 1
+            self.failed_steps += 1
+            error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            if self.failed_in_a_row >= self.max_in_a_row:
+                self.engine.abort_all()
+                raise EngineFailing(f"{self.failed_in_a_row} engine steps in a row failed, the last with {error}") from exc
+            if self.failed_in_a_row == 1:
+                logger.exception("engine step failed; its requests run again, one at a time")
+            else:  # one traceback is enough: a dead device fails every step the same way
+                logger.warning("engine step failed again (%d in a row): %s", self.failed_in_a_row, error)
+            return StepResult(dropped=self.engine.abort_all(), error=error)
+        self.failed_in_a_row = 0
+        return StepResult(outputs=outputs)
+
+    def probe(self) -> bool:
+        """Run a one-token text request, with nothing else in the engine: True when its steps
+        succeed (the engine works, so the failures held are the requests' own), False when one
+        fails (`EngineFailing` once `max_in_a_row` have in a row)."""
+        from vlm_catalog.engine.sampling_params import SamplingParams
+
+        request_id = f"step-faults-probe-{self.failed_steps}"
+        self.engine.add_request([{"role": "user", "content": "ping"}], SamplingParams(max_tokens=1), request_id=request_id)
+        while True:
+            result = self.step()
+            if result.dropped:
+                return False
+            if any(output.request_id == request_id and output.finished for output in result.outputs):
+                return True
