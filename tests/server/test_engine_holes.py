@@ -104,3 +104,60 @@ def test_a_dying_engine_thread_fails_waiting_requests_and_refuses_new_ones():
         asyncio.run(asyncio.wait_for(run(), 60))
     finally:
         engine.shutdown()
+
+
+def test_health_turns_503_while_steps_keep_failing_or_one_hangs_and_back_once_the_device_works():
+    """`/health` said 200 while every step raised (a dead device) or one hung: only the engine thread
+    was checked, so a load balancer kept the instance in rotation."""
+    import threading
+
+    import httpx
+
+    from vlm_catalog.server.app import create_app
+    from vlm_catalog.server.settings import ServerSettings
+
+    engine = AsyncLLM(model=DEFAULT_MODEL_DIR, max_num_seqs=4)
+    app = create_app(engine, ServerSettings(health_step_timeout_s=0.5))
+    real_step = engine.engine.step
+    release = threading.Event()
+
+    def dead():
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    def hung():
+        release.wait(10)
+        return real_step()
+
+    async def health():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            response = await client.get("/health")
+            return response.status_code, response.json()["status"]
+
+    async def failing_request():
+        with pytest.raises(Exception, match="internal engine error"):
+            async for _ in engine.generate(user("hello"), SamplingParams(max_tokens=2)):
+                pass
+
+    async def run():
+        assert await health() == (200, "ok")
+        engine.engine.step = dead
+        for _ in range(3):
+            await failing_request()
+        assert await health() == (503, "the last 4 engine steps failed")  # its probe failed too
+        engine.engine.step = real_step  # the device is back: the probe's step works
+        assert await health() == (200, "ok")
+        engine.engine.step = hung
+        stream = engine.generate(user("hello"), SamplingParams(max_tokens=2))
+        waiting = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(1.0)
+        code, status = await health()
+        assert code == 503 and status.startswith("an engine step has run for "), status
+        release.set()
+        await waiting
+        engine.engine.step = real_step
+        assert await health() == (200, "ok")
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        engine.shutdown()

@@ -17,7 +17,9 @@ flight is refused at once (the caller picks ids, or lets `AsyncLLM` number
 them). A bug inside a step fails the requests then in flight with
 `EngineInternalError`, is logged, and the engine goes on serving. Once the
 engine is shut down, or its thread has died, `generate` raises
-`EngineUnavailableError` and `is_running` is False.
+`EngineUnavailableError` and `is_running` is False. `health` says what is
+wrong besides: steps that all fail (a dead device), or one that runs too long
+(a hung one); `probe` runs a one-token request to see whether it recovered.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -38,6 +41,10 @@ from vlm_catalog.engine.sampling_params import SamplingParams
 from vlm_catalog.preprocess.processor import ProcessedPrompt
 
 logger = logging.getLogger(__name__)
+
+# failed steps in a row after which `health` reports the engine failing (one is a request's bug, or
+# a passing device fault; a dead device fails every step)
+UNHEALTHY_AFTER_FAILED_STEPS = 3
 
 
 class _LatestOutput:
@@ -102,6 +109,8 @@ class AsyncLLM:
         self._live_ids: set[str] = set()  # ids between the start and the end of their `generate`
         self._live_lock = threading.Lock()
         self._stopped = threading.Event()
+        self._step_started: float | None = None  # `time.monotonic()` of the step running now
+        self.failed_steps_in_a_row = 0
         self._thread = threading.Thread(target=self._run, name="vlm-catalog-engine", daemon=True)
         self._thread.start()
 
@@ -112,6 +121,32 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopped.is_set()
+
+    @property
+    def steps_failing(self) -> bool:
+        return self.failed_steps_in_a_row >= UNHEALTHY_AFTER_FAILED_STEPS
+
+    def health(self, step_timeout_s: float) -> str | None:
+        """What keeps the engine from serving, or None: its thread stopped, its last steps all failed,
+        or the step running now has run longer than `step_timeout_s`. Plain reads, from any thread."""
+        if not self.is_running:
+            return "engine not running"
+        started = self._step_started
+        if started is not None and time.monotonic() - started > step_timeout_s:
+            return f"an engine step has run for {time.monotonic() - started:.0f} s"
+        if self.steps_failing:
+            return f"the last {self.failed_steps_in_a_row} engine steps failed"
+        return None
+
+    async def probe(self) -> bool:
+        """Run a one-token text request: True when it is answered (its step ends a run of failed ones)."""
+        try:
+            async for _ in self.generate([{"role": "user", "content": "ping"}],
+                                         SamplingParams(max_tokens=1, output_kind="final_only")):
+                pass
+        except (EngineRequestError, EngineUnavailableError, EngineInternalError):
+            return False
+        return True
 
     def load_stats(self) -> dict[str, float]:
         """The engine's current load (see `LLMEngine.load_stats`); plain reads, safe from any thread."""
@@ -209,12 +244,17 @@ class AsyncLLM:
                 break
             if not self.engine.has_unfinished_requests():
                 continue
+            self._step_started = time.monotonic()
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - a bug must not take the service down
+                self.failed_steps_in_a_row += 1
                 logger.exception("engine step failed; failing the requests in flight")
                 self._fail_in_flight(exc)
                 continue
+            finally:
+                self._step_started = None
+            self.failed_steps_in_a_row = 0
             self._deliver_step(outputs)
 
     def _drain_inbox(self, block: bool) -> None:

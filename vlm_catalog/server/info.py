@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request
@@ -38,7 +39,18 @@ async def metrics(request: Request):
 
 @router.get("/health")
 async def health(request: Request):
-    """200 while the engine thread runs; 503 once it has stopped or died (open without the API key)."""
-    if service(request).engine.is_running:
+    """200 while the engine serves; 503 once its thread has stopped or died, while its last steps
+    have all failed (a dead device: a one-token probe then shows whether it is back), or while a step
+    has run longer than `health_step_timeout_s` (a hung one). Open without the API key."""
+    state = service(request)
+    engine, timeout = state.engine, state.settings.health_step_timeout_s
+    problem = engine.health(timeout)
+    if problem is not None and engine.is_running and engine.steps_failing:
+        try:
+            await asyncio.wait_for(engine.probe(), timeout)
+        except TimeoutError:
+            pass
+        problem = engine.health(timeout)
+    if problem is None:
         return {"status": "ok"}
-    return JSONResponse({"status": "engine not running"}, status_code=503)
+    return JSONResponse({"status": problem}, status_code=503)

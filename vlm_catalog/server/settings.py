@@ -49,6 +49,8 @@ class ServerSettings(BaseSettings):
     retry_after_s: int = Field(1, ge=1)
     request_timeout_s: float = Field(600.0, gt=0)  # for a request's body to arrive, then for its generation
     graceful_shutdown_s: float = Field(5.0, ge=0)  # in-flight requests may finish this long after SIGTERM
+    # /health answers 503 while an engine step has run longer than this (a hung device)
+    health_step_timeout_s: float = Field(120.0, gt=0)
     # open connections (idle ones too) beyond which uvicorn answers new requests 503; `serve` raises
     # the open-file limit to fit them where it can (a default 1024 let slow clients exhaust it)
     max_connections: int = Field(2048, ge=1)
