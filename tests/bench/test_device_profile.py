@@ -103,6 +103,39 @@ def test_on_cuda_kernels_count_and_the_marks_device_ranges_do_not():
     assert breakdown["busy_seconds"] == pytest.approx(155e-6) and breakdown["busy_fraction"] == pytest.approx(0.155)
 
 
+def as_torch_2_11(events: list) -> SimpleNamespace:
+    """A stand-in profiler whose events lack `linked_correlation_id`, as torch before 2.13 gives them;
+    the links are in its raw kineto events (which start 1 ms into the trace)."""
+    raw = [SimpleNamespace(device_type=lambda e=e: e.device_type, correlation_id=lambda e=e: e.id,
+                           start_ns=lambda e=e: 1_000_000 + int(e.time_range.start * 1000),
+                           linked_correlation_id=lambda e=e: e.linked_correlation_id) for e in events]
+    bare = [SimpleNamespace(**{k: v for k, v in vars(e).items() if k != "linked_correlation_id"}) for e in events]
+    results = SimpleNamespace(trace_start_ns=lambda: 1_000_000, events=lambda: raw)
+    return SimpleNamespace(events=lambda: bare, profiler=SimpleNamespace(kineto_results=results))
+
+
+def test_kernels_find_their_host_op_on_torch_2_11_too():
+    """torch 2.11 (the GPU image's) leaves `linked_correlation_id` off its events: every kernel was
+    charged as unlinked, and no wait named the host op it waited for (the H100 record of
+    2026-11-28: unlinked_kernel_seconds equal to kernel_seconds). The links come from its raw
+    kineto events."""
+    step = event("vlm.step", DeviceType.CPU, 0, 400, id=1)
+    mark = event("vlm.text_forward.prefill", DeviceType.CPU, 0, 100, id=2, parent=step)
+    cat = event("aten::cat", DeviceType.CPU, 10, 20, id=3, parent=mark)
+    launch = event("cudaLaunchKernel", DeviceType.CPU, 11, 12, id=3, linked=3, parent=cat)  # same id as the op
+    device = [event("rms_norm_kernel", DeviceType.CUDA, 0, 30, id=7, linked=2),
+              event("CatArrayBatchedCopy", DeviceType.CUDA, 52, 90, id=8, linked=3),
+              event("vlm.step", DeviceType.CUDA, 0, 400, annotation=True)]
+    events = [step, mark, cat, launch, *device]
+    linked = profile_breakdown(SimpleNamespace(events=lambda: events), on_cuda=True, wall_seconds=1000e-6)
+    bare = profile_breakdown(as_torch_2_11(events), on_cuda=True, wall_seconds=1000e-6)
+    assert bare["unlinked_kernel_seconds"] == linked["unlinked_kernel_seconds"] == 0
+    assert bare["regions"] == linked["regions"]
+    waits = bare["regions"]["vlm.step"]["waits"]
+    assert [(w["before"], w["launched_by"], w["after"]) for w in waits] == [
+        ("rms_norm_kernel", "aten::cat", "CatArrayBatchedCopy")]
+
+
 def test_on_cuda_the_device_s_idle_time_is_charged_to_the_mark_around_it_and_long_waits_are_named():
     """Each stretch with no kernel running is charged to the innermost device-side mark around it
     (split at the marks' edges; outside every mark: unmarked). Gaps of WAIT_MIN_MICROS and more

@@ -111,21 +111,49 @@ def device_kernels(events) -> list:
             and not _is_mark(event.name)]
 
 
+def kineto_links(profiler) -> dict[tuple, int]:
+    """The link of each linked event (kernel, launch) to the host op or mark it was launched under,
+    read from the profiler's raw kineto events, keyed by (device type, id, start) as its events give
+    them: torch before 2.13 (the GPU image's 2.11) leaves `linked_correlation_id` off its events, and
+    every kernel looked unlinked there. Empty where the events carry it, or the raw ones are not there."""
+    events = profiler.events()
+    if not events or hasattr(events[0], "linked_correlation_id"):
+        return {}
+    try:
+        results = profiler.profiler.kineto_results
+        trace_start = results.trace_start_ns()
+        raw = results.events()
+    except AttributeError:
+        return {}
+    # an event's start as torch computes it for its own events: microseconds from the trace's start
+    return {(event.device_type(), event.correlation_id(), (event.start_ns() - trace_start) / 1000):
+            event.linked_correlation_id() for event in raw if event.linked_correlation_id() > 0}
+
+
 class DeviceTrace:
     """What the CUDA analyses read of a trace, gathered once: the device's kernels by start, the
     host ops and marks by id (not the launches: those carry a link themselves), and the marks
-    kineto drew on the device's timeline as (start, -end, name), sorted."""
+    kineto drew on the device's timeline as (start, -end, name), sorted. `links`: `kineto_links`,
+    for events that do not carry theirs."""
 
-    def __init__(self, events) -> None:
+    def __init__(self, events, links: dict[tuple, int] | None = None) -> None:
+        self._links = links or {}
         self.kernels = sorted(device_kernels(events), key=lambda event: event.time_range.start)
         self.hosts = {event.id: event for event in events
-                      if event.device_type == DeviceType.CPU and not getattr(event, "linked_correlation_id", 0)}
+                      if event.device_type == DeviceType.CPU and not self.linked_id(event)}
         self.marks = sorted((event.time_range.start, -event.time_range.end, event.name) for event in events
                             if event.device_type == DeviceType.CUDA and _is_mark(event.name))
 
+    def linked_id(self, event) -> int:
+        """The id of the host op or mark `event` was launched under; 0 for none."""
+        linked = getattr(event, "linked_correlation_id", None)
+        if linked is None:
+            linked = self._links.get((event.device_type, event.id, event.time_range.start), 0)
+        return linked
+
     def host_of(self, kernel):
-        """The host op or mark `kernel` was launched under (its `linked_correlation_id`), or None."""
-        return self.hosts.get(getattr(kernel, "linked_correlation_id", 0))
+        """The host op or mark `kernel` was launched under, or None."""
+        return self.hosts.get(self.linked_id(kernel))
 
 
 class InnermostMark:
@@ -222,7 +250,7 @@ def profile_breakdown(profiler, on_cuda: bool, wall_seconds: float) -> dict:
     unlinked = 0.0
     idle: dict[str, dict] = {}
     if on_cuda:
-        trace = DeviceTrace(events)
+        trace = DeviceTrace(events, kineto_links(profiler))
         units, unlinked = charged_kernels(trace)
         intervals = [(kernel.time_range.start, kernel.time_range.end) for kernel in trace.kernels]
         idle = idle_by_region(trace)
