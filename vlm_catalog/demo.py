@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.out_dir.exists() and not args.out_dir.is_dir():
             raise BatchError(f"--out-dir {args.out_dir} is a file; give a folder for the predictions and report")
-        check_report_path(report_path, option="--out-dir")
+        check_report_path(report_path, option="--out-dir", inputs=(args.dataset, args.model))
         summary = run_batch(settings_from_args(args, predictions, overwrite=True, evaluate=True))
     except (BatchError, ReportFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -9,6 +9,7 @@ not a traceback that hides the numbers already printed.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from vlm_catalog.folders import check_folder_can_be_made
@@ -18,15 +19,33 @@ class ReportFileError(ValueError):
     """The report file cannot be written; the message names it and says why."""
 
 
-def check_report_path(path: Path, option: str = "--json") -> None:
-    """Refuse a folder, and a file whose folder could not be made or written (`option`: the
-    argument named). Nothing is created: `write_report` makes the folder."""
+def check_report_path(path: Path, option: str = "--json", inputs: Iterable[Path | None] = ()) -> None:
+    """Refuse a folder, a file whose folder could not be made or written, and a path where the
+    report would replace one of the run's `inputs` (one of those files, or a file inside one of
+    those folders: before, `eval --json` given its own predictions file replaced them). `option`:
+    the argument named. Nothing is created: `write_report` makes the folder."""
     if path.is_dir():
         raise ReportFileError(f"{option} {path} is a folder; give a file name such as {path / 'report.json'}")
+    replaced = replaced_input(path, inputs)
+    if replaced is not None:
+        raise ReportFileError(f"{option} {path} would replace {replaced}, an input of this run; choose another path")
     try:
         check_folder_can_be_made(path.parent, f".{path.name}.write-check")
     except OSError as exc:
         raise ReportFileError(f"{option} {path}: cannot write into its folder {path.parent} ({exc.strerror})") from None
+
+
+def replaced_input(path: Path, inputs: Iterable[Path | None]) -> Path | None:
+    """The input (a file, or an existing file inside an input folder) that writing `path` would
+    replace, or None; links resolved."""
+    target = Path(path).resolve()
+    for source in inputs:
+        if source is None:
+            continue
+        resolved = Path(source).resolve()
+        if target == resolved or (resolved.is_dir() and target.is_relative_to(resolved) and target.exists()):
+            return Path(source) if target == resolved else target
+    return None
 
 
 def write_report(path: Path, text: str, option: str = "--json") -> None:

@@ -649,3 +649,17 @@ def test_a_start_refused_once_the_file_is_claimed_changes_nothing_in_it(small_ca
     assert not new.exists() and not new.with_name(new.name + JOB_SUFFIX).exists()
     assert extract(small_catalogue, new, "--limit", "1") == 0  # the corrected command runs
     assert len(read_lines(new)) == 1
+
+
+def test_an_out_inside_the_model_directory_is_refused(small_catalogue, tmp_path, capsys):
+    """`--out MODEL/config.json --overwrite` emptied the checkpoint's config (its results file renamed
+    over it)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL_DIR, model)
+    config = (model / "config.json").read_bytes()
+    for out in (model / "config.json", model / "predictions.jsonl"):
+        assert extract(small_catalogue, out, "--model", str(model), "--overwrite") == 1
+        assert f"--out {out} lies inside the model directory {model}" in capsys.readouterr().err
+    assert (model / "config.json").read_bytes() == config and not (model / "predictions.jsonl").exists()

@@ -3,6 +3,7 @@
 import json
 
 from vlm_catalog.cli import main
+from vlm_catalog.paths import SAMPLE_CATALOGUE_DIR
 
 
 def test_eval_jsonl_writes_the_benchmark_keys(handmade_catalogue, tmp_path, capsys):
@@ -135,3 +136,19 @@ def test_predictions_of_one_split_are_not_scored_against_another(tmp_path, capsy
     assert "made on a catalogue of 5 records (p.jsonl.job.json); this one has 1" in capsys.readouterr().err
     job_file.write_text("not json")  # a job file that cannot be read checks nothing
     assert main(["eval", "--predictions", str(out), "--dataset", dataset, "--split", "test"]) == 0
+
+
+def test_a_report_over_the_predictions_or_their_job_file_is_refused(tmp_path, capsys):
+    """`--json` given the predictions file (or its job file) replaced it with the report, exit 0."""
+    from vlm_catalog.batch.output import job_file
+
+    out = tmp_path / "p.jsonl"
+    assert main(["extract", "--dataset", str(SAMPLE_CATALOGUE_DIR), "--out", str(out), "--limit", "2",
+                 "--max-tokens", "40"]) == 0
+    kept = {path: path.read_bytes() for path in (out, job_file(out))}
+    for target in kept:
+        capsys.readouterr()
+        assert main(["eval", "--predictions", str(out), "--dataset", str(SAMPLE_CATALOGUE_DIR), "--json", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: --json {target} would replace {target}, an input of this run; choose another path\n"
+    assert all(path.read_bytes() == content for path, content in kept.items())

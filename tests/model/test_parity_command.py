@@ -40,6 +40,34 @@ def test_check_parity_errors(tmp_path, capsys):
         assert capsys.readouterr().err == f"error: device must be 'cpu' or 'cuda[:N]', got {device!r}\n"
 
 
+def test_bad_arguments_and_reports_over_inputs_are_one_line_before_any_work(tmp_path, capsys):
+    """`--atol nan` failed a good checkpoint (exit 1, a mismatch's code) and `inf` passed any; an
+    `--image` folder was a traceback; `--json` could replace the image or the checkpoint's
+    config.json."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL_DIR, model)
+    image = tmp_path / "product.png"
+    image.write_bytes(noise_image(40, 40, seed=1))
+    kept = {path: path.read_bytes() for path in (image, model / "config.json")}
+    cases = {
+        ("--atol", "nan"): "error: --atol must be a finite number above 0, got nan",
+        ("--atol", "-1"): "error: --atol must be a finite number above 0, got -1.0",
+        ("--atol", "inf"): "error: --atol must be a finite number above 0, got inf",
+        ("--image", str(tmp_path)): f"error: --image {tmp_path}: cannot read it (Is a directory)",
+        ("--image", str(image), "--json", str(image)):
+            f"error: --json {image} would replace {image}, an input of this run; choose another path",
+        ("--json", str(model / "config.json")):
+            f"error: --json {model / 'config.json'} would replace {model / 'config.json'}, an input of this run",
+    }
+    for extra, message in cases.items():
+        assert main(["check-parity", str(model), "--tokens", "1", *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(message) and err.count("\n") == 1, err
+    assert all(path.read_bytes() == content for path, content in kept.items())
+
+
 def test_check_parity_on_an_fp8_checkpoint_transformers_cannot_load_is_a_clear_error(tmp_path, tiny_tokenizer, capsys):
     import importlib.util
 

@@ -218,8 +218,8 @@ def engine_config(settings: BatchSettings):
         raise BatchError(str(exc)) from None
 
 
-def check_output_path(out: Path, catalogue) -> None:
-    """Refuse an output that cannot be written or that would touch the dataset."""
+def check_output_path(out: Path, catalogue, model: Path | None = None) -> None:
+    """Refuse an output that cannot be written or that would touch the dataset or the model."""
     out = Path(out)
     special = str(out) == "-" or out.absolute().parts[1:2] in (("dev",), ("proc",))  # /dev/stdout, /proc/self/fd/1
     if special or (out.exists() and not out.is_dir() and not out.is_file()):
@@ -236,6 +236,8 @@ def check_output_path(out: Path, catalogue) -> None:
     source = Path(catalogue.source).resolve()
     if source.is_dir() and resolved.is_relative_to(source):
         raise BatchError(f"--out {out} lies inside the dataset directory {catalogue.source}; choose a path outside it")
+    if model is not None and resolved.is_relative_to(Path(model).resolve()):  # `--overwrite` emptied its config.json
+        raise BatchError(f"--out {out} lies inside the model directory {model}; choose a path outside it")
     image_root = catalogue.image_root
     if image_root is not None and out.exists() and not job_file(out).exists() and resolved.is_relative_to(image_root.resolve()):
         raise BatchError(
@@ -274,7 +276,7 @@ def _run_batch(settings: BatchSettings, interrupt: StopRequest) -> BatchSummary:
     except CatalogueError as exc:
         raise BatchError(str(exc)) from None
     interrupt.check()
-    check_output_path(settings.out, catalogue)
+    check_output_path(settings.out, catalogue, settings.model)
     ray = None
     if settings.ray_address is not None:
         try:

@@ -34,6 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vlm_catalog.batch.output import job_file
     from vlm_catalog.data.loader import CatalogueError, load_catalogue
     from vlm_catalog.evaluate.predictions import PredictionsError, read_predictions
     from vlm_catalog.evaluate.scoring import score
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         if args.json_out:
-            check_report_path(args.json_out)
+            check_report_path(args.json_out, inputs=(args.predictions, job_file(args.predictions), args.dataset))
         answer_schema = resolve_schema(args.schema).model
         if answer_schema is None or not {"category", "brand", "is_secondhand"} <= set(
             answer_schema.model_fields

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -45,11 +46,23 @@ def run(args: argparse.Namespace) -> int:
     if args.tokens < 1:
         print("error: --tokens must be at least 1", file=sys.stderr)
         return 2
+    if not (math.isfinite(atol) and atol > 0):  # nan failed every checkpoint, inf passed any
+        print(f"error: --atol must be a finite number above 0, got {atol}", file=sys.stderr)
+        return 2
     try:
         if args.json_out:
-            check_report_path(args.json_out)
-        images = [path.read_bytes() for path in args.image]
+            check_report_path(args.json_out, inputs=(args.model_dir, *args.image))
+        images = []
+        for path in args.image:
+            try:
+                images.append(path.read_bytes())
+            except OSError as exc:  # a folder, unreadable, missing
+                print(f"error: --image {path}: cannot read it ({exc.strerror or exc})", file=sys.stderr)
+                return 2
         report = check_parity(args.model_dir, args.prompt, images, args.tokens, dtype, args.device)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
