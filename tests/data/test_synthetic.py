@@ -455,6 +455,48 @@ def test_existing_catalogue_needs_overwrite(tmp_path: Path) -> None:
         make_catalog(tmp_path / "file", n=1, seed=0)
 
 
+def test_an_overwrite_stopped_midway_keeps_the_old_catalogue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`--overwrite` deleted the old catalogue before writing the new one: Ctrl-C or SIGTERM midway
+    left neither (SIGTERM also a 23 MB parquet file that did not load). Now the new one is written
+    beside it, out of sight, and renamed into place once whole."""
+    import os
+    import signal
+
+    out = make_catalog(tmp_path / "out", n=4, seed=0)
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    factory = default_factory()
+    real_make = factory.make
+
+    def stop_at(signum):
+        def make(seed, index, image_size):
+            if index == 2:
+                os.kill(os.getpid(), signum)
+            return real_make(seed, index, image_size)
+        return make
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        monkeypatch.setattr(factory, "make", stop_at(signum))
+        assert main(["make-catalog", "--n", "6", "--seed", "1", "--out", str(out), "--overwrite"]) == 130
+        assert capsys.readouterr().err == (f"error: interrupted; nothing was written to {out} "
+                                           "(a catalogue already there is kept)\n")
+        assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]  # no staging folder left
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+
+
+def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    def refused(*args, **kwargs):  # root writes anywhere, so the refusal is simulated
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    assert main(["make-catalog", "--n", "2", "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err == f"error: cannot write {tmp_path / 'x'}: Permission denied\n"
+
+
 def test_cli_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cli"
     assert main(["make-catalog", "--n", "5", "--seed", "3", "--out", str(out)]) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -57,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from vlm_catalog.data.taxonomy import TaxonomyError
 
     started = time.perf_counter()
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stops it as Ctrl-C does
     try:
         out_dir = make_catalog(
             args.out, args.n, args.seed, args.image_size, args.split, overwrite=args.overwrite
@@ -64,6 +66,12 @@ def run(args: argparse.Namespace) -> int:
     except (CatalogueError, TaxonomyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"error: interrupted; nothing was written to {args.out} (a catalogue already there is kept)",
+              file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     elapsed = time.perf_counter() - started
     print(
         f"wrote {args.n} rows to {out_dir} ({_human_bytes(_size_on_disk(out_dir))} on disk) "

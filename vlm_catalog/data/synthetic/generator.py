@@ -14,7 +14,10 @@ of them in memory took about 55 kB a record: 55 GB for a million).
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 from vlm_catalog.data.format import (
@@ -62,16 +65,15 @@ def _check_arguments(out_dir: Path, n: object, seed: object, image_size: str, sp
         raise CatalogueError(f"output path {out_dir} exists and is not a directory")
 
 
-def _prepare_output(out_dir: Path, overwrite: bool) -> None:
+def _replaced_files(out_dir: Path, overwrite: bool) -> list[Path]:
+    """The catalogue files already in `out_dir`, which `overwrite` replaces; refused without it."""
     existing = _existing_catalogue_files(out_dir) if out_dir.is_dir() else []
     if existing and not overwrite:
         raise CatalogueError(
             f"{out_dir} already holds a catalogue ({existing[0].name}); pass overwrite=True "
             "(--overwrite) to replace it"
         )
-    for path in existing:  # only the catalogue's own files; anything else stays
-        path.unlink()
-    (out_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
+    return existing
 
 
 # As the Hugging Face Hub writes image datasets: small row groups, so a reader can
@@ -128,28 +130,45 @@ def make_catalog(
 
     Record i depends only on (seed, i): a larger `n` appends records. An
     `out_dir` that already holds a catalogue is refused unless `overwrite`,
-    which deletes that catalogue's files (and nothing else) first. `factory`
-    picks another taxonomy; by default the shipped subset is used.
+    which replaces that catalogue's files (and nothing else). The catalogue is
+    written in a hidden folder beside `out_dir` and its files renamed into place
+    once whole: an error or Ctrl-C midway leaves the old catalogue as it was
+    (before, `overwrite` had deleted it first, and a stopped run left neither).
+    `factory` picks another taxonomy; by default the shipped subset is used.
     """
     out_dir = Path(out_dir)
     _check_arguments(out_dir, n, seed, image_size, split)
     factory = factory or default_factory()
-    _prepare_output(out_dir, overwrite)
+    replaced = _replaced_files(out_dir, overwrite)
     try:
-        _write_records(out_dir, n, seed, image_size, split, factory)
-    except BaseException:  # Ctrl-C or an error midway: no half catalogue left to be taken for a whole one
-        for path in (parquet_path(out_dir, split), out_dir / ATTRIBUTES_FILE):
-            path.unlink(missing_ok=True)
-        raise
-    manifest = {
-        "generator": GENERATOR_NAME,
-        "format_version": FORMAT_VERSION,
-        "n": n,
-        "seed": seed,
-        "image_size": image_size,
-        "split": split,
-    }
-    (out_dir / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        out_dir.absolute().parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.absolute().name}.", suffix=".partial",
+                                        dir=out_dir.absolute().parent))
+    except OSError as exc:
+        raise CatalogueError(f"cannot write {out_dir}: {exc.strerror or exc}") from None
+    try:
+        (staging / DATA_DIR).mkdir()
+        _write_records(staging, n, seed, image_size, split, factory)
+        manifest = {
+            "generator": GENERATOR_NAME,
+            "format_version": FORMAT_VERSION,
+            "n": n,
+            "seed": seed,
+            "image_size": image_size,
+            "split": split,
+        }
+        (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        written = [parquet_path(Path(), split), Path(ATTRIBUTES_FILE), Path(MANIFEST_FILE)]
+        (out_dir / DATA_DIR).mkdir(parents=True, exist_ok=True)
+        for name in written:  # each rename replaces the old file of that name at once
+            os.replace(staging / name, out_dir / name)
+        for path in replaced:  # the old catalogue's other files (another split's parquet)
+            if path not in [out_dir / name for name in written]:
+                path.unlink(missing_ok=True)
+    except OSError as exc:  # a full disk, a folder not writable
+        raise CatalogueError(f"writing {out_dir} failed: {exc.strerror or exc}") from None
+    finally:  # an error or Ctrl-C midway: the old catalogue stays as it was
+        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 
