@@ -152,3 +152,20 @@ def test_a_report_over_the_predictions_or_their_job_file_is_refused(tmp_path, ca
         err = capsys.readouterr().err
         assert err == f"error: --json {target} would replace {target}, an input of this run; choose another path\n"
     assert all(path.read_bytes() == content for path, content in kept.items())
+
+
+def test_an_unreadable_predictions_file_is_one_line(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    predictions = tmp_path / "p.jsonl"
+    predictions.write_text('{"id": 0, "response": "{}"}\n')
+    real_open = Path.open
+
+    def refused(self, *args, **kwargs):  # root reads any file, so the refusal is simulated
+        if self == predictions:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refused)
+    assert main(["eval", "--predictions", str(predictions), "--dataset", str(SAMPLE_CATALOGUE_DIR)]) == 2
+    assert capsys.readouterr().err == f"error: {predictions}: cannot read it (Permission denied)\n"

@@ -41,12 +41,15 @@ def read_predictions(path: str | Path) -> list[Prediction]:
         raise PredictionsError(f"predictions file not found: {path}")
     if path.is_dir():
         raise PredictionsError(f"{path} is a directory; give the predictions file")
-    with path.open("rb") as handle:
-        blank_lines, first = _skip_leading_whitespace(handle)
-        if first == b"[":
-            predictions = _parse_mlperf_log(handle.read(), path)
-        else:
-            predictions = _parse_jsonl(handle, path, first_line_number=blank_lines + 1)
+    try:
+        with path.open("rb") as handle:
+            blank_lines, first = _skip_leading_whitespace(handle)
+            if first == b"[":
+                predictions = _parse_mlperf_log(handle.read(), path)
+            else:
+                predictions = _parse_jsonl(handle, path, first_line_number=blank_lines + 1)
+    except OSError as exc:  # unreadable (permissions), or a read error of the disk
+        raise PredictionsError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     if not predictions:
         raise PredictionsError(f"{path}: holds no predictions")
     return predictions
