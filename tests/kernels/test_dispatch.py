@@ -79,6 +79,34 @@ def test_a_wrong_setting_is_an_error_naming_it(monkeypatch, variable, value, mes
         EngineConfig()
 
 
+@pytest.mark.parametrize(("variable", "value"), [
+    ("VLM_CATALOG_KV_LAYOUT", "x"), ("VLM_CATALOG_PDL", "maybe"), ("VLM_CATALOG_MOE_GEMM", "cutlass"),
+    ("VLM_CATALOG_SDPA_BACKEND", "magic"), ("VLM_CATALOG_FLASH_VARLEN", "fa4"),
+    ("VLM_CATALOG_VARLEN_ATTENTION", "fast"), ("VLM_CATALOG_PREFILL_ATTENTION", "fast"),
+])
+def test_every_kernel_switch_is_checked_when_the_engine_starts(monkeypatch, variable, value):
+    """Only three of the ten were: `VLM_CATALOG_KV_LAYOUT=x` was a traceback in the first request,
+    and on the CPU, where the attention and MoE switches are never read, a typo went unseen."""
+    from vlm_catalog.engine.config import EngineConfig, EngineConfigError
+
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(EngineConfigError, match=f"{variable}='{value}' is not"):
+        EngineConfig()
+
+
+def test_triton_kernels_asked_for_on_the_cpu_need_the_interpreter(monkeypatch):
+    """`VLM_CATALOG_KERNELS=triton` on the CPU failed the first request with Triton's "0 active drivers"."""
+    from vlm_catalog.engine.config import EngineConfig, EngineConfigError
+
+    monkeypatch.setenv(dispatch.BACKEND_ENV_VAR, "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(EngineConfigError, match="VLM_CATALOG_KERNELS=triton runs the Triton kernels, which need a CUDA"):
+        EngineConfig()
+    assert EngineConfig(device="cuda").device == "cuda"  # checked where they run, not here
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert EngineConfig().device == "cpu"
+
+
 def test_fp8_fast_accumulation_is_a_flag_and_a_wrong_value_stops_the_engine(monkeypatch):
     from kernels.fp8 import imprecise_accumulation
     from vlm_catalog.engine.config import EngineConfig, EngineConfigError

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.dispatch import fp8_fast_accumulation, kernel_backend, kernels_off
+from kernels.environment import check_environment
 from kernels.fp8 import FP8_DTYPE
 from vlm_catalog.model.fp8 import QUANTIZATION_MODES
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
@@ -130,9 +130,7 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise EngineConfigError("kv_cache_memory_bytes must be positive")
         try:  # the kernel switches (environment), read on every op: a typo fails here, not in a request
-            kernel_backend()
-            kernels_off()
-            fp8_fast_accumulation()
+            check_environment(self.torch_device.type)
         except ValueError as exc:
             raise EngineConfigError(str(exc)) from None
 
