@@ -54,6 +54,11 @@ def test_argument_and_output_problems_are_found_before_any_work(small_catalogue,
         "catalogue not found": [tmp_path / "missing", out],
         "not a checkpoint directory": [small_catalogue, out, "--model", str(tmp_path)],
         "gpu_memory_utilization must be in (0, 1], got 2.0": [small_catalogue, out, "--gpu-memory-utilization", "2"],
+        # these three were taken silently: ignored, or (0, negative, nan) a log line every record or none
+        "--replicas sets a Ray run's engine replicas; add --ray": [small_catalogue, out, "--replicas", "2"],
+        "--retry-failed reruns failed records": [small_catalogue, out, "--retry-failed", "--overwrite"],
+        "--log-every must be a number of seconds above 0, got 0.0": [small_catalogue, out, "--log-every", "0"],
+        "--log-every must be a number of seconds above 0, got nan": [small_catalogue, out, "--log-every", "nan"],
     }
     if os.geteuid() != 0:  # root writes anywhere
         cases["not writable"] = [small_catalogue, locked_dir / "p.jsonl"]

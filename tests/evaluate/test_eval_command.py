@@ -128,6 +128,14 @@ def test_predictions_of_one_split_are_not_scored_against_another(tmp_path, capsy
     assert "was made with --split test (p.jsonl.job.json)" in capsys.readouterr().err
     assert main(["eval", "--predictions", str(out), "--dataset", dataset, "--split", "test"]) == 0
     assert "samples: 1" in capsys.readouterr().out
+    # answers in one schema scored with another all failed to parse: every one "unparsable"
+    assert main(["eval", "--predictions", str(out), "--dataset", dataset, "--split", "test",
+                 "--schema", "product_details"]) == 2
+    assert capsys.readouterr().err == (f"error: {out} holds answers in the 'product_metadata' schema "
+                                       "(p.jsonl.job.json); score them with --schema product_metadata, "
+                                       "not product_details\n")
+    assert main(["eval", "--predictions", str(out), "--dataset", dataset, "--seed", "-1"]) == 2
+    assert capsys.readouterr().err == "error: --seed must be 0 or more, got -1\n"
 
     job_file = tmp_path / "p.jsonl.job.json"
     job = json.loads(job_file.read_text())

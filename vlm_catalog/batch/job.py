@@ -16,6 +16,7 @@ Ctrl-C (or SIGTERM) stops the run with everything finished already on disk;
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -178,6 +179,13 @@ def check_settings(settings: BatchSettings) -> None:
         raise BatchError(f"--retry-failed: unknown failure kind {unknown[0]!r}; the kinds are {', '.join(FAILURE_KINDS)}")
     if settings.replicas is not None and settings.replicas < 1:
         raise BatchError(f"--replicas must be at least 1, got {settings.replicas}")
+    if settings.replicas is not None and settings.ray_address is None:  # before: ignored without a word
+        raise BatchError("--replicas sets a Ray run's engine replicas; add --ray, or leave --replicas out")
+    if settings.retry_failed and settings.overwrite:
+        raise BatchError("--retry-failed reruns failed records of the --out being resumed, and --overwrite starts "
+                         "it afresh: give one of them")
+    if not (math.isfinite(settings.log_every_s) and settings.log_every_s > 0):  # 0 logged every record, nan never
+        raise BatchError(f"--log-every must be a number of seconds above 0, got {settings.log_every_s}")
     if settings.prompt_style not in PROMPT_STYLES:
         raise BatchError(f"unknown --prompt-style {settings.prompt_style!r}; choose {', '.join(PROMPT_STYLES)}")
     try:

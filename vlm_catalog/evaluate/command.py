@@ -40,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
     from vlm_catalog.evaluate.scoring import score
     from vlm_catalog.report_file import ReportFileError, check_report_path, write_report
 
+    if args.seed < 0:  # numpy's own message named no option
+        print(f"error: --seed must be 0 or more, got {args.seed}", file=sys.stderr)
+        return 2
     try:
         if args.json_out:
             check_report_path(args.json_out, inputs=(args.predictions, job_file(args.predictions), args.dataset))
@@ -50,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
             raise SchemaError(f"schema {args.schema!r} lacks category/brand/is_secondhand")
         predictions = read_predictions(args.predictions)
         catalogue = load_catalogue(args.dataset, split=args.split)
-        check_extract_job(args.predictions, args.split, len(catalogue))
+        check_extract_job(args.predictions, args.split, len(catalogue), args.schema)
         responses = resolve_indices(predictions, catalogue)
         labels = catalogue.labels(scored=(index for index, _ in responses))  # only the scored must be whole
         report = score(responses, labels, seed=args.seed, answer_schema=answer_schema)
@@ -71,12 +74,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_extract_job(predictions: Path, split: str | None, num_records: int) -> None:
+def check_extract_job(predictions: Path, split: str | None, num_records: int, schema: str | None = None) -> None:
     """`PredictionsError` if the `vlm-catalog extract` job that wrote `predictions` (its
-    `.job.json` beside it) selected other rows than this catalogue and `--split` hold.
+    `.job.json` beside it) selected other rows than this catalogue and `--split` hold, or answered
+    in another schema than `schema`.
 
     A record id is a row index of the splits chosen, so predictions made with `--split test`
-    and scored without it would each meet another record's labels, and score silently wrong.
+    and scored without it would each meet another record's labels, and score silently wrong;
+    answers in another schema all failed to parse (product_details answers scored as
+    product_metadata: every one "unparsable").
     """
     from vlm_catalog.batch.output import job_file
     from vlm_catalog.evaluate.predictions import PredictionsError
@@ -96,6 +102,11 @@ def check_extract_job(predictions: Path, split: str | None, num_records: int) ->
         raise PredictionsError(
             f"{predictions} was made with {splits(job['split'])} ({job_path.name}), and its ids are rows of "
             f"that selection; score it with the same, not {splits(split)}"
+        )
+    if schema is not None and isinstance(job.get("schema"), str) and job["schema"] != schema:
+        raise PredictionsError(
+            f"{predictions} holds answers in the {job['schema']!r} schema ({job_path.name}); score them with "
+            f"--schema {job['schema']}, not {schema}"
         )
     if job["num_records"] != num_records:
         raise PredictionsError(
