@@ -34,6 +34,7 @@ from vlm_catalog.batch.job import BatchSettings, build_engine, build_request_bui
 from vlm_catalog.batch.local import DEFAULT_READ_AHEAD, run_items
 from vlm_catalog.bench.interleaved import interleaved_rounds
 from vlm_catalog.bench.workload_args import add_workload_arguments, workload_catalogue
+from vlm_catalog.data.format import CatalogueError
 from vlm_catalog.data.loader import load_catalogue
 
 
@@ -77,7 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as scratch:
-        settings = BatchSettings(dataset=workload_catalogue(args, scratch), out=Path(scratch) / "unused.jsonl", model=args.model,
+        try:
+            dataset = workload_catalogue(args, scratch)
+            load_catalogue(dataset)  # refused before an engine is built (each run reads it again)
+        except CatalogueError as exc:  # no such --dataset, or not a catalogue
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        settings = BatchSettings(dataset=dataset, out=Path(scratch) / "unused.jsonl", model=args.model,
                                  max_tokens=args.max_tokens, window=args.window)
         depths = (0, args.read_ahead)
         runs, answers = interleaved_rounds(depths, args.rounds, lambda depth: timed_run(settings, depth, args.records),

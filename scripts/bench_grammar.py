@@ -46,12 +46,15 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 from xgrammar.testing import _is_grammar_accept_string  # whole-string match against a grammar
 
+from vlm_catalog.argument_types import positive_int
+from vlm_catalog.data.format import CatalogueError
 from vlm_catalog.data.loader import load_catalogue
 from vlm_catalog.model.config import ModelConfig
 from vlm_catalog.paths import DEFAULT_MODEL_DIR, SAMPLE_CATALOGUE_DIR
 from vlm_catalog.structured import (
     BitmaskFiller,
     GrammarCompilerService,
+    GrammarError,
     GrammarSpec,
     GrammarState,
     allocate_bitmask,
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--walk-batch", type=int, default=256, help="requests walking their answers (0: skip)")
     parser.add_argument("--random-steps", type=int, default=0,
                         help="steps of --walk-batch requests sampling uniformly among allowed tokens (0: skip)")
-    parser.add_argument("--vocab-size", type=int, default=None,
+    parser.add_argument("--vocab-size", type=positive_int, default=None,
                         help="the logits' width (default: the model's); e.g. 151936, bench_gpu.py's random 30B-shape "
                              "model over the shipped tokenizer")
     parser.add_argument("--json", dest="json_out", type=Path)
@@ -81,10 +84,14 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
     stop_ids = [tokenizer.convert_tokens_to_ids(token) for token in ("<|im_end|>", "<|endoftext|>")]
-    vocabulary = GrammarVocabulary(tokenizer, args.vocab_size or ModelConfig.from_pretrained(args.model).text.vocab_size,
-                                   stop_ids)
+    try:  # a --vocab-size below the tokenizer's ids, no such --dataset: one line, before any timing
+        vocabulary = GrammarVocabulary(tokenizer, args.vocab_size or ModelConfig.from_pretrained(args.model).text.vocab_size,
+                                       stop_ids)
+        records = list(load_catalogue(args.dataset))[: args.records]
+    except (GrammarError, CatalogueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     compiler = xgr.GrammarCompiler(vocabulary.info, max_threads=1, cache_enabled=False)
-    records = list(load_catalogue(args.dataset))[: args.records]
 
     seconds: dict[str, list[float]] = {"flat": [], "ours": []}
     sizes: dict[str, list[int]] = {"flat": [], "ours": []}

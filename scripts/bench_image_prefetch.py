@@ -29,6 +29,7 @@ from pathlib import Path
 from vlm_catalog import LLM, SamplingParams
 from vlm_catalog.bench.interleaved import interleaved_rounds
 from vlm_catalog.bench.workload_args import add_workload_arguments, workload_records
+from vlm_catalog.data.format import CatalogueError
 from vlm_catalog.engine.config import CUDA_IMAGE_PREFETCH_BYTES
 from vlm_catalog.preprocess.prompt import build_messages
 
@@ -63,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
 
-    records = workload_records(args)
+    try:
+        records = workload_records(args)
+    except CatalogueError as exc:  # no such --dataset, or not a catalogue
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     conversations = [build_messages(record) for record in records]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0, output_kind="final_only")
     settings = (0, args.prefetch_bytes)

@@ -36,7 +36,9 @@ import torch
 
 from schemas import ProductMetadata
 from vlm_catalog import LLM, SamplingParams
+from vlm_catalog.argument_types import positive_int
 from vlm_catalog.bench.baselines import TransformersPipeline
+from vlm_catalog.data.format import CatalogueError
 from vlm_catalog.data.loader import load_catalogue
 from vlm_catalog.data.synthetic.generator import make_catalog
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
@@ -81,19 +83,24 @@ def our_run(name, model_dir, records, conversations, params, note="", **engine_o
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--records", type=int, default=256)
+    parser.add_argument("--records", type=positive_int, default=256)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--dataset", type=Path, help="use this catalogue instead of generating one")
-    parser.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per record in the transformers comparison")
-    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--max-tokens", type=positive_int, default=32,
+                        help="greedy tokens per record in the transformers comparison")
+    parser.add_argument("--hf-batch-size", type=positive_int, default=16)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", dest="json_out", type=Path)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
 
-    with tempfile.TemporaryDirectory() as scratch:
-        source = args.dataset or make_catalog(Path(scratch) / "catalogue", args.records, args.seed)
-        records = list(load_catalogue(source))[: args.records]
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            source = args.dataset or make_catalog(Path(scratch) / "catalogue", args.records, args.seed)
+            records = list(load_catalogue(source))[: args.records]
+    except CatalogueError as exc:  # no such --dataset, or not a catalogue
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     conversations = [build_messages(record) for record in records]
     runs: list[Run] = []
     checks: dict[str, object] = {"records": len(records), "threads": torch.get_num_threads()}

@@ -29,9 +29,12 @@ from typing import Any
 import torch
 
 from vlm_catalog.engine.config import EngineConfigError
-from vlm_catalog.folders import make_writable_folder
+from vlm_catalog.error_text import one_line
+from vlm_catalog.folders import check_folder_can_be_made, make_writable_folder
+from vlm_catalog.model.config import ModelConfigError
+from vlm_catalog.model.loader import CheckpointError
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
-from vlm_catalog.training.checkpoint import STATE_FILE, load_state
+from vlm_catalog.training.checkpoint import STATE_FILE, checkpoint_problem, load_state
 from vlm_catalog.training.data import TrainingMix
 from vlm_catalog.training.trainer import TrainConfig, Trainer, TrainingDiverged
 
@@ -157,7 +160,7 @@ def _resumed(args: argparse.Namespace) -> Trainer:
     if not (base / "config.json").is_file():  # a run of an earlier version saved --base as typed, maybe relative
         raise RunDirError(f"the run's base checkpoint {base} is not found from here; pass --base with its path")
     overrides["base"] = base.resolve()
-    trainer = _trainer(lambda: Trainer.resume(args.run_dir, saved, **overrides))  # state.pt read once
+    trainer = _trainer(lambda: Trainer.resume(args.run_dir, saved, **overrides), base)  # state.pt read once
     print(f"resumed {args.run_dir} at step {trainer.step} of {trainer.config.steps}", flush=True)
     return trainer
 
@@ -181,29 +184,42 @@ def _new_run(args: argparse.Namespace) -> Trainer:
     if run_dir.is_dir() and any(run_dir.iterdir()):  # another run's log or model, which a new run would mix in
         raise RunDirError(f"{run_dir} is not empty and holds no {STATE_FILE} to resume; choose a new or empty --run-dir")
     given = {RUN_SETTINGS[dest]: value for dest, value in _given_settings(args).items()}
-    mix = TrainingMix(**{field[4:]: value for field, value in given.items() if field.startswith("mix.")})
     settings = {field: value for field, value in given.items() if not field.startswith("mix.")}
     settings.setdefault("base", DEFAULT_MODEL_DIR)
-    if not (Path(settings["base"]) / "config.json").is_file():
-        raise RunDirError(f"--base {settings['base']} is not a checkpoint folder (it has no config.json)")
+    problem = checkpoint_problem(Path(settings["base"]), "--base")
+    if problem:
+        raise RunDirError(problem)
     settings["base"] = Path(settings["base"]).resolve()  # saved so: a resume from another folder finds it
     try:
+        mix = TrainingMix(**{field[4:]: value for field, value in given.items() if field.startswith("mix.")})
         config = TrainConfig(run_dir=run_dir, steps=args.steps if args.steps is not None else DEFAULT_STEPS,
                              mix=mix, **settings)
     except ValueError as exc:  # a setting out of range
         raise RunDirError(str(exc)) from None
-    try:  # before the model loads: before, a run dir under a file failed at the first log line, after training
-        make_writable_folder(run_dir)
+    # checked before the model loads (before, a run dir under a file failed at the first log line, after
+    # training), made once it has loaded: a start refused meanwhile (no such device, a base that does not
+    # load) leaves no empty run folder behind
+    _writable_run_dir(check_folder_can_be_made, run_dir)
+    trainer = _trainer(lambda: Trainer(config), config.base)
+    _writable_run_dir(make_writable_folder, run_dir)
+    return trainer
+
+
+def _writable_run_dir(check: Callable[[Path], None], run_dir: Path) -> None:
+    """`check(run_dir)` (`vlm_catalog.folders`), its OSError a `RunDirError`."""
+    try:
+        check(run_dir)
     except OSError as exc:
         raise RunDirError(f"--run-dir {run_dir} cannot be written: {exc.strerror or exc}") from None
-    return _trainer(lambda: Trainer(config))
 
 
-def _trainer(make: Callable[[], Trainer]) -> Trainer:
+def _trainer(make: Callable[[], Trainer], base: Path) -> Trainer:
     try:
         return make()
     except EngineConfigError as exc:  # a device this machine lacks (a CPU-only torch, no such GPU)
         raise RunDirError(str(exc)) from None
+    except (ModelConfigError, CheckpointError) as exc:  # another model's config.json, damaged weights
+        raise RunDirError(f"the base checkpoint {base} does not load: {one_line(exc)}") from None
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ def test_extract_writes_predictions_that_eval_reads(tmp_path, capsys):
     out = tmp_path / "predictions.jsonl"
     assert main(["extract", "--dataset", str(SAMPLE_CATALOGUE_DIR), "--out", str(out), "--limit", "3"]) == 0
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [line["id"] for line in lines] == ["0", "1", "2"]
+    # lines come as answers finish, and a record whose grammar compiles later joins a step later: under
+    # load the order changed (record 1 first, in a run beside other tests)
+    assert sorted(line["id"] for line in lines) == ["0", "1", "2"]
     for line in lines:
         # constrained and budgeted: every answer is complete and parses
         assert line["finish_reason"] == "stop" and line["parsed"] is not None and line["failure"] is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,18 @@ def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
     spec = TINY_SPEC.with_changes(tokenizer_vocab_size=len(tokenizer))
     return make_tiny_checkpoint(tmp_path_factory.mktemp("training") / "base", spec, seed=3, tokenizer=tokenizer)
+
+
+@pytest.fixture
+def bases_that_do_not_load(tiny_base: Path, tmp_path: Path) -> dict[str, Path]:
+    """Checkpoint folders with a config.json that still do not load, by what is wrong with them."""
+    other = tmp_path / "another-model"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    damaged = tmp_path / "damaged-weights"
+    shutil.copytree(tiny_base, damaged)
+    (damaged / "model.safetensors").write_bytes(b"\xff" * 100)  # a header length no file has
+    return {"another model's config": other, "damaged weights": damaged}
 
 
 def tiny_config(base: Path, run_dir: Path, **changes) -> TrainConfig:

@@ -6,6 +6,8 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+
 from vlm_catalog.data.synthetic.condition_cues import mentions_secondhand
 from vlm_catalog.data.synthetic.records import default_factory
 from vlm_catalog.data.synthetic.vocabulary import brand_names, fresh_brand
@@ -159,3 +161,22 @@ def test_listing_text_targets(tiny_base: Path) -> None:
         assert record.title[-12:] in text and record.candidates[0] in text  # (the first token follows the prefix)
         answer_start = int(batch.positions[batch.rows == row].min())
         assert int(batch.text_positions[batch.text_rows == row].max()) < answer_start
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [({"fresh_brand_rate": 5.0}, "fresh_brand_rate must be a share from 0 to 1, got 5.0"),
+     ({"realistic_image_rate": -2.0}, "realistic_image_rate must be a share from 0 to 1"),
+     ({"photo_only_condition_rate": float("nan")}, "photo_only_condition_rate must be a share"),
+     ({"brand_weight": -1.0}, "brand_weight must be a finite number of at least 0, got -1.0"),
+     ({"flag_weight": float("nan")}, "flag_weight must be a finite number"),
+     ({"category_weight": float("inf")}, "category_weight must be a finite number"),
+     ({"prompt_lm_weight": -0.5}, "prompt_lm_weight must be a finite number")],
+)
+def test_a_mix_out_of_range_is_refused_before_any_work(change, message) -> None:
+    """Before, rates of 5 and -2 and a weight of -1 trained and saved a model (loss -0.11); a NaN
+    weight stopped the run only after its first step."""
+    with pytest.raises(ValueError, match=message):
+        TrainingMix(**change)
+    for edge in (0.0, 1.0):  # the ends of the ranges are settings (0: never, or no weight)
+        assert TrainingMix(**{name: edge for name in change})

@@ -273,6 +273,28 @@ def _train_script():
     return script
 
 
+def test_script_refuses_a_base_device_or_mix_it_cannot_use_and_leaves_no_run_folder(
+        tiny_base: Path, bases_that_do_not_load: dict[str, Path], tmp_path: Path, capsys) -> None:
+    """A base of another model type or with damaged weights was a ModelConfigError / SafetensorError
+    traceback; a mix out of range trained and saved; a device the machine lacks, like those, left an
+    empty run folder. An empty run folder that was there before stays."""
+    script = _train_script()
+    base = ["--base", str(tiny_base)]
+    cases = [(["--base", str(path)], f"--base {path} does not load: ") for path in bases_that_do_not_load.values()]
+    cases += [([*base, "--device", "cuda:99"], "device cuda:99: "),  # a CPU-only torch, or too few GPUs
+              ([*base, "--fresh-brand-rate", "5"], "fresh_brand_rate must be a share from 0 to 1"),
+              ([*base, "--brand-weight", "-1"], "brand_weight must be a finite number of at least 0"),
+              ([*base, "--flag-weight", "nan"], "flag_weight must be a finite number of at least 0")]
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    for argv, message in cases:
+        for run in (tmp_path / "new" / "run", existing):
+            assert script.main(["--run-dir", str(run), "--steps", "1", "--batch-size", "1", *argv]) == 2, argv
+            err = capsys.readouterr().err
+            assert err.startswith("error: ") and err.count("\n") == 1 and message in err, (argv, err)
+        assert not (tmp_path / "new").exists() and existing.is_dir() and not any(existing.iterdir()), argv
+
+
 def test_script_refuses_what_it_cannot_do_before_training(tiny_base: Path, tmp_path: Path, capsys) -> None:
     """Each case is one `error:` line and exit 2, before a step runs (some used to fail after training)."""
     script = _train_script()

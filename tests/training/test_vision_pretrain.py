@@ -71,3 +71,15 @@ def test_arguments_that_would_mislead_or_fail_after_training_are_refused_first(t
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and err.count("\n") == 1, (argv, err)
     assert not (tmp_path / "a").exists()
+
+
+def test_a_base_that_does_not_load_is_refused_before_training_and_makes_no_folder(
+        bases_that_do_not_load: dict[str, Path], tmp_path: Path, capsys) -> None:
+    """Before, a base with a config.json but no loadable weights was transformers' OSError traceback,
+    after the --out folder's parent had been made."""
+    out = tmp_path / "new" / "grafted"
+    for base in bases_that_do_not_load.values():
+        assert main(["--base", str(base), "--out", str(out), "--steps", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --base {base} does not load: ") and err.count("\n") == 1, err
+    assert not (tmp_path / "new").exists()

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
+from vlm_catalog.paths import SAMPLE_CATALOGUE_DIR
 from vlm_catalog.training.vision_probe import (
     image_effect,
     load_model,
@@ -59,6 +61,30 @@ def test_an_unwritable_json_report_is_refused_before_the_probes(tmp_path: Path, 
                        (reference.main, ["--model", str(tmp_path / "no-model"), "--catalogue", str(tmp_path)])):
         assert main([*argv, "--json", str(tmp_path / "taken.json")]) == 2  # before any model is loaded
         assert "is a folder; give a file name" in capsys.readouterr().err
+
+
+def test_a_model_catalogue_or_record_count_that_cannot_work_is_refused_in_one_line(
+        tiny_base: Path, bases_that_do_not_load: dict[str, Path], tmp_path: Path, capsys) -> None:
+    """Each was a traceback: --records 0 once the probes' images had been through the tower; a model
+    of another type or with damaged weights, and a missing catalogue, from inside the loaders."""
+    from vlm_catalog.training import reference, vision_probe
+
+    missing = tmp_path / "no-catalogue"
+    cases = [(vision_probe.main, ["--model", str(model)], f"--model {model} does not load: ")
+             for model in bases_that_do_not_load.values()]
+    cases += [(reference.main, ["--model", str(model), "--catalogue", str(SAMPLE_CATALOGUE_DIR)],
+               f"--model {model} does not load: ") for model in bases_that_do_not_load.values()]
+    cases.append((reference.main, ["--model", str(tiny_base), "--catalogue", str(missing)],
+                  f"catalogue not found: {missing}"))
+    for main, argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err, (argv, err)
+    for records in ("0", "2", "-3"):  # the probe trains on 2/3 of them and scores the rest
+        with pytest.raises(SystemExit) as stopped:  # argparse's usage error, before the model loads
+            vision_probe.main(["--model", str(tiny_base), "--records", records])
+        assert stopped.value.code == 2
+        assert "argument --records: must be at least 3" in capsys.readouterr().err
 
 
 def test_report_helpers_refuse_and_report_in_one_line(tmp_path: Path, capsys) -> None:

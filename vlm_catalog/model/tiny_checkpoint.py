@@ -12,12 +12,14 @@ generation config. Both transformers and our loader read the result.
 from __future__ import annotations
 
 import json
+import math
 import random
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 
+from vlm_catalog.error_text import one_line
 from vlm_catalog.preprocess.chat_template import BUILTIN_QWEN3_VL_TEMPLATE as CHAT_TEMPLATE
 
 QWEN_SPECIAL_TOKENS = (
@@ -42,6 +44,11 @@ QWEN_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+
+
+class TinySpecError(ValueError):
+    """Shapes no working checkpoint has; the message names the setting."""
+
 
 @dataclass(frozen=True)
 class TinySpec:
@@ -75,6 +82,23 @@ class TinySpec:
     max_pixels: int = 512 * 512
     init_std: float = 0.08
     tokenizer_vocab_size: int = 1024
+
+    def __post_init__(self) -> None:
+        """Refuse each setting out of its own range (`TinySpecError`); how the shapes fit together
+        (an even head_dim, mrope_section summing to half of it, ...) is `hf_config`'s to check."""
+        for spec_field in fields(self):
+            value = getattr(self, spec_field.name)
+            least = 0 if spec_field.name == "num_experts" else 1  # no experts: dense MLPs
+            if spec_field.type == "int" and not (type(value) is int and value >= least):
+                raise TinySpecError(f"{spec_field.name} must be an integer of at least {least}, got {value!r}")
+        if self.max_pixels < self.min_pixels:
+            raise TinySpecError(f"max_pixels {self.max_pixels} is below min_pixels {self.min_pixels}")
+        if not (0 < self.rope_theta < math.inf and 0 <= self.init_std < math.inf):  # NaN fails too
+            raise TinySpecError(f"rope_theta must be a finite number above 0 and init_std a finite one of at "
+                                f"least 0, got {self.rope_theta} and {self.init_std}")
+        for name, layers in (("mlp_only_layers", self.text_layers), ("deepstack_visual_indexes", self.vision_depth)):
+            if not all(type(index) is int and 0 <= index < layers for index in getattr(self, name)):
+                raise TinySpecError(f"{name} must be layer indexes from 0 to {layers - 1}, got {getattr(self, name)}")
 
     def with_changes(self, **changes) -> TinySpec:
         return replace(self, **changes)
@@ -140,7 +164,21 @@ def build_tokenizer(vocab_size: int = 1024, corpus: TokenizerCorpus | None = Non
 
 
 def hf_config(spec: TinySpec, tokenizer):
-    """A transformers `Qwen3VLMoeConfig` for `spec`, with token ids from `tokenizer`."""
+    """A transformers `Qwen3VLMoeConfig` for `spec`, with token ids from `tokenizer`.
+
+    `TinySpecError` where transformers or our engine (`ModelConfig`) would refuse the shapes
+    together (head_dim 7: RoPE needs an even one; more experts per token than experts)."""
+    from vlm_catalog.model.config import ModelConfig
+
+    try:  # transformers' own validation error is no ValueError
+        config = _qwen3_vl_moe_config(spec, tokenizer)
+        ModelConfig.from_hf(config)  # a `ModelConfigError`
+    except Exception as exc:  # noqa: BLE001 - any of them means: no checkpoint from these shapes
+        raise TinySpecError(f"these shapes make no working checkpoint: {one_line(exc)}") from None
+    return config
+
+
+def _qwen3_vl_moe_config(spec: TinySpec, tokenizer):
     from transformers import Qwen3VLMoeConfig
 
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_SPECIAL_TOKENS}
@@ -218,13 +256,14 @@ def make_tiny_checkpoint(
     dtype: torch.dtype = torch.float32,
     max_shard_size: str | None = None,
 ) -> Path:
-    """Write a complete random-weight checkpoint directory; returns its path."""
+    """Write a complete random-weight checkpoint directory; returns its path. Shapes that make no
+    working checkpoint are a `TinySpecError` raised before anything is written."""
     from transformers import GenerationConfig, Qwen3VLMoeForConditionalGeneration
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = tokenizer if tokenizer is not None else build_tokenizer(spec.tokenizer_vocab_size)
     config = hf_config(spec, tokenizer)
+    out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     random.seed(seed)
     model = Qwen3VLMoeForConditionalGeneration(config).to(dtype).eval()

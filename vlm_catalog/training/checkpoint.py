@@ -22,10 +22,27 @@ import numpy as np
 import torch
 
 from vlm_catalog.atomic_files import new_file_mode, replace_atomically
+from vlm_catalog.error_text import one_line
 
 STATE_FILE = "state.pt"
 MODEL_DIR = "model"
 WEIGHTS_FILE = "model.safetensors"
+
+
+def checkpoint_problem(model_dir: Path, option: str) -> str | None:
+    """Why the checkpoint folder given as `option` would not load (None: it would), in one line, from its
+    config.json and weight headers alone (`check_checkpoint`): a tool refuses it before its work, not with
+    transformers' traceback once it loads the weights."""
+    from vlm_catalog.model.config import ModelConfigError
+    from vlm_catalog.model.loader import CheckpointError, check_checkpoint
+
+    if not (model_dir / "config.json").is_file():
+        return f"{option} {model_dir} is not a checkpoint folder (it has no config.json)"
+    try:
+        check_checkpoint(model_dir)
+    except (ModelConfigError, CheckpointError) as exc:  # another model's config.json, damaged weights
+        return f"{option} {model_dir} does not load: {one_line(exc)}"
+    return None
 
 
 def rng_state() -> dict[str, Any]:

@@ -15,6 +15,7 @@ the step: a resumed run sees the same batches as an uninterrupted one.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,20 @@ class TrainingMix:
     # weight of next-token prediction on the listing's own text (title, description, candidates),
     # next to the answer loss: text that repeats itself (the brand, the category names) teaches copying
     prompt_lm_weight: float = 0.5
+
+    def __post_init__(self) -> None:
+        """Refuse, before any work, a mix that would train on nonsense: the rates are shares of the
+        records (from 0 to 1: a rate of 5 is "always", -2 "never"); the weights scale token losses
+        next to the other answer tokens' 1 (finite, at least 0: a negative one rewards the wrong
+        token and drove the loss below 0; NaN stopped the run only after its first step)."""
+        for name in ("fresh_brand_rate", "realistic_image_rate", "photo_only_condition_rate"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1:  # NaN fails too
+                raise ValueError(f"{name} must be a share from 0 to 1, got {value}")
+        for name in ("brand_weight", "flag_weight", "category_weight", "prompt_lm_weight"):
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number of at least 0, got {value}")
 
     def record(self, factory: RecordFactory, index: int, words: tuple[str, ...] = ()) -> SyntheticRecord:
         """Example `index`; `words` are the stems of made-up brands (see `brand_words`)."""

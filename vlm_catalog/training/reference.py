@@ -24,6 +24,7 @@ from pathlib import Path
 
 from vlm_catalog.evaluate.scoring import AccuracyReport, score
 from vlm_catalog.report_file import refuse_report_path, report_written
+from vlm_catalog.training.checkpoint import checkpoint_problem
 
 MAX_NEW_TOKENS = 150
 
@@ -88,10 +89,8 @@ class RecordGrammars:
         return xgrammar.contrib.hf.LogitsProcessor(compiled)  # one use: one generate() call
 
 
-def compare(model_dir: Path, catalogue_dir: Path) -> dict[str, AccuracyReport]:
-    from vlm_catalog.data.loader import load_catalogue
-
-    catalogue = load_catalogue(catalogue_dir)
+def compare(model_dir: Path, catalogue) -> dict[str, AccuracyReport]:
+    """The four ways' accuracy on `catalogue` (a loaded `Catalogue`)."""
     records, labels = list(catalogue), catalogue.labels()
     runs = {
         "engine, constrained": engine_texts(model_dir, records, constrained=True),
@@ -110,7 +109,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if refuse_report_path(args.json):  # before the scoring, not after it
         return 2
-    reports = compare(args.model, args.catalogue)
+    from vlm_catalog.data.format import CatalogueError
+    from vlm_catalog.data.loader import load_catalogue
+
+    problem = checkpoint_problem(args.model, "--model")
+    if problem is None:
+        try:
+            catalogue = load_catalogue(args.catalogue)
+        except CatalogueError as exc:
+            problem = str(exc)
+    if problem:  # before any model loads
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    reports = compare(args.model, catalogue)
     print(f"{'':<27}{'category hF1':>14}{'brand acc':>12}{'2nd-hand F1':>13}{'unparsable':>12}")
     for name, report in reports.items():
         print(f"{name:<27}{report.category_hf1:>14.4f}{report.brand_accuracy:>12.4f}"

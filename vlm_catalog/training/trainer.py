@@ -178,10 +178,14 @@ class Trainer:
         from transformers import Qwen3VLMoeForConditionalGeneration
 
         from vlm_catalog.engine.llm_engine import check_device_present
+        from vlm_catalog.model.loader import check_checkpoint
 
         self.config = config
         self.device = torch.device(config.device)
         check_device_present(self.device)  # a CPU-only torch, or no such GPU: one clear error, before any work
+        # another model's config.json, or damaged weights: ModelConfigError / CheckpointError naming the
+        # file, not transformers' SafetensorError from inside its loader
+        check_checkpoint(config.base)
         torch.manual_seed(config.seed)
         random.seed(config.seed)
         np.random.seed(config.seed)

@@ -28,9 +28,9 @@ import torch
 from vlm_catalog.data.synthetic.records import RecordFactory, default_factory
 from vlm_catalog.data.synthetic.signature import GLYPHS
 from vlm_catalog.evaluate.metrics import binary_f1
-from vlm_catalog.folders import make_writable_folder
+from vlm_catalog.folders import check_folder_can_be_made
 from vlm_catalog.preprocess.image import ImageProcessor
-from vlm_catalog.training.checkpoint import export_model
+from vlm_catalog.training.checkpoint import checkpoint_problem, export_model
 from vlm_catalog.training.vision_probe import load_model
 
 INIT_STD = 0.02
@@ -138,12 +138,13 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
         return f"--lr must be a finite number above 0, got {args.lr}"
     if args.data_seed == args.eval_seed:
         return f"--data-seed and --eval-seed must differ (both {args.eval_seed}): the log would score training photos"
-    if not (args.base / "config.json").is_file():
-        return f"--base {args.base} is not a checkpoint folder (it has no config.json)"
+    problem = checkpoint_problem(args.base, "--base")
+    if problem:
+        return problem
     if args.out.parent.exists() and not args.out.parent.is_dir():
         return f"--out {args.out}: {args.out.parent} is a file, not a folder"
-    try:  # the export comes after the training: its folder must be writable now
-        make_writable_folder(args.out.parent, f".{args.out.name}.write-check")
+    try:  # the export comes after the training: its folder must be writable now (it is made then)
+        check_folder_can_be_made(args.out.parent, f".{args.out.name}.write-check")
     except OSError as exc:
         return f"--out {args.out} cannot be written: {exc.strerror or exc}"
     return None

@@ -28,8 +28,10 @@ from pathlib import Path
 
 import torch
 
+from vlm_catalog.argument_types import at_least, positive_int
 from vlm_catalog.evaluate.metrics import binary_f1
 from vlm_catalog.report_file import refuse_report_path, report_written
+from vlm_catalog.training.checkpoint import checkpoint_problem
 from vlm_catalog.training.data import ExampleBuilder, TrainingMix
 
 PROBE_STEPS = 300
@@ -144,11 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=77, help="generator seed of the probe's records")
-    parser.add_argument("--records", type=int, default=300, help="images for the probes")
-    parser.add_argument("--effect-records", type=int, default=60, help="records for the blanking test")
+    parser.add_argument("--records", type=at_least(3), default=300,
+                        help="images for the probes (at least 3: each probe trains on 2/3 of them, scores the rest)")
+    parser.add_argument("--effect-records", type=positive_int, default=60, help="records for the blanking test")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if refuse_report_path(args.json):  # before the probes, not after them
+        return 2
+    problem = checkpoint_problem(args.model, "--model")
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     report = measure(args.model, args.seed, args.records, args.effect_records)
     print(f"photo-only second-hand items: {report.secondhand}; mean p(true) with the photo "

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+from vlm_catalog.argument_types import positive_int
 from vlm_catalog.paths import DEFAULT_MODEL_DIR, SAMPLE_CATALOGUE_DIR
 
 
@@ -105,14 +107,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", type=Path, default=SAMPLE_CATALOGUE_DIR)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--count", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=150)
+    parser.add_argument("--count", type=positive_int, default=64)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--max-tokens", type=positive_int, default=150)
     args = parser.parse_args(argv)
 
+    from vlm_catalog.data.format import CatalogueError
     from vlm_catalog.data.loader import load_catalogue
 
-    catalogue = load_catalogue(args.dataset)
+    try:
+        catalogue = load_catalogue(args.dataset)
+    except CatalogueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     count = min(args.count, len(catalogue))
     records = [catalogue[i] for i in range(count)]
     rates: dict[str, list[float]] = {"extract": [], "engine": [], "bench": []}
