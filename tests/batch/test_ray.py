@@ -41,3 +41,27 @@ def test_ray_run_resumes_a_local_run_with_equal_answers_and_keeps_the_stop_signa
     assert set(handlers_while_running) == {signal.SIGINT, signal.SIGTERM}
     for handler in handlers_while_running.values():
         assert isinstance(getattr(handler, "__self__", None), StopRequest), handler
+
+
+def test_a_model_the_replicas_cannot_load_leaves_the_results_file_as_it_was(small_catalogue, tmp_path, capsys):
+    """The results file was emptied (`--overwrite`) and its job written once the pipeline was built,
+    before any replica had loaded the model; one that did not load (here a preprocessor that cuts
+    images otherwise than the tower, refused by the engine, not by the files' check) left 0 lines."""
+    import json
+    import shutil
+
+    from vlm_catalog.batch.output import JOB_SUFFIX
+    from vlm_catalog.paths import DEFAULT_MODEL_DIR
+
+    out = tmp_path / "p.jsonl"
+    common = ["extract", "--dataset", str(small_catalogue), "--out", str(out), *FAST, "--limit", "2"]
+    assert main(common) == 0
+    kept, kept_job = out.read_bytes(), out.with_name(out.name + JOB_SUFFIX).read_bytes()
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL_DIR, model)
+    preprocessor = json.loads((model / "preprocessor_config.json").read_text())
+    (model / "preprocessor_config.json").write_text(json.dumps({**preprocessor, "merge_size": 1}))
+    capsys.readouterr()
+    assert main([*common, "--ray", "--overwrite", "--model", str(model)]) == 1
+    assert "merge_size" in capsys.readouterr().err
+    assert out.read_bytes() == kept and out.with_name(out.name + JOB_SUFFIX).read_bytes() == kept_job

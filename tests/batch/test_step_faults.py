@@ -82,3 +82,36 @@ def test_the_limit_is_at_least_one(max_in_a_row):
 
     with pytest.raises(ValueError, match="max_in_a_row must be at least 1"):
         StepFaults(None, max_in_a_row)
+
+
+def test_a_step_with_nothing_to_run_confirms_nothing():
+    """A step that ran no work (every request waiting for its grammar) counted as a success: on a
+    dead device it reset the count of failed steps and released the held failures, so a large
+    window wrote most of its records as `engine` failures instead of stopping (135 of 150)."""
+    from types import SimpleNamespace
+
+    from vlm_catalog.engine.step_faults import EngineFailing, StepFaults
+
+    class DeadDevice:
+        def __init__(self):
+            self.stats = SimpleNamespace(num_steps=0)
+            self.calls = 0
+
+        def step(self):
+            self.calls += 1
+            if self.calls % 2:  # every other step has nothing to run: it "succeeds"
+                return []
+            self.stats.num_steps += 1
+            raise RuntimeError("CUDA error: unspecified launch failure")
+
+        def abort_all(self):
+            return ["batch-0"]
+
+    faults = StepFaults(DeadDevice(), max_in_a_row=3)
+    assert faults.step().dropped == [] and faults.confirmed  # nothing failed yet
+    assert faults.step().dropped == ["batch-0"] and not faults.confirmed
+    assert faults.step().outputs == [] and not faults.confirmed  # the empty step shows nothing
+    faults.step()
+    faults.step()
+    with pytest.raises(EngineFailing, match="3 engine steps in a row failed"):
+        faults.step()

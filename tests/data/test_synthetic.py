@@ -485,6 +485,37 @@ def test_an_overwrite_stopped_midway_keeps_the_old_catalogue(tmp_path: Path, mon
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
 
 
+def test_the_catalogue_is_built_inside_out_and_a_killed_runs_leftover_is_not_read(tmp_path: Path) -> None:
+    """Built beside --out, a catalogue could not go to an --out on another file system than its parent
+    (a link: "Invalid cross-device link"), nor to a writable mount point in a read-only folder. It is
+    built in a hidden folder inside --out now, which the loader skips (a run killed by SIGKILL leaves it)."""
+    from vlm_catalog.data.loader import load_catalogue
+
+    target = make_catalog(tmp_path / "target", n=2, seed=0)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    make_catalog(link, n=3, seed=1, overwrite=True)
+    assert link.is_symlink() and len(_rows(target)) == 3
+    leftover = target / ".make-catalog.abc123.partial"
+    make_catalog(leftover, n=4, seed=2)  # as a killed run leaves its staging folder
+    assert len(load_catalogue(target)) == 3
+
+
+def test_a_failed_run_removes_the_folders_it_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    factory = default_factory()
+    real_make = factory.make
+
+    def fail(seed, index, image_size):
+        if index == 1:
+            raise KeyboardInterrupt
+        return real_make(seed, index, image_size)
+
+    monkeypatch.setattr(factory, "make", fail)
+    with pytest.raises(KeyboardInterrupt):
+        make_catalog(tmp_path / "new" / "nested", n=3, seed=0, factory=factory)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     import tempfile

@@ -262,3 +262,63 @@ def test_pending_tokens_from_cuda():
     assert pending.rows["r3"] == 3 and not pending.was_read
     assert pending.read() == [0, 3, 6, 9, 12] and pending.was_read
     assert pending.wait_seconds > 0.01  # the host waited for the device to get there
+
+
+def test_a_failed_read_of_the_sampled_tokens_fails_one_step_not_every_one(sync_and_async, monkeypatch):
+    """Reading a step's sampled tokens is where a device fault shows under async scheduling. The
+    tokens stayed pending after the failed step's requests were dropped, so every later step read
+    them again and failed: each request run alone was blamed, and a server's engine thread spun."""
+    sync, pipelined = sync_and_async
+    prompts = mixed_conversations(6)
+    params = varied_params(6)
+    expected = answers(sync.chat(prompts, params))
+    real_read, reads = PendingTokens.read, []
+
+    def read(self):
+        reads.append(1)
+        if len(reads) == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_read(self)
+
+    monkeypatch.setattr(PendingTokens, "read", read)
+    assert answers(pipelined.chat(prompts, params)) == expected  # the step's requests ran again
+    engine = pipelined.engine
+    assert not engine.has_unfinished_requests() and engine._pending is None
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_a_server_engine_whose_token_reads_keep_failing_goes_idle_not_round_and_round():
+    """Every read failing (a dead device): the service's engine thread failed the request, then found
+    the same unread tokens pending and stepped again, failing and logging, in a loop that never ended."""
+    import asyncio
+
+    from vlm_catalog.engine.async_engine import AsyncLLM, EngineInternalError
+    from vlm_catalog.paths import DEFAULT_MODEL_DIR
+
+    engine = AsyncLLM(model=DEFAULT_MODEL_DIR, async_scheduling=True, max_num_seqs=4)
+    real_step, steps = engine.engine.step, []
+
+    def counted_step():
+        steps.append(1)
+        return real_step()
+
+    def dead(self):
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    async def run():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(PendingTokens, "read", dead)
+            engine.engine.step = counted_step
+            with pytest.raises(EngineInternalError):
+                async for _ in engine.generate([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=4)):
+                    pass
+            await asyncio.sleep(0.3)
+            settled = len(steps)
+            await asyncio.sleep(0.5)
+            return settled, len(steps)
+
+    try:
+        settled, later = asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        engine.shutdown()
+    assert later == settled  # idle: no step since the failure

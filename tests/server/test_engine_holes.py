@@ -121,8 +121,12 @@ def test_health_turns_503_while_steps_keep_failing_or_one_hangs_and_back_once_th
     real_step = engine.engine.step
     release = threading.Event()
 
-    def dead():
-        raise RuntimeError("CUDA error: unspecified launch failure")
+    real_run_step = engine.engine._run_step
+
+    def dead(output, pending):  # a step with nothing to run (a grammar still compiling) shows nothing
+        if output.chunks:
+            raise RuntimeError("CUDA error: unspecified launch failure")
+        return real_run_step(output, pending)
 
     def hung():
         release.wait(10)
@@ -133,18 +137,19 @@ def test_health_turns_503_while_steps_keep_failing_or_one_hangs_and_back_once_th
             response = await client.get("/health")
             return response.status_code, response.json()["status"]
 
-    async def failing_request():
+    async def failing_request(index):  # constrained, as /v1/extract's: its first steps wait for the grammar
+        params = SamplingParams(max_tokens=2, json_schema={"type": "object", "properties": {f"k{index}": {"type": "integer"}}})
         with pytest.raises(Exception, match="internal engine error"):
-            async for _ in engine.generate(user("hello"), SamplingParams(max_tokens=2)):
+            async for _ in engine.generate(user("hello"), params):
                 pass
 
     async def run():
         assert await health() == (200, "ok")
-        engine.engine.step = dead
-        for _ in range(3):
-            await failing_request()
+        engine.engine._run_step = dead
+        for index in range(3):  # before, the empty steps between them reset the count: 200 for ever
+            await failing_request(index)
         assert await health() == (503, "the last 4 engine steps failed")  # its probe failed too
-        engine.engine.step = real_step  # the device is back: the probe's step works
+        engine.engine._run_step = real_run_step  # the device is back: the probe's step works
         assert await health() == (200, "ok")
         engine.engine.step = hung
         stream = engine.generate(user("hello"), SamplingParams(max_tokens=2))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import re
@@ -57,9 +58,10 @@ def run_on_ray(settings, indices: list[int], emit: Callable[[ResultLine], None],
     try:
         if not indices:
             return
-        dataset = build_pipeline(settings, indices)
-        on_ready()
-        for row in dataset.iter_rows():
+        rows = iter(build_pipeline(settings, indices).iter_rows())
+        first = next(rows, None)  # the replicas load the model first: one that does not load raises here
+        on_ready()  # only now is the results file emptied (--overwrite) and its job written
+        for row in itertools.chain([first] if first is not None else [], rows):
             emit(ResultLine(**json.loads(row["line"])))
     except RayError as exc:
         raise RayRunError(f"a Ray task failed: {_root_cause(exc)}; the lines written so far are kept, "

@@ -779,7 +779,9 @@ def _read_splits(path: Path) -> tuple[dict[str, _Rows], Path]:
         if isinstance(loaded, datasets.DatasetDict):
             return {name: _DatasetRows(split, files) for name, split in loaded.items()}, path
         return {str(loaded.split) if loaded.split is not None else "train": _DatasetRows(loaded, files)}, path
-    parquet_files = sorted(path.rglob("*.parquet"))
+    # not in hidden folders: a make-catalog run killed midway leaves its partial one there
+    parquet_files = sorted(file for file in path.rglob("*.parquet")
+                           if not any(part.startswith(".") for part in file.relative_to(path).parts))
     if not parquet_files:
         raise CatalogueError(f"{path}: holds no parquet files and no dataset saved by `datasets`")
     named = {file: _split_of(file, path) for file in parquet_files}

@@ -245,6 +245,7 @@ class AsyncLLM:
             if not self.engine.has_unfinished_requests():
                 continue
             self._step_started = time.monotonic()
+            ran_before = self.engine.stats.num_steps
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - a bug must not take the service down
@@ -254,7 +255,8 @@ class AsyncLLM:
                 continue
             finally:
                 self._step_started = None
-            self.failed_steps_in_a_row = 0
+            if self.engine.stats.num_steps > ran_before:  # a step with nothing to run (grammars compiling) shows nothing
+                self.failed_steps_in_a_row = 0
             self._deliver_step(outputs)
 
     def _drain_inbox(self, block: bool) -> None:

@@ -404,6 +404,9 @@ class LLMEngine:
         self.scheduler.drain_finished()
         self.requests.clear()
         self.detokenizers.clear()
+        # their sampled tokens not yet read (async scheduling): reading them may be what failed, and
+        # the next step would read them again, failing every step after it
+        self._pending = None
         return dropped
 
     @property

@@ -51,10 +51,11 @@ class StepFaults:
 
     @property
     def confirmed(self) -> bool:
-        """The last step succeeded: failures held since the one before are the requests' own."""
+        """The last step that ran work succeeded: failures held since the one before are the requests' own."""
         return self.failed_in_a_row == 0
 
     def step(self) -> StepResult:
+        ran_before = self.engine.stats.num_steps
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - whose fault it is is found by running the requests again
@@ -69,7 +70,8 @@ class StepFaults:
             else:  # one traceback is enough: a dead device fails every step the same way
                 logger.warning("engine step failed again (%d in a row): %s", self.failed_in_a_row, error)
             return StepResult(dropped=self.engine.abort_all(), error=error)
-        self.failed_in_a_row = 0
+        if self.engine.stats.num_steps > ran_before:  # a step with nothing to run (grammars compiling) shows nothing
+            self.failed_in_a_row = 0
         return StepResult(outputs=outputs)
 
     def probe(self) -> bool:

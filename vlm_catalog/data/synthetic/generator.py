@@ -131,21 +131,25 @@ def make_catalog(
     Record i depends only on (seed, i): a larger `n` appends records. An
     `out_dir` that already holds a catalogue is refused unless `overwrite`,
     which replaces that catalogue's files (and nothing else). The catalogue is
-    written in a hidden folder beside `out_dir` and its files renamed into place
-    once whole: an error or Ctrl-C midway leaves the old catalogue as it was
-    (before, `overwrite` had deleted it first, and a stopped run left neither).
+    written in a hidden folder inside `out_dir` (on its file system, where `out_dir`
+    may be a link or a mount point; the loader skips hidden folders) and its files
+    renamed into place once whole: an error or Ctrl-C midway leaves the old
+    catalogue as it was (before, `overwrite` had deleted it first, and a stopped
+    run left neither), and a new `out_dir` is removed again.
     `factory` picks another taxonomy; by default the shipped subset is used.
     """
     out_dir = Path(out_dir)
     _check_arguments(out_dir, n, seed, image_size, split)
     factory = factory or default_factory()
     replaced = _replaced_files(out_dir, overwrite)
+    made = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]  # removed if it fails
     try:
-        out_dir.absolute().parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.absolute().name}.", suffix=".partial",
-                                        dir=out_dir.absolute().parent))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".make-catalog.", suffix=".partial", dir=out_dir))
     except OSError as exc:
+        _remove_empty(made)
         raise CatalogueError(f"cannot write {out_dir}: {exc.strerror or exc}") from None
+    finished = False
     try:
         (staging / DATA_DIR).mkdir()
         _write_records(staging, n, seed, image_size, split, factory)
@@ -165,11 +169,23 @@ def make_catalog(
         for path in replaced:  # the old catalogue's other files (another split's parquet)
             if path not in [out_dir / name for name in written]:
                 path.unlink(missing_ok=True)
+        finished = True
     except OSError as exc:  # a full disk, a folder not writable
         raise CatalogueError(f"writing {out_dir} failed: {exc.strerror or exc}") from None
     finally:  # an error or Ctrl-C midway: the old catalogue stays as it was
         shutil.rmtree(staging, ignore_errors=True)
+        if not finished:
+            _remove_empty([out_dir / DATA_DIR, *made] if out_dir in made else made)
     return out_dir
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders a failed run made, innermost first, where they are still empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
 
 
 def _write_records(out_dir: Path, n: int, seed: int, image_size: str, split: str, factory: RecordFactory) -> None:
