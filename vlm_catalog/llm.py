@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,7 +29,7 @@ from vlm_catalog.engine.config import EngineConfig
 from vlm_catalog.engine.llm_engine import EngineRequestError, LLMEngine
 from vlm_catalog.engine.outputs import RequestOutput, context_cut
 from vlm_catalog.engine.sampling_params import SamplingParams
-from vlm_catalog.engine.step_faults import StepFaults
+from vlm_catalog.engine.step_faults import FailedStepRetries
 from vlm_catalog.paths import DEFAULT_MODEL_DIR
 from vlm_catalog.preprocess.processor import ProcessedPrompt
 from vlm_catalog.read_ahead import ReadAhead
@@ -210,7 +209,7 @@ class LLM:
 
     def _run_alone(self, count: int, prepare: Callable[[int], _Prepared], use_tqdm: bool) -> list[RequestOutput]:
         """`_run`'s loop. A step that raises has its requests run again one at a time; one that fails
-        alone is an "error" output (`StepFaults`): a one-off fault costs no answer, and a request that
+        alone is an "error" output (`FailedStepRetries`): a one-off fault costs no answer, and a request that
         fails every step fails alone. `EngineFailing` when the engine fails every step."""
         engine = self.engine
         ahead = max(JOIN_PER_STEP, engine.config.max_num_seqs)
@@ -218,52 +217,39 @@ class LLM:
         index_of = {request_id: index for index, request_id in enumerate(request_ids)}
         results: dict[str, RequestOutput] = {}
         progress = _progress(count, use_tqdm)
-        faults = StepFaults(engine)
-        suspects: deque[int] = deque()  # in flight when a step raised: run again alone
-        isolating = False
-        held: dict[str, RequestOutput] = {}  # failed alone, theirs once a later step succeeds
+        retries: FailedStepRetries[int] = FailedStepRetries(engine)  # by the prompt's index
 
         def finish(outputs: Iterable[RequestOutput]) -> None:
             for output in outputs:
                 results[output.request_id] = output
                 progress.update(1)
 
+        def finish_confirmed_failures(finished: bool = False) -> None:
+            finish(RequestOutput(request_ids[index], "", [], 0, True, "error", f"internal engine error: {error}")
+                   for index, error in retries.confirmed_failures(finished))
+
         queued = 0
         try:
             with ReadAhead(range(count), prepare, depth=ahead) as prepared_prompts:
                 while True:
-                    if isolating and not engine.has_unfinished_requests():
-                        isolating = bool(suspects)
-                    if isolating:
-                        if not engine.has_unfinished_requests():
-                            index = suspects.popleft()
-                            finish(filter(None, [self._queue(prepare(index), request_ids[index])]))
-                    else:
+                    index = retries.next_alone(idle=not engine.has_unfinished_requests())
+                    if index is not None:
+                        finish(filter(None, [self._queue(prepare(index), request_ids[index])]))
+                    elif not retries.isolating:
                         for _ in range(JOIN_PER_STEP):
                             if queued == count or engine.num_waiting_requests >= ahead:
                                 break
                             finish(filter(None, [self._queue(prepared_prompts.next(), request_ids[queued])]))
                             queued += 1
                     if not engine.has_unfinished_requests():
-                        if queued == count and not suspects:
-                            while held and not faults.probe():  # nothing left to show the engine works
-                                pass
-                            finish(held.values())
+                        if queued == count and not retries.suspects_left:
+                            finish_confirmed_failures(finished=True)
                             break
                         continue  # everything queued so far failed before reaching the engine
-                    result = faults.step()
-                    if result.dropped:
-                        dropped = [request_id for request_id in result.dropped if request_id in index_of]
-                        if isolating:
-                            held.update((request_id, RequestOutput(
-                                request_id, "", [], 0, True, "error", f"internal engine error: {result.error}",
-                            )) for request_id in dropped)
-                        else:
-                            suspects.extend(index_of[request_id] for request_id in dropped)
-                            isolating = True
-                    elif held and faults.confirmed:
-                        finish(held.values())
-                        held.clear()
+                    result = retries.faults.step()
+                    if result.error is not None:
+                        retries.dropped([index_of[request_id] for request_id in result.dropped if request_id in index_of])
+                    finish_confirmed_failures()
                     finish(output for output in result.outputs if output.finished)
         finally:
             progress.close()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -23,7 +22,7 @@ from vlm_catalog.batch.requests import RequestBuilder, ResultLine, failure_kind_
 from vlm_catalog.data.loader import CatalogueItem
 from vlm_catalog.engine.llm_engine import EngineRequestError, LLMEngine
 from vlm_catalog.engine.sampling_params import SamplingParams
-from vlm_catalog.engine.step_faults import StepFaults
+from vlm_catalog.engine.step_faults import FailedStepRetries
 from vlm_catalog.preprocess.processor import ProcessedPrompt
 from vlm_catalog.read_ahead import ReadAhead
 
@@ -106,24 +105,24 @@ def run_items(
     pending: dict[str, tuple[CatalogueItem, bool]] = {}  # engine request id -> (item, bounded schema)
     prepare = partial(prepare_item, engine, builder)
     records = ReadAhead(items, prepare, read_ahead, prepare_workers) if read_ahead > 0 else _PrepareInline(items, prepare)
-    faults = StepFaults(engine)
-    suspects: deque[tuple[CatalogueItem, bool]] = deque()  # in flight when a step raised: run again alone
-    isolating = False  # the window holds one suspect alone
-    held: list[ResultLine] = []  # suspects that failed alone, written once a later step succeeds
+    retries: FailedStepRetries[tuple[CatalogueItem, bool]] = FailedStepRetries(engine)
+
+    def emit_confirmed_failures(finished: bool = False) -> None:
+        for (item, _), error in retries.confirmed_failures(finished):
+            emit(ResultLine.failed(item.id, "engine", f"internal engine error: {error}"))
+
     with records:
         exhausted, stepped = False, False
         try:
             while True:
-                if isolating and not pending:  # the suspect ran; the next, or back to a full window
-                    isolating = bool(suspects)
-                if isolating:
-                    if not pending:
-                        item, bounded = suspects.popleft()
-                        stats.records_prepared_on_engine_thread += 1
-                        failure = _add(engine, prepare(item, bounded=bounded), pending)
-                        if failure is not None:
-                            emit(failure)
-                else:
+                suspect = retries.next_alone(idle=not pending)
+                if suspect is not None:
+                    item, bounded = suspect
+                    stats.records_prepared_on_engine_thread += 1
+                    failure = _add(engine, prepare(item, bounded=bounded), pending)
+                    if failure is not None:
+                        emit(failure)
+                elif not retries.isolating:
                     # at most `read_ahead` records join per step, so the first step waits for that many
                     # preparations, not a whole window's (a step admits far fewer than that anyway)
                     limit = 0 if exhausted else min(window - len(pending), read_ahead or window)
@@ -136,11 +135,8 @@ def run_items(
                         if failure is not None:
                             emit(failure)
                 if not pending:
-                    if exhausted and not suspects:
-                        while held and not faults.probe():  # no record left to show the engine works
-                            pass
-                        for line in held:
-                            emit(line)
+                    if exhausted and not retries.suspects_left:
+                        emit_confirmed_failures(finished=True)
                         return stats
                     if between_steps is not None:  # a stop request is honoured during a run of bad records too
                         between_steps()
@@ -148,20 +144,11 @@ def run_items(
                 if not stepped:
                     stats.seconds_waiting_before_first_step = records.seconds_waiting
                     stepped = True
-                result = faults.step()
-                if result.dropped:
-                    dropped = list(pending.values())  # every one of them was in the engine, and is dropped
+                result = retries.faults.step()
+                if result.error is not None:
+                    retries.dropped(list(pending.values()))  # every one of them was in the engine, and is dropped
                     pending.clear()
-                    if isolating:  # it failed alone: its own fault, once a step shows the engine works
-                        held += [ResultLine.failed(item.id, "engine", f"internal engine error: {result.error}")
-                                 for item, _ in dropped]
-                    else:
-                        suspects.extend(dropped)
-                        isolating = True
-                elif held and faults.confirmed:
-                    for line in held:
-                        emit(line)
-                    held.clear()
+                emit_confirmed_failures()
                 for output in result.outputs:
                     if not output.finished:
                         continue
@@ -178,7 +165,7 @@ def run_items(
                     between_steps()
         finally:
             stats.seconds_waiting_for_records = records.seconds_waiting
-            stats.failed_steps = faults.failed_steps
+            stats.failed_steps = retries.faults.failed_steps
             if isinstance(records, _PrepareInline):
                 stats.records_prepared_on_engine_thread += records.num_prepared
 

@@ -15,8 +15,9 @@ alone too, fails none of them: after `max_in_a_row` failed steps in a row,
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:  # imported by the batch job's front door, which loads torch only when a run starts
     from vlm_catalog.engine.llm_engine import LLMEngine
@@ -27,6 +28,9 @@ logger = logging.getLogger(__name__)
 # Failed steps in a row that stop a driver: a request that fails alone counts, so several such
 # requests in a row (a bug a kind of record meets) must not look like a dead device.
 MAX_FAILED_STEPS_IN_A_ROW = 16
+
+
+Key = TypeVar("Key")  # what a driver runs a request again from (a record, a prompt's index)
 
 
 class EngineFailing(RuntimeError):
@@ -48,6 +52,7 @@ class StepFaults:
         self.max_in_a_row = max_in_a_row
         self.failed_in_a_row = 0
         self.failed_steps = 0
+        self.last_error = ""  # what the last failed step raised, in one line
 
     @property
     def confirmed(self) -> bool:
@@ -61,7 +66,7 @@ class StepFaults:
         except Exception as exc:  # noqa: BLE001 - whose fault it is is found by running the requests again
             self.failed_in_a_row += 1
             self.failed_steps += 1
-            error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            error = self.last_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
             if self.failed_in_a_row >= self.max_in_a_row:
                 self.engine.abort_all()
                 raise EngineFailing(f"{self.failed_in_a_row} engine steps in a row failed, the last with {error}") from exc
@@ -88,3 +93,60 @@ class StepFaults:
                 return False
             if any(output.request_id == request_id and output.finished for output in result.outputs):
                 return True
+
+
+class FailedStepRetries(Generic[Key]):
+    """A driver's side of the module docstring: after a failed step, the requests then in flight
+    (`dropped`, by the driver's keys) run again alone, one at a time (`next_alone`); one that fails
+    alone is held (`confirmed_failures` gives it back with its error once it is shown to be its own).
+
+        retries = FailedStepRetries(engine)
+        key = retries.next_alone(idle)       # None: refill the window (unless `isolating`)
+        result = retries.faults.step()
+        if result.error is not None:
+            retries.dropped(keys in flight)   # they left the engine: forget them
+        for key, error in retries.confirmed_failures(): ...
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.faults = StepFaults(engine)
+        self._suspects: deque[Key] = deque()
+        self._held: list[tuple[Key, str]] = []
+        self.isolating = False  # the driver runs one suspect alone; it adds nothing else
+
+    @property
+    def suspects_left(self) -> bool:
+        return bool(self._suspects)
+
+    def next_alone(self, idle: bool) -> Key | None:
+        """The next suspect to run alone, once the one before has ended (`idle`: none of the driver's
+        requests is in the engine); None when there is none now (no longer `isolating` once none is left)."""
+        if not (self.isolating and idle):
+            return None
+        if self._suspects:
+            return self._suspects.popleft()
+        self.isolating = False
+        return None
+
+    def dropped(self, keys: list[Key]) -> None:
+        """The driver's requests in flight when the step raised (`StepResult.error`): suspects, or, if
+        one ran alone, a failure held as its own."""
+        if self.isolating:
+            error = self.faults.last_error
+            self._held += [(key, error) for key in keys]
+        else:
+            self._suspects.extend(keys)
+            self.isolating = bool(keys)
+
+    def confirmed_failures(self, finished: bool = False) -> list[tuple[Key, str]]:
+        """The held failures, with their errors, once a step that ran work has succeeded since; with
+        `finished` (nothing left to run), once `probe` succeeds. Empty until then."""
+        if not self._held:
+            return []
+        if finished:
+            while not self.faults.probe():  # nothing left to show the engine works
+                pass
+        elif not self.faults.confirmed:
+            return []
+        held, self._held = self._held, []
+        return held
