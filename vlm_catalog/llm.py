@@ -208,7 +208,7 @@ class LLM:
             return self._run_alone(count, prepare, use_tqdm)
 
     def _run_alone(self, count: int, prepare: Callable[[int], _Prepared], use_tqdm: bool) -> list[RequestOutput]:
-        """`_run`'s loop. A step that raises has its requests run again one at a time; one that fails
+        """`_run`'s loop. A step that raises has its requests run again, by bisection; one that fails
         alone is an "error" output (`FailedStepRetries`): a one-off fault costs no answer, and a request that
         fails every step fails alone. `EngineFailing` when the engine fails every step."""
         engine = self.engine
@@ -232,10 +232,9 @@ class LLM:
         try:
             with ReadAhead(range(count), prepare, depth=ahead) as prepared_prompts:
                 while True:
-                    index = retries.next_alone(idle=not engine.has_unfinished_requests())
-                    if index is not None:
+                    for index in retries.next_group(idle=not engine.has_unfinished_requests()):
                         finish(filter(None, [self._queue(prepare(index), request_ids[index])]))
-                    elif not retries.isolating:
+                    if not retries.isolating:
                         for _ in range(JOIN_PER_STEP):
                             if queued == count or engine.num_waiting_requests >= ahead:
                                 break
@@ -246,7 +245,7 @@ class LLM:
                             finish_confirmed_failures(finished=True)
                             break
                         continue  # everything queued so far failed before reaching the engine
-                    result = retries.faults.step()
+                    result = retries.step()
                     if result.error is not None:
                         retries.dropped([index_of[request_id] for request_id in result.dropped if request_id in index_of])
                     finish_confirmed_failures()

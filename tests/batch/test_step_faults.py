@@ -94,14 +94,13 @@ def test_a_step_with_nothing_to_run_confirms_nothing():
 
     class DeadDevice:
         def __init__(self):
-            self.stats = SimpleNamespace(num_steps=0)
+            self.stats = SimpleNamespace(num_sampled_tokens=0)
             self.calls = 0
 
         def step(self):
             self.calls += 1
             if self.calls % 2:  # every other step has nothing to run: it "succeeds"
                 return []
-            self.stats.num_steps += 1
             raise RuntimeError("CUDA error: unspecified launch failure")
 
         def abort_all(self):

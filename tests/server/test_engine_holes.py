@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
@@ -148,7 +149,8 @@ def test_health_turns_503_while_steps_keep_failing_or_one_hangs_and_back_once_th
         engine.engine._run_step = dead
         for index in range(3):  # before, the empty steps between them reset the count: 200 for ever
             await failing_request(index)
-        assert await health() == (503, "the last 4 engine steps failed")  # its probe failed too
+        code, status = await health()  # each request failed, ran alone and failed, probes failed, then its probe
+        assert code == 503 and re.fullmatch(r"the last (\d+) engine steps failed", status), status
         engine.engine._run_step = real_run_step  # the device is back: the probe's step works
         assert await health() == (200, "ok")
         engine.engine.step = hung
@@ -166,3 +168,27 @@ def test_health_turns_503_while_steps_keep_failing_or_one_hangs_and_back_once_th
         asyncio.run(asyncio.wait_for(run(), 60))
     finally:
         engine.shutdown()
+
+
+def test_a_request_that_fails_its_engine_steps_is_the_only_500(app, engine, monkeypatch):
+    """Before, a failed step failed every request in flight: one record meeting a bug answered 500
+    to every concurrent client. Now the step's requests run again (`AsyncLLM`) and only that one fails."""
+    from tests.server.conftest import call_many, chat_body
+
+    bodies = [chat_body(f"Describe product {i}.", max_tokens=6, temperature=0) for i in range(4)]
+    expected = [response.json()["choices"][0]["message"]["content"]
+                for response in call_many(app, [("POST", "/v1/chat/completions", {"json": body}) for body in bodies])]
+    real_run_step = engine.engine._run_step
+
+    def run_step(output, pending):  # the request asking for 6 tokens with a top_p of 0.5 meets a bug
+        if any(chunk.request.params.top_p == 0.5 for chunk in output.chunks):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_run_step(output, pending)
+
+    monkeypatch.setattr(engine.engine, "_run_step", run_step)
+    bodies[2]["top_p"] = 0.5
+    responses = call_many(app, [("POST", "/v1/chat/completions", {"json": body}) for body in bodies])
+    assert [response.status_code for response in responses] == [200, 200, 500, 200]
+    assert responses[2].json()["error"]["code"] == "internal_error"
+    assert "CUDA error: an illegal memory access" in responses[2].json()["error"]["message"]
+    assert [responses[i].json()["choices"][0]["message"]["content"] for i in (0, 1, 3)] == [expected[i] for i in (0, 1, 3)]

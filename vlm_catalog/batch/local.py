@@ -115,14 +115,13 @@ def run_items(
         exhausted, stepped = False, False
         try:
             while True:
-                suspect = retries.next_alone(idle=not pending)
-                if suspect is not None:
-                    item, bounded = suspect
+                suspects = retries.next_group(idle=not pending)
+                for item, bounded in suspects:
                     stats.records_prepared_on_engine_thread += 1
                     failure = _add(engine, prepare(item, bounded=bounded), pending)
                     if failure is not None:
                         emit(failure)
-                elif not retries.isolating:
+                if not retries.isolating:
                     # at most `read_ahead` records join per step, so the first step waits for that many
                     # preparations, not a whole window's (a step admits far fewer than that anyway)
                     limit = 0 if exhausted else min(window - len(pending), read_ahead or window)
@@ -144,7 +143,7 @@ def run_items(
                 if not stepped:
                     stats.seconds_waiting_before_first_step = records.seconds_waiting
                     stepped = True
-                result = retries.faults.step()
+                result = retries.step()
                 if result.error is not None:
                     retries.dropped(list(pending.values()))  # every one of them was in the engine, and is dropped
                     pending.clear()

@@ -14,8 +14,13 @@ are merged into one (`_LatestOutput`), so a caller that reads slowly, or not at
 all, holds one output, not one per step. A request that fails raises
 `EngineRequestError` in its own `generate` only; a request id already in
 flight is refused at once (the caller picks ids, or lets `AsyncLLM` number
-them). A bug inside a step fails the requests then in flight with
-`EngineInternalError`, is logged, and the engine goes on serving. Once the
+them). A step that raises (a bug one request meets, a passing device fault)
+is logged, and the requests then in flight run again by bisection
+(`engine/step_faults.py`): new requests wait meanwhile, and the one that fails
+alone raises `EngineInternalError`; a request whose caller has seen outputs
+already (a stream) cannot start again unseen, and raises it at once, unless
+the caller said it keeps only the final output (`restartable`). The engine
+goes on serving. Once the
 engine is shut down, or its thread has died, `generate` raises
 `EngineUnavailableError` and `is_running` is False. `health` says what is
 wrong besides: steps that all fail (a dead device), or one that runs too long
@@ -30,6 +35,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -38,6 +44,7 @@ from vlm_catalog.engine.config import EngineConfig
 from vlm_catalog.engine.llm_engine import EngineRequestError, LLMEngine
 from vlm_catalog.engine.outputs import RequestOutput
 from vlm_catalog.engine.sampling_params import SamplingParams
+from vlm_catalog.engine.step_faults import EngineFailing, FailedStepRetries
 from vlm_catalog.preprocess.processor import ProcessedPrompt
 
 logger = logging.getLogger(__name__)
@@ -80,6 +87,12 @@ class _Add:
     params: SamplingParams
     outputs: _LatestOutput
     loop: asyncio.AbstractEventLoop
+    restartable: bool = False  # its caller keeps only the final output: it may run again from the start
+    delivered: bool = False  # an output not final has gone to its caller (engine thread only)
+
+    @property
+    def can_run_again(self) -> bool:
+        return self.restartable or not self.delivered
 
 
 @dataclass
@@ -104,13 +117,14 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         self.engine = LLMEngine(config, **overrides)
         self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[_LatestOutput, asyncio.AbstractEventLoop]] = {}
+        self._streams: dict[str, _Add] = {}  # every request from its arrival on the engine thread to its end
+        self._retries: FailedStepRetries[str] = FailedStepRetries(self.engine)  # by request id
+        self._parked: deque[_Add] = deque()  # arrived while a failed step's requests run again
         self._ids = itertools.count()
         self._live_ids: set[str] = set()  # ids between the start and the end of their `generate`
         self._live_lock = threading.Lock()
         self._stopped = threading.Event()
         self._step_started: float | None = None  # `time.monotonic()` of the step running now
-        self.failed_steps_in_a_row = 0
         self._thread = threading.Thread(target=self._run, name="vlm-catalog-engine", daemon=True)
         self._thread.start()
 
@@ -121,6 +135,10 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopped.is_set()
+
+    @property
+    def failed_steps_in_a_row(self) -> int:
+        return self._retries.faults.failed_in_a_row
 
     @property
     def steps_failing(self) -> bool:
@@ -157,12 +175,17 @@ class AsyncLLM:
         prompt: list[dict[str, Any]] | ProcessedPrompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        restartable: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs.
 
         Raises `EngineRequestError` if the request is refused (bad prompt or
         settings, or `request_id` already in flight), `EngineUnavailableError`
-        if the engine is not running, `EngineInternalError` if a step failed.
+        if the engine is not running, `EngineInternalError` if the request
+        failed alone in a step (or a step failed after the caller had seen
+        outputs). `restartable`: the caller keeps only the final output, so
+        after a failed step the request may run again from its start even
+        though outputs went out (they start again too).
         """
         if not self.is_running:
             raise EngineUnavailableError("the engine is not running (shut down, or its thread died)")
@@ -173,14 +196,14 @@ class AsyncLLM:
                 raise EngineRequestError(f"request id {request_id!r} is already in flight")
             self._live_ids.add(request_id)
         try:
-            async for output in self._generate(prompt, params, request_id):
+            async for output in self._generate(prompt, params, request_id, restartable):
                 yield output
         finally:
             with self._live_lock:
                 self._live_ids.discard(request_id)
 
     async def _generate(
-        self, prompt: list[dict[str, Any]] | ProcessedPrompt, params: SamplingParams, request_id: str
+        self, prompt: list[dict[str, Any]] | ProcessedPrompt, params: SamplingParams, request_id: str, restartable: bool
     ) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         if not isinstance(prompt, ProcessedPrompt):
@@ -192,7 +215,7 @@ class AsyncLLM:
         with self._live_lock:  # the engine thread, when it ends, fails every _Add queued before it
             if self._stopped.is_set():
                 raise EngineUnavailableError("the engine is not running (shut down, or its thread died)")
-            self._inbox.put(_Add(request_id, prompt, params, outputs, loop))
+            self._inbox.put(_Add(request_id, prompt, params, outputs, loop, restartable))
         finished = False
         try:
             while True:
@@ -238,26 +261,27 @@ class AsyncLLM:
 
     def _loop(self) -> None:
         while not self._stopped.is_set():
-            block = not self.engine.has_unfinished_requests()
-            self._drain_inbox(block)
+            busy = self.engine.has_unfinished_requests() or self._retries.isolating
+            self._drain_inbox(block=not busy)
             if self._stopped.is_set():
                 break
+            self._admit()
             if not self.engine.has_unfinished_requests():
+                if not self._retries.isolating:  # nothing left to run: a failure held is confirmed by a probe
+                    self._fail_confirmed(finished=True)
                 continue
             self._step_started = time.monotonic()
-            ran_before = self.engine.stats.num_steps
             try:
-                outputs = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - a bug must not take the service down
-                self.failed_steps_in_a_row += 1
-                logger.exception("engine step failed; failing the requests in flight")
-                self._fail_in_flight(exc)
+                result = self._retries.step()
+            except EngineFailing as exc:  # steps fail whatever runs: fail what ran, serve on (`health` says so)
+                self._fail_all_but_parked(exc)
                 continue
             finally:
                 self._step_started = None
-            if self.engine.stats.num_steps > ran_before:  # a step with nothing to run (grammars compiling) shows nothing
-                self.failed_steps_in_a_row = 0
-            self._deliver_step(outputs)
+            if result.error is not None:
+                self._run_again(result.dropped, result.error)
+            self._fail_confirmed()
+            self._deliver_step(result.outputs)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -272,16 +296,13 @@ class AsyncLLM:
                     )
                     item = self._next_inbox_item()
                     continue
-                self._streams[item.request_id] = (item.outputs, item.loop)
-                try:
-                    self.engine.add_request(item.prompt, item.params, request_id=item.request_id)
-                except EngineRequestError as exc:
-                    self._deliver(item.request_id, exc, last=True)
-                except Exception as exc:  # noqa: BLE001 - a bug one request meets must not take the service down
-                    logger.exception("adding request %s failed", item.request_id)  # registered nowhere yet
-                    self._deliver(item.request_id, EngineInternalError(f"internal engine error: {exc}"), last=True)
+                self._streams[item.request_id] = item
+                if self._retries.isolating:  # a failed step's requests run again first, with nothing else
+                    self._parked.append(item)
+                else:
+                    self._add(item)
             elif isinstance(item, _Abort):
-                self.engine.abort(item.request_id)
+                self._abort(item.request_id)
             elif isinstance(item, _FailAll):
                 for request_id in list(self._streams):
                     self.engine.abort(request_id)
@@ -294,13 +315,73 @@ class AsyncLLM:
         except queue.Empty:
             return None
 
+    def _add(self, item: _Add) -> None:
+        try:
+            self.engine.add_request(item.prompt, item.params, request_id=item.request_id)
+        except EngineRequestError as exc:
+            self._deliver(item.request_id, exc, last=True)
+        except Exception as exc:  # noqa: BLE001 - a bug one request meets must not take the service down
+            logger.exception("adding request %s failed", item.request_id)  # registered nowhere yet
+            self._deliver(item.request_id, EngineInternalError(f"internal engine error: {exc}"), last=True)
+
+    def _admit(self) -> None:
+        """Into the engine: the next group of a failed step's requests, once the one before has ended;
+        once none is left, the requests that arrived meanwhile. Those whose callers left are skipped."""
+        for request_id in self._retries.next_group(idle=not self.engine.has_unfinished_requests()):
+            if (item := self._streams.get(request_id)) is not None:
+                self._add(item)
+        while self._parked and not self._retries.isolating:
+            item = self._parked.popleft()
+            if self._streams.get(item.request_id) is item:
+                self._add(item)
+
+    def _abort(self, request_id: str) -> None:
+        if request_id in self.engine.requests:
+            self.engine.abort(request_id)  # its final output comes with the next step
+            return
+        item = self._streams.get(request_id)  # waiting to run again, or parked meanwhile: ends here
+        if item is not None:
+            self._deliver(request_id, RequestOutput(request_id, "", [], len(item.prompt.token_ids), True, "abort"),
+                          last=True)
+
+    def _run_again(self, dropped: list[str], error: str) -> None:
+        """A failed step's requests: run again by bisection, but those whose callers saw outputs fail now."""
+        again = []
+        for request_id in dropped:
+            item = self._streams.get(request_id)
+            if item is None:
+                continue
+            if item.can_run_again:
+                again.append(request_id)
+            else:
+                self._deliver(request_id, EngineInternalError(f"internal engine error: {error}"), last=True)
+        self._retries.dropped(again)
+
+    def _fail_confirmed(self, finished: bool = False) -> None:
+        try:
+            failures = self._retries.confirmed_failures(finished)
+        except EngineFailing as exc:  # its probe failed many times
+            self._fail_all_but_parked(exc)
+            return
+        for request_id, error in failures:
+            self._deliver(request_id, EngineInternalError(f"internal engine error: {error}"), last=True)
+
+    def _fail_all_but_parked(self, exc: EngineFailing) -> None:
+        """Fail the requests that ran or wait to run again (the engine has dropped them); those that
+        arrived meanwhile run next."""
+        self._retries.abandon()
+        parked = {item.request_id for item in self._parked}
+        for request_id in [request_id for request_id in self._streams if request_id not in parked]:
+            self._deliver(request_id, EngineInternalError(f"internal engine error: {exc}"), last=True)
+
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs, one wake-up per event loop (not one per request)."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[_LatestOutput, RequestOutput]]] = {}
         for output in outputs:
-            stream = self._streams.pop(output.request_id, None) if output.finished else self._streams.get(output.request_id)
-            if stream is not None:
-                batches.setdefault(stream[1], []).append((stream[0], output))
+            item = self._streams.pop(output.request_id, None) if output.finished else self._streams.get(output.request_id)
+            if item is not None:
+                item.delivered = True
+                batches.setdefault(item.loop, []).append((item.outputs, output))
         for loop, batch in batches.items():
             if not loop.is_closed():
                 loop.call_soon_threadsafe(_put_all, batch)
@@ -309,13 +390,8 @@ class AsyncLLM:
         stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
         if stream is None:
             return
-        outputs, loop = stream
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
-
-    def _fail_in_flight(self, exc: Exception) -> None:
-        self.engine.abort_all()
-        self._fail_streams(EngineInternalError(f"internal engine error: {exc}"))
+        if not stream.loop.is_closed():
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
 
     def _fail_streams(self, exc: Exception) -> None:
         for request_id in list(self._streams):

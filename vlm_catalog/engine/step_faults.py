@@ -1,15 +1,22 @@
-"""An engine step that raises, in a driver that owns its requests (the batch job, `LLM`).
+"""An engine step that raises, in a driver that owns its requests (the batch job, `LLM`, `AsyncLLM`).
 
 A step runs many requests at once, so its exception does not say whose it is: a
 device fault (an out-of-memory on a large batch) is nobody's, a bug one request
 meets (its image, its grammar) is that request's, and a dead device fails every
 step. `StepFaults.step` runs a step; where it raises, every request in flight is
-dropped (`LLMEngine.abort_all`) and handed back, and the driver runs each again
-alone. One that fails alone is that request's failure; the driver holds it until
-a later step succeeds (`confirmed`; with nothing left to run, `probe` runs a
-one-token request for it), so that a dead device, which fails every request
-alone too, fails none of them: after `max_in_a_row` failed steps in a row,
-`EngineFailing` stops the driver instead.
+dropped (`LLMEngine.abort_all`) and handed back, and the driver runs them again
+by bisection: in two halves, one after the other with nothing else in the engine;
+a half that fails again is halved again. A one-off fault costs the two halves'
+runs; a request that fails every step it is in is found in about log2(n) runs of
+shrinking groups (before, the n requests ran again one at a time: 256 runs at
+batch 1 behind one bad record). One that fails alone is that request's failure;
+the driver holds it until a later step succeeds (`confirmed`; with nothing left
+to run, `probe` runs a one-token request for it), so that a dead device, which
+fails every request alone too, fails none of them: after `max_in_a_row` failed
+steps in a row, `EngineFailing` stops the driver instead. A group of several
+that fails does not count towards that limit (it is halved, so the bisection
+ends), so a run of bad records in a row fails as many records as the one-at-a-time
+retries did before they stopped the driver.
 """
 
 from __future__ import annotations
@@ -56,26 +63,33 @@ class StepFaults:
 
     @property
     def confirmed(self) -> bool:
-        """The last step that ran work succeeded: failures held since the one before are the requests' own."""
+        """The last step that read sampled tokens succeeded: failures held since the one before are the requests' own."""
         return self.failed_in_a_row == 0
 
-    def step(self) -> StepResult:
-        ran_before = self.engine.stats.num_steps
+    def step(self, counted: bool = True) -> StepResult:
+        """Run one engine step. A failure not `counted` (a group of suspects, which bisection halves)
+        leaves the count of failed steps in a row as it was, and so never raises `EngineFailing`."""
+        sampled_before = self.engine.stats.num_sampled_tokens
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - whose fault it is is found by running the requests again
-            self.failed_in_a_row += 1
+            self.failed_in_a_row += counted
             self.failed_steps += 1
             error = self.last_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            if self.failed_in_a_row >= self.max_in_a_row:
+            if counted and self.failed_in_a_row >= self.max_in_a_row:
                 self.engine.abort_all()
                 raise EngineFailing(f"{self.failed_in_a_row} engine steps in a row failed, the last with {error}") from exc
-            if self.failed_in_a_row == 1:
-                logger.exception("engine step failed; its requests run again, one at a time")
-            else:  # one traceback is enough: a dead device fails every step the same way
+            if self.failed_steps == 1 or (counted and self.failed_in_a_row == 1):
+                logger.exception("engine step failed; its requests run again, in halves")
+            elif counted:  # one traceback is enough: a dead device fails every step the same way
                 logger.warning("engine step failed again (%d in a row): %s", self.failed_in_a_row, error)
+            else:
+                logger.warning("engine step failed again (a group of suspects, halved): %s", error)
             return StepResult(dropped=self.engine.abort_all(), error=error)
-        if self.engine.stats.num_steps > ran_before:  # a step with nothing to run (grammars compiling) shows nothing
+        # only a step that read sampled tokens shows the device works: one with nothing to run (grammars
+        # compiling), a prefill chunk that samples nothing, or, with async scheduling, one that only
+        # launched its forward (its tokens are read by the next step, which may fail) shows nothing
+        if self.engine.stats.num_sampled_tokens > sampled_before:
             self.failed_in_a_row = 0
         return StepResult(outputs=outputs)
 
@@ -97,12 +111,13 @@ class StepFaults:
 
 class FailedStepRetries(Generic[Key]):
     """A driver's side of the module docstring: after a failed step, the requests then in flight
-    (`dropped`, by the driver's keys) run again alone, one at a time (`next_alone`); one that fails
-    alone is held (`confirmed_failures` gives it back with its error once it is shown to be its own).
+    (`dropped`, by the driver's keys) run again in groups, one group at a time with nothing else
+    in the engine (`next_group`); one that fails alone is held (`confirmed_failures` gives it back
+    with its error once it is shown to be its own).
 
         retries = FailedStepRetries(engine)
-        key = retries.next_alone(idle)       # None: refill the window (unless `isolating`)
-        result = retries.faults.step()
+        group = retries.next_group(idle)     # empty: refill the window (unless `isolating`)
+        result = retries.step()
         if result.error is not None:
             retries.dropped(keys in flight)   # they left the engine: forget them
         for key, error in retries.confirmed_failures(): ...
@@ -110,33 +125,55 @@ class FailedStepRetries(Generic[Key]):
 
     def __init__(self, engine: LLMEngine) -> None:
         self.faults = StepFaults(engine)
-        self._suspects: deque[Key] = deque()
+        self._groups: deque[list[Key]] = deque()  # suspects, in the groups they will run in, in order
+        self._group_size = 0  # of the group running now (0: none)
         self._held: list[tuple[Key, str]] = []
-        self.isolating = False  # the driver runs one suspect alone; it adds nothing else
+        self.isolating = False  # the driver runs one group of suspects; it adds nothing else
 
     @property
     def suspects_left(self) -> bool:
-        return bool(self._suspects)
+        return bool(self._groups)
 
-    def next_alone(self, idle: bool) -> Key | None:
-        """The next suspect to run alone, once the one before has ended (`idle`: none of the driver's
-        requests is in the engine); None when there is none now (no longer `isolating` once none is left)."""
+    def next_group(self, idle: bool) -> list[Key]:
+        """The next group of suspects to run together, once the one before has ended (`idle`: none of
+        the driver's requests is in the engine); empty when there is none now (no longer `isolating`
+        once none is left)."""
         if not (self.isolating and idle):
-            return None
-        if self._suspects:
-            return self._suspects.popleft()
+            return []
+        if self._groups:
+            group = self._groups.popleft()
+            self._group_size = len(group)
+            return group
         self.isolating = False
-        return None
+        self._group_size = 0
+        return []
+
+    def step(self) -> StepResult:
+        """`StepFaults.step`; a group of several suspects failing does not count towards `EngineFailing`."""
+        return self.faults.step(counted=not (self.isolating and self._group_size > 1))
 
     def dropped(self, keys: list[Key]) -> None:
-        """The driver's requests in flight when the step raised (`StepResult.error`): suspects, or, if
-        one ran alone, a failure held as its own."""
-        if self.isolating:
+        """The driver's requests in flight when the step raised (`StepResult.error`): halved into two
+        groups to run first, or, if one ran alone, a failure held as its own."""
+        if self.isolating and self._group_size == 1:
             error = self.faults.last_error
             self._held += [(key, error) for key in keys]
-        else:
-            self._suspects.extend(keys)
-            self.isolating = bool(keys)
+            return
+        half = (len(keys) + 1) // 2
+        self._groups.extendleft(reversed([group for group in (keys[:half], keys[half:]) if group]))
+        self.isolating = self.isolating or bool(keys)
+        self._group_size = 0  # it has left the engine
+
+    def abandon(self) -> list[tuple[Key, str]]:
+        """Give up (`EngineFailing` in a driver that goes on): every suspect and held failure, with the
+        last error, and nothing left to isolate."""
+        error = self.faults.last_error
+        abandoned = [(key, error) for group in self._groups for key in group] + self._held
+        self._groups.clear()
+        self._held = []
+        self.isolating = False
+        self._group_size = 0
+        return abandoned
 
     def confirmed_failures(self, finished: bool = False) -> list[tuple[Key, str]]:
         """The held failures, with their errors, once a step that ran work has succeeded since; with

@@ -12,7 +12,9 @@
   request's KV blocks in the engine's next loop iteration.
 * Engine outcomes become HTTP ones: a refused prompt or a request the engine
   failed (unreadable pixels, an output constraint that does not compile) is a
-  400; a stopped engine is 503; a failed engine step is a 500 (a bug).
+  400; a stopped engine is 503; a request that fails an engine step alone is a
+  500 (a bug; the step's other requests run again, `AsyncLLM`), as is a stream
+  whose step failed after its first events went out.
 """
 
 from __future__ import annotations
@@ -106,12 +108,12 @@ class EngineGateway:
     # ------------------------------------------------------------ generation
     async def outputs(
         self, prompt: list[dict[str, Any]] | ProcessedPrompt, params: SamplingParams, request_id: str,
-        constraint_param: str | None = None,
+        constraint_param: str | None = None, restartable: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """The engine's outputs with its refusals and failures as `APIError`s; a constraint that
-        did not compile is the field `constraint_param`'s error."""
+        did not compile is the field `constraint_param`'s error. `restartable`: see `AsyncLLM.generate`."""
         try:
-            async with contextlib.aclosing(self.engine.generate(prompt, params, request_id)) as stream:
+            async with contextlib.aclosing(self.engine.generate(prompt, params, request_id, restartable)) as stream:
                 async for output in stream:
                     if output.finished and output.finish_reason == "error":
                         error = output.error or "the request failed"
@@ -136,7 +138,8 @@ class EngineGateway:
         final: RequestOutput | None = None
         try:
             async with asyncio.timeout(self.settings.request_timeout_s):
-                async for output in self.outputs(prompt, params, request_id, constraint_param):
+                # only the final output is kept: after a failed step the request may run again from its start
+                async for output in self.outputs(prompt, params, request_id, constraint_param, restartable=True):
                     if first_token is None and output.token_ids:
                         first_token = time.perf_counter() - started
                     final = output

@@ -1,0 +1,148 @@
+"""AsyncLLM when an engine step raises: the step's requests run again by bisection (new ones wait),
+only the request that fails alone fails, and a stream whose caller has seen outputs fails at once.
+Before, a failed step failed every request then in flight: one record meeting a bug answered 500
+to all the service's concurrent clients."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from tests.engine.conftest import conversation
+from vlm_catalog import AsyncLLM, SamplingParams
+from vlm_catalog.engine.async_engine import EngineInternalError
+
+ERROR = "internal engine error: RuntimeError: CUDA error: an illegal memory access was encountered"
+
+
+@pytest.fixture(scope="module")
+def engine(engine_checkpoint):
+    engine = AsyncLLM(model=engine_checkpoint, max_num_seqs=8)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def steps(engine, monkeypatch):
+    """Make the engine's steps raise where `steps.fails(ids scheduled, call number)` says; `steps.scheduled`
+    lists the ids of each step that ran work, and `steps.on_failure` runs (engine thread) at each failure."""
+    real = engine.engine._run_step
+    state = type("Steps", (), {"fails": staticmethod(lambda ids, call: False), "scheduled": [], "on_failure": None})()
+
+    def run_step(output, pending):
+        ids = {chunk.request.request_id for chunk in output.chunks}
+        if ids:
+            state.scheduled.append(ids)
+            if state.fails(ids, len(state.scheduled)):
+                if state.on_failure is not None:
+                    state.on_failure()
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(output, pending)
+
+    monkeypatch.setattr(engine.engine, "_run_step", run_step)
+    return state
+
+
+async def final_output(engine, index, request_id, max_tokens=6, restartable=False, output_kind="final_only"):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=output_kind)
+    last = None
+    async for output in engine.generate(conversation(index, words=3), params, request_id=request_id,
+                                        restartable=restartable):
+        last = output
+    return last
+
+
+def answers(engine, count, max_tokens=6):
+    async def run():
+        return await asyncio.gather(*(final_output(engine, i, f"ref-{i}", max_tokens) for i in range(count)))
+    return [output.token_ids for output in asyncio.run(run())]
+
+
+def assert_clean(engine):
+    assert not engine._streams and not engine._parked and not engine._retries.isolating
+    assert engine.engine.load_stats()["kv_blocks_used"] == 0 and engine.is_running
+
+
+def test_a_request_that_fails_every_step_it_is_in_fails_alone(engine, steps):
+    expected = answers(engine, 6)
+    steps.fails = lambda ids, call: "r3" in ids
+
+    async def run():
+        return await asyncio.gather(*(final_output(engine, i, f"r{i}") for i in range(6)), return_exceptions=True)
+
+    results = asyncio.run(asyncio.wait_for(run(), 120))
+    assert isinstance(results[3], EngineInternalError) and str(results[3]) == ERROR
+    assert [result.token_ids for i, result in enumerate(results) if i != 3] == expected[:3] + expected[4:]
+    assert ["r3"] in [sorted(ids) for ids in steps.scheduled]  # it ran alone, and failed alone
+    assert_clean(engine)
+
+
+def test_a_stream_that_showed_outputs_fails_at_once_a_restartable_one_runs_again(engine, steps):
+    expected = answers(engine, 3, max_tokens=12)[1:]
+    together = []
+
+    def fourth_step_together(ids, call):  # both decoding by then: each has sent outputs
+        together.append(ids == {"shown", "kept"})
+        return sum(together) == 4 and together[-1]
+
+    steps.fails = fourth_step_together
+
+    async def run():
+        return await asyncio.gather(
+            final_output(engine, 1, "shown", 12, output_kind="cumulative"),
+            final_output(engine, 2, "kept", 12, restartable=True, output_kind="cumulative"),
+            return_exceptions=True,
+        )
+
+    shown, kept = asyncio.run(asyncio.wait_for(run(), 120))
+    assert isinstance(shown, EngineInternalError) and str(shown) == ERROR
+    assert kept.finish_reason == "length" and kept.token_ids == expected[1]
+    failed_at = [i for i, ids in enumerate(steps.scheduled) if ids == {"shown", "kept"}][3]
+    assert {"kept"} in steps.scheduled[failed_at:] and not any("shown" in ids for ids in steps.scheduled[failed_at + 1:])
+    assert_clean(engine)
+
+
+def test_requests_arriving_meanwhile_wait_and_never_join_a_group_of_suspects(engine, steps):
+    expected = answers(engine, 8)
+    failed = threading.Event()
+    steps.fails = lambda ids, call: "r0" in ids
+    steps.on_failure = failed.set
+
+    async def late(index):
+        while not failed.is_set():
+            await asyncio.sleep(0.005)
+        return await final_output(engine, index, f"late-{index}")
+
+    async def gone():  # its caller leaves while it waits: nothing of it stays behind
+        task = asyncio.ensure_future(late(7))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        return await asyncio.gather(task, return_exceptions=True)
+
+    async def run():
+        first = [final_output(engine, i, f"r{i}") for i in range(4)]
+        return await asyncio.gather(*first, *(late(i) for i in range(4, 7)), gone(), return_exceptions=True)
+
+    results = asyncio.run(asyncio.wait_for(run(), 120))
+    assert isinstance(results[0], EngineInternalError)
+    assert [result.token_ids for result in results[1:7]] == expected[1:7]
+    for ids in steps.scheduled:  # a step with r0 in it held only the first four
+        assert "r0" not in ids or ids <= {"r0", "r1", "r2", "r3"}, ids
+    assert_clean(engine)
+
+
+def test_a_dead_device_fails_each_request_after_its_retries_and_the_engine_serves_on(engine, steps):
+    steps.fails = lambda ids, call: True
+
+    async def run():
+        return await asyncio.gather(*(final_output(engine, i, f"r{i}") for i in range(4)), return_exceptions=True)
+
+    results = asyncio.run(asyncio.wait_for(run(), 120))
+    assert all(isinstance(result, EngineInternalError) for result in results)
+    assert "engine steps in a row failed" in str(results[0])
+    assert engine.steps_failing
+    assert_clean(engine)
+    steps.fails = lambda ids, call: False  # the device is back
+    assert asyncio.run(engine.probe()) and not engine.steps_failing
