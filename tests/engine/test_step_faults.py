@@ -8,7 +8,11 @@ from types import SimpleNamespace
 import pytest
 
 from vlm_catalog.engine.outputs import RequestOutput
-from vlm_catalog.engine.step_faults import MAX_FAILED_STEPS_IN_A_ROW, EngineFailing, FailedStepRetries
+from vlm_catalog.engine.step_faults import (
+    MAX_FAILED_STEPS_IN_A_ROW,
+    EngineFailing,
+    FailedStepRetries,
+)
 
 
 class PoisonEngine:
