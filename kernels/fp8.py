@@ -6,6 +6,8 @@ tile; these are the torch definitions its reference and tests use."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from kernels.launch_math import cdiv, next_power_of_2
@@ -214,9 +216,22 @@ def fp8_block_k(block_size_k: int, quant_block_k: int) -> int:
     """The K step of a GEMM over FP8 weights (fused MoE, dense linear): a power of two dividing
     the scale block (one scale per step), at most the configured step and at least 16 (the
     tl.dot minimum)."""
+    if quant_block_k % 16:  # 8 passed the halving below as a step of 8, which no tl.dot takes
+        raise ValueError(f"FP8 weights: the scale block's K size {quant_block_k} must be a multiple of 16")
     step = min(block_size_k, 1 << (quant_block_k.bit_length() - 1))  # a power of two (tl.arange)
     while quant_block_k % step and step > 16:
         step //= 2
-    if quant_block_k % step:
-        raise ValueError(f"FP8 weights: the scale block's K size {quant_block_k} must be a multiple of 16")
     return step
+
+
+def gpu_block_k_problem(quant_block_k: int, reductions: Iterable[int]) -> str | None:
+    """Why GEMMs over FP8 weights with this scale block K, reducing these widths, cannot run on
+    the GPU (`fp8_k_loop`), or None. Asked when the model is built: before, such a checkpoint
+    loaded, and its first forward on the GPU raised."""
+    for reduction in reductions:
+        try:
+            fp8_k_loop(16, quant_block_k, reduction)
+        except ValueError:
+            return (f"needs the FP8 scale block's K size (weight_block_size[1], {quant_block_k}) to be a multiple "
+                    f"of 16 on the GPU, or at least the width its GEMM reduces ({reduction})")
+    return None

@@ -97,6 +97,8 @@ def test_k_step_fits_one_scale_block():
     assert fp8_block_k(128, 48) == 16
     with pytest.raises(ValueError, match="multiple of 16"):
         fp8_block_k(64, 40)
+    with pytest.raises(ValueError, match="multiple of 16"):  # before: a K step of 8, which no tl.dot takes
+        fp8_block_k(64, 8)
 
 
 def test_a_block_spanning_the_reduction_keeps_the_configured_step_and_scales_after_the_loop():

@@ -268,3 +268,25 @@ def test_fp8_weights_requantized_in_place_match_per_channel_loading(checkpoints)
     for module, name in decoder.dense_projections():
         getattr(module, name).requantize_(Fp8BlockQuantization(*per_channel_block(*dense_input_widths(text))))
     _assert_same_state(model, expected)
+
+
+def test_a_scale_block_the_gpu_kernels_cannot_step_through_is_refused_before_loading(checkpoints):
+    """A K block of 24 (not a multiple of 16, narrower than the widths it reduces) loaded, and the
+    first forward on the GPU raised in the fused-MoE launch; now the model is not built."""
+    from dataclasses import replace
+
+    from vlm_catalog.model.loader import _fp8_dense, _fp8_experts
+
+    _, fp8, _ = checkpoints
+    config = ModelConfig.from_pretrained(fp8)
+    odd = replace(config, quantization=Fp8BlockQuantization(BLOCK[0], 24))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    with pytest.raises(CheckpointError, match=r"quantization='fp8' needs the FP8 scale block's K size "
+                       r"\(weight_block_size\[1\], 24\) to be a multiple of 16 on the GPU, or at least the width "
+                       r"its GEMM reduces \(64\)"):
+        _fp8_experts(odd, "fp8", cuda)
+    with pytest.raises(CheckpointError, match=r"quantization='fp8_w8a8' needs the FP8 scale block's K size"):
+        _fp8_dense(odd, "fp8_w8a8", cuda)
+    assert _fp8_experts(odd, "auto", cuda) is None  # widened at load, as a block that does not divide the experts
+    assert _fp8_experts(odd, "fp8", cpu) == odd.quantization  # the CPU path takes any block
+    assert _fp8_experts(config, "fp8", cuda) == config.quantization == Fp8BlockQuantization(*BLOCK)

@@ -64,7 +64,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from kernels.fp8 import FP8_DTYPE, dequantize, per_channel_block, quantize, requantize
+from kernels.fp8 import (
+    FP8_DTYPE,
+    dequantize,
+    gpu_block_k_problem,
+    per_channel_block,
+    quantize,
+    requantize,
+)
 from vlm_catalog.model.config import ModelConfig, TextConfig
 from vlm_catalog.model.fp8 import (
     QUANTIZATION_MODES,
@@ -126,7 +133,7 @@ def load_model(
     config = ModelConfig.from_pretrained(checkpoint_dir)
     shards = checkpoint_shards(checkpoint_dir)
     fp8_experts = _fp8_experts(config, quantization, device)
-    fp8_dense = _fp8_dense(config, quantization) if quantization in W8A8_MODES else None
+    fp8_dense = _fp8_dense(config, quantization, device) if quantization in W8A8_MODES else None
 
     with torch.device("meta"):
         model = Qwen3VLMoeModel(config)
@@ -168,25 +175,30 @@ def _fp8_experts(config: ModelConfig, quantization: str, device: torch.device) -
     if quantization == "fp8_w8a8_channel":
         return Fp8BlockQuantization(*per_channel_block(text.hidden_size, text.moe_intermediate_size))
     block = config.quantization or fitting_block(text.moe_intermediate_size)
+    problem = None
     if text.moe_intermediate_size % block.block_n:
+        problem = f"needs moe_intermediate_size ({text.moe_intermediate_size}) to be a multiple of the block size {block.block_n}"
+    elif device.type == "cuda":  # the gate/up GEMMs reduce the hidden size, down the intermediate size
+        problem = gpu_block_k_problem(block.block_k, (text.hidden_size, text.moe_intermediate_size))
+    if problem is not None:
         if quantization != "auto":
-            raise CheckpointError(
-                f"quantization={quantization!r} needs moe_intermediate_size ({text.moe_intermediate_size}) to be a "
-                f"multiple of the block size {block.block_n}"
-            )
-        logger.info("FP8 experts need moe_intermediate_size %% %d == 0: widening them", block.block_n)
+            raise CheckpointError(f"quantization={quantization!r} {problem}")
+        logger.info("FP8 experts cannot be kept (%s): widening them", problem)
         return None
     return block
 
 
-def _fp8_dense(config: ModelConfig, quantization: str) -> Fp8BlockQuantization:
+def _fp8_dense(config: ModelConfig, quantization: str, device: torch.device) -> Fp8BlockQuantization:
     """The block quantization of the dense projections under "fp8_w8a8": the checkpoint's, or
     128 x 128 with rows cut to divide the fused parts (q, k/v, the dense MLP's gate/up; the
     model checks that the block divides them). Under "fp8_w8a8_channel": a row by at least
     every projection's input width."""
     if quantization == "fp8_w8a8_channel":
         return Fp8BlockQuantization(*per_channel_block(*dense_input_widths(config.text)))
-    return config.quantization or fitting_block(*dense_row_counts(config.text))
+    block = config.quantization or fitting_block(*dense_row_counts(config.text))
+    if device.type == "cuda" and (problem := gpu_block_k_problem(block.block_k, dense_input_widths(config.text))):
+        raise CheckpointError(f"quantization={quantization!r} {problem}")
+    return block
 
 
 def check_checkpoint(checkpoint_dir: str | Path) -> None:
