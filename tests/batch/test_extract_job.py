@@ -668,3 +668,32 @@ def test_an_out_inside_the_model_directory_is_refused(small_catalogue, tmp_path,
         assert extract(small_catalogue, out, "--model", str(model), "--overwrite") == 1
         assert f"--out {out} lies inside the model directory {model}" in capsys.readouterr().err
     assert (model / "config.json").read_bytes() == config and not (model / "predictions.jsonl").exists()
+
+
+def test_retry_failed_keeps_the_failed_lines_until_the_model_has_loaded(tmp_path, capsys, monkeypatch):
+    """`--retry-failed` removed the failed lines before the model loaded: a model that then did not
+    load (here: out of memory) left the records without their lines and their errors (the next run
+    did them again, but what had gone wrong was lost)."""
+    from vlm_catalog.batch import job
+    rows = sample_rows(3)
+    rows[1]["potential_product_categories"] = []
+    dataset = write_parquet(tmp_path / "catalogue", rows)
+    out = tmp_path / "p.jsonl"
+    assert extract(dataset, out) == 3
+    kept = out.read_text()
+    capsys.readouterr()
+    real_build_engine = job.build_engine
+
+    def out_of_memory(settings):
+        raise job.BatchError("cannot load the model: CUDA out of memory")
+
+    monkeypatch.setattr(job, "build_engine", out_of_memory)
+    assert extract(dataset, out, "--retry-failed", "record") == 1
+    assert "cannot load the model: CUDA out of memory" in capsys.readouterr().err
+    assert out.read_text() == kept
+    monkeypatch.setattr(job, "build_engine", real_build_engine)
+    assert extract(dataset, out, "--retry-failed", "record") == 3  # the data still has no candidates
+    lines = read_lines(out)
+    assert sorted(line["id"] for line in lines) == ["0", "1", "2"]
+    assert {line["id"]: line["failure"] for line in lines}["1"] == "record"
+    assert "retried 1 failed records (record: 1)" in capsys.readouterr().out

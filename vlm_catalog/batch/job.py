@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
+from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -304,11 +305,13 @@ def _run_batch(settings: BatchSettings, interrupt: StopRequest) -> BatchSummary:
         raise BatchError(str(exc)) from None
     summary = BatchSummary(out=settings.out, selected=selected, repaired_bytes=results.repaired_bytes)
     try:
-        interrupt.check()  # before --retry-failed removes lines: an interrupted start changes nothing
-        if settings.retry_failed:
-            summary.retried = _forget_failures(catalogue, settings, results)
-        summary.skipped = sum(1 for _ in _selected_done(catalogue, settings, results))
-        pending = pending_indices(len(catalogue), results.done, settings.shard, settings.limit)
+        interrupt.check()
+        # --retry-failed's lines are removed once the model has loaded (`ready`): a start that fails
+        # (a model that does not load, a signal) keeps them and their errors
+        retry = _failures_to_retry(catalogue, settings, results) if settings.retry_failed else set()
+        summary.retried = Counter(results.done[index] for index in retry)
+        summary.skipped = sum(1 for _ in _selected_done(catalogue, settings, results)) - len(retry)
+        pending = pending_indices(len(catalogue), _DoneBut(results.done, retry), settings.shard, settings.limit)
         progress = Progress(selected - summary.skipped, terminal=settings.terminal, log_every_s=settings.log_every_s)
         where = "on Ray" if settings.ray_address is not None else f"on {settings.device}"
         print(f"extract: {selected - summary.skipped} of {selected} records to do {where}"
@@ -322,6 +325,7 @@ def _run_batch(settings: BatchSettings, interrupt: StopRequest) -> BatchSummary:
         def ready() -> None:  # the model loaded: the results file may now be emptied and its job written
             try:
                 results.start()
+                results.forget(retry)
             except OutputError as exc:
                 raise BatchError(str(exc)) from None
             progress.restart()
@@ -380,22 +384,27 @@ def _run_batch(settings: BatchSettings, interrupt: StopRequest) -> BatchSummary:
     return summary
 
 
-def _forget_failures(catalogue, settings: BatchSettings, results: ResultsFile) -> Counter:
-    """Remove the lines of the selected records that failed with a `--retry-failed` kind, so this
-    run does them again; the count of each kind removed."""
+def _failures_to_retry(catalogue, settings: BatchSettings, results: ResultsFile) -> set[int]:
+    """The selected records that failed with a `--retry-failed` kind: this run does them again."""
     from vlm_catalog.batch.selection import selected_indices
 
     kinds = set(settings.retry_failed)
-    retry = {
+    return {
         index for index in selected_indices(len(catalogue), settings.shard, settings.limit)
         if results.done.get(index) in kinds
     }
-    removed = Counter(results.done[index] for index in retry)
-    try:
-        results.forget(retry)
-    except OutputError as exc:
-        raise BatchError(str(exc)) from None
-    return removed
+
+
+@dataclass(frozen=True)
+class _DoneBut:
+    """The records in the results file, but for those `--retry-failed` runs again (their lines are
+    removed only once the model has loaded)."""
+
+    done: Container[int]
+    retry: Container[int]
+
+    def __contains__(self, index: object) -> bool:
+        return index in self.done and index not in self.retry
 
 
 def _selected_done(catalogue, settings: BatchSettings, results: ResultsFile):
