@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -146,3 +147,127 @@ def test_a_dead_device_fails_each_request_after_its_retries_and_the_engine_serve
     assert_clean(engine)
     steps.fails = lambda ids, call: False  # the device is back
     assert asyncio.run(engine.probe()) and not engine.steps_failing
+
+
+def test_a_step_that_fails_building_outputs_loses_no_request_finished_in_it(engine, monkeypatch):
+    """The engine forgot a finished request while it built the step's outputs: where a later output
+    raised, that request was in no `abort_all` list, and its caller waited for ever."""
+    expected = answers(engine, 2, max_tokens=3)
+    real_output, built, raised = engine.engine._output, [], []
+
+    def output(request):  # the second request finishing in a step meets a bug while its output is built
+        if request.is_finished:
+            built.append(request.request_id)
+            if len(built) == 2 and not raised:
+                raised.append(request.request_id)
+                raise RuntimeError("a bug building an output")
+        return real_output(request)
+
+    real_step = engine.engine.step
+
+    def step():
+        built.clear()
+        return real_step()
+
+    monkeypatch.setattr(engine.engine, "_output", output)
+    monkeypatch.setattr(engine.engine, "step", step)
+
+    async def run():
+        return await asyncio.gather(*(final_output(engine, i, f"r{i}", 3) for i in range(2)), return_exceptions=True)
+
+    results = asyncio.run(asyncio.wait_for(run(), 60))
+    assert raised and [result.token_ids for result in results] == expected
+    assert_clean(engine)
+
+
+def test_a_request_aborted_before_a_failed_step_ends_and_does_not_run_again(engine, steps):
+    aborted, done = [], threading.Event()
+
+    def fails(ids, call):  # the first step after the abort: a passing device fault
+        request = engine.engine.requests.get("a")
+        if request is not None and request.is_finished and not done.is_set():
+            done.set()
+            return True
+        return False
+
+    steps.fails = fails
+
+    async def run():
+        long = asyncio.ensure_future(final_output(engine, 0, "a", 200))
+        other = asyncio.ensure_future(final_output(engine, 1, "b", 20))
+        while sum("a" in ids for ids in steps.scheduled) < 3:
+            await asyncio.sleep(0.001)
+        await engine.abort("a")  # its caller waits for the final output
+        aborted.append(len(steps.scheduled))
+        return await asyncio.gather(long, other)
+
+    a, b = asyncio.run(asyncio.wait_for(run(), 60))
+    assert done.is_set() and a.finish_reason == "abort" and b.finish_reason == "length"
+    assert not any("a" in ids for ids in steps.scheduled[aborted[0] + 1:])  # before: all 200 tokens again
+    assert_clean(engine)
+
+
+def test_an_id_used_again_meanwhile_is_a_new_request_not_the_held_failure(engine, steps):
+    """A request failing alone is held; its caller gives up and sends a good request with the same id.
+    Before, the held failure (keyed by id) went to the new request, which never ran."""
+    alone = threading.Event()
+    steps.fails = lambda ids, call: any(engine.engine.requests[i].params.top_p == 0.5 for i in ids if i in engine.engine.requests)
+
+    def on_failure():
+        if engine._retries.isolating and len(engine.engine.requests) == 1:
+            alone.set()
+            deadline = time.monotonic() + 10
+            while engine._inbox.qsize() < 2 and time.monotonic() < deadline:  # the abort and the new request
+                time.sleep(0.01)
+
+    steps.on_failure = on_failure
+
+    async def run():
+        bad = SamplingParams(max_tokens=6, ignore_eos=True, output_kind="final_only", top_p=0.5)
+        first = asyncio.ensure_future(_collect(engine, 1, "r1", bad))
+        other = asyncio.ensure_future(final_output(engine, 0, "r0"))
+        while not alone.is_set():
+            await asyncio.sleep(0.001)
+        first.cancel()  # its caller's timeout: `generate` aborts it and frees the id
+        await asyncio.gather(first, return_exceptions=True)
+        return await final_output(engine, 2, "r1"), await other
+
+    again, other = asyncio.run(asyncio.wait_for(run(), 60))
+    assert again.finish_reason == "length" and len(again.token_ids) == 6 and other.finish_reason == "length"
+    assert_clean(engine)
+
+
+def test_health_sees_a_hung_probe_step(engine, steps):
+    """The probe that confirms a held failure runs steps on the engine thread; `health` did not see
+    one hang (only the steps of requests)."""
+    release, probing = threading.Event(), threading.Event()
+    steps.fails = lambda ids, call: "bad" in ids
+
+    def hang_the_probe(ids, call):
+        if any(i.startswith("step-faults-probe") for i in ids):
+            probing.set()
+            release.wait(10)
+        return "bad" in ids
+
+    steps.fails = hang_the_probe
+
+    async def run():
+        task = asyncio.ensure_future(final_output(engine, 0, "bad"))
+        while not probing.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        problem = engine.health(step_timeout_s=0.2)
+        release.set()
+        return problem, await asyncio.gather(task, return_exceptions=True)
+
+    problem, (bad,) = asyncio.run(asyncio.wait_for(run(), 60))
+    assert problem is not None and problem.startswith("an engine step has run for "), problem
+    assert isinstance(bad, EngineInternalError)
+    assert_clean(engine)
+
+
+async def _collect(engine, index, request_id, params):
+    last = None
+    async for output in engine.generate(conversation(index, words=3), params, request_id=request_id):
+        last = output
+    return last

@@ -134,3 +134,13 @@ def test_abandon_gives_back_every_suspect_and_held_failure():
     assert sorted(key for key, _ in abandoned) == ["r0", "r1", "r2", "r3"]
     assert {error for _, error in abandoned} == {"RuntimeError: CUDA error: an illegal memory access was encountered"}
     assert not retries.isolating and not retries.suspects_left and retries.next_group(idle=True) == []
+
+
+def test_a_probe_whose_step_fails_having_dropped_nothing_fails():
+    """The probe ended only on a failed step that dropped its request: one that dropped nothing
+    (the request already gone) left it stepping an empty engine for ever."""
+    engine = PoisonEngine(dead=True)
+    engine.abort_all = lambda: []  # the failed step's requests were lost before it raised
+    retries: FailedStepRetries[str] = FailedStepRetries(engine)
+    assert retries.faults.probe() is False
+    assert len(engine.groups) == 1

@@ -50,7 +50,7 @@ class FeedStats:
     seconds_waiting_for_records: float = 0.0  # the whole run
     seconds_waiting_before_first_step: float = 0.0  # of which, filling the first window
     records_prepared_on_engine_thread: int = 0  # all with read_ahead=0; else only reruns (bounded schema, a failed step)
-    failed_steps: int = 0  # engine steps that raised (their records ran again, one at a time)
+    failed_steps: int = 0  # engine steps that raised (their records ran again, by bisection)
 
 
 class _PrepareInline:

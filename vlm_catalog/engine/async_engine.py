@@ -89,10 +89,11 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     restartable: bool = False  # its caller keeps only the final output: it may run again from the start
     delivered: bool = False  # an output not final has gone to its caller (engine thread only)
+    aborted: bool = False  # its caller aborted it while it ran (engine thread only)
 
     @property
     def can_run_again(self) -> bool:
-        return self.restartable or not self.delivered
+        return (self.restartable or not self.delivered) and not self.aborted
 
 
 @dataclass
@@ -110,7 +111,8 @@ class EngineUnavailableError(RuntimeError):
 
 
 class EngineInternalError(RuntimeError):
-    """A bug inside an engine step failed the requests then in flight."""
+    """A bug inside an engine step: the request failed its steps alone, or its caller had seen outputs
+    already when a step failed."""
 
 
 class AsyncLLM:
@@ -118,13 +120,13 @@ class AsyncLLM:
         self.engine = LLMEngine(config, **overrides)
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, _Add] = {}  # every request from its arrival on the engine thread to its end
-        self._retries: FailedStepRetries[str] = FailedStepRetries(self.engine)  # by request id
+        # by the request (not its id: a caller may use an id again while the request it named waits to run again)
+        self._retries: FailedStepRetries[_Add] = FailedStepRetries(self.engine)
         self._parked: deque[_Add] = deque()  # arrived while a failed step's requests run again
         self._ids = itertools.count()
         self._live_ids: set[str] = set()  # ids between the start and the end of their `generate`
         self._live_lock = threading.Lock()
         self._stopped = threading.Event()
-        self._step_started: float | None = None  # `time.monotonic()` of the step running now
         self._thread = threading.Thread(target=self._run, name="vlm-catalog-engine", daemon=True)
         self._thread.start()
 
@@ -149,7 +151,7 @@ class AsyncLLM:
         or the step running now has run longer than `step_timeout_s`. Plain reads, from any thread."""
         if not self.is_running:
             return "engine not running"
-        started = self._step_started
+        started = self._retries.faults.step_started  # its probes' steps too
         if started is not None and time.monotonic() - started > step_timeout_s:
             return f"an engine step has run for {time.monotonic() - started:.0f} s"
         if self.steps_failing:
@@ -270,14 +272,11 @@ class AsyncLLM:
                 if not self._retries.isolating:  # nothing left to run: a failure held is confirmed by a probe
                     self._fail_confirmed(finished=True)
                 continue
-            self._step_started = time.monotonic()
             try:
                 result = self._retries.step()
             except EngineFailing as exc:  # steps fail whatever runs: fail what ran, serve on (`health` says so)
                 self._fail_all_but_parked(exc)
                 continue
-            finally:
-                self._step_started = None
             if result.error is not None:
                 self._run_again(result.dropped, result.error)
             self._fail_confirmed()
@@ -327,8 +326,8 @@ class AsyncLLM:
     def _admit(self) -> None:
         """Into the engine: the next group of a failed step's requests, once the one before has ended;
         once none is left, the requests that arrived meanwhile. Those whose callers left are skipped."""
-        for request_id in self._retries.next_group(idle=not self.engine.has_unfinished_requests()):
-            if (item := self._streams.get(request_id)) is not None:
+        for item in self._retries.next_group(idle=not self.engine.has_unfinished_requests()):
+            if self._streams.get(item.request_id) is item:
                 self._add(item)
         while self._parked and not self._retries.isolating:
             item = self._parked.popleft()
@@ -336,23 +335,30 @@ class AsyncLLM:
                 self._add(item)
 
     def _abort(self, request_id: str) -> None:
+        item = self._streams.get(request_id)
         if request_id in self.engine.requests:
             self.engine.abort(request_id)  # its final output comes with the next step
-            return
-        item = self._streams.get(request_id)  # waiting to run again, or parked meanwhile: ends here
-        if item is not None:
-            self._deliver(request_id, RequestOutput(request_id, "", [], len(item.prompt.token_ids), True, "abort"),
-                          last=True)
+            if item is not None:
+                item.aborted = True  # if that step fails, it is not run again
+        elif item is not None:  # waiting to run again, or parked meanwhile: ends here
+            self._end_aborted(item)
+
+    def _end_aborted(self, item: _Add) -> None:
+        output = RequestOutput(item.request_id, "", [], len(item.prompt.token_ids), True, "abort")
+        self._deliver(item.request_id, output, last=True)
 
     def _run_again(self, dropped: list[str], error: str) -> None:
-        """A failed step's requests: run again by bisection, but those whose callers saw outputs fail now."""
+        """A failed step's requests: run again by bisection, but those whose callers saw outputs fail
+        now, and those aborted end."""
         again = []
         for request_id in dropped:
             item = self._streams.get(request_id)
             if item is None:
                 continue
-            if item.can_run_again:
-                again.append(request_id)
+            if item.aborted:
+                self._end_aborted(item)
+            elif item.can_run_again:
+                again.append(item)
             else:
                 self._deliver(request_id, EngineInternalError(f"internal engine error: {error}"), last=True)
         self._retries.dropped(again)
@@ -363,8 +369,9 @@ class AsyncLLM:
         except EngineFailing as exc:  # its probe failed many times
             self._fail_all_but_parked(exc)
             return
-        for request_id, error in failures:
-            self._deliver(request_id, EngineInternalError(f"internal engine error: {error}"), last=True)
+        for item, error in failures:
+            if self._streams.get(item.request_id) is item:
+                self._deliver(item.request_id, EngineInternalError(f"internal engine error: {error}"), last=True)
 
     def _fail_all_but_parked(self, exc: EngineFailing) -> None:
         """Fail the requests that ran or wait to run again (the engine has dropped them); those that

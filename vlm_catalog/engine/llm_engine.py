@@ -678,11 +678,18 @@ class LLMEngine:
             for request in touched
             if not request.is_finished and request.params.output_kind == "cumulative"
         ]
-        outputs.extend(self._output(request) for request in self.scheduler.drain_finished())
+        finished = self.scheduler.drain_finished()
+        outputs.extend(self._output(request) for request in finished)
+        # forgotten only once every output is built: where building one raised, a finished request
+        # forgotten before it was in no one's hands (`abort_all` did not drop it, no output carried it)
+        for request in finished:
+            del self.detokenizers[request.request_id]
+            self.requests.pop(request.request_id, None)
+        self.stats.num_finished += len(finished)
         return outputs
 
     def _output(self, request: Request) -> RequestOutput:
-        """The request's output so far; a finished request's last one (and it is forgotten)."""
+        """The request's output so far; a finished request's last one."""
         finished = request.is_finished
         detokenizer = self.detokenizers[request.request_id]
         token_ids = request.output_token_ids  # a copy: the output keeps it
@@ -699,9 +706,6 @@ class LLMEngine:
             delta_text=detokenizer.delta(final=finished),
         )
         if finished:
-            del self.detokenizers[request.request_id]
-            self.requests.pop(request.request_id, None)
-            self.stats.num_finished += 1
             output.finish_reason = request.finish_reason.value if request.finish_reason else None
             output.error = request.error
             output.logprobs = request.output_logprobs or None

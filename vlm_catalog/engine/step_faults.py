@@ -22,6 +22,7 @@ retries did before they stopped the driver.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -60,6 +61,7 @@ class StepFaults:
         self.failed_in_a_row = 0
         self.failed_steps = 0
         self.last_error = ""  # what the last failed step raised, in one line
+        self.step_started: float | None = None  # `time.monotonic()` of the step running now (any thread may read it)
 
     @property
     def confirmed(self) -> bool:
@@ -70,8 +72,12 @@ class StepFaults:
         """Run one engine step. A failure not `counted` (a group of suspects, which bisection halves)
         leaves the count of failed steps in a row as it was, and so never raises `EngineFailing`."""
         sampled_before = self.engine.stats.num_sampled_tokens
+        self.step_started = time.monotonic()
         try:
-            outputs = self.engine.step()
+            try:
+                outputs = self.engine.step()
+            finally:
+                self.step_started = None
         except Exception as exc:  # noqa: BLE001 - whose fault it is is found by running the requests again
             self.failed_in_a_row += counted
             self.failed_steps += 1
@@ -103,10 +109,10 @@ class StepFaults:
         self.engine.add_request([{"role": "user", "content": "ping"}], SamplingParams(max_tokens=1), request_id=request_id)
         while True:
             result = self.step()
-            if result.dropped:
-                return False
             if any(output.request_id == request_id and output.finished for output in result.outputs):
                 return True
+            if result.error is not None or not self.engine.has_unfinished_requests():  # failed, or lost
+                return False
 
 
 class FailedStepRetries(Generic[Key]):
