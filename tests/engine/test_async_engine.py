@@ -190,3 +190,26 @@ def test_async_scheduling_streams_the_same_answers_and_aborts_cleanly(engine, en
         assert inner.block_manager.num_free_blocks == inner.num_blocks and not inner.requests
     finally:
         pipelined.shutdown()
+
+
+def test_each_outputs_text_is_what_its_deltas_have_sent(engine):
+    """With stop strings a delta holds back what may begin one; an output's `text` did not, so a
+    caller reading `text` saw characters the final text then cut."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
+    unstopped = asyncio.run(_last_output(engine, conversation(5, words=3), params)).text
+    assert len(unstopped) >= 24
+    stop = unstopped[16:22]
+
+    async def run():
+        outputs = []
+        async for output in engine.generate(conversation(5, words=3), SamplingParams(
+                max_tokens=30, ignore_eos=True, temperature=0.0, stop=[stop])):
+            outputs.append(output)
+        return outputs
+
+    outputs = asyncio.run(run())
+    sent = ""
+    for output in outputs:
+        sent += output.delta_text
+        assert output.text == sent, (output.text, sent)
+    assert outputs[-1].finish_reason == "stop" and outputs[-1].text == unstopped[: unstopped.find(stop)]

@@ -43,6 +43,8 @@ def _reference(tokenizer, ids: list[int]) -> str:
 
 @pytest.mark.parametrize("chunk", [1, 3])
 def test_streamed_text_is_the_whole_decode_without_an_unfinished_end(tokenizer, chunk):
+    """The final text too: an unfinished character at its very end (U+FFFD) is left out, as vLLM does;
+    before, an answer cut by max_tokens mid-character ended in U+FFFD."""
     for ids in _sequences(tokenizer):
         detokenizer = Detokenizer(tokenizer)
         assert detokenizer._stream is not None  # the incremental path is the one under test
@@ -56,7 +58,7 @@ def test_streamed_text_is_the_whole_decode_without_an_unfinished_end(tokenizer, 
             streamed += detokenizer.delta()
         detokenizer.finish(ids)
         streamed += detokenizer.delta(final=True)
-        assert detokenizer.text == _reference(tokenizer, ids)
+        assert detokenizer.text == _reference(tokenizer, ids).rstrip("\ufffd")
         assert streamed == detokenizer.text
 
 
@@ -125,3 +127,51 @@ def test_a_stream_with_a_stop_string_that_never_comes_sends_everything(tokenizer
     for include_stop in (False, True):
         detokenizer = Detokenizer(tokenizer, stop=["never here"], include_stop=include_stop)
         assert _stream(detokenizer, ids) == _reference(tokenizer, ids) == detokenizer.text
+
+
+def _with_piece(tokenizer, piece: str):
+    """A copy of `tokenizer` with one more vocabulary piece (byte-level, as GPT-2/Qwen spell them); its id."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    vocab[piece] = max(vocab.values()) + 1
+    copy = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
+    return copy, vocab[piece]
+
+
+def test_a_stop_string_the_held_back_last_token_completes_is_cut_from_the_final_text(tokenizer):
+    """The last token " \xe2\x80" (byte-level "ĠâĢ", as real vocabularies merge the start of ' “')
+    ends the stop string "M " and begins an unfinished character: the stream held it back, so no
+    update saw the stop, and the final decode kept "M \ufffd" in the text."""
+    with_piece, piece = _with_piece(tokenizer, "ĠâĢ")
+    ids = with_piece.encode("size M") + [piece]
+    assert with_piece.decode(ids) == "size M \ufffd"
+    detokenizer = Detokenizer(with_piece, stop=["M "])
+    streamed = _stream(detokenizer, ids)
+    assert detokenizer.text == streamed == "size " and detokenizer.stopped
+
+
+def test_the_text_of_a_stop_token_that_ended_the_answer_is_left_out(tokenizer):
+    """As vLLM: `stop_token_ids` end the answer without their text, unless `include_stop`."""
+    ids = tokenizer.encode("size M, colour")
+    stop_token = ids[-1]
+
+    def stream(detokenizer):  # the engine's way: the stop token ends the answer, so only `finish` sees it
+        streamed = ""
+        for end in range(1, len(ids)):
+            detokenizer.update(ids[:end])
+            streamed += detokenizer.delta()
+        detokenizer.finish(ids)
+        return streamed + detokenizer.delta(final=True)
+
+    left_out = Detokenizer(tokenizer, stop_token_ids=[stop_token])
+    assert stream(left_out) == left_out.text == _reference(tokenizer, ids[:-1])
+    kept = Detokenizer(tokenizer, include_stop=True, stop_token_ids=[stop_token])
+    assert stream(kept) == kept.text == _reference(tokenizer, ids)
+    elsewhere = Detokenizer(tokenizer, stop_token_ids=[stop_token])  # only as the last token
+    elsewhere.finish(ids + tokenizer.encode(" red"))
+    assert elsewhere.text == _reference(tokenizer, ids + tokenizer.encode(" red"))

@@ -78,6 +78,7 @@ def test_logprobs_report_the_sampled_token_and_top_alternatives():
      # wrong types and seeds torch cannot take: refused here, not as a TypeError inside a step
      ({"seed": 2**63}, "seed"), ({"seed": -(2**63) - 1}, "seed"), ({"seed": "abc"}, "seed must be an integer"),
      ({"seed": 1.5}, "seed must be an integer"), ({"max_tokens": True}, "max_tokens must be an integer"),
+     ({"max_tokens": None}, "max_tokens must be an integer, got None"),  # before: a TypeError
      ({"temperature": "0.5"}, "temperature must be a number"), ({"top_p": None}, "top_p must be a number"),
      ({"top_k": 2.0}, "top_k must be an integer"), ({"stop_token_ids": [1.0]}, "stop_token_ids"),
      ({"stop": 5}, "stop and stop_token_ids must be lists")],

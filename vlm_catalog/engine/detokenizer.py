@@ -7,9 +7,12 @@ stream holds a token back until the character it starts is complete, so a
 multi-byte character is never cut in a streamed delta. With stop strings (cut
 from the text), a delta also holds back the last characters that could begin
 one (the longest stop's length less one), so a stream never sends part of a
-stop string that the final text leaves out. The final text is the
-whole output decoded once, exactly what `tokenizer.decode` gives (an unfinished
-character at the very end reads as U+FFFD there).
+stop string that the final text leaves out; an output's `text` is what its
+deltas have sent (`shown`). The final text is the whole output decoded once,
+as `tokenizer.decode` gives it, less an unfinished character at the very end
+(U+FFFD there; vLLM leaves it out too) and less the text of a `stop_token_ids`
+token that ended it (unless `include_stop`), searched for stop strings once
+more: the token held back for an unfinished character may complete one.
 
 Tokenizers without a `tokenizers` backend, or that clean up spaces after
 decoding (which a stream cannot do token by token), decode the whole output
@@ -25,11 +28,13 @@ from tokenizers.decoders import DecodeStream
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), include_stop: bool = False) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), include_stop: bool = False,
+                 stop_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)  # the model may pad its vocabulary past the tokenizer
         self.stop = list(stop)
         self.include_stop = include_stop
+        self.stop_token_ids = frozenset(stop_token_ids)
         # characters a streamed delta holds back: a stop string may begin in them
         self._held_back = 0 if include_stop or not self.stop else max(map(len, self.stop)) - 1
         self.text = ""
@@ -56,6 +61,10 @@ class Detokenizer:
                     if chunk:
                         self.text += chunk
         self._fed = len(output_token_ids)
+        return self._cut_at_stop(searched_from)
+
+    def _cut_at_stop(self, searched_from: int) -> bool:
+        """Cut `text` at the first stop string that ends past `searched_from`; True if one did."""
         found = [(at, stop) for stop in self.stop if (at := self.text.find(stop, max(0, searched_from - len(stop)))) != -1]
         if not found:
             return False
@@ -65,9 +74,20 @@ class Detokenizer:
         return True
 
     def finish(self, output_token_ids: Sequence[int]) -> None:
-        """Settle the final text: the whole output decoded once, unless a stop string cut it."""
-        if not self.update(output_token_ids):
-            self.text = self._decode_all(output_token_ids)
+        """Settle the final text (the module docstring): the whole output decoded once, unless a stop
+        string cut it."""
+        if output_token_ids and output_token_ids[-1] in self.stop_token_ids and not self.include_stop:
+            output_token_ids = output_token_ids[:-1]  # as vLLM: the stop token's text is left out
+        if self.update(output_token_ids):
+            return
+        searched_from = len(self.text)
+        self.text = self._decode_all(output_token_ids).rstrip("\ufffd")
+        self._cut_at_stop(searched_from)
+
+    @property
+    def shown(self) -> str:
+        """The text the deltas have returned so far."""
+        return self.text[: self._emitted]
 
     def delta(self, final: bool = False) -> str:
         """Text added since the last call (complete characters only, unless final)."""

@@ -319,7 +319,7 @@ class LLMEngine:
         self._check_prompt(prompt, params)
         # everything that can fail comes before the request is registered anywhere
         request = Request(request_id, prompt, params, self.config.max_model_len, self.eos_token_ids)
-        detokenizer = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        detokenizer = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output, params.stop_token_ids)
         if params.constrained:  # queued for scheduling once its grammar is compiled (_attach_grammars)
             request.grammar_future = self._submit_grammar(params)
             self._awaiting_grammar[request_id] = request
@@ -697,13 +697,14 @@ class LLMEngine:
             detokenizer.finish(token_ids)
         elif not request.params.stop:  # with stop strings the text is kept current (and cut) as tokens come
             detokenizer.update(token_ids)
+        delta_text = detokenizer.delta(final=finished)
         output = RequestOutput(
             request_id=request.request_id,
-            text=detokenizer.text,
+            text=detokenizer.text if finished else detokenizer.shown,  # not what may yet be cut
             token_ids=token_ids,
             num_prompt_tokens=request.num_prompt_tokens,
             finished=finished,
-            delta_text=detokenizer.delta(final=finished),
+            delta_text=delta_text,
         )
         if finished:
             output.finish_reason = request.finish_reason.value if request.finish_reason else None

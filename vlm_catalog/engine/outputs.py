@@ -9,7 +9,7 @@ from typing import Any
 @dataclass
 class RequestOutput:
     request_id: str
-    text: str  # all generated text so far
+    text: str  # all generated text so far (what its deltas have sent; the final output: all of it)
     token_ids: list[int]  # all generated tokens so far
     num_prompt_tokens: int
     finished: bool

@@ -72,6 +72,8 @@ class SamplingParams:
             raise SamplingParamsError("stop and stop_token_ids must be lists", "stop")
         if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
             raise SamplingParamsError(f"seed must be a signed 64-bit integer, in [-2**63, 2**63 - 1], got {self.seed}", "seed")
+        if self.max_tokens is None:
+            raise SamplingParamsError("max_tokens must be an integer, got None", "max_tokens")
         if self.max_tokens < 1:
             raise SamplingParamsError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if not 0.0 <= self.temperature <= 100.0:
