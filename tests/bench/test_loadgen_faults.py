@@ -211,3 +211,63 @@ def test_a_stream_cut_before_its_finish_is_a_failed_sample_not_a_partial_answer(
                                   "--target-qps", "50", "--server-url", server.url)
     assert "(2 failed)" in stdout and "IncompleteStreamError" in err  # before: 0 failed, '{"cat' scored
     assert code == 1
+
+
+def test_a_server_that_keeps_failing_stops_the_sending_and_every_failure_is_written(tmp_path, capsys, monkeypatch):
+    """A hung or broken server ended a run only once every sample's request had failed on its own
+    (with the default timeout of an hour, days for the benchmark's 48k samples); now the samples not
+    yet sent fail at once after `SERVER_FAILURES_TO_STOP` server failures in a row. A performance run
+    with failed samples exits 1 (LoadGen counts them as answered, at once), and failed_samples.json
+    names each one; before, the run said VALID, exit 0, and the failures were on the console only."""
+    monkeypatch.setattr(sut_http, "SERVER_FAILURES_TO_STOP", 3)
+    sent = []
+
+    def answer(handler) -> None:
+        if handler.path.endswith("/models"):
+            send(handler, 200, json.dumps(MODELS).encode())
+            return
+        sent.append(1)
+        time.sleep(1.5)  # past --request-timeout
+        send(handler, 500, b'{"error": {"message": "too late"}}')
+
+    dataset = jsonl_catalogue(tmp_path / "data", rows=12)
+    with FakeServer(answer) as server:
+        started = time.monotonic()
+        code, stdout, err = bench(capsys, dataset, tmp_path / "out", "--scenario", "offline", "--mode", "performance",
+                                  "--count", "12", "--max-in-flight", "2", "--request-timeout", "0.5",
+                                  "--server-url", server.url, *FAST)
+    assert time.monotonic() - started < 20
+    assert "(12 failed)" in stdout and code == 1
+    assert len(sent) <= 4  # 2 at a time: the third failure stops the sending
+    assert "error: 12 of 12 samples failed" not in err and "every one of the 12 samples failed" in err
+    failures = json.loads((tmp_path / "out" / "failed_samples.json").read_text())
+    assert failures["failed"] == 12 and len(failures["reasons"]) == 12
+    assert sum("APITimeoutError" in reason for reason in failures["reasons"]) >= 3
+    assert any("not sent: the server failed 3 requests in a row, the last with APITimeoutError" in reason
+               for reason in failures["reasons"])
+    assert "... and 7 more, in" in err
+
+
+def test_a_performance_run_with_some_failed_samples_is_not_a_result(tmp_path, capsys):
+    dataset = jsonl_catalogue(tmp_path / "data", rows=3, changes={1: {"image": "none.jpg"}})
+    out = tmp_path / "out"
+    code, stdout, err = bench(capsys, dataset, out, "--scenario", "offline", "--mode", "performance", "--count", "3",
+                              *FAST)
+    assert "(1 failed)" in stdout and code == 1
+    assert f"error: 1 of 3 samples failed (reasons above; all in {out / 'failed_samples.json'}): LoadGen counted " \
+           "them as answered, so this is not a result" in err
+    assert json.loads((out / "failed_samples.json").read_text())["reasons"][0].startswith("sample 1: ")
+    dataset = jsonl_catalogue(tmp_path / "data", rows=3)  # fixed: the next run leaves no stale record
+    code, stdout, _ = bench(capsys, dataset, out, "--scenario", "offline", "--mode", "performance", "--count", "3",
+                            *FAST)
+    assert code == 0 and "(0 failed)" in stdout and not (out / "failed_samples.json").exists()
+
+
+def test_a_count_past_the_catalogue_and_a_bad_request_timeout_are_refused(tmp_path, capsys):
+    dataset = jsonl_catalogue(tmp_path / "data", rows=3)
+    code, _, err = bench(capsys, dataset, tmp_path / "out", "--scenario", "offline", "--mode", "performance",
+                         "--count", "5", *FAST)
+    assert code == 2 and f"error: --count 5 is more than the 3 records of {dataset}" in err  # before: 64 queries
+    with FakeServer(lambda h: send(h, 200, json.dumps(MODELS).encode())) as server:
+        code, _, err = http_bench(capsys, tmp_path, server.url, "--request-timeout", "0")
+    assert code == 2 and "--request-timeout must be a positive number of seconds, got 0.0" in err

@@ -130,8 +130,8 @@ def test_max_in_flight_keeps_the_offline_burst_within_the_servers_capacity(serve
             "--count", str(4 * SERVER_CAPACITY), "--request-style", "ours", "--max-tokens", "20",
             max_in_flight=limit,
         )
-        assert code == 0, err
         runs[limit] = int(re.search(r"\((\d+) failed\)", out).group(1))
+        assert code == (1 if runs[limit] else 0), err  # a performance run with failed samples is not a result
     assert runs[SERVER_CAPACITY] == 0
     assert runs[4 * SERVER_CAPACITY] > 0  # the burst was refused (no retries: each counts as failed)
     assert "failed: sample" in err and "429" in err

@@ -53,6 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="with --server-url: the key of a `serve --api-key` server (default: $VLM_CATALOG_API_KEY)")
     parser.add_argument("--max-in-flight", type=int, default=512,
                         help="with --server-url: requests sent at once (the rest wait in the client)")
+    parser.add_argument("--request-timeout", type=float, default=3600.0, metavar="SECONDS",
+                        help="with --server-url: how long one request may take before its sample fails")
     parser.add_argument("--token-latencies", action="store_true",
                         help="Server: LoadGen measures TTFT/TPOT and judges the run on them (limits = 12 s)")
     parser.add_argument("--device", default="cpu")
@@ -77,7 +79,8 @@ def _run(args: argparse.Namespace) -> int:
         Interrupted,
         run_benchmark,
     )
-    from vlm_catalog.bench.loadgen.report import SummaryError
+    from vlm_catalog.bench.loadgen.report import FAILURES_FILE, SummaryError
+    from vlm_catalog.bench.loadgen.responses import PRINTED_ERRORS
     from vlm_catalog.bench.loadgen.settings import RunOptions, SettingsError
     from vlm_catalog.data.format import CatalogueError
     from vlm_catalog.engine.config import EngineConfigError
@@ -93,7 +96,8 @@ def _run(args: argparse.Namespace) -> int:
             options=options, dataset=args.dataset, out_dir=args.out_dir, model=args.model, split=args.split,
             request_style=args.request_style, max_tokens=args.max_tokens, server_url=args.server_url,
             server_model=args.server_model, server_api_key=args.api_key or os.environ.get("VLM_CATALOG_API_KEY"),
-            max_in_flight=args.max_in_flight, device=args.device, dtype=args.dtype,
+            max_in_flight=args.max_in_flight, request_timeout_s=args.request_timeout, device=args.device,
+            dtype=args.dtype,
             enable_prefix_caching=not args.no_prefix_caching, scheduling_policy=args.policy,
             **device_options(args),
         )
@@ -114,14 +118,22 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out_dir / 'accuracy.txt'} (category hF1 {result.accuracy.category_hf1:.4f})")
     print(format_result(result, args.scenario, args.mode))
     tally = result.tally
-    for error in tally.errors:  # the first few; each failed sample was answered with ""
+    for error in tally.errors[:PRINTED_ERRORS]:  # the first few; each failed sample was answered with ""
         print(f"failed: {error}", file=sys.stderr)
+    if len(tally.errors) > PRINTED_ERRORS:
+        print(f"failed: ... and {len(tally.errors) - PRINTED_ERRORS} more, in {args.out_dir / FAILURES_FILE}",
+              file=sys.stderr)
     if tally.failed and args.token_latencies:
         print(f"warning: LoadGen's TTFT and TPOT count the {tally.failed} failed samples as empty answers, "
               "so its token latencies do not describe this run", file=sys.stderr)
     print(f"LoadGen logs in {args.out_dir}")
     if tally.samples and tally.failed == tally.samples:  # LoadGen's verdict is about timing; nothing was answered
         print(f"error: every one of the {tally.samples} samples failed (reasons above)", file=sys.stderr)
+        return 1
+    if tally.failed and args.mode == "performance":  # a failed sample completes at once, as an empty answer
+        print(f"error: {tally.failed} of {tally.samples} samples failed (reasons above; all in "
+              f"{args.out_dir / FAILURES_FILE}): LoadGen counted them as answered, so this is not a result",
+              file=sys.stderr)
         return 1
     return 0
 

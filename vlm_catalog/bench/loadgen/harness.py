@@ -25,6 +25,7 @@ from vlm_catalog.bench.loadgen.report import (
     ACCURACY_FILE,
     ACCURACY_JSON_FILE,
     ACCURACY_LOG_JOB_FILE,
+    FAILURES_FILE,
     OUTPUT_FILES,
     SUMMARY_FILE,
     LoadGenSummary,
@@ -60,6 +61,7 @@ class BenchConfig:
     server_model: str | None = None  # default: the first model the server lists
     server_api_key: str | None = field(default=None, repr=False)  # a `serve --api-key` server's key
     max_in_flight: int = 512  # HTTP requests sent at once
+    request_timeout_s: float = 3600.0  # one HTTP request at most
     device: str = "cpu"
     dtype: str = "auto"
     enable_prefix_caching: bool = True
@@ -96,7 +98,10 @@ def run_benchmark(config: BenchConfig) -> BenchResult:
         raise BenchError("--token-latencies needs --max-tokens of at least 2 (LoadGen's TPOT divides by tokens - 1)")
     if options.mode == "accuracy" and not catalogue.has_labels:
         raise BenchError(f"{config.dataset}: accuracy mode needs ground truth columns, and this catalogue has none")
-    num_samples = min(len(catalogue), options.count) if options.count is not None else len(catalogue)
+    if options.count is not None and options.count > len(catalogue):  # LoadGen would repeat samples to make up --count
+        raise BenchError(f"--count {options.count} is more than the {len(catalogue)} records of {config.dataset}"
+                         + (f" (--split {config.split})" if config.split else ""))
+    num_samples = options.count if options.count is not None else len(catalogue)
     labels = None
     if options.mode == "accuracy":  # read and checked now: a damaged label fails before the timed run
         labels = catalogue.labels(scored=range(num_samples))
@@ -130,6 +135,7 @@ def run_benchmark(config: BenchConfig) -> BenchResult:
             stack.pop_all()  # LoadGen still runs and holds the SUT and QSL: no teardown
             raise
         seconds = time.perf_counter() - start
+    _write_failures(config.out_dir, sink.tally)
     summary = parse_summary(config.out_dir / SUMMARY_FILE) if options.mode == "performance" else None
     target_qps = settings.server_target_qps if options.scenario == "server" else settings.offline_expected_qps
     result = BenchResult(summary, sink.tally, num_samples, target_qps, seconds)
@@ -186,8 +192,20 @@ def _check_out_dir(out_dir: Path) -> None:
 
 
 def _remove_stale_results(out_dir: Path) -> None:
-    for stale in (ACCURACY_FILE, ACCURACY_JSON_FILE):  # from an earlier accuracy run
+    for stale in (ACCURACY_FILE, ACCURACY_JSON_FILE, FAILURES_FILE):  # from an earlier run
         (out_dir / stale).unlink(missing_ok=True)
+
+
+def _write_failures(out_dir: Path, tally) -> None:
+    """Every failed sample's reason, in FAILURES_FILE: LoadGen's own logs say nothing of them (a
+    failed sample completes at once with an empty answer, which a performance run counts as done)."""
+    if not tally.failed:
+        return
+    record = {"samples": tally.samples, "failed": tally.failed, "reasons": tally.errors}
+    try:
+        write_atomically(out_dir / FAILURES_FILE, json.dumps(record, indent=1) + "\n")
+    except OSError as exc:
+        raise BenchError(f"--out-dir {out_dir}: cannot write {FAILURES_FILE}: {exc.strerror or exc}") from None
 
 
 def _record_selection(out_dir: Path, split: str | None, num_records: int) -> None:
@@ -214,7 +232,7 @@ def _make_sut(config: BenchConfig, qsl: CatalogueQSL, sampling, sink: ResponseSi
             sut = HttpSUT(
                 config.server_url, config.server_model, qsl, sampling, config.max_tokens, sink,
                 stream=config.options.scenario == "server", max_in_flight=config.max_in_flight,
-                api_key=config.server_api_key,
+                api_key=config.server_api_key, timeout_s=config.request_timeout_s,
             )
         except ValueError as exc:
             raise BenchError(str(exc)) from None

@@ -30,8 +30,10 @@ ACCURACY_JSON_FILE = "accuracy.json"
 # which records the accuracy log's qsl_idx are rows of (the split and its size), in the job file `extract`
 # writes beside its results, so `vlm-catalog eval` refuses to score the log against another selection
 ACCURACY_LOG_JOB_FILE = ACCURACY_LOG_FILE + JOB_SUFFIX
+# the samples that failed (each answered "" to LoadGen, which counts it as done), written when any did
+FAILURES_FILE = "failed_samples.json"
 OUTPUT_FILES = (SUMMARY_FILE, DETAIL_FILE, ACCURACY_LOG_FILE, "mlperf_log_trace.json", ACCURACY_FILE, ACCURACY_JSON_FILE,
-                ACCURACY_LOG_JOB_FILE)
+                ACCURACY_LOG_JOB_FILE, FAILURES_FILE)
 
 _FIELD = re.compile(r"^\s*(?P<key>[^:]+?)\s*:\s*(?P<value>\S.*?)\s*$")
 _PERCENTILE = re.compile(r"^(?P<p>[\d.]+) percentile (?P<first>first token )?latency \(ns\)$")

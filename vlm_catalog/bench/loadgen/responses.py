@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import mlperf_loadgen as lg
 
-MAX_KEPT_ERRORS = 5
+PRINTED_ERRORS = 5  # failure reasons the command prints (all are written to FAILURES_FILE)
 
 
 def _response(response_id: int, text: str, n_tokens: int) -> tuple[lg.QuerySampleResponse, array.array]:
@@ -37,7 +37,7 @@ class RunTally:
 
     completed: int = 0
     failed: int = 0
-    errors: list[str] = field(default_factory=list)  # the first few failure reasons
+    errors: list[str] = field(default_factory=list)  # every failed sample's reason ("sample I: why"), in order
     ttft_s: list[float] = field(default_factory=list)  # issue -> first token, SUT clock
     completion_tokens: int = 0
     engine_busy_s: float = 0.0  # in-process SUT: time inside the engine's add_request and step
@@ -104,8 +104,7 @@ class ResponseSink:
                 self.tally.completion_tokens += n_tokens
             else:
                 self.tally.failed += 1
-                if len(self.tally.errors) < MAX_KEPT_ERRORS:
-                    self.tally.errors.append(error)
+                self.tally.errors.append(error)
         if needs_first_token:  # LoadGen expects a first token before the completion
             response, _keep_first = _response(response_id, text[:1], 1 if text else 0)
             lg.FirstTokenComplete([response])

@@ -10,7 +10,12 @@ wait counts in LoadGen's latency as it would in a real queue. In the Server scen
 streams (`stream=True`, usage in the last chunk) and the first non-empty text
 chunk is reported as the first token; otherwise one plain request per sample.
 A request that fails (HTTP error, timeout, refused) completes its sample with
-an empty response and is counted, so LoadGen never waits on it.
+an empty response and is counted, so LoadGen never waits on it. Once the
+server has failed `SERVER_FAILURES_TO_STOP` requests in a row (timeouts,
+refused connections, 5xx; not a 400 about one sample's request), the samples
+not yet sent fail at once: a hung server ended a run only after every
+sample's request had timed out (with 48,289 samples, 512 at a time and an
+hour each, about 95 hours).
 """
 
 from __future__ import annotations
@@ -21,7 +26,14 @@ from typing import Any
 
 import httpx
 import mlperf_loadgen as lg
-from openai import APITimeoutError, AsyncOpenAI, AuthenticationError, OpenAIError
+from openai import (
+    APITimeoutError,
+    AsyncOpenAI,
+    AuthenticationError,
+    BadRequestError,
+    OpenAIError,
+    UnprocessableEntityError,
+)
 
 from vlm_catalog.bench.loadgen.harness import BenchError
 from vlm_catalog.bench.loadgen.qsl import CatalogueQSL
@@ -30,6 +42,7 @@ from vlm_catalog.bench.loadgen.responses import ResponseSink
 
 DEFAULT_TIMEOUT_S = 3600.0
 DEFAULT_MAX_IN_FLIGHT = 512
+SERVER_FAILURES_TO_STOP = 64  # requests in a row the server failed, after which the rest fail unsent
 _CONNECT_TIMEOUT_S = 5.0
 _PROBE_TIMEOUT_S = 10.0  # the start-up /models request (the samples' own requests wait up to timeout_s)
 
@@ -68,6 +81,8 @@ class HttpSUT:
     ) -> None:
         if max_in_flight < 1:
             raise ValueError(f"--max-in-flight must be at least 1, got {max_in_flight}")
+        if not timeout_s > 0 or timeout_s == float("inf"):
+            raise ValueError(f"--request-timeout must be a positive number of seconds, got {timeout_s}")
         self.base_url = openai_base_url(server_url)
         self.max_in_flight = max_in_flight
         self.model = model
@@ -82,6 +97,8 @@ class HttpSUT:
         self._thread = threading.Thread(target=self.loop.run_forever, name="bench-http", daemon=True)
         self.client: AsyncOpenAI | None = None
         self._slots: asyncio.Semaphore | None = None
+        self._server_failures_in_a_row = 0  # event loop only
+        self.stopped_sending: str | None = None  # why the samples not yet sent fail at once
         self.handle = None
 
     def __enter__(self) -> HttpSUT:
@@ -170,14 +187,24 @@ class HttpSUT:
         arguments = sample.request.openai_arguments(self.sampling, self.max_tokens, self.model)
         try:
             async with self._slots:
+                if self.stopped_sending is not None:
+                    self.sink.fail(response_id, f"sample {index}: not sent: {self.stopped_sending}")
+                    return
                 if self.stream:
                     text, tokens = await self._streamed(response_id, arguments)
                 else:
                     text, tokens = await self._whole(arguments)
         except Exception as exc:  # noqa: BLE001 - one failed request must not hang LoadGen
-            # counted, with the first reasons kept (not one log line per sample: a run has 48k)
-            self.sink.fail(response_id, f"sample {index}: {type(exc).__name__}: {exc}")
+            # counted, with every reason kept (not one log line per sample: a run has 48k)
+            reason = f"{type(exc).__name__}: {exc}"
+            self.sink.fail(response_id, f"sample {index}: {reason}")
+            if not isinstance(exc, (BadRequestError, UnprocessableEntityError)):  # not about this sample's request
+                self._server_failures_in_a_row += 1
+                if self._server_failures_in_a_row >= SERVER_FAILURES_TO_STOP and self.stopped_sending is None:
+                    self.stopped_sending = (f"the server failed {SERVER_FAILURES_TO_STOP} requests in a row, "
+                                            f"the last with {reason.splitlines()[0]}")
             return
+        self._server_failures_in_a_row = 0
         self.sink.complete(response_id, text, tokens)
 
     async def _whole(self, arguments: dict[str, Any]) -> tuple[str, int]:
