@@ -14,9 +14,10 @@ as `tokenizer.decode` gives it, less an unfinished character at the very end
 token that ended it (unless `include_stop`), searched for stop strings once
 more: the token held back for an unfinished character may complete one.
 
-Tokenizers without a `tokenizers` backend, or that clean up spaces after
-decoding (which a stream cannot do token by token), decode the whole output
-each time instead.
+Tokenizers without a `tokenizers` backend decode the whole output each time
+instead. Neither way cleans up spaces after decoding (`clean_up_tokenization_spaces`,
+which vLLM does not apply either): it rewrites text already sent, so the deltas
+of such a tokenizer did not add up to its final text ("a  b  c " for "a, b. c?").
 """
 
 from __future__ import annotations
@@ -41,10 +42,8 @@ class Detokenizer:
         self.stopped = False  # a stop string was found; `text` ends there
         self._emitted = 0  # characters of `text` already returned as deltas
         self._fed = 0  # output tokens seen so far
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        streams = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
-        self._backend = backend if streams else None
-        self._stream = DecodeStream(skip_special_tokens=True) if streams else None
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
 
     def update(self, output_token_ids: Sequence[int]) -> bool:
         """Take the output so far (a longer list each call); True once a stop string appeared
@@ -103,4 +102,4 @@ class Detokenizer:
 
     def _decode_all(self, output_token_ids: Sequence[int]) -> str:
         ids = [token for token in output_token_ids if token < self.vocab_size]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
