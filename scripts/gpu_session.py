@@ -133,7 +133,7 @@ CPU_SMOKE = ("--tiny", "--device", "cpu", "--records", "2", "--output-tokens", "
 PLANS: dict[str, tuple[Step, ...]] = {
     "record": (
         # correctness first: the numbers after it mean little if a kernel is wrong (118 tests took
-        # 155 s on 2026-11-28; 143 now, about 195 s at that rate, and a test cut off by the step's
+        # 155 s on 2026-11-28; 144 now, about 200 s at that rate, and a test cut off by the step's
         # end counts for nothing)
         Step("pytest_gpu", ("python3", "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--durations=30"),
              max_s=260, min_s=120, tail_to="pytest_gpu.txt", optional=PYTEST_GPU_OPTIONAL),

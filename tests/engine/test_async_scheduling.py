@@ -253,6 +253,43 @@ def test_on_cuda_with_graphs_the_same_answers(engine_checkpoint):
 
 
 @pytest.mark.gpu
+def test_on_cuda_a_step_that_fails_costs_no_answer_and_a_request_that_fails_alone_is_its_error(
+        engine_checkpoint, monkeypatch):
+    """On a GPU, with CUDA graphs and async scheduling (the defaults there): a failed step's requests
+    are dropped (`abort_all`: blocks, graph rows, tokens still on the device) and run again by
+    bisection under the same ids; the answers are a clean run's, and a request that fails every step
+    it is in is the only error."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    settings = {"device": "cuda", "dtype": "float32", "max_num_batched_tokens": 96, "kv_cache_memory_bytes": 64 * 2**20}
+    llm = LLM(engine_checkpoint, **settings)
+    engine = llm.engine
+    assert engine.async_scheduling and engine.runner.graph_runner is not None
+    prompts = mixed_conversations(12)
+    params = varied_params(12)
+    expected = answers(llm.chat(prompts, params))
+    real_run_step, calls = engine._run_step, []
+
+    def fails_on(predicate):
+        def run_step(output, pending):
+            calls.append(1)
+            if predicate(len(calls), {chunk.request.request_id for chunk in output.chunks}):
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return real_run_step(output, pending)
+        monkeypatch.setattr(engine, "_run_step", run_step)
+
+    fails_on(lambda call, scheduled: call == 6)  # mid-decode, with tokens pending on the device
+    assert answers(llm.chat(prompts, params)) == expected
+    first = next(llm._request_counter) + 1
+    poison = f"llm-{first + 5}"
+    fails_on(lambda call, scheduled: poison in scheduled)
+    outputs = llm.chat(prompts, params)
+    assert [i for i, output in enumerate(outputs) if output.finish_reason == "error"] == [5]
+    assert [answer for i, answer in enumerate(answers(outputs)) if i != 5] == expected[:5] + expected[6:]
+    assert engine.block_manager.num_free_blocks == engine.num_blocks and engine._pending is None
+
+
+@pytest.mark.gpu
 def test_pending_tokens_from_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
