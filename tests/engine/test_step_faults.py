@@ -144,3 +144,37 @@ def test_a_probe_whose_step_fails_having_dropped_nothing_fails():
     retries: FailedStepRetries[str] = FailedStepRetries(engine)
     assert retries.faults.probe() is False
     assert len(engine.groups) == 1
+
+
+def test_a_step_that_fails_building_outputs_drops_the_requests_finished_in_it(engine_checkpoint, monkeypatch):
+    """The engine forgot a finished request while it built the step's outputs: where a later output
+    raised, that request was in no `abort_all` list (its caller waited for ever, the batch job never
+    wrote its record)."""
+    from tests.engine.conftest import conversation
+    from vlm_catalog.engine.config import EngineConfig
+    from vlm_catalog.engine.llm_engine import LLMEngine
+    from vlm_catalog.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=engine_checkpoint))
+    try:
+        params = SamplingParams(max_tokens=2, ignore_eos=True, output_kind="final_only")
+        for index in range(2):  # the same length: both finish in the same step
+            engine.add_request(conversation(index, words=3), params, request_id=f"r{index}")
+        real_output, built = engine._output, []
+
+        def output(request):
+            if request.is_finished:
+                built.append(request.request_id)
+                if len(built) == 2:
+                    raise RuntimeError("a bug building an output")
+            return real_output(request)
+
+        monkeypatch.setattr(engine, "_output", output)
+        with pytest.raises(RuntimeError, match="a bug building an output"):
+            while True:
+                assert engine.step() == []  # nothing finishes before the step that raises
+        assert sorted(engine.abort_all()) == ["r0", "r1"]
+        assert not engine.requests and not engine.detokenizers and not engine.has_unfinished_requests()
+        assert engine.block_manager.num_free_blocks == engine.num_blocks
+    finally:
+        engine.close()

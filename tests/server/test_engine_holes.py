@@ -100,6 +100,8 @@ def test_a_dying_engine_thread_fails_waiting_requests_and_refuses_new_ones():
         with pytest.raises(EngineUnavailableError):
             async for _ in engine.generate(user("after"), SamplingParams(max_tokens=2)):
                 pass
+        stats = engine.load_stats()  # before, the gauges froze at the load the thread died with
+        assert stats["requests_running"] == stats["requests_waiting"] == stats["kv_cache_usage_ratio"] == 0
 
     try:
         asyncio.run(asyncio.wait_for(run(), 60))

@@ -169,8 +169,11 @@ class AsyncLLM:
         return True
 
     def load_stats(self) -> dict[str, float]:
-        """The engine's current load (see `LLMEngine.load_stats`); plain reads, safe from any thread."""
-        return self.engine.load_stats()
+        """The engine's current load (see `LLMEngine.load_stats`); plain reads, safe from any thread.
+        Waiting counts a failed step's requests waiting to run again and those that arrived meanwhile."""
+        stats = self.engine.load_stats()
+        stats["requests_waiting"] += self._retries.num_suspects + len(self._parked)
+        return stats
 
     async def generate(
         self,
@@ -256,6 +259,12 @@ class AsyncLLM:
         finally:  # nobody may wait forever: fail what is in flight and what is still queued
             with self._live_lock:
                 self._stopped.set()
+                try:  # its blocks and queues freed: the load it reports is none, not frozen
+                    self.engine.abort_all()
+                except Exception:  # noqa: BLE001 - the engine is already in trouble
+                    logger.exception("dropping the engine's requests failed")
+                self._parked.clear()
+                self._retries.abandon()
                 self._fail_streams(EngineUnavailableError("the engine stopped"))
                 while (item := self._next_inbox_item()) is not None or not self._inbox.empty():
                     if isinstance(item, _Add):
@@ -360,6 +369,8 @@ class AsyncLLM:
             elif item.can_run_again:
                 again.append(item)
             else:
+                logger.warning("request %s: an engine step failed after its caller had seen outputs, so it cannot "
+                               "start again: %s", request_id, error)
                 self._deliver(request_id, EngineInternalError(f"internal engine error: {error}"), last=True)
         self._retries.dropped(again)
 
@@ -371,6 +382,7 @@ class AsyncLLM:
             return
         for item, error in failures:
             if self._streams.get(item.request_id) is item:
+                logger.warning("request %s failed its engine steps alone: %s", item.request_id, error)
                 self._deliver(item.request_id, EngineInternalError(f"internal engine error: {error}"), last=True)
 
     def _fail_all_but_parked(self, exc: EngineFailing) -> None:

@@ -133,6 +133,7 @@ class FailedStepRetries(Generic[Key]):
         self.faults = StepFaults(engine)
         self._groups: deque[list[Key]] = deque()  # suspects, in the groups they will run in, in order
         self._group_size = 0  # of the group running now (0: none)
+        self.num_suspects = 0  # in the groups still to run (a plain int: any thread may read it)
         self._held: list[tuple[Key, str]] = []
         self.isolating = False  # the driver runs one group of suspects; it adds nothing else
 
@@ -149,6 +150,7 @@ class FailedStepRetries(Generic[Key]):
         if self._groups:
             group = self._groups.popleft()
             self._group_size = len(group)
+            self.num_suspects -= len(group)
             return group
         self.isolating = False
         self._group_size = 0
@@ -167,6 +169,7 @@ class FailedStepRetries(Generic[Key]):
             return
         half = (len(keys) + 1) // 2
         self._groups.extendleft(reversed([group for group in (keys[:half], keys[half:]) if group]))
+        self.num_suspects += len(keys)
         self.isolating = self.isolating or bool(keys)
         self._group_size = 0  # it has left the engine
 
@@ -176,6 +179,7 @@ class FailedStepRetries(Generic[Key]):
         error = self.faults.last_error
         abandoned = [(key, error) for group in self._groups for key in group] + self._held
         self._groups.clear()
+        self.num_suspects = 0
         self._held = []
         self.isolating = False
         self._group_size = 0

@@ -25,7 +25,12 @@ from vlm_catalog.engine.generation_config import generation_config_sampling
 from vlm_catalog.server import chat, extract, info
 from vlm_catalog.server.auth import ApiKeyAuth
 from vlm_catalog.server.body_guard import RequestBodyGuard
-from vlm_catalog.server.errors import CLIENT_CLOSED_REQUEST, APIError, install_error_handlers
+from vlm_catalog.server.errors import (
+    CLIENT_CLOSED_REQUEST,
+    APIError,
+    install_error_handlers,
+    log_client_closed,
+)
 from vlm_catalog.server.generation import ClientDisconnected, EngineGateway
 from vlm_catalog.server.images import ImageResolver
 from vlm_catalog.server.metrics import ServiceMetrics
@@ -39,7 +44,12 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/extract", "/v1/extrac
 def create_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     model_dir = engine.engine.config.model
-    metrics = ServiceMetrics(engine.load_stats)
+
+    def load_stats() -> dict[str, float]:
+        places = {"requests_in_service": state.gateway.in_flight, "service_capacity": state.gateway.capacity}
+        return {**engine.load_stats(), **places}
+
+    metrics = ServiceMetrics(load_stats)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -68,6 +78,7 @@ def create_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> Fast
 
     async def client_disconnected(request, exc: ClientDisconnected) -> Response:
         metrics.count_error("client_disconnected")
+        log_client_closed(request.scope)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     app.add_exception_handler(ClientDisconnected, client_disconnected)

@@ -11,6 +11,10 @@
 * A generation request that finds the service full (`refuse_early`) is answered
   429 before its body is read, so a burst of large bodies costs no memory.
 
+Every request's arrival (`time.perf_counter()`) is stamped in `scope["state"]`
+(`request.state.arrived`): the latency metrics count from it, body reading,
+parsing and image decoding included.
+
 A failed read raises `BodyReadFailed` inside the app; whatever the app answers
 then is replaced by this middleware's answer, given once and counted once.
 After the body, `receive` is the server's own (disconnect watching is untimed).
@@ -22,12 +26,18 @@ OpenAI-style JSON error bodies for every error, hence this middleware.)
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vlm_catalog.server.errors import CLIENT_CLOSED_REQUEST, APIError, BodyReadFailed
+from vlm_catalog.server.errors import (
+    CLIENT_CLOSED_REQUEST,
+    APIError,
+    BodyReadFailed,
+    log_client_closed,
+)
 
 
 class RequestBodyGuard:
@@ -50,6 +60,7 @@ class RequestBodyGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope.setdefault("state", {})["arrived"] = time.perf_counter()
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await self._answer(BodyReadFailed(self._too_large()), scope, receive, send)
@@ -103,7 +114,8 @@ class RequestBodyGuard:
     async def _answer(self, failure: BodyReadFailed, scope: Scope, receive: Receive, send: Send) -> None:
         if failure.error is None:
             self.count_error("client_disconnected")
-            response = Response(status_code=CLIENT_CLOSED_REQUEST)  # for the access log: nobody reads it
+            log_client_closed(scope)
+            response = Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it
         else:
             self.count_error(failure.error.code)
             response = failure.error.response()

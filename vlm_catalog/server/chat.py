@@ -29,6 +29,7 @@ from vlm_catalog.server.errors import APIError, bad_request, error_json
 from vlm_catalog.server.generation import (
     Admission,
     StreamWithDeadline,
+    arrival,
     new_request_id,
     until_disconnected,
 )
@@ -62,7 +63,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             streaming = True  # the stream releases its place when it ends
             return response
         finished = await until_disconnected(
-            request, lambda: state.gateway.complete(messages, params, request_id, constraint_param(params))
+            request, lambda: state.gateway.complete(messages, params, request_id, constraint_param(params),
+                                                    arrival(request))
         )
     finally:
         if not streaming:
@@ -187,7 +189,7 @@ async def _checked_constraint(constraint: dict[str, Any]) -> dict[str, Any]:
 async def _stream(request: Request, state: ServiceState, body: ChatCompletionRequest, messages, params,
                   request_id: str, admission: Admission) -> StreamWithDeadline:
     gateway = state.gateway
-    started = time.perf_counter()
+    started = arrival(request)
     deadline = asyncio.get_running_loop().time() + state.settings.request_timeout_s
     outputs = gateway.outputs(messages, params, request_id, constraint_param(params))
 
@@ -207,16 +209,17 @@ async def _stream(request: Request, state: ServiceState, body: ChatCompletionReq
     chunk = _chunker(request_id, state.model_name, include_usage)
     stalled = False  # its client stopped reading (`StreamWithDeadline`)
     timed_out = False  # the timeout's error event was sent (and counted)
+    recorded = False  # counted as finished: a client leaving after that is not counted again
 
     def on_stalled() -> None:
         nonlocal stalled
         stalled = True
-        if not timed_out:
+        if not timed_out and not recorded:
             state.metrics.count_error("request_timeout")
         logger.warning("stream %s: its client stopped reading; dropped past the request timeout", request_id)
 
     async def events() -> AsyncIterator[str]:
-        nonlocal timed_out
+        nonlocal timed_out, recorded
         first_token = time.perf_counter() - started if first.token_ids else None
         try:
             yield chunk({"role": "assistant", "content": ""})
@@ -231,6 +234,7 @@ async def _stream(request: Request, state: ServiceState, body: ChatCompletionReq
                 async with asyncio.timeout_at(deadline):
                     output = await anext(outputs)
             gateway.record(output, first_token, started)
+            recorded = True
             yield chunk({}, finish_reason=output.finish_reason)
             if include_usage:
                 yield chunk(None, usage=usage(output))
@@ -240,7 +244,7 @@ async def _stream(request: Request, state: ServiceState, body: ChatCompletionReq
         except APIError as error:
             yield _sse_error(error, state)
         except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream, or stopped reading
-            if not stalled:
+            if not stalled and not recorded:
                 state.metrics.count_error("client_disconnected")
             raise
         finally:

@@ -51,6 +51,13 @@ class APIError(Exception):
 CLIENT_CLOSED_REQUEST = 499
 
 
+def log_client_closed(scope) -> None:
+    """One log line for a request whose client went away before its answer: the server drops a
+    response sent after that, so its access log never shows one."""
+    logger.info('"%s %s" %d: the client disconnected before its answer', scope.get("method"), scope.get("path"),
+                CLIENT_CLOSED_REQUEST)
+
+
 class BodyReadFailed(Exception):
     """The request's body could not be read (`body_guard.py`): `error` is the answer, None when
     the client went away."""

@@ -39,7 +39,7 @@ from vlm_catalog.server.errors import (
     json_problem,
     validation_error,
 )
-from vlm_catalog.server.generation import Finished, new_request_id, until_disconnected
+from vlm_catalog.server.generation import Finished, arrival, new_request_id, until_disconnected
 from vlm_catalog.server.protocol import ExtractBatchRequest, ExtractRequest
 from vlm_catalog.server.state import ServiceState, check_text, service
 
@@ -69,7 +69,7 @@ async def extract(request: Request):
     with state.gateway.admit():
         product = _validated(fields)
         prepared = await _prepare(state, product, param_prefix="")
-        result = await until_disconnected(request, lambda: _run(state, product, *prepared))
+        result = await until_disconnected(request, lambda: _run(state, product, *prepared, arrival(request)))
     return JSONResponse(result)
 
 
@@ -88,12 +88,13 @@ async def extract_batch(body: ExtractBatchRequest, request: Request):
         )
     with state.gateway.admit(len(body.products)):
         results = await until_disconnected(
-            request, lambda: asyncio.gather(*(_one_of_batch(state, i, p) for i, p in enumerate(body.products)))
+            request, lambda: asyncio.gather(*(_one_of_batch(state, i, p, arrival(request))
+                                              for i, p in enumerate(body.products)))
         )
     return JSONResponse({"results": results})
 
 
-async def _one_of_batch(state: ServiceState, index: int, fields: Any) -> dict[str, Any]:
+async def _one_of_batch(state: ServiceState, index: int, fields: Any, arrived: float) -> dict[str, Any]:
     prefix = f"products.{index}."
     try:
         if not isinstance(fields, dict):
@@ -105,7 +106,7 @@ async def _one_of_batch(state: ServiceState, index: int, fields: Any) -> dict[st
             for error in errors:
                 error["loc"] = ("products", index, *error["loc"])
             raise validation_error(errors) from None
-        return await _run(state, product, *await _prepare(state, product, prefix))
+        return await _run(state, product, *await _prepare(state, product, prefix), arrived)
     except APIError as error:
         state.metrics.count_error(error.code)
         return {"status": error.status, **error.body()}
@@ -286,11 +287,11 @@ def _prompt_and_schema(record, product: ExtractRequest, model, max_tokens: int, 
     return prompt, constrained, budget
 
 
-async def _run(state: ServiceState, product: ExtractRequest, prompt, params, schema) -> dict[str, Any]:
+async def _run(state: ServiceState, product: ExtractRequest, prompt, params, schema, arrived: float) -> dict[str, Any]:
     from schemas import AnswerValidationError
 
     request_id = new_request_id("extract")
-    finished: Finished = await state.gateway.complete(prompt, params, request_id)
+    finished: Finished = await state.gateway.complete(prompt, params, request_id, arrived=arrived)
     output = finished.output
     metadata, error = None, None
     try:

@@ -57,6 +57,11 @@ def new_request_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex}"
 
 
+def arrival(request: Request) -> float:
+    """When the request arrived (`RequestBodyGuard` stamps it; now, for an app without it)."""
+    return getattr(request.state, "arrived", None) or time.perf_counter()
+
+
 class Admission:
     """Places held in the service; `release` is idempotent (a stream may release from two paths)."""
 
@@ -130,10 +135,11 @@ class EngineGateway:
 
     async def complete(
         self, prompt: list[dict[str, Any]] | ProcessedPrompt, params: SamplingParams, request_id: str,
-        constraint_param: str | None = None,
+        constraint_param: str | None = None, arrived: float | None = None,
     ) -> Finished:
-        """Run a request to its end (within the request timeout)."""
-        started = time.perf_counter()
+        """Run a request to its end (within the request timeout); its latencies count from `arrived`
+        (`arrival(request)`; default: now)."""
+        started = arrived if arrived is not None else time.perf_counter()
         first_token: float | None = None
         final: RequestOutput | None = None
         try:

@@ -1,8 +1,9 @@
 """Prometheus metrics of one app (its own registry, so several apps can live in a process).
 
 Latency histograms and token/error counters are updated as requests finish;
-the load gauges (running, waiting, KV usage, prefix-cache hit ratio) are read
-from the engine at scrape time by a collector, so they are never stale.
+the load gauges (running, waiting, KV usage, prefix-cache hit ratio, the
+service's places held and its capacity) are read from the engine and the
+gateway at scrape time by a collector, so they are never stale.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ LOAD_GAUGES = {
     "requests_waiting": "Requests queued in the engine, not yet admitted",
     "kv_cache_usage_ratio": "KV-cache blocks held by live requests over all blocks",
     "prefix_cache_hit_ratio": "Prompt blocks served by the prefix cache over all blocks looked up",
+    "requests_in_service": "Requests holding a place in the service (read, prepared, in the engine or streaming out)",
+    "service_capacity": "Places in the service (max_num_seqs + max_waiting_requests); past them requests get 429",
 }
 
 
