@@ -12,6 +12,7 @@ import torch
 
 from tests.engine.conftest import conversation, mixed_conversations, run_waves_with_aborts
 from tests.engine.test_engine_behaviour import catalogue_requests
+from tests.engine.test_llm_feeding import failing_step
 from vlm_catalog import LLM, SamplingParams
 from vlm_catalog.engine.pending_tokens import PendingTokens
 from vlm_catalog.engine.request import PLACEHOLDER_TOKEN, Request
@@ -268,21 +269,12 @@ def test_on_cuda_a_step_that_fails_costs_no_answer_and_a_request_that_fails_alon
     prompts = mixed_conversations(12)
     params = varied_params(12)
     expected = answers(llm.chat(prompts, params))
-    real_run_step, calls = engine._run_step, []
-
-    def fails_on(predicate):
-        def run_step(output, pending):
-            calls.append(1)
-            if predicate(len(calls), {chunk.request.request_id for chunk in output.chunks}):
-                raise RuntimeError("CUDA error: an illegal memory access was encountered")
-            return real_run_step(output, pending)
-        monkeypatch.setattr(engine, "_run_step", run_step)
-
-    fails_on(lambda call, scheduled: call == 6)  # mid-decode, with tokens pending on the device
+    failing_step(monkeypatch, engine, lambda call, scheduled: call == 6)  # mid-decode, tokens pending on the device
     assert answers(llm.chat(prompts, params)) == expected
+    monkeypatch.undo()
     first = next(llm._request_counter) + 1
     poison = f"llm-{first + 5}"
-    fails_on(lambda call, scheduled: poison in scheduled)
+    failing_step(monkeypatch, engine, lambda call, scheduled: poison in scheduled)
     outputs = llm.chat(prompts, params)
     assert [i for i, output in enumerate(outputs) if output.finish_reason == "error"] == [5]
     assert [answer for i, answer in enumerate(answers(outputs)) if i != 5] == expected[:5] + expected[6:]

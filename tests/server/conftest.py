@@ -119,3 +119,27 @@ class LiveServer:
 def load_is_zero(engine) -> bool:
     stats = engine.load_stats()
     return stats["requests_running"] == 0 and stats["requests_waiting"] == 0 and stats["kv_cache_usage_ratio"] == 0.0
+
+
+def asgi_scope(path: str, body: bytes) -> dict:
+    """An HTTP scope for driving an app's ASGI callable by hand (exact timing of receive and send)."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+            "headers": [(b"host", b"service"), (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode())],
+            "state": {}}
+
+
+def body_then_stay(body: bytes):
+    """An ASGI `receive`: the body in one message, then nothing (a client that never leaves)."""
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()
+
+    return receive

@@ -7,7 +7,14 @@ import asyncio
 import json
 import logging
 
-from tests.server.conftest import MODEL_NAME, call, chat_body, product_json
+from tests.server.conftest import (
+    MODEL_NAME,
+    asgi_scope,
+    body_then_stay,
+    call,
+    chat_body,
+    product_json,
+)
 from vlm_catalog.server import ServerSettings, create_app
 
 
@@ -28,14 +35,6 @@ def counted(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
             and after[name] != before.get(name, 0.0)}
 
 
-def scope(path: str, body: bytes) -> dict:
-    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-            "root_path": "", "client": ("127.0.0.1", 1), "server": ("service", 80),
-            "headers": [(b"host", b"service"), (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode())]}
-
-
 def test_a_stream_whose_client_stalls_on_its_last_chunk_is_counted_once(engine):
     """The stream was counted as finished, then its client stopped reading the finishing chunk and
     it was counted again, as a timeout (or as a disconnect where the client left then)."""
@@ -43,20 +42,11 @@ def test_a_stream_whose_client_stalls_on_its_last_chunk_is_counted_once(engine):
     body = json.dumps(chat_body(stream=True, max_tokens=8, temperature=0)).encode()
 
     async def run():
-        sent_body = False
-
-        async def receive():
-            nonlocal sent_body
-            if not sent_body:
-                sent_body = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.Event().wait()  # the client never leaves
-
         async def send(message):
             if message["type"] == "http.response.body" and b'"finish_reason": "length"' in message.get("body", b""):
                 await asyncio.Event().wait()  # its window is full: this write never completes
 
-        await asyncio.wait_for(app(scope("/v1/chat/completions", body), receive, send), 30)
+        await asyncio.wait_for(app(asgi_scope("/v1/chat/completions", body), body_then_stay(body), send), 30)
 
     before = samples(app)
     asyncio.run(run())
@@ -117,7 +107,7 @@ def test_a_client_gone_before_its_answer_is_a_log_line(engine, caplog):
         async def send(message):
             pass
 
-        await asyncio.wait_for(app(scope("/v1/chat/completions", body), receive, send), 30)
+        await asyncio.wait_for(app(asgi_scope("/v1/chat/completions", body), receive, send), 30)
 
     before = samples(app)
     with caplog.at_level(logging.INFO, logger="vlm_catalog.server.errors"):

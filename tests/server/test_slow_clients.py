@@ -10,7 +10,16 @@ import time
 
 import pytest
 
-from tests.server.conftest import MODEL_NAME, LiveServer, call, chat_body, error_counts, wait_until
+from tests.server.conftest import (
+    MODEL_NAME,
+    LiveServer,
+    asgi_scope,
+    body_then_stay,
+    call,
+    chat_body,
+    error_counts,
+    wait_until,
+)
 from vlm_catalog.server import ServerSettings, create_app
 
 
@@ -86,14 +95,8 @@ def test_a_stream_nobody_reads_ends_at_the_request_timeout_and_frees_its_place(e
     app = create_app(engine, ServerSettings(request_timeout_s=1.0))
     gateway = app.state.service.gateway
     body = json.dumps(chat_body(max_tokens=2000, stream=True, ignore_eos=True)).encode()
-    sent_body, chunks_sent = False, 0
-
-    async def receive():
-        nonlocal sent_body
-        if not sent_body:
-            sent_body = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()  # the client never leaves
+    chunks_sent = 0
+    receive = body_then_stay(body)  # the client never leaves
 
     async def send(message):
         nonlocal chunks_sent
@@ -102,11 +105,7 @@ def test_a_stream_nobody_reads_ends_at_the_request_timeout_and_frees_its_place(e
             if chunks_sent >= 3:
                 await asyncio.Event().wait()  # the peer's window is closed: the write never drains
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-             "state": {}}
+    scope = asgi_scope("/v1/chat/completions", body)
 
     async def run() -> float:
         started = time.monotonic()
