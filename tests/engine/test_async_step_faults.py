@@ -268,3 +268,32 @@ async def _collect(engine, index, request_id, params):
     async for output in engine.generate(conversation(index, words=3), params, request_id=request_id):
         last = output
     return last
+
+
+def test_a_stream_aborted_before_a_failed_step_ends_with_what_it_showed(engine, monkeypatch):
+    """Its final ("abort") output was built after the engine had dropped the request: it carried no
+    tokens and no text, where its caller had been shown some (found by test_async_fault_fuzz.py)."""
+    failed, real_run_step = threading.Event(), engine.engine._run_step
+
+    def run_step(output, pending):  # the step after the abort (it schedules nothing): a passing fault
+        request = engine.engine.requests.get("a")
+        if request is not None and request.is_finished and not failed.is_set():
+            failed.set()
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_run_step(output, pending)
+
+    monkeypatch.setattr(engine.engine, "_run_step", run_step)
+
+    async def run():
+        seen = []
+        params = SamplingParams(max_tokens=50, ignore_eos=True)  # a stream, not restartable
+        async for output in engine.generate(conversation(0, words=3), params, request_id="a"):
+            seen.append(output)
+            if len(seen) == 3:
+                await engine.abort("a")
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(run(), 60))
+    assert failed.is_set() and seen[-1].finish_reason == "abort"
+    assert seen[-1].token_ids == seen[-2].token_ids and seen[-1].text == seen[-2].text != ""
+    assert_clean(engine)

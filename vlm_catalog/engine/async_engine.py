@@ -88,12 +88,12 @@ class _Add:
     outputs: _LatestOutput
     loop: asyncio.AbstractEventLoop
     restartable: bool = False  # its caller keeps only the final output: it may run again from the start
-    delivered: bool = False  # an output not final has gone to its caller (engine thread only)
+    last_output: RequestOutput | None = None  # the last output not final that went to its caller (engine thread)
     aborted: bool = False  # its caller aborted it while it ran (engine thread only)
 
     @property
     def can_run_again(self) -> bool:
-        return (self.restartable or not self.delivered) and not self.aborted
+        return (self.restartable or self.last_output is None) and not self.aborted
 
 
 @dataclass
@@ -353,7 +353,10 @@ class AsyncLLM:
             self._end_aborted(item)
 
     def _end_aborted(self, item: _Add) -> None:
-        output = RequestOutput(item.request_id, "", [], len(item.prompt.token_ids), True, "abort")
+        """Its final output, where the engine no longer has the request: what its caller was shown."""
+        shown = item.last_output
+        output = RequestOutput(item.request_id, shown.text if shown else "", list(shown.token_ids) if shown else [],
+                               len(item.prompt.token_ids), True, "abort")
         self._deliver(item.request_id, output, last=True)
 
     def _run_again(self, dropped: list[str], error: str) -> None:
@@ -399,7 +402,8 @@ class AsyncLLM:
         for output in outputs:
             item = self._streams.pop(output.request_id, None) if output.finished else self._streams.get(output.request_id)
             if item is not None:
-                item.delivered = True
+                if not output.finished:
+                    item.last_output = output
                 batches.setdefault(item.loop, []).append((item.outputs, output))
         for loop, batch in batches.items():
             if not loop.is_closed():

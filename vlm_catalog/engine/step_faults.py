@@ -9,14 +9,16 @@ by bisection: in two halves, one after the other with nothing else in the engine
 a half that fails again is halved again. A one-off fault costs the two halves'
 runs; a request that fails every step it is in is found in about log2(n) runs of
 shrinking groups (before, the n requests ran again one at a time: 256 runs at
-batch 1 behind one bad record). One that fails alone is that request's failure;
-the driver holds it until a later step succeeds (`confirmed`; with nothing left
+batch 1 behind one bad record). One that fails alone runs alone once more (a
+passing fault may have hit its run), and one that fails alone twice is that
+request's failure; the driver holds it until a later step succeeds (`confirmed`; with nothing left
 to run, `probe` runs a one-token request for it), so that a dead device, which
 fails every request alone too, fails none of them: after `max_in_a_row` failed
 steps in a row, `EngineFailing` stops the driver instead. A group of several
 that fails does not count towards that limit (it is halved, so the bisection
-ends), so a run of bad records in a row fails as many records as the one-at-a-time
-retries did before they stopped the driver.
+ends), nor does a request's second run alone, so a run of bad records in a row
+fails as many records as the one-at-a-time retries did before they stopped the
+driver.
 """
 
 from __future__ import annotations
@@ -118,8 +120,8 @@ class StepFaults:
 class FailedStepRetries(Generic[Key]):
     """A driver's side of the module docstring: after a failed step, the requests then in flight
     (`dropped`, by the driver's keys) run again in groups, one group at a time with nothing else
-    in the engine (`next_group`); one that fails alone is held (`confirmed_failures` gives it back
-    with its error once it is shown to be its own).
+    in the engine (`next_group`); one that fails alone twice in a row is held (`confirmed_failures`
+    gives it back with its error once it is shown to be its own).
 
         retries = FailedStepRetries(engine)
         group = retries.next_group(idle)     # empty: refill the window (unless `isolating`)
@@ -131,8 +133,10 @@ class FailedStepRetries(Generic[Key]):
 
     def __init__(self, engine: LLMEngine) -> None:
         self.faults = StepFaults(engine)
-        self._groups: deque[list[Key]] = deque()  # suspects, in the groups they will run in, in order
+        # suspects, in the groups they will run in, in order; True: a single one that failed alone once
+        self._groups: deque[tuple[list[Key], bool]] = deque()
         self._group_size = 0  # of the group running now (0: none)
+        self._again = False  # the group running now is a single suspect's second run alone
         self.num_suspects = 0  # in the groups still to run (a plain int: any thread may read it)
         self._held: list[tuple[Key, str]] = []
         self.isolating = False  # the driver runs one group of suspects; it adds nothing else
@@ -148,7 +152,7 @@ class FailedStepRetries(Generic[Key]):
         if not (self.isolating and idle):
             return []
         if self._groups:
-            group = self._groups.popleft()
+            group, self._again = self._groups.popleft()
             self._group_size = len(group)
             self.num_suspects -= len(group)
             return group
@@ -157,18 +161,24 @@ class FailedStepRetries(Generic[Key]):
         return []
 
     def step(self) -> StepResult:
-        """`StepFaults.step`; a group of several suspects failing does not count towards `EngineFailing`."""
-        return self.faults.step(counted=not (self.isolating and self._group_size > 1))
+        """`StepFaults.step`; a group of several suspects failing, or a single one's second run alone,
+        does not count towards `EngineFailing` (each bad request counts once, as one at a time did)."""
+        return self.faults.step(counted=not (self.isolating and (self._group_size > 1 or self._again)))
 
     def dropped(self, keys: list[Key]) -> None:
         """The driver's requests in flight when the step raised (`StepResult.error`): halved into two
-        groups to run first, or, if one ran alone, a failure held as its own."""
+        groups to run first; if one ran alone, run alone once more, and after that a failure held
+        as its own."""
         if self.isolating and self._group_size == 1:
-            error = self.faults.last_error
-            self._held += [(key, error) for key in keys]
-            return
-        half = (len(keys) + 1) // 2
-        self._groups.extendleft(reversed([group for group in (keys[:half], keys[half:]) if group]))
+            if self._again:
+                error = self.faults.last_error
+                self._held += [(key, error) for key in keys]
+                return
+            groups = [(keys, True)] if keys else []
+        else:
+            half = (len(keys) + 1) // 2
+            groups = [(group, False) for group in (keys[:half], keys[half:]) if group]
+        self._groups.extendleft(reversed(groups))
         self.num_suspects += len(keys)
         self.isolating = self.isolating or bool(keys)
         self._group_size = 0  # it has left the engine
@@ -177,7 +187,7 @@ class FailedStepRetries(Generic[Key]):
         """Give up (`EngineFailing` in a driver that goes on): every suspect and held failure, with the
         last error, and nothing left to isolate."""
         error = self.faults.last_error
-        abandoned = [(key, error) for group in self._groups for key in group] + self._held
+        abandoned = [(key, error) for group, _ in self._groups for key in group] + self._held
         self._groups.clear()
         self.num_suspects = 0
         self._held = []
