@@ -271,3 +271,26 @@ def test_a_count_past_the_catalogue_and_a_bad_request_timeout_are_refused(tmp_pa
     with FakeServer(lambda h: send(h, 200, json.dumps(MODELS).encode())) as server:
         code, _, err = http_bench(capsys, tmp_path, server.url, "--request-timeout", "0")
     assert code == 2 and "--request-timeout must be a positive number of seconds, got 0.0" in err
+
+
+def test_a_full_server_does_not_stop_the_sending(tmp_path, capsys, monkeypatch):
+    """A 429 is a full server (`--max-in-flight` above its capacity), not a broken one: counted as a
+    server failure, a burst of them stopped the sending, and samples the server would have answered
+    later were failed unsent."""
+    monkeypatch.setattr(sut_http, "SERVER_FAILURES_TO_STOP", 3)
+    sent = []
+
+    def answer(handler) -> None:
+        if handler.path.endswith("/models"):
+            send(handler, 200, json.dumps(MODELS).encode())
+            return
+        sent.append(1)
+        send(handler, 429, b'{"error": {"message": "the service is at capacity", "code": "server_busy"}}')
+
+    dataset = jsonl_catalogue(tmp_path / "data", rows=8)
+    with FakeServer(answer) as server:
+        code, stdout, _ = bench(capsys, dataset, tmp_path / "out", "--scenario", "offline", "--mode", "performance",
+                                "--count", "8", "--max-in-flight", "2", "--server-url", server.url, *FAST)
+    reasons = json.loads((tmp_path / "out" / "failed_samples.json").read_text())["reasons"]
+    assert code == 1 and "(8 failed)" in stdout and len(sent) == 8
+    assert all("RateLimitError" in reason for reason in reasons) and not any("not sent" in r for r in reasons)

@@ -190,3 +190,14 @@ def test_the_text_of_a_stop_token_that_ended_the_answer_is_left_out(tokenizer):
     elsewhere = Detokenizer(tokenizer, stop_token_ids=[stop_token])  # only as the last token
     elsewhere.finish(ids + tokenizer.encode(" red"))
     assert elsewhere.text == _reference(tokenizer, ids + tokenizer.encode(" red"))
+
+
+def test_a_replacement_character_written_whole_stays_inside_the_text(tokenizer):
+    """At the very end a U+FFFD written whole cannot be told from an unfinished character (a stream holds
+    both back, as vLLM's does), so it is left out there; inside the text it stays."""
+    ids = tokenizer.encode("ok \ufffd")
+    inside = ids + tokenizer.encode(" end")
+    detokenizer = Detokenizer(tokenizer)
+    assert _stream(detokenizer, inside) == detokenizer.text == "ok \ufffd end"
+    at_the_end = Detokenizer(tokenizer)
+    assert _stream(at_the_end, ids) == at_the_end.text == "ok "

@@ -197,3 +197,13 @@ def test_a_step_that_fails_building_outputs_drops_the_requests_finished_in_it(en
         assert engine.block_manager.num_free_blocks == engine.num_blocks
     finally:
         engine.close()
+
+
+def test_a_request_that_failed_alone_runs_alone_once_more_not_twice():
+    """A request alone in the failed step had run alone once already: it was queued as a group of
+    one, ran alone twice more and counted twice towards `EngineFailing`."""
+    engine = PoisonEngine(poisoned={"bad"})
+    results, failed_steps = drive(engine, ["bad"])
+    assert results == {"bad": "RuntimeError: CUDA error: an illegal memory access was encountered"}
+    assert engine.groups[:2] == [["bad"], ["bad"]] and failed_steps == 2
+    assert engine.groups[2][0].startswith("step-faults-probe")  # nothing else ran: a probe confirms it

@@ -54,7 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-in-flight", type=int, default=512,
                         help="with --server-url: requests sent at once (the rest wait in the client)")
     parser.add_argument("--request-timeout", type=float, default=3600.0, metavar="SECONDS",
-                        help="with --server-url: how long one request may take before its sample fails")
+                        help="with --server-url: how long a request may wait for the server (a stream: between "
+                             "two chunks) before its sample fails")
     parser.add_argument("--token-latencies", action="store_true",
                         help="Server: LoadGen measures TTFT/TPOT and judges the run on them (limits = 12 s)")
     parser.add_argument("--device", default="cpu")

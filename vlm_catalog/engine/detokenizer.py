@@ -80,6 +80,8 @@ class Detokenizer:
         if self.update(output_token_ids):
             return
         searched_from = len(self.text)
+        # an unfinished character at the end reads as U+FFFD, which a stream (and vLLM's) cannot tell
+        # from a U+FFFD written whole: at the very end both are left out; inside the text both stay
         self.text = self._decode_all(output_token_ids).rstrip("\ufffd")
         self._cut_at_stop(searched_from)
 

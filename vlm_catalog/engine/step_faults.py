@@ -7,7 +7,7 @@ step. `StepFaults.step` runs a step; where it raises, every request in flight is
 dropped (`LLMEngine.abort_all`) and handed back, and the driver runs them again
 by bisection: in two halves, one after the other with nothing else in the engine;
 a half that fails again is halved again. A one-off fault costs the two halves'
-runs; a request that fails every step it is in is found in about log2(n) runs of
+runs; a request that fails every step it is in is found in about 2 log2(n) runs of
 shrinking groups (before, the n requests ran again one at a time: 256 runs at
 batch 1 behind one bad record). One that fails alone runs alone once more (a
 passing fault may have hit its run), and one that fails alone twice is that
@@ -67,7 +67,9 @@ class StepFaults:
 
     @property
     def confirmed(self) -> bool:
-        """The last step that read sampled tokens succeeded: failures held since the one before are the requests' own."""
+        """No counted failure since the last step that read sampled tokens (the device worked then):
+        failures held are the requests' own. A group's or a second run's failure is not counted, so a
+        request whose own second run read tokens before failing is confirmed by that run."""
         return self.failed_in_a_row == 0
 
     def step(self, counted: bool = True) -> StepResult:
@@ -92,7 +94,7 @@ class StepFaults:
             elif counted:  # one traceback is enough: a dead device fails every step the same way
                 logger.warning("engine step failed again (%d in a row): %s", self.failed_in_a_row, error)
             else:
-                logger.warning("engine step failed again (a group of suspects, halved): %s", error)
+                logger.warning("engine step failed again, in a run of suspects: %s", error)
             return StepResult(dropped=self.engine.abort_all(), error=error)
         # only a step that read sampled tokens shows the device works: one with nothing to run (grammars
         # compiling), a prefill chunk that samples nothing, or, with async scheduling, one that only
@@ -169,12 +171,12 @@ class FailedStepRetries(Generic[Key]):
         """The driver's requests in flight when the step raised (`StepResult.error`): halved into two
         groups to run first; if one ran alone, run alone once more, and after that a failure held
         as its own."""
-        if self.isolating and self._group_size == 1:
-            if self._again:
-                error = self.faults.last_error
-                self._held += [(key, error) for key in keys]
-                return
-            groups = [(keys, True)] if keys else []
+        if self.isolating and self._group_size == 1 and self._again:
+            error = self.faults.last_error
+            self._held += [(key, error) for key in keys]
+            return
+        if len(keys) == 1:  # it ran alone (a group of one, or the only one of the driver's left in the step)
+            groups = [(keys, True)]
         else:
             half = (len(keys) + 1) // 2
             groups = [(group, False) for group in (keys[:half], keys[half:]) if group]

@@ -12,7 +12,8 @@ chunk is reported as the first token; otherwise one plain request per sample.
 A request that fails (HTTP error, timeout, refused) completes its sample with
 an empty response and is counted, so LoadGen never waits on it. Once the
 server has failed `SERVER_FAILURES_TO_STOP` requests in a row (timeouts,
-refused connections, 5xx; not a 400 about one sample's request), the samples
+refused or dropped connections, 5xx, streams cut short; not a 4xx: a 400 is
+about one sample's request, a 429 about a full server), the samples
 not yet sent fail at once: a hung server ended a run only after every
 sample's request had timed out (with 48,289 samples, 512 at a time and an
 hour each, about 95 hours).
@@ -27,12 +28,12 @@ from typing import Any
 import httpx
 import mlperf_loadgen as lg
 from openai import (
+    APIConnectionError,
     APITimeoutError,
     AsyncOpenAI,
     AuthenticationError,
-    BadRequestError,
+    InternalServerError,
     OpenAIError,
-    UnprocessableEntityError,
 )
 
 from vlm_catalog.bench.loadgen.harness import BenchError
@@ -53,6 +54,10 @@ class ServerUnreachableError(BenchError):
 
 class IncompleteStreamError(Exception):
     """A streamed answer whose connection closed before the server said it finished."""
+
+
+# what a broken or hung server does (not a 4xx: a 400 is about one sample's request, a 429 a full server)
+SERVER_FAILURES = (APIConnectionError, InternalServerError, IncompleteStreamError)  # timeouts are connection errors
 
 
 def openai_base_url(server_url: str) -> str:
@@ -198,7 +203,7 @@ class HttpSUT:
             # counted, with every reason kept (not one log line per sample: a run has 48k)
             reason = f"{type(exc).__name__}: {exc}"
             self.sink.fail(response_id, f"sample {index}: {reason}")
-            if not isinstance(exc, (BadRequestError, UnprocessableEntityError)):  # not about this sample's request
+            if isinstance(exc, SERVER_FAILURES):
                 self._server_failures_in_a_row += 1
                 if self._server_failures_in_a_row >= SERVER_FAILURES_TO_STOP and self.stopped_sending is None:
                     self.stopped_sending = (f"the server failed {SERVER_FAILURES_TO_STOP} requests in a row, "
