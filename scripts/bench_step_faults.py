@@ -76,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {run['records']} records in {run['seconds']:.1f} s, {run['steps']} engine steps "
               f"({run['failed_steps']} failed), failed records {run['failed_records']}")
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 

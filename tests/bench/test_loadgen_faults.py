@@ -137,6 +137,22 @@ def send(handler, status: int, body: bytes, content_type: str = "application/jso
     handler.wfile.write(body)
 
 
+def completions_failing(status: int, body: bytes, after_s: float = 0.0):
+    """A fake server's `answer` that lists the model and fails every completion with `status` after
+    `after_s`; and the list that grows by one per completion request."""
+    sent = []
+
+    def answer(handler) -> None:
+        if handler.path.endswith("/models"):
+            send(handler, 200, json.dumps(MODELS).encode())
+            return
+        sent.append(1)
+        time.sleep(after_s)
+        send(handler, status, body)
+
+    return answer, sent
+
+
 def http_bench(capsys, tmp_path, url: str, *args: str) -> tuple[int, str, str]:
     dataset = jsonl_catalogue(tmp_path / "data", rows=2)
     return bench(capsys, dataset, tmp_path / "out", "--scenario", "offline", "--mode", "accuracy",
@@ -220,15 +236,7 @@ def test_a_server_that_keeps_failing_stops_the_sending_and_every_failure_is_writ
     with failed samples exits 1 (LoadGen counts them as answered, at once), and failed_samples.json
     names each one; before, the run said VALID, exit 0, and the failures were on the console only."""
     monkeypatch.setattr(sut_http, "SERVER_FAILURES_TO_STOP", 3)
-    sent = []
-
-    def answer(handler) -> None:
-        if handler.path.endswith("/models"):
-            send(handler, 200, json.dumps(MODELS).encode())
-            return
-        sent.append(1)
-        time.sleep(1.5)  # past --request-timeout
-        send(handler, 500, b'{"error": {"message": "too late"}}')
+    answer, sent = completions_failing(500, b'{"error": {"message": "too late"}}', after_s=1.5)  # past the timeout
 
     dataset = jsonl_catalogue(tmp_path / "data", rows=12)
     with FakeServer(answer) as server:
@@ -278,14 +286,7 @@ def test_a_full_server_does_not_stop_the_sending(tmp_path, capsys, monkeypatch):
     server failure, a burst of them stopped the sending, and samples the server would have answered
     later were failed unsent."""
     monkeypatch.setattr(sut_http, "SERVER_FAILURES_TO_STOP", 3)
-    sent = []
-
-    def answer(handler) -> None:
-        if handler.path.endswith("/models"):
-            send(handler, 200, json.dumps(MODELS).encode())
-            return
-        sent.append(1)
-        send(handler, 429, b'{"error": {"message": "the service is at capacity", "code": "server_busy"}}')
+    answer, sent = completions_failing(429, b'{"error": {"message": "the service is at capacity", "code": "server_busy"}}')
 
     dataset = jsonl_catalogue(tmp_path / "data", rows=8)
     with FakeServer(answer) as server:
