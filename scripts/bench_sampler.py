@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from vlm_catalog.engine.config import EngineConfigError
+from vlm_catalog.engine.config import EngineConfigError, check_device_name
 from vlm_catalog.engine.generation_config import QWEN3_VL_SAMPLING
 from vlm_catalog.engine.llm_engine import check_device_present
 from vlm_catalog.engine.sampler import sample
@@ -52,19 +52,6 @@ def time_sample(logits: torch.Tensor, params: SamplingParams, repeats: int) -> f
     return (time.perf_counter() - started) / repeats * 1e3
 
 
-def present_device(name: str) -> torch.device:
-    """`name` as a device this machine has (`EngineConfigError` otherwise): cpu, or cuda[:N] with a
-    CUDA build of torch and that GPU."""
-    try:
-        device = torch.device(name)
-    except RuntimeError:  # "foo"
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise EngineConfigError(f"--device must be 'cpu' or 'cuda[:N]', got {name!r}")
-    check_device_present(device)
-    return device
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -77,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.batches) < 1 or args.vocab < 2 or args.repeats < 1:
         parser.error("--batches must be >= 1, --vocab >= 2 and --repeats >= 1")
     try:
-        device = present_device(args.device)
+        check_device_name(args.device, "--device")
+        device = torch.device(args.device)
+        check_device_present(device)  # a CPU-only torch, or no such GPU
     except EngineConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

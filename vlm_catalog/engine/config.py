@@ -34,6 +34,13 @@ class EngineConfigError(ValueError):
     """An engine setting that cannot work; the message names it."""
 
 
+def check_device_name(name: str, option: str = "device") -> None:
+    """`EngineConfigError` (naming `option`) unless `name` is a device the engine takes: cpu, cuda or
+    cuda:N ("cuda:x" too is refused here, not by torch in the first request)."""
+    if name not in ("cpu", "cuda") and not (name.startswith("cuda:") and name[5:].isdigit()):
+        raise EngineConfigError(f"{option} must be 'cpu' or 'cuda[:N]', got {name!r}")
+
+
 @dataclass
 class EngineConfig:
     model: str | Path = DEFAULT_MODEL_DIR
@@ -92,8 +99,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.model = Path(self.model)
-        if self.device not in ("cpu", "cuda") and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
-            raise EngineConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")  # "cuda:x" too
+        check_device_name(self.device)
         if self.dtype == "auto":
             self.dtype = "float32" if self.device == "cpu" else "bfloat16"
         if self.dtype not in DTYPES:
